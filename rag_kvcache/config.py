@@ -1,0 +1,99 @@
+"""The one configuration object, passed explicitly everywhere (no globals, no environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the documents in the user's message. "
+    "Answer briefly, with a short phrase."
+)
+
+Deviation = Literal["k", "v"]
+ChunkPrefill = Literal["behind_prefix", "isolated"]
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """How retrieved chunk caches are fused into one prompt cache.
+
+    `ratio`, `check_layer`, `deviation` are CacheBlend's knobs (paper defaults: 15%, layer 1, K);
+    `filter_steps` > 1 enables the paper's gradual filtering (§4.3): the kept fraction shrinks
+    linearly from `min(1, 2 * ratio)` at the check layer to `ratio` over that many layers.
+    `epic_k` is EPIC LegoLink's number of recomputed leading tokens per chunk (paper default 16).
+    """
+
+    method: str = "cacheblend"
+    ratio: float = 0.15
+    check_layer: int = 1
+    filter_steps: int = 1
+    deviation: Deviation = "k"
+    epic_k: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio!r}")
+        if self.check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {self.check_layer!r}")
+        if self.filter_steps < 1:
+            raise ValueError(f"filter_steps must be >= 1, got {self.filter_steps!r}")
+        if self.deviation not in ("k", "v"):
+            raise ValueError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
+        if self.epic_k < 0:
+            raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding after the fused prefill."""
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that decides what is indexed, cached and generated."""
+
+    model: str = DEFAULT_MODEL
+    embedder: str = DEFAULT_EMBEDDER
+    chunk_tokens: int = 512
+    top_k: int = 6
+    index_type: Literal["flat", "hnsw"] = "flat"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    chunk_prefill: ChunkPrefill = "behind_prefix"
+    device: str = "cpu"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 16:
+            raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k!r}")
+        if self.chunk_prefill not in ("behind_prefix", "isolated"):
+            raise ValueError(f"chunk_prefill must be 'behind_prefix' or 'isolated', got {self.chunk_prefill!r}")
+
+    def with_fusion(self, **changes: object) -> Config:
+        return replace(self, fusion=replace(self.fusion, **changes))
+
+    def with_generation(self, **changes: object) -> Config:
+        return replace(self, generation=replace(self.generation, **changes))

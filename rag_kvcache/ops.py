@@ -1,0 +1,75 @@
+"""Fusion math: small pure functions on tensors.
+
+Conventions: one sequence (no batch dimension); keys/values per KV head `[H_kv, T, D]`, never
+repeated for GQA; positions are absolute token positions in the fused prompt. RoPE follows the
+Llama "rotate half" layout. Angles are always derived from the model's `inv_freq`, never from a
+scaled rotary output, so re-rotation is exact for every RoPE variant whose scaling lives in
+`inv_freq` alone (default, linear, llama3); the model adapter refuses the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for `positions` (float32 math, as transformers does)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [..., D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [H, T, D] by per-token angles given as cos/sin [T, D]."""
+    x32 = x.to(torch.float32)
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)  # [H, T, D]
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Move keys [H_kv, T, D] computed at positions p to positions p + delta.
+
+    RoPE rotations compose, so rotating by the angle of `delta` equals computing at the new offset.
+    `delta` is an int or a per-token tensor [T].
+    """
+    n = keys.shape[1]
+    delta_t = torch.as_tensor(delta, device=keys.device).expand(n)  # [T]
+    cos, sin = rope_cos_sin(delta_t, inv_freq.to(keys.device))  # [T, D]
+    return apply_rope(keys, cos, sin)  # [H_kv, T, D]
+
+
+def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """Exact causal mask for scattered queries: query at position i sees key at j iff j <= i.
+
+    Returns a bool mask [Q, N] (True = attend), the form SDPA takes. Unlike a bottom-right
+    aligned mask, a recomputed token never sees keys that come after it in the prompt.
+    """
+    return key_positions[None, :] <= query_positions[:, None]  # [Q, N]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of q [H_q, Q, D] over k, v [H_kv, N, D] under a bool mask [Q, N]."""
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask[None, None], scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+    )  # [1, H_q, Q, D]
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [Q, H_q * D]
+
+
+def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-token L2 distance between freshly computed and cached K (or V) [H_kv, T, D] -> [T]."""
+    diff = fresh.to(torch.float32) - cached.to(torch.float32)  # [H_kv, T, D]
+    return diff.square().sum(dim=(0, 2)).sqrt()  # [T]
+
+
+def select_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Indices of the `n_keep` highest scores [T], in ascending (prompt) order."""
+    n_keep = max(0, min(n_keep, scores.numel()))
+    top = torch.topk(scores, n_keep, sorted=False).indices  # [n_keep]
+    return top.sort().values  # [n_keep]

@@ -1,0 +1,179 @@
+"""The invariants of DESIGN.md on a tiny random-weight Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.fusion import FusionInput, filter_schedule, get_method, selective_prefill
+from rag_kvcache.generation import Decoder
+from rag_kvcache.kvstore import ChunkKV
+from rag_kvcache.ops import causal_mask_for, rerotate_keys
+from rag_kvcache.prompt import Segment
+
+from conftest import tiny_llama
+
+ATOL = 1e-4
+
+
+def chunk_kv(adapter, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+    """A chunk's cache computed behind `context` (the way the indexer does it)."""
+    past = None
+    if context:
+        k, v, _ = adapter.prefill(torch.tensor([context]))
+        past = (k, v)
+    keys, values, _ = adapter.prefill(torch.tensor([ids]), past)
+    return ChunkKV([k[0] for k in keys], [v[0] for v in values], position=len(context))
+
+
+def rag_prompt(adapter, seed: int = 0, n_chunks: int = 3, chunk_len: int = 24, isolated: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: tuple(torch.randint(1000, 20000, (n,), generator=g).tolist())  # noqa: E731
+    prefix, sep, question = rand(7), rand(2), rand(9)
+    chunks = [rand(chunk_len - i) for i in range(n_chunks)]
+    segments = [Segment(prefix, True, "prefix")]
+    for i, c in enumerate(chunks):
+        if i:
+            segments.append(Segment(sep, False, "sep"))
+        segments.append(Segment(c, True, f"chunk{i}"))
+    segments.append(Segment(question, False, "question"))
+    ctx = () if isolated else prefix
+    caches = [chunk_kv(adapter, s.ids, () if s.label == "prefix" else ctx) if s.cacheable else None for s in segments]
+    contexts = [() if s.label == "prefix" else ctx for s in segments]
+    return FusionInput.build(segments, caches, contexts)
+
+
+def run(adapter, inp, method, **cfg):
+    return get_method(method)(adapter, inp, FusionConfig(method=method, **cfg))
+
+
+def test_rerotation_equals_computing_at_offset(tiny):
+    ids = torch.randint(1000, 20000, (1, 20))
+    at_zero = tiny.model(input_ids=ids, position_ids=torch.arange(20)[None], use_cache=True).past_key_values
+    offset = 137
+    at_p = tiny.model(input_ids=ids, position_ids=torch.arange(offset, offset + 20)[None], use_cache=True).past_key_values
+    for a, b in zip(at_zero.layers, at_p.layers):
+        torch.testing.assert_close(rerotate_keys(a.keys[0], offset, tiny.inv_freq), b.keys[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.values[0], b.values[0], atol=ATOL, rtol=0)
+
+
+def test_rerotation_is_per_token_and_invertible(tiny):
+    k = torch.randn(2, 5, 16)
+    deltas = torch.tensor([0, 3, -7, 100, 2048])
+    moved = rerotate_keys(k, deltas, tiny.inv_freq)
+    torch.testing.assert_close(moved[:, 0], k[:, 0])
+    torch.testing.assert_close(rerotate_keys(moved, -deltas, tiny.inv_freq), k, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+@pytest.mark.parametrize("method,cfg", [("prefix", {}), ("cacheblend", {"ratio": 1.0}),
+                                        ("cacheblend", {"ratio": 1.0, "filter_steps": 2})])
+def test_exact_methods_equal_full(tiny, method, cfg, isolated):
+    inp = rag_prompt(tiny, isolated=isolated)
+    ref = run(tiny, inp, "full")
+    out = run(tiny, inp, method, **cfg)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
+    for k, kr in zip(out.keys, ref.keys):
+        torch.testing.assert_close(k, kr, atol=ATOL, rtol=0)
+    assert out.logits.argmax() == ref.logits.argmax()
+
+
+def test_exact_methods_same_greedy_text(tiny):
+    inp = rag_prompt(tiny, seed=3)
+    gen = GenerationConfig(max_new_tokens=12)
+    outs = []
+    for method, cfg in (("full", {}), ("cacheblend", {"ratio": 1.0}), ("prefix", {})):
+        r = run(tiny, inp, method, **cfg)
+        steps = Decoder(tiny, gen).steps(r.keys, r.values, r.logits, int(r.logits.argmax()))
+        outs.append([s.token_id for s in steps])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_prefix_reuses_head_exactly(tiny):
+    inp = rag_prompt(tiny)
+    out = run(tiny, inp, "prefix")
+    head = len(inp.parts[0].segment.ids) + len(inp.parts[1].segment.ids)  # prefix + chunk 1 are exact
+    assert out.active_per_layer[0] == inp.n_tokens - head
+
+
+def test_reuse_and_epic_compute_what_they_claim(tiny):
+    inp = rag_prompt(tiny)
+    n_fresh = int(inp.fresh.sum())
+    assert run(tiny, inp, "reuse").active_per_layer == [n_fresh] * 4
+    assert run(tiny, inp, "epic", epic_k=4).active_per_layer == [n_fresh + 2 * 4] * 4  # chunks 2 and 3
+    torch.testing.assert_close(run(tiny, inp, "epic", epic_k=0).logits, run(tiny, inp, "reuse").logits)
+
+
+def test_cacheblend_selects_ratio_after_check_layer(tiny):
+    inp = rag_prompt(tiny)
+    n_fresh, n_reusable = int(inp.fresh.sum()), int(inp.reusable.sum())
+    out = run(tiny, inp, "cacheblend", ratio=0.25, check_layer=1)
+    kept = n_fresh + round(0.25 * n_reusable)
+    assert out.active_per_layer == [n_fresh + n_reusable] * 2 + [kept] * 2
+    assert out.recomputed_tokens == kept
+
+
+def test_gradual_filtering_schedule():
+    assert filter_schedule(FusionConfig(ratio=0.15)) == {1: 0.15}
+    sched = filter_schedule(FusionConfig(ratio=0.1, check_layer=1, filter_steps=3))
+    assert list(sched) == [1, 2, 3]
+    assert sched[1] == pytest.approx(0.2) and sched[2] == pytest.approx(0.15) and sched[3] == pytest.approx(0.1)
+
+
+def test_causal_mask_for_scattered_queries():
+    mask = causal_mask_for(torch.tensor([2, 5, 9]), torch.arange(10))
+    assert mask.tolist() == [[j <= i for j in range(10)] for i in (2, 5, 9)]
+
+
+def test_scattered_recompute_sees_no_future_keys(tiny):
+    """Recompute scattered tokens over otherwise exact caches: must reproduce the full prefill exactly.
+
+    With a bottom-right aligned mask (the public CacheBlend/LMCache bug) the early recomputed tokens
+    would attend to later keys and their K/V, and so the logits, would change.
+    """
+    ids = tuple(torch.randint(1000, 20000, (40,)).tolist())
+    body, question = ids[:32], ids[32:]
+    cache = chunk_kv(tiny, body, ())
+    inp = FusionInput.build([Segment(body, True), Segment(question, False)], [cache, None], [(-1,), ()])
+    assert not inp.parts[0].exact  # context differs on purpose, so its tokens may be recomputed
+    ref = run(tiny, inp, "full")
+    scattered = torch.tensor([3, 4, 11, 20, 21, 30] + list(range(32, 40)))
+    out = selective_prefill(tiny, inp, scattered)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
+    for k, kr in zip(out.keys, ref.keys):
+        torch.testing.assert_close(k, kr, atol=ATOL, rtol=0)
+
+
+def test_generation_from_injected_cache_equals_generate(tiny):
+    ids = torch.randint(1000, 20000, (1, 30))
+    keys, values, logits = tiny.prefill(ids)
+    first = int(logits[0, -1].argmax())
+    steps = Decoder(tiny, GenerationConfig(max_new_tokens=10)).steps(keys, values, logits[0, -1], first)
+    ours = [s.token_id for s in steps if s.token_id is not None]
+    ref = tiny.model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours == ref[0, 30:].tolist()
+
+
+def test_missing_chunk_cache_is_recomputed(tiny):
+    inp = rag_prompt(tiny)
+    parts = inp.parts
+    caches = [p.kv for p in parts]
+    caches[3] = None  # chunk 2 missed in the store
+    contexts = [() if i == 0 else parts[0].segment.ids for i in range(len(parts))]
+    missed = FusionInput.build([p.segment for p in parts], caches, contexts)
+    ref = run(tiny, missed, "full")
+    out = run(tiny, missed, "reuse")
+    assert out.active_per_layer[0] == int(inp.fresh.sum()) + len(parts[3].segment.ids)
+    torch.testing.assert_close(run(tiny, missed, "prefix").logits, ref.logits, atol=ATOL, rtol=0)
+
+
+def test_gqa_caches_stay_per_kv_head(tiny):
+    inp = rag_prompt(tiny)
+    out = run(tiny, inp, "cacheblend")
+    assert out.keys[0].shape == (tiny.layout.n_kv_heads, inp.n_tokens, tiny.layout.head_dim)
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="unknown fusion method 'nope'"):
+        get_method("nope")
