@@ -1,0 +1,1 @@
+"""Benchmark helpers: datasets, quality/latency metrics and reports."""

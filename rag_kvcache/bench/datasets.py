@@ -1,0 +1,287 @@
+"""Benchmark datasets: MuSiQue (CacheBlend JSON), LongBench JSONL, plain JSONL and a synthetic generator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("qa", "summarization")
+FORMATS = ("musique", "longbench", "jsonl")
+LONGBENCH_SUMMARIZATION = frozenset({"gov_report", "qmsum", "multi_news", "vcsum", "samsum"})
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One retrievable passage."""
+
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """A question with its reference answers and candidate documents; `task` selects F1 vs Rouge-L."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    documents: tuple[Document, ...]
+    task: str = "qa"
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"example {self.id!r}: task must be one of {TASKS}, got {self.task!r}")
+        if not self.answers:
+            raise ValueError(f"example {self.id!r} has no answers")
+        if not self.documents:
+            raise ValueError(f"example {self.id!r} has no documents")
+        if self.task == "qa" and not self.question.strip():
+            raise ValueError(f"example {self.id!r}: a qa example needs a non-empty question")
+
+
+def _object(record: Any, where: str) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}: {record!r}")
+    return record
+
+
+def _field(record: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in record:
+        raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(record)})")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: {key!r} must be {kind.__name__}, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def _answers(record: dict[str, Any], where: str) -> tuple[str, ...]:
+    answers = _field(record, "answers", list, where)
+    if not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{where}: 'answers' must be a list of strings, got {answers!r}")
+    return tuple(answers)
+
+
+def _document(raw: Any, where: str) -> Document:
+    if isinstance(raw, str):
+        return Document(title="", text=raw)
+    obj = _object(raw, where)
+    return Document(title=_field(obj, "title", str, where), text=_field(obj, "text", str, where))
+
+
+def _documents(raw: list[Any], where: str) -> tuple[Document, ...]:
+    return tuple(_document(doc, f"{where}, document {i}") for i, doc in enumerate(raw))
+
+
+def _check_file(path: PathLike) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file not found: {p}")
+    return p
+
+
+def _iter_jsonl(path: PathLike) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) for each non-blank line; location is 'file:line' for error messages."""
+    p = _check_file(path)
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: malformed JSON line: {err}") from err
+
+
+def _nonempty(examples: list[QAExample], path: PathLike) -> list[QAExample]:
+    if not examples:
+        raise ValueError(f"no examples in {path}")
+    logger.info("loaded %d examples from %s", len(examples), path)
+    return examples
+
+
+def load_musique(path: PathLike) -> list[QAExample]:
+    """CacheBlend/MuSiQue JSON: a list of {"question", "answers": [str], "ctxs": [{"title", "text"}]}."""
+    p = _check_file(path)
+    try:
+        records = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{p}: malformed JSON: {err}") from err
+    if not isinstance(records, list):
+        raise ValueError(f"{p}: expected a JSON list of examples, got {type(records).__name__}")
+    examples = []
+    for i, raw in enumerate(records):
+        where = f"{p}, example {i}"
+        record = _object(raw, where)
+        examples.append(QAExample(
+            id=str(record.get("id", record.get("_id", f"musique-{i}"))),
+            question=_field(record, "question", str, where),
+            answers=_answers(record, where),
+            documents=_documents(_field(record, "ctxs", list, where), where),
+        ))
+    return _nonempty(examples, p)
+
+
+def _longbench_example(raw: Any, where: str) -> QAExample:
+    record = _object(raw, where)
+    dataset = _field(record, "dataset", str, where)
+    task_name = dataset.removesuffix("_e")  # LongBench-E names its subsets "<name>_e"
+    return QAExample(
+        id=_field(record, "_id", str, where),
+        question=_field(record, "input", str, where),
+        answers=_answers(record, where),
+        documents=(Document(title=task_name or "context", text=_field(record, "context", str, where)),),
+        task="summarization" if task_name in LONGBENCH_SUMMARIZATION else "qa",
+    )
+
+
+def load_longbench(path: PathLike) -> list[QAExample]:
+    """LongBench JSONL: {"input", "context", "answers", "_id", "dataset"}; the context is one document."""
+    return _nonempty([_longbench_example(record, where) for where, record in _iter_jsonl(path)], path)
+
+
+def _jsonl_example(raw: Any, index: int, where: str) -> QAExample:
+    record = _object(raw, where)
+    return QAExample(
+        id=str(record.get("id", f"example-{index}")),
+        question=_field(record, "question", str, where),
+        answers=_answers(record, where),
+        documents=_documents(_field(record, "documents", list, where), where),
+        task=record.get("task", "qa"),
+    )
+
+
+def load_jsonl(path: PathLike) -> list[QAExample]:
+    """Plain JSONL: {"question", "answers", "documents"} with documents as strings or {"title", "text"}."""
+    examples = [_jsonl_example(record, i, where) for i, (where, record) in enumerate(_iter_jsonl(path))]
+    return _nonempty(examples, path)
+
+
+_LOADERS = {"musique": load_musique, "longbench": load_longbench, "jsonl": load_jsonl}
+
+
+def _first_record(path: Path) -> Any:
+    return next((record for _, record in _iter_jsonl(path)), None)
+
+
+def infer_format(path: PathLike) -> str:
+    """Guess the format: `.json` is MuSiQue; `.jsonl` is LongBench if its records carry "context"."""
+    p = _check_file(path)
+    if p.suffix == ".json":
+        return "musique"
+    if p.suffix == ".jsonl":
+        first = _first_record(p)
+        return "longbench" if isinstance(first, dict) and "context" in first else "jsonl"
+    raise ValueError(f"cannot infer dataset format from suffix {p.suffix!r} of {p}; pass one of {FORMATS}")
+
+
+def load_dataset(path: PathLike, fmt: str | None = None) -> list[QAExample]:
+    """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None."""
+    if fmt is not None and fmt not in _LOADERS:
+        raise ValueError(f"unknown dataset format {fmt!r}; expected one of {FORMATS}")
+    return _LOADERS[fmt or infer_format(path)](path)
+
+
+def write_jsonl(examples: Iterable[QAExample], path: PathLike) -> None:
+    """Write examples in the plain JSONL format read by `load_jsonl` (atomically)."""
+    p = Path(path)
+    lines = [
+        json.dumps({
+            "id": ex.id,
+            "question": ex.question,
+            "answers": list(ex.answers),
+            "documents": [{"title": d.title, "text": d.text} for d in ex.documents],
+            "task": ex.task,
+        }, ensure_ascii=False)
+        for ex in examples
+    ]
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, p)
+
+
+_FIRST = ("Alaric", "Brenna", "Caspian", "Delphine", "Evander", "Fenna", "Gideon", "Halvard",
+          "Isolde", "Jorund", "Katrin", "Leopold", "Marisol", "Niamh", "Oswin", "Perpetua")
+_LAST = ("Ashgrove", "Brightwater", "Coldmere", "Dunmore", "Everly", "Fairholm", "Greystone",
+         "Hollowell", "Ironwood", "Kestrel", "Larkspur", "Mossbank", "Northcott", "Quillon")
+_CITIES = ("Varnholt", "Quellmar", "Kelmarsh", "Brisk Harbor", "Tollvik", "Amberlee", "Corvanne",
+           "Duskmoor", "Elmsreach", "Fallowmere", "Glimmerton", "Hesperin", "Istrelle", "Jarrowdale")
+_COUNTRIES = ("Eldoria", "Marvessa", "Tyrnland", "Quoravia", "Sylmar", "Bellandor", "Karthun",
+              "Ostmere", "Vandrel", "Zephyria", "Norhaven", "Caldoris")
+
+_PERSON_FILLER = (
+    "{x} is remembered by colleagues as a patient and methodical worker.",
+    "Over a long career, {x} wrote several essays on craft, travel and memory.",
+    "Friends describe {x} as quiet in public but generous with time and advice.",
+    "In later years {x} spent many evenings restoring old clocks and furniture.",
+    "A small collection of letters written by {x} is kept in a private archive.",
+    "{x} once said that the most useful habit is to write everything down.",
+    "Several former students of {x} went on to teach at regional schools.",
+    "{x} preferred long walks to cars and rarely owned more than one coat.",
+)
+_CITY_FILLER = (
+    "{x} is known for its narrow stone streets and busy morning markets.",
+    "Visitors to {x} often remark on the bells that ring every quarter hour.",
+    "The river that runs through {x} freezes only in the coldest winters.",
+    "Much of the old town of {x} was rebuilt after a fire two centuries ago.",
+    "{x} hosts a festival of music and lanterns at the end of every summer.",
+    "Trade in wool, timber and salt made {x} prosperous in earlier times.",
+    "The central library of {x} holds maps that date back several hundred years.",
+    "Many residents of {x} commute by ferry across the wide harbour each day.",
+)
+
+
+def _paragraph(rng: random.Random, subject: str, fact: str, filler: tuple[str, ...]) -> Document:
+    sentences = [s.format(x=subject) for s in rng.sample(filler, k=rng.randint(5, 7))]
+    sentences.insert(rng.randint(0, len(sentences)), fact)
+    return Document(title=subject, text=" ".join(sentences))
+
+
+def _born(rng: random.Random, person: str, city: str) -> Document:
+    return _paragraph(rng, person, f"{person} was born in {city}.", _PERSON_FILLER)
+
+
+def _capital(rng: random.Random, city: str, country: str) -> Document:
+    return _paragraph(rng, city, f"{city} is the capital of {country}.", _CITY_FILLER)
+
+
+def _synthetic_example(rng: random.Random, ident: str, distractors: int) -> QAExample:
+    k = distractors + 1
+    persons = [f"{first} {last}" for first, last in zip(rng.sample(_FIRST, k), rng.sample(_LAST, k))]
+    cities, countries = rng.sample(_CITIES, k), rng.sample(_COUNTRIES, k)
+    docs = [_born(rng, persons[0], cities[0]), _capital(rng, cities[0], countries[0])]
+    docs += [
+        _born(rng, persons[i], cities[i]) if i % 2 else _capital(rng, cities[i], countries[i])
+        for i in range(1, k)
+    ]
+    rng.shuffle(docs)
+    return QAExample(
+        id=ident,
+        question=f"In which country was {persons[0]} born?",
+        answers=(countries[0],),
+        documents=tuple(docs),
+    )
+
+
+def synthetic_multihop(n: int, seed: int = 0, distractors: int = 4) -> list[QAExample]:
+    """Two-hop questions over fictional entities (person -> birth city -> country), plus distractor docs.
+
+    Names are invented so the answer cannot come from a model's parametric memory; deterministic per seed.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    max_distractors = min(len(_FIRST), len(_LAST), len(_CITIES), len(_COUNTRIES)) - 1
+    if not 0 <= distractors <= max_distractors:
+        raise ValueError(f"distractors must be in [0, {max_distractors}], got {distractors}")
+    rng = random.Random(seed)
+    return [_synthetic_example(rng, f"synthetic-{seed}-{i}", distractors) for i in range(n)]

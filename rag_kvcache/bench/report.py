@@ -1,0 +1,174 @@
+"""Benchmark reports: Markdown table, quality-vs-TTFT Pareto plot and JSON/Markdown/PNG bundle."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+Entry = Mapping[str, Any]
+
+METRIC_KEYS = (
+    "ttft_median_s", "ttft_p90_s", "speedup_vs_full", "f1_gold", "f1_vs_full",
+    "first_token_agreement", "kl_vs_full", "recompute_fraction",
+)
+MISSING = "–"
+
+
+def _check_entry(entry: Entry) -> None:
+    missing = [key for key in ("method", "params", *METRIC_KEYS) if key not in entry]
+    if missing:
+        raise ValueError(f"summary entry is missing {missing}: {dict(entry)!r}")
+    if not isinstance(entry["params"], Mapping):
+        raise ValueError(f"summary entry 'params' must be a mapping, got {entry['params']!r}")
+
+
+def _format_param(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def label(entry: Entry) -> str:
+    """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16"."""
+    params = " ".join(f"{key}={_format_param(value)}" for key, value in entry["params"].items())
+    return f"{entry['method']} {params}" if params else str(entry["method"])
+
+
+def _fmt(spec: str, suffix: str = "") -> Callable[[float | None], str]:
+    return lambda value: MISSING if value is None else f"{value:{spec}}{suffix}"
+
+
+def _fmt_sig3(value: float | None) -> str:
+    """Three significant figures, keeping trailing zeros ("0.820") but not a bare point ("123.")."""
+    return MISSING if value is None else f"{value:#.3g}".rstrip(".")
+
+
+_COLUMNS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
+    ("ttft_median_s", "TTFT median (s)", _fmt_sig3),
+    ("ttft_p90_s", "TTFT p90 (s)", _fmt_sig3),
+    ("speedup_vs_full", "Speedup", _fmt(".1f", "x")),
+    ("f1_gold", "F1 (gold)", _fmt(".3f")),
+    ("f1_vs_full", "F1 vs full", _fmt(".3f")),
+    ("first_token_agreement", "1st-token agree", _fmt(".3f")),
+    ("kl_vs_full", "KL vs full", _fmt_sig3),
+    ("recompute_fraction", "Recompute frac", _fmt(".3f")),
+)
+
+
+def markdown_table(summary: Sequence[Entry]) -> str:
+    """GitHub Markdown table with one row per summary entry (missing metrics shown as "–")."""
+    for entry in summary:
+        _check_entry(entry)
+    header = ["Method", *(title for _, title, _ in _COLUMNS)]
+    rows = [[label(e), *(fmt(e[key]) for key, _, fmt in _COLUMNS)] for e in summary]
+    lines = [header, ["---", *("---:" for _ in _COLUMNS)], *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _plottable(summary: Sequence[Entry]) -> list[Entry]:
+    points = []
+    for entry in summary:
+        _check_entry(entry)
+        if entry["f1_vs_full"] is None or entry["ttft_median_s"] is None:
+            logger.warning("not plotting %r: no f1_vs_full or ttft_median_s", label(entry))
+            continue
+        if entry["ttft_median_s"] <= 0:
+            raise ValueError(f"{label(entry)!r}: ttft_median_s must be > 0 for a log axis, "
+                             f"got {entry['ttft_median_s']}")
+        points.append(entry)
+    if not points:
+        raise ValueError(f"nothing to plot: no entry has both ttft_median_s and f1_vs_full "
+                         f"among {[label(e) for e in summary]}")
+    return points
+
+
+def _render_pareto(summary: Sequence[Entry]) -> bytes:
+    from matplotlib.figure import Figure  # deferred: heavy import; Figure avoids pyplot global state
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    points = _plottable(summary)
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i, method in enumerate(dict.fromkeys(e["method"] for e in points)):
+        sweep = sorted((e for e in points if e["method"] == method), key=lambda e: e["ttft_median_s"])
+        x = [e["ttft_median_s"] for e in sweep]
+        y = [e["f1_vs_full"] for e in sweep]
+        ax.plot(x, y, marker="o", color=f"C{i % 10}", label=method, linewidth=1.5, markersize=6)
+        for entry, xy in zip(sweep, zip(x, y)):
+            ax.annotate(label(entry), xy, textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ttfts = [e["ttft_median_s"] for e in points]
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())
+    ax.margins(x=0.12, y=0.06)
+    ax.set_xlabel("median time to first token (s, log scale)")
+    ax.set_ylabel("F1 vs full-prefill answer")
+    ax.set_title("Quality vs latency (up and left is better)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="method", loc="lower right")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=150)
+    return buf.getvalue()
+
+
+def plot_pareto(summary: Sequence[Entry], path: str | os.PathLike[str]) -> None:
+    """PNG of answer quality (F1 vs full prefill) against median TTFT (log x), one colour per method."""
+    _atomic_write(Path(path), _render_pareto(summary))
+    logger.info("wrote %s", path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__} {value!r}")
+
+
+def _markdown(summary: Sequence[Entry], meta: Mapping[str, Any], plot_name: str) -> str:
+    bullets = "".join(f"- **{key}**: {value}\n" for key, value in meta.items())
+    return f"# Benchmark results\n\n{bullets}\n{markdown_table(summary)}\n![pareto]({plot_name})\n"
+
+
+def write_report(
+    summary: Sequence[Entry],
+    records: Sequence[Entry],
+    out_dir: str | os.PathLike[str],
+    meta: Mapping[str, Any],
+) -> Path:
+    """Write results.json, results.md and pareto.png into `out_dir`; returns `out_dir`.
+
+    Everything is rendered before anything is written, and each file is replaced atomically.
+    """
+    out = Path(out_dir)
+    payload = {"meta": dict(meta), "summary": list(summary), "records": list(records)}
+    try:
+        text = json.dumps(payload, indent=2, allow_nan=False, default=_json_default)
+    except ValueError as err:
+        raise ValueError(f"results for {out} contain NaN or inf, which JSON cannot hold: {err}") from err
+    files = {
+        "results.json": (text + "\n").encode("utf-8"),
+        "results.md": _markdown(summary, meta, "pareto.png").encode("utf-8"),
+        "pareto.png": _render_pareto(summary),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        _atomic_write(out / name, data)
+    logger.info("wrote %s to %s", ", ".join(files), out)
+    return out

@@ -1,0 +1,199 @@
+"""Tests for rag_kvcache.bench.datasets: loaders, format inference, errors and the synthetic generator."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rag_kvcache.bench.datasets import (
+    Document,
+    QAExample,
+    infer_format,
+    load_dataset,
+    load_jsonl,
+    load_longbench,
+    load_musique,
+    synthetic_multihop,
+    write_jsonl,
+)
+
+REAL_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+
+MUSIQUE_RECORDS = [
+    {"question": "Where was the author of X educated?", "answers": ["Exeter College"],
+     "ctxs": [{"title": "X", "text": "X was written by Y."},
+              {"title": "Y", "text": "Y studied at Exeter College."}]},
+    {"question": "Who founded Z?", "answers": ["A", "B"],
+     "ctxs": [{"title": "Z", "text": "Z was founded by A."}]},
+]
+
+
+def _write_lines(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _longbench(dataset: str, idx: int) -> dict:
+    return {"input": f"question {idx}?", "context": f"long context {idx}", "answers": [f"answer {idx}"],
+            "_id": f"id{idx}", "dataset": dataset, "length": 3, "all_classes": None, "language": "en"}
+
+
+def test_load_musique_small_file(tmp_path):
+    path = tmp_path / "mini.json"
+    path.write_text(json.dumps(MUSIQUE_RECORDS), encoding="utf-8")
+    examples = load_musique(path)
+    assert [e.id for e in examples] == ["musique-0", "musique-1"]
+    assert examples[0] == QAExample(
+        id="musique-0",
+        question="Where was the author of X educated?",
+        answers=("Exeter College",),
+        documents=(Document("X", "X was written by Y."), Document("Y", "Y studied at Exeter College.")),
+        task="qa",
+    )
+    assert examples[1].answers == ("A", "B")
+    assert load_dataset(path) == examples  # inferred from the .json suffix
+
+
+@pytest.mark.skipif(not REAL_MUSIQUE.is_file(), reason=f"real MuSiQue data not present at {REAL_MUSIQUE}")
+def test_load_musique_real_file():
+    examples = load_dataset(REAL_MUSIQUE, "musique")
+    assert len(examples) == 100
+    assert all(len(e.documents) == 10 for e in examples)
+    assert all(e.answers and e.question and e.task == "qa" for e in examples)
+    assert len({e.id for e in examples}) == 100
+
+
+def test_load_longbench_tasks(tmp_path):
+    path = _write_lines(tmp_path / "lb.jsonl", [_longbench("hotpotqa", 0), _longbench("gov_report_e", 1)])
+    qa, summ = load_longbench(path)
+    assert qa.id == "id0" and qa.question == "question 0?" and qa.task == "qa"
+    assert qa.documents == (Document("hotpotqa", "long context 0"),)
+    assert summ.task == "summarization" and summ.documents[0].title == "gov_report"
+    assert load_dataset(path) == [qa, summ]  # inferred: .jsonl records with "context"
+
+
+def test_longbench_summarization_may_have_empty_question(tmp_path):
+    record = _longbench("multi_news", 0) | {"input": ""}
+    (example,) = load_longbench(_write_lines(tmp_path / "lb.jsonl", [record]))
+    assert example.task == "summarization" and example.question == ""
+
+
+def test_load_jsonl_string_and_object_documents(tmp_path):
+    records = [
+        {"question": "q1?", "answers": ["a1"], "documents": ["plain text doc", "another"]},
+        {"question": "q2?", "answers": ["a2"], "documents": [{"title": "T", "text": "body"}], "id": "custom"},
+    ]
+    path = _write_lines(tmp_path / "mine.jsonl", records)
+    first, second = load_jsonl(path)
+    assert first.id == "example-0"
+    assert first.documents == (Document("", "plain text doc"), Document("", "another"))
+    assert second.id == "custom" and second.documents == (Document("T", "body"),)
+    assert infer_format(path) == "jsonl"
+
+
+def test_synthetic_round_trip_through_jsonl(tmp_path):
+    examples = synthetic_multihop(5, seed=7)
+    path = tmp_path / "synthetic.jsonl"
+    write_jsonl(examples, path)
+    assert load_jsonl(path) == examples
+    assert load_dataset(path, "jsonl") == examples
+    assert load_dataset(path) == examples
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_synthetic_is_deterministic_per_seed():
+    assert synthetic_multihop(4, seed=1) == synthetic_multihop(4, seed=1)
+    assert synthetic_multihop(4, seed=1) != synthetic_multihop(4, seed=2)
+
+
+@pytest.mark.parametrize("distractors", [0, 4, 11])
+def test_synthetic_questions_need_both_hops(distractors):
+    for ex in synthetic_multihop(20, seed=3, distractors=distractors):
+        assert len(ex.documents) == 2 + distractors
+        person = re.fullmatch(r"In which country was (.+) born\?", ex.question).group(1)
+        (country,) = ex.answers
+        texts = [d.text for d in ex.documents]
+        (city,) = [m.group(1) for t in texts if (m := re.search(rf"{person} was born in ([^.]+)\.", t))]
+        (capital_doc,) = [t for t in texts if f"{city} is the capital of {country}." in t]
+        assert sum(country in t for t in texts) == 1, "the answer must appear only in the second-hop doc"
+        assert person not in capital_doc, "the second hop must not mention the person"
+        assert all(60 <= len(t.split()) <= 150 for t in texts)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"n": 0}, "n must be"),
+    ({"n": 1, "distractors": -1}, "distractors"),
+    ({"n": 1, "distractors": 99}, "distractors"),
+])
+def test_synthetic_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        synthetic_multihop(**kwargs)
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    for fmt in ("musique", "longbench", "jsonl", None):
+        with pytest.raises(FileNotFoundError, match="nope.json"):
+            load_dataset(missing, fmt)
+
+
+def test_unknown_format_name(tmp_path):
+    path = _write_lines(tmp_path / "x.jsonl", [{"question": "q", "answers": ["a"], "documents": ["d"]}])
+    with pytest.raises(ValueError, match="'squad'"):
+        load_dataset(path, "squad")
+
+
+def test_uninferable_suffix(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("{}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"'\.txt'"):
+        load_dataset(path)
+
+
+def test_malformed_line_reports_line_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"question": "q", "answers": ["a"], "documents": ["d"]})
+    path.write_text(f"{good}\n\n{{not json\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        load_jsonl(path)
+
+
+def test_malformed_musique_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("[{", encoding="utf-8")
+    with pytest.raises(ValueError, match="malformed JSON"):
+        load_musique(path)
+
+
+@pytest.mark.parametrize(("record", "match"), [
+    ({"question": "q", "answers": [], "documents": ["d"]}, "no answers"),
+    ({"question": "q", "answers": ["a"], "documents": []}, "no documents"),
+    ({"question": "q", "documents": ["d"]}, "missing key 'answers'"),
+    ({"question": "q", "answers": "a", "documents": ["d"]}, "'answers' must be list"),
+    ({"question": "q", "answers": [1], "documents": ["d"]}, "list of strings"),
+    ({"question": "q", "answers": ["a"], "documents": [{"text": "t"}]}, "document 0: missing key 'title'"),
+    ({"question": "", "answers": ["a"], "documents": ["d"]}, "non-empty question"),
+    ({"question": "q", "answers": ["a"], "documents": ["d"], "task": "chat"}, "'chat'"),
+    (["not", "an", "object"], "expected a JSON object"),
+])
+def test_bad_jsonl_records(tmp_path, record, match):
+    path = _write_lines(tmp_path / "bad.jsonl", [record])
+    with pytest.raises(ValueError, match=match):
+        load_jsonl(path)
+
+
+def test_musique_error_names_the_example(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([MUSIQUE_RECORDS[0], {"question": "q", "answers": ["a"]}]), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"example 1: missing key 'ctxs'"):
+        load_musique(path)
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no examples"):
+        load_dataset(path)

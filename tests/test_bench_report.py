@@ -1,0 +1,107 @@
+"""Tests for rag_kvcache.bench.report: labels, Markdown table, Pareto plot and the report bundle."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rag_kvcache.bench.report import label, markdown_table, plot_pareto, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _entry(method: str, params: dict, ttft: float, f1_vs_full: float | None, **overrides) -> dict:
+    entry = {
+        "method": method, "params": params, "ttft_median_s": ttft, "ttft_p90_s": ttft * 1.2,
+        "speedup_vs_full": 0.8 / ttft, "f1_gold": 0.4, "f1_vs_full": f1_vs_full,
+        "first_token_agreement": 0.9, "kl_vs_full": 0.05, "recompute_fraction": params.get("r"),
+    }
+    return entry | overrides
+
+
+@pytest.fixture
+def summary() -> list[dict]:
+    return [
+        _entry("full", {}, 0.8, 1.0, kl_vs_full=0.0, recompute_fraction=1.0),
+        _entry("naive", {}, 0.1, 0.45, recompute_fraction=0.0),
+        *(_entry("cacheblend", {"r": r}, 0.1 + r, 0.6 + r) for r in (0.3, 0.05, 0.15)),
+        *(_entry("epic", {"k": k}, 0.1 + k / 200, 0.5 + k / 100, kl_vs_full=None) for k in (4, 16)),
+    ]
+
+
+def test_label():
+    assert label({"method": "full", "params": {}}) == "full"
+    assert label({"method": "cacheblend", "params": {"r": 0.15}}) == "cacheblend r=0.15"
+    assert label({"method": "epic", "params": {"k": 16}}) == "epic k=16"
+    assert label({"method": "m", "params": {"r": 0.1, "layer": 1}}) == "m r=0.1 layer=1"
+
+
+def test_markdown_table_rows_and_formatting(summary):
+    table = markdown_table(summary)
+    lines = table.strip().split("\n")
+    assert len(lines) == 2 + len(summary)  # header, separator, one row per entry
+    assert all(line.startswith("| ") and line.endswith(" |") for line in lines)
+    assert len({line.count("|") for line in lines}) == 1
+    full = lines[2].split(" | ")
+    assert full[0] == "| full"
+    assert full[1:4] == ["0.800", "0.960", "1.0x"]  # 3 s.f. seconds, speedup "N.Nx"
+    cb = next(line for line in lines if line.startswith("| cacheblend r=0.15 |"))
+    assert "| 0.250 | 0.300 | 3.2x |" in cb  # ttft 0.1 + 0.15; speedup 0.8 / 0.25 = 3.2
+    assert "| 0.750 |" in cb  # F1 vs full 0.6 + 0.15, 3 decimals
+    epic = next(line for line in lines if line.startswith("| epic k=4 |"))
+    assert "| – |" in epic  # missing KL
+
+
+def test_markdown_table_rejects_incomplete_entries(summary):
+    del summary[1]["kl_vs_full"]
+    with pytest.raises(ValueError, match=r"missing \['kl_vs_full'\]"):
+        markdown_table(summary)
+
+
+def test_plot_pareto_writes_png(tmp_path, summary):
+    path = tmp_path / "pareto.png"
+    plot_pareto(summary, path)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    assert [p.name for p in tmp_path.iterdir()] == ["pareto.png"]
+
+
+def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
+    summary[1]["f1_vs_full"] = None
+    plot_pareto(summary, tmp_path / "p.png")
+    assert "not plotting 'naive'" in caplog.text
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ({"ttft_median_s": 0.0}, "must be > 0"),
+    ({"f1_vs_full": None}, "nothing to plot"),
+])
+def test_plot_pareto_errors(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        plot_pareto([_entry("full", {}, 0.8, 1.0) | override], tmp_path / "p.png")
+    assert not list(tmp_path.iterdir())
+
+
+def test_write_report(tmp_path, summary):
+    records = [{"id": "q0", "method": "full", "ttft_s": np.float32(0.5), "answer": "Paris"}]
+    meta = {"model": "SmolLM2-135M", "questions": 100}
+    out = write_report(summary, records, tmp_path / "run", meta)
+    assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "results.json", "results.md"]
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"] == meta and data["summary"] == summary
+    assert data["records"][0]["ttft_s"] == pytest.approx(0.5)
+
+    md = (out / "results.md").read_text()
+    assert "- **model**: SmolLM2-135M" in md and "![pareto](pareto.png)" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 2 + len(summary)
+    assert (out / "pareto.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_write_report_writes_nothing_on_bad_input(tmp_path, summary):
+    with pytest.raises(ValueError, match="NaN or inf"):
+        write_report(summary, [{"ttft_s": float("nan")}], tmp_path / "run", {})
+    with pytest.raises(TypeError, match="not JSON serialisable: object"):
+        write_report(summary, [{"x": object()}], tmp_path / "run", {})
+    assert not (tmp_path / "run").exists()
