@@ -190,7 +190,7 @@ def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionRe
     keys, values, logits = adapter.prefill(inp.ids[None])
     n = inp.n_tokens
     return FusionResult(
-        [k[0] for k in keys], [v[0] for v in values], logits[0, -1], n, 1.0, [n] * adapter.layout.n_layers
+        [k[0] for k in keys], [v[0] for v in values], logits[0], n, 1.0, [n] * adapter.layout.n_layers
     )
 
 

@@ -70,8 +70,8 @@ def resolve_model_source(name: str, cache_dir: Path) -> Path | str:
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
     else:
         return Path(name) if Path(name).expanduser().is_dir() else name  # local dir or hub id
-    stat = gguf.stat()
-    tag = xxhash.xxh3_64_hexdigest(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+    with gguf.open("rb") as f:  # identity: size and the header (metadata + first tensors), not the path
+        tag = xxhash.xxh3_64_hexdigest(f.read(4 << 20) + str(gguf.stat().st_size).encode())
     target = cache_dir / "models" / f"{gguf.stem}-{tag}"
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
@@ -193,19 +193,20 @@ class ModelAdapter:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Ordinary transformers forward over ids [B, T] (optionally after a cached past).
 
-        Returns the new tokens' keys and values per layer [B, H_kv, T, D] and logits [B, T, V].
+        Returns the new tokens' keys and values per layer [B, H_kv, T, D] and the last token's
+        logits [B, V].
         """
         start = 0 if past is None else past[0][0].shape[-2]
         cache = None if past is None else self.make_cache(*past)
         positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         out = self.model(
             input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache or DynamicCache(),
-            use_cache=True,
+            use_cache=True, logits_to_keep=1,
         )
         layers = out.past_key_values.layers
         keys = [layer.keys[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
-        return keys, values, out.logits.float()
+        return keys, values, out.logits[:, -1].float()
 
     def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
         """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D])."""

@@ -148,8 +148,8 @@ def test_scattered_recompute_sees_no_future_keys(tiny):
 def test_generation_from_injected_cache_equals_generate(tiny):
     ids = torch.randint(1000, 20000, (1, 30))
     keys, values, logits = tiny.prefill(ids)
-    first = int(logits[0, -1].argmax())
-    steps = Decoder(tiny, GenerationConfig(max_new_tokens=10)).steps(keys, values, logits[0, -1], first)
+    first = int(logits[0].argmax())
+    steps = Decoder(tiny, GenerationConfig(max_new_tokens=10)).steps(keys, values, logits[0], first)
     ours = [s.token_id for s in steps if s.token_id is not None]
     ref = tiny.model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert ours == ref[0, 30:].tolist()

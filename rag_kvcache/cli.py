@@ -1,0 +1,145 @@
+"""`rag-kvcache`: index a folder, ask with fused KV, run the demo. The only place that prints or reads
+environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import replace
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, Config, FusionConfig
+from .fusion import METHODS
+from .pipeline import FusedGenerator, KVIndex
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RAG that never prefills the same chunk twice.")
+out = Console()
+err = Console(stderr=True)
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "datasets" / "demo"
+DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
+
+Method = Enum("Method", {name: name for name in METHODS}, type=str)
+
+
+class ChunkTokens(str, Enum):
+    t128 = "128"
+    t512 = "512"
+
+
+def _base_config(**changes: object) -> Config:
+    cache_dir = os.environ.get("RAG_KVCACHE_CACHE_DIR")
+    cfg = Config(**({"cache_dir": Path(cache_dir)} if cache_dir else {}))
+    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False)],
+    )
+    logging.getLogger("rag_kvcache").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def index(
+    docs_dir: Annotated[Path, typer.Argument(help="Folder of text documents.")],
+    index_dir: Annotated[Path, typer.Option("--index", help="Where the index and KV caches go.")],
+    chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
+    model: Annotated[str, typer.Option(help="HF id, local dir or .gguf file.")] = DEFAULT_MODEL,
+    embedder: Annotated[str, typer.Option(help="sentence-transformers model.")] = DEFAULT_EMBEDDER,
+    hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
+) -> None:
+    """Chunk, embed and precompute KV caches for every file in DOCS_DIR (incremental on re-runs)."""
+    cfg = _base_config(
+        chunk_tokens=int(chunk_tokens.value), model=model, embedder=embedder, index_type="hnsw" if hnsw else "flat"
+    )
+    try:
+        idx = KVIndex.create(index_dir, cfg)
+        report = idx.update(docs_dir)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+        _fail(str(e))
+    out.print(
+        f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
+        f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
+        f"KV {idx.kv_bytes_per_token / 1024:.1f} KiB/token"
+    )
+
+
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="The question.")],
+    index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")],
+    method: Annotated[Method, typer.Option(help="Fusion method.")] = Method.cacheblend,
+    top_k: Annotated[int, typer.Option(min=1, help="Chunks to retrieve.")] = 6,
+    ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="CacheBlend recompute ratio.")] = 0.15,
+    check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
+    epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    model: Annotated[Optional[str], typer.Option(help="Override the index's model.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    stream: Annotated[bool, typer.Option(help="Stream tokens as they come (text output only).")] = False,
+) -> None:
+    """Answer QUESTION from the index, fusing the retrieved chunks' KV caches."""
+    if not question.strip():
+        _fail("the question is empty")
+    try:
+        meta_cfg = KVIndex.config_of(index_dir, _base_config())
+        cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
+        cfg = cfg.with_fusion(method=method.value, ratio=ratio, check_layer=check_layer, epic_k=epic_k)
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens)
+        gen = FusedGenerator(KVIndex.open(index_dir, cfg))
+        on_text = (lambda t: out.print(t, end="", highlight=False)) if stream and not as_json else None
+        answer = gen.ask(question, top_k=top_k, on_text=on_text)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(answer.to_dict(), indent=2))
+        return
+    if on_text is None:
+        out.print(answer.answer, highlight=False)
+    else:
+        out.print()
+    out.print(
+        f"[dim]{answer.method}: ttft {answer.ttft_s * 1000:.0f} ms, retrieval {answer.retrieval_s * 1000:.0f} ms, "
+        f"{answer.prompt_tokens} prompt tokens, {answer.recomputed_tokens} recomputed, "
+        f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]"
+    )
+
+
+@app.command()
+def demo(
+    index_dir: Annotated[Path, typer.Option("--index", help="Where to build the demo index.")] = Path("demo-index"),
+    question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
+) -> None:
+    """Index the bundled demo folder, then answer with `cacheblend` and compare its TTFT with `full`."""
+    cfg = _base_config(chunk_tokens=128, top_k=4)
+    out.print(f"[bold]Indexing[/bold] {DEMO_DIR} -> {index_dir}")
+    idx = KVIndex.build(DEMO_DIR, index_dir, cfg)
+    gen = FusedGenerator(idx)
+    gen.ask(question, fusion=FusionConfig(method="full"))  # warm-up, not reported
+    out.print(f"\n[bold]Q:[/bold] {question}")
+    table = Table("method", "answer", "TTFT", "recomputed", "speedup")
+    results = {m: gen.ask(question, fusion=FusionConfig(method=m)) for m in ("full", "cacheblend", "epic")}
+    for m, a in results.items():
+        table.add_row(
+            m, a.answer, f"{a.ttft_s * 1000:.0f} ms", f"{a.recomputed_tokens}/{a.prompt_tokens}",
+            f"{results['full'].ttft_s / a.ttft_s:.1f}x",
+        )
+    out.print(table)
+    out.print(f"[dim]sources: {', '.join(c.source for c in results['cacheblend'].chunks)}[/dim]")
+

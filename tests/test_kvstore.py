@@ -1,0 +1,58 @@
+"""The content-addressed KV store: round trip, misses, atomicity and integrity."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rag_kvcache.kvstore import ChunkKV, KVStore, cache_key
+
+
+def make_kv(layers: int = 3, tokens: int = 5, position: int = 7, dtype=torch.float32) -> ChunkKV:
+    g = torch.Generator().manual_seed(0)
+    return ChunkKV(
+        [torch.randn(2, tokens, 8, generator=g).to(dtype) for _ in range(layers)],
+        [torch.randn(2, tokens, 8, generator=g).to(dtype) for _ in range(layers)],
+        position,
+    )
+
+
+def test_round_trip(tmp_path):
+    store, kv = KVStore(tmp_path), make_kv(dtype=torch.bfloat16)
+    key = cache_key("ns", (1, 2), (3, 4, 5))
+    assert store.get(key) is None and key not in store
+    store.put(key, kv)
+    got = store.get(key)
+    assert got.position == 7 and got.n_tokens == 5
+    for a, b in zip(got.keys + got.values, kv.keys + kv.values):
+        assert torch.equal(a, b) and a.dtype == torch.bfloat16
+    assert not list(tmp_path.rglob(".tmp-*"))  # nothing half-written left behind
+
+
+def test_key_depends_on_namespace_context_and_ids():
+    base = cache_key("ns", (1,), (2, 3))
+    assert len({base, cache_key("other", (1,), (2, 3)), cache_key("ns", (), (1, 2, 3)), cache_key("ns", (1,), (2, 4))}) == 4
+    assert cache_key("ns", (1,), (2, 3)) == base
+
+
+def test_bit_flip_is_detected_and_dropped(tmp_path, caplog):
+    store = KVStore(tmp_path)
+    store.put("ab" * 16, make_kv())
+    path = store.path("ab" * 16)
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF  # corrupt the last tensor's data
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        assert store.get("ab" * 16) is None
+    assert "checksum mismatch" in caplog.text and not path.exists()
+
+
+def test_truncated_file_is_a_miss(tmp_path, caplog):
+    store = KVStore(tmp_path)
+    store.put("cd" * 16, make_kv())
+    path = store.path("cd" * 16)
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        assert store.get("cd" * 16) is None
+    assert "corrupt" in caplog.text
