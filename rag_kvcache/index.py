@@ -270,22 +270,9 @@ class ChunkIndex:
     def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
         """Open an existing index; `embedder` must produce vectors of the index's dimension."""
         index_dir = Path(index_dir)
-        if not index_dir.is_dir():
-            raise FileNotFoundError(f"index folder not found: {index_dir}")
-        db_path = index_dir / _DB_FILE
-        if not db_path.is_file():
-            raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
-        conn = _connect(db_path, mode="rw")
+        conn = _connect_existing(index_dir)
         try:
-            try:
-                meta = dict(conn.execute("SELECT key, value FROM meta"))
-            except sqlite3.DatabaseError as exc:
-                raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
-            if meta.get("format") != FORMAT:
-                found = meta.get("format")
-                raise ForeignIndexError(
-                    f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
-                )
+            meta = _checked_meta(conn, index_dir)
             dim = embedder.get_embedding_dimension()
             if str(dim) != meta["embedding_dim"]:
                 raise ValueError(
@@ -297,6 +284,16 @@ class ChunkIndex:
         except BaseException:
             conn.close()
             raise
+
+    @staticmethod
+    def read_meta(index_dir: Path) -> dict[str, str]:
+        """An index's metadata without opening it (e.g. to learn which embedder it was built with)."""
+        index_dir = Path(index_dir)
+        conn = _connect_existing(index_dir)
+        try:
+            return _checked_meta(conn, index_dir)
+        finally:
+            conn.close()
 
     @property
     def index_dir(self) -> Path:
@@ -467,6 +464,29 @@ class ChunkIndex:
             f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({placeholders})", list(keys)
         )
         return {row[0]: _record(row[1:]) for row in rows}
+
+
+def _connect_existing(index_dir: Path) -> sqlite3.Connection:
+    """A connection to the SQLite file of an existing index directory (never creates one)."""
+    if not index_dir.is_dir():
+        raise FileNotFoundError(f"index folder not found: {index_dir}")
+    db_path = index_dir / _DB_FILE
+    if not db_path.is_file():
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
+    return _connect(db_path, mode="rw")
+
+
+def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
+    """The meta table, after checking that it marks a rag-kvcache index of this format."""
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    except sqlite3.DatabaseError as exc:
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
+    if (found := meta.get("format")) != FORMAT:
+        raise ForeignIndexError(
+            f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
+        )
+    return meta
 
 
 def _load_vectors(index_dir: Path, conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:

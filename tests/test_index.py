@@ -167,6 +167,7 @@ def test_get_and_meta(tmp_path: Path, docs: Path, embedder: SentenceTransformer,
             "embedding_dim": "384",
             "index_type": "flat",
         }
+    assert ChunkIndex.read_meta(tmp_path / "index")["chunk_tokens"] == "16"
     with pytest.raises(FileExistsError, match="already exists"):
         ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {})
     with pytest.raises(ValueError, match="reserved"):
@@ -305,6 +306,8 @@ def test_open_rejects_foreign_index(tmp_path: Path, embedder: SentenceTransforme
     conn.close()
     with pytest.raises(ForeignIndexError, match="someone-elses-v7"):
         ChunkIndex.open(tmp_path / "other", embedder)
+    with pytest.raises(ForeignIndexError, match="someone-elses-v7"):
+        ChunkIndex.read_meta(tmp_path / "other")
 
 
 @pytest.mark.parametrize("damage", ["deleted", "stale", "corrupt"])
