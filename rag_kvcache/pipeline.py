@@ -72,7 +72,7 @@ class KVIndex:
         self.adapter = adapter
         self.store = KVStore(path / "kv")
         self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
-        self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}")
+        self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
         if built_with != adapter.fingerprint:
             log.warning(
@@ -80,7 +80,11 @@ class KVIndex:
                 "chunk and prefill it at query time", path, chunks.meta.get("model"), built_with, config.model,
                 adapter.fingerprint,
             )
-        self._same_tokenizer = chunks.meta.get("tokenizer") == _tokenizer_id(adapter.tokenizer)
+        if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
+            raise ValueError(
+                f"index {path} was chunked with the tokenizer of {chunks.meta.get('model')!r}; {config.model!r} "
+                "tokenizes differently, so its stored token ids mean nothing to it: re-index with this model"
+            )
 
     # ---- building -------------------------------------------------------------------------------
     @classmethod
@@ -164,12 +168,6 @@ class KVIndex:
     def key(self, ids: Sequence[int]) -> str:
         return cache_key(self.namespace, self.chunk_context, ids)
 
-    def token_ids(self, chunk: ChunkRecord) -> tuple[int, ...]:
-        """A chunk's stored ids; re-tokenised only when the index was built with another tokenizer."""
-        if self._same_tokenizer:
-            return chunk.token_ids
-        return tuple(self.adapter.tokenizer(chunk.text, add_special_tokens=False).input_ids)
-
     def search(self, query: str, k: int) -> list[Hit]:
         return self.chunks.search(query, k)
 
@@ -180,7 +178,7 @@ class KVIndex:
 
 def _tokenizer_id(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
-    return xxhash.xxh3_64_hexdigest(json.dumps(vocab))
+    return xxhash.xxh3_64_hexdigest(json.dumps(vocab).encode())
 
 
 class FusedGenerator:
@@ -251,7 +249,7 @@ class FusedGenerator:
     ) -> tuple[FusionResult, FusionInput, list[Segment]]:
         """Load the chunks' caches (none for `full`), fuse them, and return the prompt cache."""
         index, fmt = self.index, self.index.format
-        segments = fmt.segments([index.token_ids(c) for c in chunks], fmt.question_ids(self.adapter.tokenizer, question))
+        segments = fmt.segments([c.token_ids for c in chunks], fmt.question_ids(self.adapter.tokenizer, question))
         caches: list[ChunkKV | None] = []
         contexts: list[tuple[int, ...]] = []
         misses = []
