@@ -27,6 +27,7 @@ from .config import FusionConfig
 from .kvstore import ChunkKV
 from .model import ModelAdapter
 from .ops import attend, causal_mask_for, kv_deviation, rerotate_keys, rope_cos_sin, select_tokens
+from .profiling import StageClock
 from .prompt import Segment
 
 
@@ -114,6 +115,7 @@ class FusionResult:
     recomputed_tokens: int  # tokens computed through the last layer (question included)
     compute_fraction: float  # token-layers computed / (N x layers): the work relative to `full`
     active_per_layer: list[int] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
 
 
 class Refine(Protocol):
@@ -125,13 +127,15 @@ class Refine(Protocol):
 
 @torch.inference_mode()
 def selective_prefill(
-    adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None
+    adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
+    clock: StageClock | None = None,
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` after a layer).
 
     `refine(layer, active, fresh_kv, cached_kv)` may return the positions *within* `active` to keep
     for the next layers; the active set can only shrink, and must keep the last prompt token.
     """
+    clock = clock or StageClock(adapter.device)
     n, n_layers = inp.n_tokens, adapter.layout.n_layers
     if adapter.sliding_window is not None and n > adapter.sliding_window:
         raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
@@ -143,24 +147,32 @@ def selective_prefill(
     h = adapter.embed(inp.ids[active])  # [A, E]
     keys_out, values_out, counts = [], [], []
     for layer in range(n_layers):
-        keys, values = inp.layer_kv(layer, adapter)  # [H_kv, N, D]
-        q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
-        cached = (keys[:, active], values[:, active])  # [H_kv, A, D]
-        keys[:, active] = k
-        values[:, active] = v
-        mask = causal_mask_for(positions[active], positions)  # [A, N]
-        h = adapter.finish(layer, h, attend(q, keys, values, mask, adapter.scale))  # [A, E]
+        with clock.stage("assemble_kv"):
+            keys, values = inp.layer_kv(layer, adapter)  # [H_kv, N, D], cached keys re-rotated
+        with clock.stage("qkv"):
+            q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
+            cached = (keys[:, active], values[:, active])  # [H_kv, A, D]
+            keys[:, active] = k
+            values[:, active] = v
+        with clock.stage("attention"):
+            mask = causal_mask_for(positions[active], positions)  # [A, N]
+            attn = attend(q, keys, values, mask, adapter.scale)  # [A, H_q * D]
+        with clock.stage("mlp"):
+            h = adapter.finish(layer, h, attn)  # [A, E]
         keys_out.append(keys)
         values_out.append(values)
         counts.append(active.numel())
         if refine is not None and layer < n_layers - 1:
-            keep = refine(layer, active, (k, v), cached)  # [A'] indices into active
+            with clock.stage("select"):
+                keep = refine(layer, active, (k, v), cached)  # [A'] indices into active
             if keep is not None:
                 if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
                     raise ValueError(f"refine at layer {layer} dropped the last prompt token")
                 active, h = active[keep], h[keep]  # [A'], [A', E]
+    with clock.stage("logits"):
+        logits = adapter.logits(h[-1:])[0]  # [V]
     return FusionResult(
-        keys_out, values_out, adapter.logits(h[-1:])[0], active.numel(), sum(counts) / (n * n_layers), counts
+        keys_out, values_out, logits, active.numel(), sum(counts) / (n * n_layers), counts, dict(clock.seconds)
     )
 
 
@@ -187,10 +199,13 @@ def get_method(name: str) -> FusionMethod:
 @torch.inference_mode()
 def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionResult:
     """Ordinary prefill of the whole prompt: the quality reference; uses no cache."""
-    keys, values, logits = adapter.prefill(inp.ids[None])
+    clock = StageClock(adapter.device)
+    with clock.stage("prefill"):
+        keys, values, logits = adapter.prefill(inp.ids[None])
     n = inp.n_tokens
     return FusionResult(
-        [k[0] for k in keys], [v[0] for v in values], logits[0], n, 1.0, [n] * adapter.layout.n_layers
+        [k[0] for k in keys], [v[0] for v in values], logits[0], n, 1.0, [n] * adapter.layout.n_layers,
+        dict(clock.seconds),
     )
 
 

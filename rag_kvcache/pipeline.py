@@ -24,9 +24,10 @@ from .chunking import chunk_document
 from .config import Config, FusionConfig, GenerationConfig
 from .fusion import FusionInput, FusionResult, get_method
 from .generation import Decoder, sample_token
-from .index import ChunkIndex, ChunkRecord, Hit, SyncReport, load_embedder
+from .index import ChunkIndex, Hit, SyncReport, load_embedder
 from .kvstore import ChunkKV, KVStore, cache_key
 from .model import ModelAdapter
+from .profiling import StageClock
 from .prompt import PromptFormat, Segment
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Answer:
     generated_tokens: int
     cache_misses: int
     chunks: list[RetrievedChunk] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
     first_token_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -206,27 +208,36 @@ class FusedGenerator:
         retrieval_s: float = 0.0,
     ) -> Answer:
         """Answer `question` over the given retrieved chunks (in order)."""
-        fusion = fusion or self.index.config.fusion
-        generation = generation or self.index.config.generation
+        fmt = self.index.format
+        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(self.adapter.tokenizer, question))
+        answer = self.complete(segments, fusion, generation, on_text)
+        chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
+        return replace(answer, retrieval_s=retrieval_s, chunks=chunks)
+
+    def complete(
+        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None, on_text: Callable[[str], None] | None = None,
+    ) -> Answer:
+        """Generate after a prompt given as segments; `on_text` receives the text as it streams."""
         pieces = []
-        for step in self.stream(question, [h.chunk for h in hits], fusion, generation):
-            if isinstance(step, str):
-                pieces.append(step)
-                if on_text is not None and step:
-                    on_text(step)
-            else:
-                stats = step
-        return replace(
-            stats, answer="".join(pieces).strip(), retrieval_s=retrieval_s,
-            chunks=[RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits],
-        )
+        for step in self.stream(segments, fusion, generation):
+            if isinstance(step, Answer):
+                return replace(step, answer="".join(pieces).strip())
+            pieces.append(step)
+            if on_text is not None and step:
+                on_text(step)
+        raise AssertionError("stream() always ends with an Answer")
 
     def stream(
-        self, question: str, chunks: Sequence[ChunkRecord], fusion: FusionConfig, generation: GenerationConfig,
+        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
     ) -> Iterator[str | Answer]:
-        """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers."""
+        """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers
+        (its `answer` field empty: the text is what was streamed)."""
+        fusion = fusion or self.index.config.fusion
+        generation = generation or self.index.config.generation
         t0 = time.perf_counter()
-        result, inp, misses = self.prefill(question, chunks, fusion)
+        result, n_prompt, misses = self.prefill(segments, fusion)
         decoder = Decoder(self.adapter, generation)
         first = sample_token(result.logits, generation, decoder.rng)
         ttft = time.perf_counter() - t0
@@ -234,33 +245,44 @@ class FusedGenerator:
         for step in decoder.steps(result.keys, result.values, result.logits, first):
             n_generated += step.token_id is not None
             yield step.text
+        generation_s = time.perf_counter() - t0 - ttft
         if misses:
-            log.warning("%d retrieved chunk(s) had no usable cache; recomputing and storing them", len(misses))
-            self.index.precompute([s.ids for s in misses if s.label != "prefix"], progress=False)
+            log.warning("%d prompt segment(s) had no usable cache; recomputing and storing them", len(misses))
+            self.index.precompute(misses, progress=False)
         yield Answer(
-            answer="", method=fusion.method, ttft_s=ttft, retrieval_s=0.0, prompt_tokens=inp.n_tokens,
+            answer="", method=fusion.method, ttft_s=ttft, retrieval_s=0.0, prompt_tokens=n_prompt,
             recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
-            generation_s=time.perf_counter() - t0 - ttft, generated_tokens=n_generated, cache_misses=len(misses),
-            first_token_logits=result.logits,
+            generation_s=generation_s, generated_tokens=n_generated, cache_misses=len(misses),
+            stages=result.stages, first_token_logits=result.logits,
         )
 
     def prefill(
-        self, question: str, chunks: Sequence[ChunkRecord], fusion: FusionConfig
-    ) -> tuple[FusionResult, FusionInput, list[Segment]]:
-        """Load the chunks' caches (none for `full`), fuse them, and return the prompt cache."""
-        index, fmt = self.index, self.index.format
-        segments = fmt.segments([c.token_ids for c in chunks], fmt.question_ids(self.adapter.tokenizer, question))
+        self, segments: Sequence[Segment], fusion: FusionConfig
+    ) -> tuple[FusionResult, int, list[tuple[int, ...]]]:
+        """Load the cacheable segments' caches (none for `full`), fuse, and return the prompt cache,
+        the prompt length, and the chunks whose cache was missing or corrupt.
+
+        A cacheable segment at position 0 is the system prefix (cached with no context); any other
+        was cached behind the index's chunk context.
+        """
+        index = self.index
+        clock = StageClock(self.adapter.device)
         caches: list[ChunkKV | None] = []
         contexts: list[tuple[int, ...]] = []
         misses = []
-        for seg in segments:
-            ctx = () if seg.label == "prefix" else index.chunk_context
-            kv = None
-            if seg.cacheable and fusion.method != "full":
-                kv = index.store.get(cache_key(index.namespace, ctx, seg.ids), device=self.adapter.device)
-                if kv is None:
-                    misses.append(seg)
-            caches.append(kv)
-            contexts.append(ctx)
-        inp = FusionInput.build(segments, caches, contexts, device=self.adapter.device)
-        return get_method(fusion.method)(self.adapter, inp, fusion), inp, misses
+        start = 0
+        with clock.stage("kv_load"):
+            for seg in segments:
+                ctx = () if start == 0 else index.chunk_context
+                kv = None
+                if seg.cacheable and fusion.method != "full":
+                    kv = index.store.get(cache_key(index.namespace, ctx, seg.ids), device=self.adapter.device)
+                    if kv is None and start > 0:
+                        misses.append(seg.ids)
+                caches.append(kv)
+                contexts.append(ctx)
+                start += len(seg.ids)
+            inp = FusionInput.build(list(segments), caches, contexts, device=self.adapter.device)
+        result = get_method(fusion.method)(self.adapter, inp, fusion)
+        result.stages = {**clock.seconds, **result.stages}
+        return result, inp.n_tokens, misses
