@@ -11,6 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
+import transformers
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -48,6 +49,7 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
         handlers=[RichHandler(console=err, show_path=False)],
     )
     logging.getLogger("rag_kvcache").setLevel(logging.DEBUG if verbose else logging.INFO)
+    transformers.utils.logging.disable_progress_bar()  # weight-loading bars are noise here
 
 
 def _fail(message: str) -> None:
@@ -59,16 +61,26 @@ def _fail(message: str) -> None:
 def index(
     docs_dir: Annotated[Path, typer.Argument(help="Folder of text documents.")],
     index_dir: Annotated[Path, typer.Option("--index", help="Where the index and KV caches go.")],
-    chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
-    model: Annotated[str, typer.Option(help="HF id, local dir or .gguf file.")] = DEFAULT_MODEL,
-    embedder: Annotated[str, typer.Option(help="sentence-transformers model.")] = DEFAULT_EMBEDDER,
+    chunk_tokens: Annotated[Optional[ChunkTokens], typer.Option(help="Chunk size in LLM tokens [default: 512].")] = None,
+    model: Annotated[Optional[str], typer.Option(help=f"HF id, local dir or .gguf file [default: {DEFAULT_MODEL}].")] = None,
+    embedder: Annotated[Optional[str], typer.Option(help=f"sentence-transformers model [default: {DEFAULT_EMBEDDER}].")] = None,
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
 ) -> None:
-    """Chunk, embed and precompute KV caches for every file in DOCS_DIR (incremental on re-runs)."""
-    cfg = _base_config(
-        chunk_tokens=int(chunk_tokens.value), model=model, embedder=embedder, index_type="hnsw" if hnsw else "flat"
-    )
+    """Chunk, embed and precompute KV caches for every file in DOCS_DIR (incremental on re-runs).
+
+    Re-indexing into an existing index keeps the settings it was built with."""
+    if not docs_dir.is_dir():
+        _fail(f"documents folder not found or not a folder: {docs_dir}")
+    given = {"chunk_tokens": chunk_tokens and int(chunk_tokens.value), "model": model, "embedder": embedder}
+    given |= {"index_type": "hnsw"} if hnsw else {}
     try:
+        if (index_dir / "index.sqlite").exists():
+            cfg = KVIndex.config_of(index_dir, _base_config())
+            for key, value in given.items():
+                if value is not None and value != getattr(cfg, key):
+                    _fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
+        else:
+            cfg = _base_config(**given)
         idx = KVIndex.create(index_dir, cfg)
         report = idx.update(docs_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:

@@ -1,0 +1,37 @@
+"""End to end on the real SmolLM2-135M-Instruct: index the demo folder, ask, get the planted fact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.pipeline import FusedGenerator, KVIndex
+
+pytestmark = pytest.mark.smollm2
+
+DEMO = Path(__file__).resolve().parent.parent / "datasets" / "demo"
+QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
+
+
+@pytest.fixture(scope="module")
+def demo_index(smollm2, tmp_path_factory) -> KVIndex:
+    cfg = Config(chunk_tokens=128, top_k=4, generation=GenerationConfig(max_new_tokens=24))
+    return KVIndex.build(DEMO, tmp_path_factory.mktemp("demo") / "idx", cfg, adapter=smollm2, progress=False)
+
+
+@pytest.mark.parametrize("method", ["full", "cacheblend", "epic", "prefix"])
+def test_planted_fact_comes_back(demo_index, method):
+    answer = FusedGenerator(demo_index).ask(QUESTION, fusion=FusionConfig(method=method))
+    assert answer.chunks[0].source == "observatory.md"
+    assert "Harrow" in answer.answer, answer.answer
+
+
+def test_cacheblend_matches_full_first_token(demo_index):
+    gen = FusedGenerator(demo_index)
+    hits = demo_index.search(QUESTION, 4)
+    full = gen.generate(QUESTION, hits, FusionConfig(method="full"))
+    blend = gen.generate(QUESTION, hits, FusionConfig(method="cacheblend"))
+    assert full.first_token_logits.argmax() == blend.first_token_logits.argmax()
+    assert blend.recomputed_tokens < 0.3 * blend.prompt_tokens

@@ -1,0 +1,134 @@
+"""KVIndex + FusedGenerator on the tiny Llama: real indexing, retrieval, fused answers, bad input."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.index import ForeignIndexError
+from rag_kvcache.model import ModelAdapter
+from rag_kvcache.pipeline import FusedGenerator, KVIndex
+
+from conftest import tiny_llama
+
+DOCS = {
+    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships. " * 3,
+    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor. " * 3,
+    "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
+    "notes/harbour.txt": "Orrin's Ford harbour has a granite breakwater and a ferry to Tessaly twice a day. " * 3,
+}
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6))
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    root = tmp_path / "docs"
+    for name, text in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture()
+def index(tiny, docs, tmp_path) -> KVIndex:
+    return KVIndex.build(docs, tmp_path / "idx", CFG, adapter=tiny, progress=False)
+
+
+def test_index_precomputes_every_chunk(index):
+    chunks = list(index.chunks.all_chunks())
+    assert len(chunks) >= len(DOCS)
+    assert all(index.key(c.token_ids) in index.store for c in chunks)
+
+
+def test_ask_retrieves_and_fuses(index):
+    answer = FusedGenerator(index).ask("What is the telescope of the Veldmark Observatory named?")
+    assert answer.chunks[0].source == "observatory.txt"
+    assert answer.method == "cacheblend" and answer.cache_misses == 0
+    assert 0 < answer.recomputed_tokens < answer.prompt_tokens
+    assert answer.ttft_s > 0 and answer.generated_tokens <= 6
+    assert {"kv_load", "assemble_kv", "attention", "mlp"} <= set(answer.stages)
+
+
+def test_exact_methods_answer_like_full(index):
+    gen = FusedGenerator(index)
+    q = "Who kept the lighthouse diary?"
+    hits = index.search(q, 3)
+    answers = {m: gen.generate(q, hits, FusionConfig(method=m, ratio=1.0)) for m in ("full", "prefix", "cacheblend")}
+    assert answers["full"].answer == answers["prefix"].answer == answers["cacheblend"].answer
+    torch.testing.assert_close(answers["prefix"].first_token_logits, answers["full"].first_token_logits, atol=1e-4, rtol=0)
+
+
+def test_another_model_misses_never_hits_wrongly(index, tokenizer, tmp_path):
+    other = ModelAdapter(tiny_llama(seed=7), tokenizer, name="other")
+    reopened = KVIndex.open(index.path, CFG, adapter=other)
+    gen = FusedGenerator(reopened)
+    q = "What does the bakery sell?"
+    hits = reopened.search(q, 3)
+    fused = gen.generate(q, hits, FusionConfig(method="prefix"))
+    assert fused.cache_misses == 3  # every chunk missed: caches of the first model are never served
+    full = gen.generate(q, hits, FusionConfig(method="full"))
+    torch.testing.assert_close(fused.first_token_logits, full.first_token_logits, atol=1e-4, rtol=0)
+    again = gen.generate(q, hits, FusionConfig(method="prefix"))
+    assert again.cache_misses == 0  # the misses were computed and stored for this model
+
+
+def test_top_k_larger_than_index(index, caplog):
+    with caplog.at_level(logging.WARNING):
+        answer = FusedGenerator(index).ask("harbour", top_k=1000)
+    assert len(answer.chunks) == len(index.chunks) and "exceeds" in caplog.text
+
+
+def test_empty_question(index):
+    with pytest.raises(ValueError, match="empty"):
+        FusedGenerator(index).ask("   ")
+
+
+def test_incremental_update(index, docs):
+    (docs / "bakery.txt").unlink()
+    (docs / "new.txt").write_text("The regatta winners receive a silver oar that hangs in the town hall. " * 2)
+    report = index.update(docs, progress=False)
+    assert report.removed == ["bakery.txt"] and report.added == ["new.txt"]
+    assert all(h.chunk.source != "bakery.txt" for h in index.search("rye loaf caraway", 10))
+    assert FusedGenerator(index).ask("What do regatta winners get?").chunks[0].source == "new.txt"
+
+
+def test_bad_folders_lose_nothing(index, tmp_path):
+    n = len(index.chunks)
+    with pytest.raises(FileNotFoundError):
+        index.update(tmp_path / "missing", progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError):
+        index.update(tmp_path / "empty", progress=False)
+    assert len(index.chunks) == n and FusedGenerator(index).ask("harbour ferry").answer is not None
+
+
+def test_missing_and_foreign_index(tiny, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        KVIndex.open(tmp_path / "nope", CFG, adapter=tiny)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "index.sqlite").write_bytes(b"not a database at all" * 10)
+    with pytest.raises(ForeignIndexError):
+        KVIndex.open(foreign, CFG, adapter=tiny)
+
+
+def test_other_tokenizer_is_refused(index):
+    from transformers import AutoTokenizer
+
+    from conftest import MINILM_DIR
+
+    other = AutoTokenizer.from_pretrained(MINILM_DIR)
+    other.add_tokens(["veldmark"])  # a vocabulary the stored token ids were not made with
+    with pytest.raises(ValueError, match="tokenizes differently"):
+        KVIndex.open(index.path, CFG, adapter=ModelAdapter(tiny_llama(), other, name="x"))
+
+
+def test_index_can_be_copied_and_reopened(index, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(index.path, copy)
+    reopened = KVIndex.open(copy, CFG, adapter=index.adapter)
+    assert FusedGenerator(reopened).ask("ferry to Tessaly").cache_misses == 0
