@@ -35,12 +35,16 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
     """Move keys [H_kv, T, D] computed at positions p to positions p + delta.
 
     RoPE rotations compose, so rotating by the angle of `delta` equals computing at the new offset.
-    `delta` is an int or a per-token tensor [T].
+    `delta` is an int (one angle per frequency for all tokens: no per-token table) or a tensor [T].
+    Angles are formed in float64 so a large shift adds no error of its own.
     """
-    n = keys.shape[1]
-    delta_t = torch.as_tensor(delta, device=keys.device).expand(n)  # [T]
-    cos, sin = rope_cos_sin(delta_t, inv_freq.to(keys.device))  # [T, D]
-    return apply_rope(keys, cos, sin)  # [H_kv, T, D]
+    half = keys.shape[-1] // 2
+    d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)  # [T or 1, 1]
+    angles = d * inv_freq.to(keys.device, torch.float64)  # [T or 1, D/2]
+    cos, sin = angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
+    k32 = keys.to(torch.float32)
+    k1, k2 = k32[..., :half], k32[..., half:]  # [H_kv, T, D/2]
+    return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1).to(keys.dtype)  # [H_kv, T, D]
 
 
 def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
