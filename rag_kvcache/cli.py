@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import sys
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
@@ -18,6 +20,8 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, Config, FusionConfig
+from .bench.datasets import FORMATS, load_dataset
+from .bench.runner import DEFAULT_METHODS, BenchSettings, run_benchmark
 from .fusion import METHODS
 from .pipeline import FusedGenerator, KVIndex
 
@@ -102,6 +106,11 @@ def ask(
     check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
     epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.9,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Override the index's model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     stream: Annotated[bool, typer.Option(help="Stream tokens as they come (text output only).")] = False,
@@ -113,7 +122,10 @@ def ask(
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
         cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
         cfg = cfg.with_fusion(method=method.value, ratio=ratio, check_layer=check_layer, epic_k=epic_k)
-        cfg = cfg.with_generation(max_new_tokens=max_new_tokens)
+        cfg = cfg.with_generation(
+            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
+            stop=tuple(stop or ()),
+        )
         gen = FusedGenerator(KVIndex.open(index_dir, cfg))
         on_text = (lambda t: out.print(t, end="", highlight=False)) if stream and not as_json else None
         answer = gen.ask(question, top_k=top_k, on_text=on_text)
@@ -155,3 +167,46 @@ def demo(
     out.print(table)
     out.print(f"[dim]sources: {', '.join(c.source for c in results['cacheblend'].chunks)}[/dim]")
 
+
+DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
+
+
+@app.command()
+def bench(
+    dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL.")],
+    fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated fusion methods; must include full.")] = ",".join(DEFAULT_METHODS),
+    chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
+    top_k: Annotated[int, typer.Option(min=1, help="Chunks retrieved per question.")] = 6,
+    sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
+    out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap.")] = 32,
+    model: Annotated[str, typer.Option(help="HF id, local dir or .gguf file.")] = DEFAULT_MODEL,
+    warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
+) -> None:
+    """Index every passage of a QA set, then compare fusion methods on each question: TTFT, speedup
+    over full prefill, F1 against the gold answers and against full's answer, first-token agreement, KL."""
+    try:
+        examples = load_dataset(dataset, fmt and fmt.value)[:limit]
+        settings = BenchSettings(
+            methods=tuple(m.strip() for m in methods.split(",") if m.strip()), sweep=sweep, warmup=warmup,
+            threads=threads,
+        )
+        cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
+        cfg = cfg.with_generation(
+            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
+            stop=tuple(stop or ()),
+        )
+        command = shlex.join(["rag-kvcache", *sys.argv[1:]])
+        result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    indexing = result.meta["indexing"]
+    if indexing["tokens_per_s"] is not None:
+        out.print(
+            f"indexing: {indexing['tokens']} tokens in {indexing['seconds']:.0f} s = {indexing['tokens_per_s']:.0f} tok/s, "
+            f"{indexing['fraction_of_forward']:.2f} of the plain forward ({indexing['forward_tokens_per_s']:.0f} tok/s)"
+        )
+    out.print((result.out_dir / "results.md").read_text(encoding="utf-8"), markup=False, highlight=False)
