@@ -40,7 +40,7 @@ class Decoder:
         self.cfg = cfg
         self.rng = None
         if cfg.do_sample:
-            self.rng = torch.Generator(device="cpu")
+            self.rng = torch.Generator(device=adapter.device)
             if cfg.seed is not None:
                 self.rng.manual_seed(cfg.seed)
             else:

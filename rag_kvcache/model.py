@@ -200,7 +200,7 @@ class ModelAdapter:
         cache = None if past is None else self.make_cache(*past)
         positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         out = self.model(
-            input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache or DynamicCache(),
+            input_ids=ids.to(self.device), position_ids=positions, past_key_values=DynamicCache() if cache is None else cache,
             use_cache=True, logits_to_keep=1,
         )
         layers = out.past_key_values.layers

@@ -41,7 +41,7 @@ def rag_prompt(adapter, seed: int = 0, n_chunks: int = 3, chunk_len: int = 24, i
     ctx = () if isolated else prefix
     caches = [chunk_kv(adapter, s.ids, () if s.label == "prefix" else ctx) if s.cacheable else None for s in segments]
     contexts = [() if s.label == "prefix" else ctx for s in segments]
-    return FusionInput.build(segments, caches, contexts)
+    return FusionInput.build(segments, caches, contexts, device=adapter.device)
 
 
 def run(adapter, inp, method, **cfg):

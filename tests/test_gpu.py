@@ -1,0 +1,31 @@
+"""The fused path on CUDA (skipped without a GPU; CI has none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.fusion import get_method
+from rag_kvcache.generation import Decoder, sample_token
+from rag_kvcache.model import ModelAdapter
+
+from conftest import tiny_llama
+from test_fusion import rag_prompt
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_fusion_invariants_on_cuda(tokenizer, dtype, atol):
+    adapter = ModelAdapter(tiny_llama().to("cuda", dtype), tokenizer, name="tiny-cuda")
+    inp = rag_prompt(adapter)
+    ref = get_method("full")(adapter, inp, FusionConfig(method="full"))
+    for method, cfg in (("prefix", {}), ("cacheblend", {"ratio": 1.0})):
+        out = get_method(method)(adapter, inp, FusionConfig(method=method, **cfg))
+        torch.testing.assert_close(out.logits, ref.logits, atol=atol, rtol=0)
+    blend = get_method("cacheblend")(adapter, inp, FusionConfig())
+    gen = GenerationConfig(max_new_tokens=5, do_sample=True, seed=0)
+    dec = Decoder(adapter, gen)
+    steps = list(dec.steps(blend.keys, blend.values, blend.logits, sample_token(blend.logits, gen, dec.rng)))
+    assert steps and blend.keys[0].device.type == "cuda"
