@@ -7,10 +7,15 @@ come from the model's chat template, split around a placeholder for the user's c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 _PLACEHOLDER = "\x00RAGKV-USER-CONTENT\x00"
+_CHUNK_MARK = re.compile("\x00RAGKV-CHUNK-([0-9]+)\x00")
 _SEPARATOR = "\n\n"
+_DOCUMENTS_HEAD = "Documents:\n"
+_QUESTION_HEAD = "Question: "
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,13 @@ class PromptFormat:
             ]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             head, tail = text.split(_PLACEHOLDER)
-            head += "Documents:\n"
+            head += _DOCUMENTS_HEAD
         else:  # a base model: plain text with the tokenizer's own BOS, if it adds one
-            head = f"{tokenizer.bos_token or ''}{system_prompt}\n\nDocuments:\n"
+            head = f"{tokenizer.bos_token or ''}{system_prompt}{_SEPARATOR}{_DOCUMENTS_HEAD}"
             tail = "\nAnswer:"
         prefix = tuple(tokenizer(head, add_special_tokens=False).input_ids)
         separator = tuple(tokenizer(_SEPARATOR, add_special_tokens=False).input_ids)
-        return cls(prefix, separator, _SEPARATOR + "Question: ", tail)
+        return cls(prefix, separator, _SEPARATOR + _QUESTION_HEAD, tail)
 
     def question_ids(self, tokenizer, question: str) -> tuple[int, ...]:
         if not question.strip():
@@ -63,3 +68,76 @@ class PromptFormat:
             out.append(Segment(ids, cacheable=True, label=f"chunk{i}"))
         out.append(Segment(question_ids, cacheable=False, label="question"))
         return out
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """A retrieved chunk inside a chat message: its token ids as stored at indexing time."""
+
+    ids: tuple[int, ...]
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message: a role (`system`, `user`, `assistant`, ...) and its text and chunk parts."""
+
+    role: str
+    parts: tuple[str | ChunkPart, ...]
+
+
+def chat_segments(tokenizer, system_prompt: str, turns: Sequence[ChatTurn]) -> list[Segment]:
+    """The segments of a chat prompt whose messages may carry retrieved chunks.
+
+    Consecutive turns of one role are merged into one message. A conversation that does not open
+    with a system turn gets `system_prompt` (the one the index's chunk caches were computed behind).
+    Inside a message, parts are separated by a blank line, a run of chunks is introduced by
+    "Documents:" and text right after chunks by "Question: ": the layout of `PromptFormat`, so one
+    user turn of chunks and a question gives exactly `PromptFormat.segments`, and its chunks'
+    caches are exact where a full prefill would compute the same. The chat template is rendered
+    around the text; the chunks' stored ids are spliced in where they stand, never re-tokenised.
+    A head equal to the system prefix is cacheable; all other text is computed at query time.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError(f"chat messages need a chat template; tokenizer {tokenizer.name_or_path!r} has none")
+    merged: list[ChatTurn] = []
+    for turn in turns:
+        if merged and merged[-1].role == turn.role:
+            merged[-1] = ChatTurn(turn.role, merged[-1].parts + turn.parts)
+        else:
+            merged.append(turn)
+    if not merged:
+        raise ValueError("no chat messages to answer")
+    if merged[0].role != "system":
+        merged.insert(0, ChatTurn("system", (system_prompt,)))
+    chunks: list[ChunkPart] = []
+    messages = [{"role": turn.role, "content": _render_parts(turn.parts, chunks)} for turn in merged]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pieces = _CHUNK_MARK.split(text)  # text, chunk number, text, chunk number, ..., text
+    order = [int(n) for n in pieces[1::2]]
+    if order != list(range(len(chunks))):
+        raise ValueError(f"the chat template of {tokenizer.name_or_path!r} reordered or dropped chunks: {order!r}")
+    segments: list[Segment] = []
+    for i, piece in enumerate(pieces[::2]):
+        if i:
+            segments.append(Segment(chunks[i - 1].ids, cacheable=True, label=chunks[i - 1].label))
+        if piece:
+            segments.append(Segment(tuple(tokenizer(piece, add_special_tokens=False).input_ids), False, "text"))
+    if segments[0].ids == PromptFormat.build(tokenizer, system_prompt).prefix_ids:
+        segments[0] = replace(segments[0], cacheable=True, label="prefix")
+    return segments
+
+
+def _render_parts(parts: Sequence[str | ChunkPart], chunks: list[ChunkPart]) -> str:
+    """A message's content with a numbered mark where each chunk goes (appended to `chunks`)."""
+    out: list[str] = []
+    after_chunk = False
+    for part in parts:
+        if isinstance(part, ChunkPart):
+            out.append(("" if after_chunk else _DOCUMENTS_HEAD) + f"\x00RAGKV-CHUNK-{len(chunks)}\x00")
+            chunks.append(part)
+            after_chunk = True
+        elif part:
+            out.append((_QUESTION_HEAD if after_chunk else "") + part)
+            after_chunk = False
+    return _SEPARATOR.join(out)

@@ -1,0 +1,30 @@
+"""`create_kv_rag_chain`: question -> retriever -> chunk blocks -> chat model."""
+
+from __future__ import annotations
+
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
+
+from .chat_models import chunk_block
+
+
+def rag_message(documents: list[Document], question: str) -> HumanMessage:
+    """One user message: the documents as `text-plain` blocks (chunk ids kept), then the question."""
+    if not question.strip():
+        raise ValueError(f"the question is empty: {question!r}")
+    return HumanMessage([*map(chunk_block, documents), {"type": "text", "text": question.strip()}])
+
+
+def create_kv_rag_chain(retriever: BaseRetriever, model: BaseChatModel) -> Runnable[str, AIMessage]:
+    """The LCEL chain `retriever -> blocks -> model` for a question string.
+
+    Documents are not joined into one string: each becomes its own `text-plain` block, so a
+    `ChatRagKVCache` model recognises the retrieved chunks and fuses their caches.
+    """
+    to_messages = RunnableLambda(lambda inputs: [rag_message(inputs["documents"], inputs["question"])])
+    return (
+        RunnableParallel(documents=retriever, question=RunnablePassthrough()) | to_messages | model
+    ).with_config(run_name="kv_rag_chain")

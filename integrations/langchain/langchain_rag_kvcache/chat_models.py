@@ -1,0 +1,213 @@
+"""`ChatRagKVCache`: a LangChain chat model that fuses the KV caches of retrieved chunks.
+
+Retrieved chunks travel inside messages as standard `text-plain` content blocks whose `extras`
+carry the chunk id (`chunk_block` makes one from a retriever's `Document`). The model splices
+each such chunk's stored token ids into the prompt and loads its cache; all other content (plain
+text, `text-plain` blocks without a chunk id) is tokenised and prefilled at query time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages.content import PlainTextContentBlock, create_plaintext_block
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from typing_extensions import Self
+
+from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+
+from ._engine import Engine, engine_for
+
+log = logging.getLogger(__name__)
+
+CHUNK_ID_KEY = "chunk_id"
+"""The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""
+
+_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+_CALL_OPTIONS = frozenset({"temperature", "max_tokens", "top_p", "seed", "fusion", "model"})
+
+
+def chunk_block(document: Document) -> PlainTextContentBlock:
+    """A `text-plain` content block for a retrieved document; it carries the chunk id when the
+    document came from a rag-kvcache index (see `RagKVCacheRetriever`), so its cache is fused."""
+    chunk_id = document.metadata.get(CHUNK_ID_KEY)
+    if chunk_id is None:
+        return create_plaintext_block(text=document.page_content, title=document.metadata.get("source"))
+    return create_plaintext_block(
+        text=document.page_content, id=chunk_id, title=document.metadata.get("source"), **{CHUNK_ID_KEY: chunk_id}
+    )
+
+
+class ChatRagKVCache(BaseChatModel):
+    """Chat model over a rag-kvcache index, with the index's model (SmolLM2-135M-Instruct by default).
+
+    ```python
+    from langchain_core.messages import HumanMessage
+    from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, chunk_block
+
+    model = ChatRagKVCache(index="demo-index", max_tokens=48)
+    docs = RagKVCacheRetriever(index="demo-index", k=4).invoke("Veldmark telescope")
+    message = HumanMessage([*map(chunk_block, docs), {"type": "text", "text": "What is the telescope called?"}])
+    print(model.invoke([message]).text)
+    ```
+
+    Messages of one role in a row are merged. A conversation without a system message gets the
+    index's system prompt, the one its chunk caches were computed behind. `temperature` 0 or
+    unset decodes greedily. `response_metadata` reports the fusion (`ttft_s`, `recomputed_tokens`,
+    `cache_misses`, ...) and `usage_metadata["input_token_details"]["cache_read"]` the prompt
+    tokens whose KV came from the cache.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: str = Field(description="Folder of a rag-kvcache index (`rag-kvcache index DOCS --index FOLDER`).")
+    fusion: FusionConfig = Field(default_factory=FusionConfig, description="How chunk caches are fused.")
+    temperature: float | None = Field(default=None, ge=0.0, description="0 or None: greedy decoding.")
+    max_tokens: int | None = Field(default=None, ge=1, description="None: the index's default (64).")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+
+    _model_name: str = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _read_index(self) -> Self:
+        self._model_name = KVIndex.config_of(Path(self.index)).model  # fails here for a folder that is no index
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The LLM the index was built with."""
+        return self._model_name
+
+    @property
+    def _llm_type(self) -> str:
+        return "rag-kvcache"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"index": self.index, "model_name": self.model_name, "fusion": self.fusion}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="rag_kvcache", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop := stop or self.stop:
+            params["ls_stop"] = stop
+        return params
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    def _stream(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        if unknown := kwargs.keys() - _CALL_OPTIONS:
+            raise TypeError(f"{type(self).__name__} got unexpected call options {sorted(unknown)!r}")
+        if kwargs.get("model", self.model_name) != self.model_name:
+            raise ValueError(
+                f"index {self.index} serves {self.model_name!r}, not {kwargs['model']!r}: another model needs "
+                "its own index"
+            )
+        engine = engine_for(self.index)
+        generation = self._generation_config(engine.index, stop, kwargs)
+        segments = engine.run(_segments, engine.index, messages)
+        for step in engine.stream(segments, kwargs.get("fusion", self.fusion), generation):
+            if isinstance(step, Answer):
+                yield self._last_chunk(step, generation)
+            elif step:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=step))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(step, chunk=chunk)
+                yield chunk
+
+    def _generation_config(
+        self, index: KVIndex, stop: list[str] | None, options: dict[str, Any]
+    ) -> GenerationConfig:
+        default = index.config.generation
+        temperature = options.get("temperature", self.temperature)
+        top_p = options.get("top_p", self.top_p)
+        return GenerationConfig(
+            max_new_tokens=options.get("max_tokens", self.max_tokens) or default.max_new_tokens,
+            do_sample=bool(temperature),
+            temperature=temperature or default.temperature,
+            top_p=default.top_p if top_p is None else top_p,
+            seed=options.get("seed", self.seed),
+            stop=tuple(stop or self.stop or ()),
+        )
+
+    def _last_chunk(self, answer: Answer, generation: GenerationConfig) -> ChatGenerationChunk:
+        """The closing chunk: usage and the fusion's numbers, no text (it was streamed)."""
+        cache_read = answer.prompt_tokens - answer.recomputed_tokens
+        usage = UsageMetadata(
+            input_tokens=answer.prompt_tokens, output_tokens=answer.generated_tokens,
+            total_tokens=answer.prompt_tokens + answer.generated_tokens,
+            input_token_details={"cache_read": cache_read},
+        )
+        finish_reason = "length" if answer.generated_tokens >= generation.max_new_tokens else "stop"
+        metadata = {
+            "model_name": self.model_name, "model_provider": "rag_kvcache", "finish_reason": finish_reason,
+            "method": answer.method, "ttft_s": answer.ttft_s, "prompt_tokens": answer.prompt_tokens,
+            "recomputed_tokens": answer.recomputed_tokens, "compute_fraction": answer.compute_fraction,
+            "cache_misses": answer.cache_misses, "generation_s": answer.generation_s, "stages": answer.stages,
+        }
+        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+        return ChatGenerationChunk(message=message)
+
+
+def _segments(index: KVIndex, messages: Sequence[BaseMessage]) -> list[Segment]:
+    """The prompt of `messages` as segments, chunks as their stored token ids."""
+    turns = [ChatTurn(_role(message), tuple(_parts(index, message))) for message in messages]
+    return chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    if message.type not in _ROLES:
+        raise ValueError(
+            f"ChatRagKVCache takes system, human, AI and chat messages; got a {message.type!r} message "
+            "(the model has no tool calling)"
+        )
+    return _ROLES[message.type]
+
+
+def _parts(index: KVIndex, message: BaseMessage) -> Iterator[str | ChunkPart]:
+    for block in message.content_blocks:
+        if block["type"] == "text":
+            yield block["text"]
+        elif block["type"] == "text-plain" and "text" in block:
+            chunk_id = block.get("extras", {}).get(CHUNK_ID_KEY)
+            if chunk_id is None:
+                yield block["text"]
+                continue
+            (record,) = index.chunks.get([chunk_id])
+            if record.text != block["text"]:
+                raise ValueError(
+                    f"text-plain block for chunk {chunk_id!r} holds other text than the chunk in index "
+                    f"{index.path}: {block['text'][:80]!r} vs {record.text[:80]!r}"
+                )
+            yield ChunkPart(record.token_ids, label=f"chunk:{chunk_id}")
+        else:
+            raise ValueError(
+                f"ChatRagKVCache takes text and text-plain (with text) content blocks; got {block!r}"
+            )

@@ -1,0 +1,109 @@
+"""Chunk identity survives retriever -> blocks -> model, and the model fuses exactly what the core would."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages.content import create_plaintext_block
+
+from rag_kvcache import FusionConfig, GenerationConfig
+
+from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
+from langchain_rag_kvcache._engine import engine_for
+
+QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+
+
+@pytest.fixture(scope="module")
+def model(demo_index: str) -> ChatRagKVCache:
+    return ChatRagKVCache(index=demo_index, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def retriever(demo_index: str) -> RagKVCacheRetriever:
+    return RagKVCacheRetriever(index=demo_index, k=3)
+
+
+def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_index: str) -> None:
+    docs = retriever.invoke(QUESTION)
+    engine = engine_for(demo_index)
+    records = engine.run(engine.index.chunks.get, [doc.id for doc in docs])
+    assert [doc.page_content for doc in docs] == [record.text for record in records]
+    assert all(doc.metadata["chunk_id"] == doc.id for doc in docs)
+    assert docs[0].metadata["source"] == "observatory.md"
+    scores = [doc.metadata["score"] for doc in docs]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_chain_answers_from_fused_chunk_caches(retriever: RagKVCacheRetriever, model: ChatRagKVCache) -> None:
+    answer = create_kv_rag_chain(retriever, model).invoke(QUESTION)
+    assert "Harrow" in answer.text
+    assert answer.response_metadata["cache_misses"] == 0
+    assert answer.response_metadata["method"] == "cacheblend"
+    usage = answer.usage_metadata
+    assert usage is not None
+    assert usage["input_token_details"]["cache_read"] > usage["input_tokens"] // 2
+
+
+def test_model_prompt_equals_the_core_fused_prompt(
+    retriever: RagKVCacheRetriever, model: ChatRagKVCache, demo_index: str
+) -> None:
+    """A user message of chunk blocks and a question is the prompt `FusedGenerator.ask` fuses."""
+    engine = engine_for(demo_index)
+    hits = engine.run(engine.index.search, QUESTION, 3)
+    core = engine.run(engine.generator.generate, QUESTION, hits, None, GenerationConfig(max_new_tokens=24))
+    message = model.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
+    assert message.text == core.answer
+    assert message.usage_metadata["input_tokens"] == core.prompt_tokens
+    assert message.response_metadata["recomputed_tokens"] == core.recomputed_tokens
+
+
+def test_streaming_matches_invoke(retriever: RagKVCacheRetriever, model: ChatRagKVCache) -> None:
+    messages = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+    pieces = [chunk.text for chunk in model.stream(messages)]
+    assert len(pieces) > 2
+    assert "".join(pieces).strip() == model.invoke(messages).text
+
+
+def test_blocks_without_chunk_id_are_prefilled(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
+    docs = retriever.invoke(QUESTION)
+    blocks = [create_plaintext_block(text=doc.page_content) for doc in docs]
+    message = model.invoke([HumanMessage([*blocks, {"type": "text", "text": QUESTION}])])
+    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert message.response_metadata["cache_misses"] == 0
+
+
+def test_full_method_reads_no_cache(demo_index: str, retriever: RagKVCacheRetriever) -> None:
+    full = ChatRagKVCache(index=demo_index, max_tokens=8, fusion=FusionConfig(method="full"))
+    message = full.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
+    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert message.response_metadata["recomputed_tokens"] == message.usage_metadata["input_tokens"]
+
+
+def test_edited_chunk_text_is_refused(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
+    doc = retriever.invoke(QUESTION)[0]
+    doc.page_content = doc.page_content.upper()
+    with pytest.raises(ValueError, match="other text than the chunk"):
+        model.invoke([rag_message([doc], QUESTION)])
+
+
+def test_unknown_chunk_id_is_refused(model: ChatRagKVCache) -> None:
+    block = create_plaintext_block(text="some text", chunk_id="0123456789abcdef")
+    with pytest.raises(KeyError, match="0123456789abcdef"):
+        model.invoke([HumanMessage([block, {"type": "text", "text": QUESTION}])])
+
+
+def test_tool_messages_are_refused(model: ChatRagKVCache) -> None:
+    with pytest.raises(ValueError, match="no tool calling"):
+        model.invoke([HumanMessage("hi"), ToolMessage("3", tool_call_id="t1")])
+
+
+def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_index: str, tmp_path) -> None:
+    with pytest.raises(TypeError, match="frequency_penalty"):
+        model.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(ValueError, match="another model needs its own index"):
+        model.invoke("hi", model="gpt-4o")
+    with pytest.raises(ValueError, match="max_token"):
+        ChatRagKVCache(index=demo_index, max_token=5)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        ChatRagKVCache(index=str(tmp_path / "missing"))
