@@ -195,10 +195,7 @@ def bench(
             threads=threads,
         )
         cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
-        cfg = cfg.with_generation(
-            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
-            stop=tuple(stop or ()),
-        )
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:

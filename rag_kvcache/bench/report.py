@@ -72,6 +72,30 @@ def markdown_table(summary: Sequence[Entry]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
+STAGE_ORDER = ("kv_load", "assemble_kv", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
+
+
+def stage_table(summary: Sequence[Entry]) -> str:
+    """Markdown table of median milliseconds per prefill stage (entries' `stage_median_s`), one row per entry.
+
+    Stages are those of `Answer.stages` plus "other" (TTFT outside them: decoder setup, first sampling).
+    """
+    for entry in summary:
+        _check_entry(entry)
+        if not isinstance(entry.get("stage_median_s"), Mapping):
+            raise ValueError(f"{label(entry)!r} has no 'stage_median_s' mapping: {dict(entry)!r}")
+    seen = {name for e in summary for name in e["stage_median_s"]}
+    stages = [s for s in STAGE_ORDER if s in seen] + sorted(seen - set(STAGE_ORDER))
+    header = ["Method", "TTFT median (ms)", *(f"{s} (ms)" for s in stages)]
+    rows = [
+        [label(e), f"{e['ttft_median_s'] * 1000:.0f}",
+         *(MISSING if s not in e["stage_median_s"] else f"{e['stage_median_s'][s] * 1000:.0f}" for s in stages)]
+        for e in summary
+    ]
+    lines = [header, ["---", *("---:" for _ in header[1:])], *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -143,7 +167,10 @@ def _json_default(value: Any) -> Any:
 
 def _markdown(summary: Sequence[Entry], meta: Mapping[str, Any], plot_name: str) -> str:
     bullets = "".join(f"- **{key}**: {value}\n" for key, value in meta.items())
-    return f"# Benchmark results\n\n{bullets}\n{markdown_table(summary)}\n![pareto]({plot_name})\n"
+    stages = ""
+    if summary and all("stage_median_s" in e for e in summary):
+        stages = f"\nMedian time per prefill stage:\n\n{stage_table(summary)}"
+    return f"# Benchmark results\n\n{bullets}\n{markdown_table(summary)}{stages}\n![pareto]({plot_name})\n"
 
 
 def write_report(

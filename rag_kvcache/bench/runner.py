@@ -1,0 +1,364 @@
+"""The benchmark harness behind `rag-kvcache bench`: one index over every passage of a QA set, then
+every fusion method (and sweep point) on the same retrieved chunks of every question.
+
+Protocol, so that the numbers hold up:
+- Indexing (chunking, embedding, KV precompute) is timed on its own and reported as tokens/s and as
+  a fraction of the model's plain forward throughput; it is never part of a TTFT.
+- Per question, retrieval runs once (timed separately) and every variant answers over the same
+  chunks in the same order. TTFT is `Answer.ttft_s`: question in to first token out, cache loading
+  and fusion included.
+- The variant order rotates from question to question, so machine drift hits every variant alike;
+  the first `warmup` questions are run once untimed before measuring.
+- Quality is measured against the gold answers and against `full`'s own answer and first-token
+  distribution; speedup is the median over questions of the per-question TTFT ratio to `full`.
+- Records are appended to `records.jsonl` as each question finishes, and an interrupted run still
+  writes the report of the questions it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..config import Config, FusionConfig
+from ..fusion import METHODS
+from ..index import Hit
+from ..model import ModelAdapter
+from ..pipeline import Answer, FusedGenerator, KVIndex
+from .datasets import QAExample
+from .metrics import kl_divergence, max_f1, median_ratio, rouge_l, summarize
+from .report import write_report
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "full"
+DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
+# Short parameter names used in labels ("cacheblend r=0.15") -> FusionConfig fields.
+PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
+METHOD_PARAMS = {"cacheblend": "r", "epic": "k"}
+OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and first-token sampling
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One method at one parameter setting, e.g. `cacheblend` with r=0.05."""
+
+    method: str
+    params: tuple[tuple[str, float | int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown fusion method {self.method!r}; available: {', '.join(METHODS)}")
+        unknown = [key for key, _ in self.params if key not in PARAM_FIELDS]
+        if unknown:
+            raise ValueError(f"unknown variant parameters {unknown} for {self.method!r}; known: {sorted(PARAM_FIELDS)}")
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.method, *(f"{key}={value:g}" for key, value in self.params)])
+
+    def fusion(self, base: FusionConfig) -> FusionConfig:
+        return replace(base, method=self.method, **{PARAM_FIELDS[key]: value for key, value in self.params})
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What is run and how it is timed (model, chunking, top-k and decoding live in `Config`)."""
+
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    sweep: bool = False
+    sweep_ratios: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.5)
+    sweep_epic_ks: tuple[int, ...] = (0, 4, 16, 32)
+    warmup: int = 1
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if REFERENCE not in self.methods:
+            raise ValueError(f"methods must include {REFERENCE!r}, the reference of every metric; got {self.methods}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods must not repeat, got {self.methods}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+
+def plan(settings: BenchSettings, base: FusionConfig) -> list[Variant]:
+    """The variants to run: each method at `base`'s parameters, then the sweep points not already there."""
+    def at(method: str, value: float | int | None = None) -> Variant:
+        key = METHOD_PARAMS.get(method)
+        if key is None:
+            return Variant(method)
+        return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),))
+
+    variants = [at(method) for method in settings.methods]
+    if settings.sweep:
+        sweep = [("cacheblend", v) for v in settings.sweep_ratios] + [("epic", v) for v in settings.sweep_epic_ks]
+        variants += [at(method, value) for method, value in sweep]
+    return list(dict.fromkeys(variants))
+
+
+# ---- indexing ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IndexingStats:
+    passages: int
+    chunks: int
+    tokens: int  # chunk tokens prefilled by this run (0 when the index was already complete)
+    seconds: float  # chunking + embedding + KV precompute
+    forward_tokens_per_s: float  # the model's plain forward over one 512-token input
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens else None
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.tokens_per_s
+        return {
+            "passages": self.passages, "chunks": self.chunks, "tokens": self.tokens, "seconds": self.seconds,
+            "tokens_per_s": rate, "forward_tokens_per_s": self.forward_tokens_per_s,
+            "fraction_of_forward": None if rate is None else rate / self.forward_tokens_per_s,
+        }
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:48] or "untitled"
+
+
+def write_corpus(examples: Sequence[QAExample], docs_dir: Path) -> int:
+    """Write every distinct passage of `examples` as `<i>-<slug>.txt` ("title\\ntext"); returns how many."""
+    passages = dict.fromkeys(doc for ex in examples for doc in ex.documents)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(passages):
+        text = f"{doc.title}\n{doc.text}" if doc.title else doc.text
+        (docs_dir / f"{i:05d}-{_slug(doc.title)}.txt").write_text(text, encoding="utf-8")
+    return len(passages)
+
+
+def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int = 3) -> float:
+    """Tokens/s of a plain forward (`adapter.prefill`) over `n_tokens` ids: median of `repeats` after a warm-up."""
+    ids = torch.randint(0, adapter.model.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
+    adapter.prefill(ids)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        adapter.prefill(ids)
+        seconds.append(time.perf_counter() - t0)
+    return n_tokens / float(np.median(seconds))
+
+
+def build_index(
+    examples: Sequence[QAExample], work_dir: Path, config: Config, adapter: ModelAdapter, progress: bool
+) -> tuple[KVIndex, IndexingStats]:
+    """Index every passage of `examples` under `work_dir` (incremental if already there) and time it."""
+    n_passages = write_corpus(examples, work_dir / "docs")
+    index = KVIndex.create(work_dir / "index", config, adapter)
+    t0 = time.perf_counter()
+    report = index.update(work_dir / "docs", progress=progress)
+    seconds = time.perf_counter() - t0
+    if report.removed or report.changed:
+        raise ValueError(f"{work_dir / 'index'} holds another corpus ({len(report.removed)} files removed, "
+                         f"{len(report.changed)} changed): use a new --out")
+    stats = IndexingStats(
+        passages=n_passages, chunks=len(index.chunks), tokens=sum(len(c.token_ids) for c in report.new_chunks),
+        seconds=seconds, forward_tokens_per_s=forward_throughput(adapter),
+    )
+    if not stats.tokens:
+        log.info("index %s was already complete: indexing throughput not measured", work_dir / "index")
+    return index, stats
+
+
+# ---- per-question measurement -------------------------------------------------------------------------
+def rotated(variants: Sequence[Variant], i: int) -> list[Variant]:
+    """`variants` rotated by `i` places: over len(variants) questions each runs once in every slot."""
+    shift = i % len(variants)
+    return [*variants[shift:], *variants[:shift]]
+
+
+def _stages(answer: Answer) -> dict[str, float]:
+    return {**answer.stages, OTHER_STAGE: max(0.0, answer.ttft_s - sum(answer.stages.values()))}
+
+
+def _first_logits(answer: Answer) -> np.ndarray:
+    if answer.first_token_logits is None:
+        raise ValueError(f"{answer.method!r} returned no first-token logits")
+    return answer.first_token_logits.float().cpu().numpy()  # [V]
+
+
+def _record(
+    example: QAExample, variant: Variant, slot: int, answer: Answer, reference: Answer, retrieval_s: float
+) -> dict[str, Any]:
+    logits, ref_logits = _first_logits(answer), _first_logits(reference)  # [V]
+    first, ref_first = int(logits.argmax()), int(ref_logits.argmax())
+    summarisation = example.task == "summarization"
+    return {
+        "id": example.id, "question": example.question, "gold": list(example.answers),
+        "method": variant.method, "params": dict(variant.params), "label": variant.label, "slot": slot,
+        "answer": answer.answer, "ttft_s": answer.ttft_s, "retrieval_s": retrieval_s,
+        "prompt_tokens": answer.prompt_tokens, "recomputed_tokens": answer.recomputed_tokens,
+        "recompute_fraction": answer.recomputed_tokens / answer.prompt_tokens,
+        "compute_fraction": answer.compute_fraction, "generation_s": answer.generation_s,
+        "generated_tokens": answer.generated_tokens, "cache_misses": answer.cache_misses,
+        "chunks": [c.id for c in answer.chunks], "stages": _stages(answer),
+        "f1_gold": max_f1(answer.answer, example.answers),
+        "f1_vs_full": max_f1(answer.answer, [reference.answer]),
+        "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
+        "first_token": first, "first_token_agree": first == ref_first,
+        "kl_vs_full": kl_divergence(ref_logits, logits),
+    }
+
+
+def run_question(
+    generator: FusedGenerator, example: QAExample, variants: Sequence[Variant], slot_shift: int
+) -> list[dict[str, Any]]:
+    """Retrieve once, answer with every variant (rotated by `slot_shift`), and score against `full`."""
+    config = generator.index.config
+    t0 = time.perf_counter()
+    hits: list[Hit] = generator.index.search(example.question, config.top_k)
+    retrieval_s = time.perf_counter() - t0
+    order = rotated(variants, slot_shift)
+    answers = {
+        v: generator.generate(example.question, hits, v.fusion(config.fusion), config.generation) for v in order
+    }
+    reference = answers[Variant(REFERENCE)]
+    return [_record(example, v, order.index(v), answers[v], reference, retrieval_s) for v in variants]
+
+
+# ---- summary ------------------------------------------------------------------------------------------
+def _mean(values: Sequence[float | bool | None]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return float(np.mean(present)) if present else None
+
+
+def _stage_medians(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    names = dict.fromkeys(name for r in records for name in r["stages"])
+    return {name: float(np.median([r["stages"].get(name, 0.0) for r in records])) for name in names}
+
+
+def summarise(records: Sequence[Mapping[str, Any]], variants: Sequence[Variant]) -> list[dict[str, Any]]:
+    """One entry per variant: latency percentiles, paired speedup over `full`, mean quality metrics."""
+    reference_ttft = {r["id"]: r["ttft_s"] for r in records if r["label"] == REFERENCE}
+    summary = []
+    for variant in variants:
+        mine = [r for r in records if r["label"] == variant.label]
+        if not mine:
+            continue
+        ttft = summarize([r["ttft_s"] for r in mine])
+        summary.append({
+            "method": variant.method, "params": dict(variant.params), "n": ttft["n"],
+            "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
+            "speedup_vs_full": median_ratio([reference_ttft[r["id"]] for r in mine], [r["ttft_s"] for r in mine]),
+            "f1_gold": _mean([r["f1_gold"] for r in mine]),
+            "rouge_l_gold": _mean([r["rouge_l_gold"] for r in mine]),
+            "f1_vs_full": _mean([r["f1_vs_full"] for r in mine]),
+            "first_token_agreement": _mean([r["first_token_agree"] for r in mine]),
+            "kl_vs_full": _mean([r["kl_vs_full"] for r in mine]),
+            "recompute_fraction": _mean([r["recompute_fraction"] for r in mine]),
+            "compute_fraction": _mean([r["compute_fraction"] for r in mine]),
+            "retrieval_median_s": float(np.median([r["retrieval_s"] for r in mine])),
+            "prompt_tokens_median": float(np.median([r["prompt_tokens"] for r in mine])),
+            "stage_median_s": _stage_medians(mine),
+        })
+    return summary
+
+
+# ---- the run --------------------------------------------------------------------------------------------
+@dataclass
+class BenchResult:
+    out_dir: Path
+    summary: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)
+        cpu = names[0] if names else cpu
+    return {
+        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_benchmark(
+    examples: Sequence[QAExample],
+    out_dir: Path,
+    config: Config = Config(),
+    settings: BenchSettings = BenchSettings(),
+    adapter: ModelAdapter | None = None,
+    meta: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> BenchResult:
+    """Index `examples`' passages under `out_dir/work`, run every variant on every question, and write
+    `records.jsonl` (as it goes), then `results.json`, `results.md` and `pareto.png`, into `out_dir`.
+
+    `adapter` injects a loaded model (tests use a tiny one); by default `config.model` is loaded.
+    """
+    if not examples:
+        raise ValueError("no examples to benchmark")
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"example ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    out_dir = Path(out_dir)
+    torch.set_num_threads(settings.threads)
+    adapter = adapter or ModelAdapter.load(config)
+    variants = plan(settings, config.fusion)
+    log.info("benchmarking %d questions x %d variants: %s", len(examples), len(variants),
+             ", ".join(v.label for v in variants))
+
+    index, indexing = build_index(examples, out_dir / "work", config, adapter, progress)
+    generator = FusedGenerator(index)
+    run_meta = {
+        **(meta or {}), "model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens,
+        "top_k": config.top_k, "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
+        "max_new_tokens": config.generation.max_new_tokens, "questions": len(examples),
+        "variants": [v.label for v in variants], "warmup_questions": min(settings.warmup, len(examples)),
+        "machine": machine(), "indexing": indexing.to_dict(),
+        "started": _now(),
+    }
+
+    for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
+        run_question(generator, example, variants, 0)
+
+    records: list[dict[str, Any]] = []
+    records_path = out_dir / "records.jsonl"
+    records_path.unlink(missing_ok=True)
+    bar = tqdm(total=len(examples) * len(variants), unit="run", desc="bench", disable=not progress)
+    try:
+        for i, example in enumerate(examples):
+            new = run_question(generator, example, variants, i)
+            with records_path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in new)
+            records += new
+            bar.update(len(new))
+            bar.set_postfix(_headline(summarise(records, variants)), refresh=False)
+    finally:  # an interrupted run still reports the questions it finished
+        bar.close()
+        if records:
+            run_meta |= {"questions_done": len(records) // len(variants), "finished": _now()}
+            write_report(summarise(records, variants), records, out_dir, run_meta)
+    return BenchResult(out_dir, summarise(records, variants), records, run_meta)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _headline(summary: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Progress-bar postfix: the running speedup of each method at its default setting (its first entry)."""
+    return {e["method"]: f"{e['speedup_vs_full']:.1f}x" for e in reversed(summary) if e["method"] != REFERENCE}

@@ -1,0 +1,136 @@
+"""`rag-kvcache bench` end to end on a tiny synthetic set (tiny random-weight Llama), and the runner's
+pieces: the variant plan, the slot rotation, the paired summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rag_kvcache.bench import runner
+from rag_kvcache.bench.datasets import synthetic_multihop, write_jsonl
+from rag_kvcache.bench.report import METRIC_KEYS
+from rag_kvcache.bench.runner import BenchSettings, Variant, plan, rotated, summarise
+from rag_kvcache.cli import app
+from rag_kvcache.config import FusionConfig
+
+
+@pytest.fixture(scope="module")
+def bench_out(tiny, tmp_path_factory):
+    """Run the CLI's `bench --sweep` on 3 synthetic questions with the tiny Llama standing in for SmolLM2."""
+    root = tmp_path_factory.mktemp("bench")
+    write_jsonl(synthetic_multihop(3), root / "synthetic.jsonl")
+    args = ["bench", "--dataset", str(root / "synthetic.jsonl"), "--sweep", "--out", str(root / "out"),
+            "--top-k", "3", "--chunk-tokens", "128", "--max-new-tokens", "4"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "| Method |" in result.output
+    return root / "out"
+
+
+def test_bench_writes_every_record_summary_and_plot(bench_out):
+    results = json.loads((bench_out / "results.json").read_text())
+    variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig())]
+    assert [runner.Variant(e["method"], tuple(e["params"].items())).label for e in results["summary"]] == variants
+    assert len(results["records"]) == 3 * len(variants)
+    assert len((bench_out / "records.jsonl").read_text().splitlines()) == len(results["records"])
+    for entry in results["summary"]:
+        assert set(METRIC_KEYS) <= set(entry) and entry["n"] == 3
+        assert {"kv_load", runner.OTHER_STAGE} <= set(entry["stage_median_s"])
+    meta = results["meta"]
+    assert meta["questions_done"] == 3 and meta["indexing"]["tokens"] > 0
+    assert 0 < meta["indexing"]["fraction_of_forward"]
+    assert (bench_out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![pareto](pareto.png)" in (bench_out / "results.md").read_text()
+
+
+def test_exact_methods_match_full(bench_out):
+    """`full` against itself and the exact `prefix` must score perfectly: the metric plumbing is paired right."""
+    summary = {(e["method"], tuple(e["params"].items())): e for e in json.loads((bench_out / "results.json").read_text())["summary"]}
+    for key in [("full", ()), ("prefix", ())]:
+        entry = summary[key]
+        assert entry["f1_vs_full"] == 1.0 and entry["first_token_agreement"] == 1.0
+        assert entry["kl_vs_full"] == pytest.approx(0.0, abs=1e-6)
+    assert summary[("full", ())]["recompute_fraction"] == 1.0
+    assert summary[("reuse", ())]["recompute_fraction"] < summary[("cacheblend", (("r", 0.5),))]["recompute_fraction"]
+
+
+def test_plan_puts_defaults_first_and_dedupes_the_sweep():
+    labels = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(ratio=0.15, epic_k=16))]
+    assert labels[:5] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16"]
+    assert labels[5:] == ["cacheblend r=0.05", "cacheblend r=0.1", "cacheblend r=0.25", "cacheblend r=0.5",
+                          "epic k=0", "epic k=4", "epic k=32"]
+    assert [v.label for v in plan(BenchSettings(methods=("full", "reuse")), FusionConfig())] == ["full", "reuse"]
+
+
+def test_variant_maps_short_params_onto_fusion_config():
+    fusion = Variant("cacheblend", (("r", 0.05),)).fusion(FusionConfig(check_layer=2))
+    assert (fusion.method, fusion.ratio, fusion.check_layer) == ("cacheblend", 0.05, 2)
+    assert Variant("epic", (("k", 4),)).fusion(FusionConfig()).epic_k == 4
+
+
+def test_rotation_puts_every_variant_in_every_slot_once():
+    variants = [Variant(m) for m in ("full", "prefix", "reuse")]
+    slots = {v: {rotated(variants, i).index(v) for i in range(3)} for v in variants}
+    assert all(s == {0, 1, 2} for s in slots.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"methods": ("prefix", "reuse")}, "must include 'full'"), ({"methods": ("full", "full")}, "must not repeat"),
+     ({"threads": 0}, "threads must be >= 1"), ({"warmup": -1}, "warmup must be >= 0")],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchSettings(**kwargs)
+
+
+def test_bad_variant_is_refused():
+    with pytest.raises(ValueError, match="unknown fusion method 'nope'"):
+        Variant("nope")
+    with pytest.raises(ValueError, match=r"unknown variant parameters \['z'\]"):
+        Variant("epic", (("z", 1),))
+
+
+def _rec(qid: str, label: str, ttft: float, f1: float, agree: bool) -> dict:
+    method, _, param = label.partition(" ")
+    params = {param.split("=")[0]: float(param.split("=")[1])} if param else {}
+    return {
+        "id": qid, "method": method, "params": params, "label": label, "ttft_s": ttft, "retrieval_s": 0.01,
+        "prompt_tokens": 100, "f1_gold": f1, "f1_vs_full": f1, "rouge_l_gold": None, "first_token_agree": agree,
+        "kl_vs_full": 0.0, "recompute_fraction": 0.1, "compute_fraction": 0.2, "stages": {"kv_load": ttft / 2},
+    }
+
+
+def test_summary_speedup_is_the_median_of_paired_ratios():
+    """Hand-computed: full 4, 8, 10 s; cacheblend 1, 1, 5 s -> ratios 4, 8, 2 -> median 4 (not 22/7)."""
+    variants = [Variant("full"), Variant("cacheblend", (("r", 0.15),))]
+    records = [
+        _rec("a", "full", 4.0, 1.0, True), _rec("a", "cacheblend r=0.15", 1.0, 1.0, True),
+        _rec("b", "full", 8.0, 1.0, True), _rec("b", "cacheblend r=0.15", 1.0, 0.5, False),
+        _rec("c", "full", 10.0, 1.0, True), _rec("c", "cacheblend r=0.15", 5.0, 0.0, True),
+    ]
+    full, blend = summarise(records, variants)
+    assert full["speedup_vs_full"] == 1.0
+    assert blend["speedup_vs_full"] == 4.0
+    assert blend["ttft_median_s"] == 1.0 and blend["ttft_p90_s"] == pytest.approx(4.2)
+    assert blend["f1_vs_full"] == 0.5 and blend["first_token_agreement"] == pytest.approx(2 / 3)
+    assert blend["rouge_l_gold"] is None and blend["stage_median_s"] == {"kv_load": 0.5}
+
+
+def test_stage_table_orders_stages_and_marks_missing():
+    from rag_kvcache.bench.report import stage_table
+
+    def entry(method: str, stages: dict) -> dict:
+        return {"method": method, "params": {}, **dict.fromkeys(METRIC_KEYS, 1.0), "stage_median_s": stages}
+
+    table = stage_table([entry("full", {"prefill": 2.0, "kv_load": 0.001}), entry("reuse", {"mlp": 0.0125, "kv_load": 0.5})])
+    assert table.splitlines() == [
+        "| Method | TTFT median (ms) | kv_load (ms) | mlp (ms) | prefill (ms) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        "| full | 1000 | 1 | – | 2000 |",
+        "| reuse | 1000 | 500 | 12 | – |",
+    ]
