@@ -15,6 +15,9 @@ DEFAULT_SYSTEM_PROMPT = (
 
 Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated"]
+Eviction = Literal["lru", "lfu"]
+KVCodecName = Literal["none", "int8-channel", "int8-token", "fp8"]
+KV_CODECS: tuple[str, ...] = ("none", "int8-channel", "int8-token", "fp8")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,40 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Where chunk caches live and how they are read at query time.
+
+    A memory tier (`memory_bytes`, 0 disables it) sits over the disk tier (`disk_bytes`, None for no
+    limit); both evict by `eviction` (least recently or least frequently used) when over budget.
+    `codec` is how caches are stored on disk (int8 with per-channel or per-token scales, fp8 e4m3);
+    an index records it when built. `prefetch_layers` is how many layers the background reader
+    may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
+    `quality_floor` is the smallest recompute ratio the loading controller will pick.
+    """
+
+    memory_bytes: int = 256 << 20
+    disk_bytes: int | None = None
+    eviction: Eviction = "lru"
+    codec: KVCodecName = "none"
+    prefetch_layers: int = 2
+    quality_floor: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")
+        if self.disk_bytes is not None and self.disk_bytes < 1:
+            raise ValueError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+        if self.codec not in KV_CODECS:
+            raise ValueError(f"codec must be one of {KV_CODECS}, got {self.codec!r}")
+        if self.prefetch_layers < 0:
+            raise ValueError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
+        if not 0.0 <= self.quality_floor <= 1.0:
+            raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything that decides what is indexed, cached and generated."""
 
@@ -83,6 +120,7 @@ class Config:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
@@ -97,3 +135,6 @@ class Config:
 
     def with_generation(self, **changes: object) -> Config:
         return replace(self, generation=replace(self.generation, **changes))
+
+    def with_storage(self, **changes: object) -> Config:
+        return replace(self, storage=replace(self.storage, **changes))

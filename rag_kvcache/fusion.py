@@ -18,17 +18,19 @@ Recomputed tokens attend with the exact causal mask over their original position
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
 from .config import FusionConfig
-from .kvstore import ChunkKV
+from .loading import LayerFeed, LayerKV, read_layer
 from .model import ModelAdapter
 from .ops import attend, causal_mask_for, kv_deviation, rerotate_keys, rope_cos_sin, select_tokens
 from .profiling import StageClock
 from .prompt import Segment
+from .storage import LayerSource
 
 
 @dataclass(frozen=True)
@@ -37,23 +39,35 @@ class SegmentKV:
 
     segment: Segment
     start: int
-    kv: ChunkKV | None
+    kv: LayerSource | None  # a `ChunkKV` in memory or a store entry whose layers are read on demand
     exact: bool  # cache equals what a full prefill computes here (same position, same tokens before)
 
 
 @dataclass
 class FusionInput:
+    """The prompt's tokens and its segments' caches.
+
+    `prefetch` > 0 reads cached layers in a background thread that runs that many layers ahead of
+    the fusion (a `LayerFeed`, started when layer 0 is asked for); 0 reads each layer when asked.
+    `close()` stops a reader the fusion did not drain (the pipeline calls it).
+    """
+
     ids: torch.Tensor  # [N]
     parts: list[SegmentKV]
+    prefetch: int = 0
+    _feed: LayerFeed | None = field(default=None, init=False, repr=False)
+    _waited_s: float = field(default=0.0, init=False, repr=False)
 
     @classmethod
     def build(
-        cls, segments: list[Segment], caches: list[ChunkKV | None], contexts: list[tuple[int, ...]],
-        device: torch.device | str = "cpu",
+        cls, segments: list[Segment], caches: list[LayerSource | None], contexts: list[tuple[int, ...]],
+        device: torch.device | str = "cpu", prefetch: int = 0,
     ) -> FusionInput:
         """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind."""
         if not (len(segments) == len(caches) == len(contexts)):
             raise ValueError(f"{len(segments)} segments, {len(caches)} caches, {len(contexts)} contexts")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch!r}")
         ids: list[int] = []
         parts = []
         for seg, kv, ctx in zip(segments, caches, contexts):
@@ -64,11 +78,23 @@ class FusionInput:
             ids.extend(seg.ids)
         if not parts or parts[-1].kv is not None:
             raise ValueError("the prompt must end with an uncached segment (the question)")
-        return cls(torch.tensor(ids, dtype=torch.long, device=device), parts)
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), parts, prefetch)
 
     @property
     def n_tokens(self) -> int:
         return self.ids.numel()
+
+    @property
+    def load_wait_s(self) -> float:
+        """Seconds `layer_kv` spent waiting for cached layers to be read (all of the reading when
+        `prefetch` is 0; what the recompute did not hide otherwise)."""
+        return self._waited_s + (self._feed.wait_s if self._feed is not None else 0.0)
+
+    def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._waited_s += self._feed.wait_s
+            self._feed = None
 
     def token_mask(self, pred: Callable[[SegmentKV], bool]) -> torch.Tensor:
         mask = torch.zeros(self.n_tokens, dtype=torch.bool, device=self.ids.device)  # [N]
@@ -87,6 +113,20 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
+    def _read(self, layer: int, adapter: ModelAdapter) -> LayerKV:
+        sources = [p.kv for p in self.parts]
+        if self.prefetch == 0:
+            start = time.perf_counter()
+            loaded = read_layer(sources, layer, self.ids.device)
+            self._waited_s += time.perf_counter() - start
+            return loaded
+        if layer == 0:
+            self.close()
+            self._feed = LayerFeed(sources, adapter.layout.n_layers, self.ids.device, self.prefetch)
+        if self._feed is None:
+            raise ValueError(f"layer {layer} asked for before layer 0: a prefetching input is read in order")
+        return self._feed.get(layer)
+
     def layer_kv(self, layer: int, adapter: ModelAdapter) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached K/V of one layer for the whole prompt [H_kv, N, D], keys moved to their prompt positions.
 
@@ -94,16 +134,16 @@ class FusionInput:
         """
         h, d, dtype = adapter.layout.n_kv_heads, adapter.layout.head_dim, adapter.dtype
         keys, values = [], []
-        for p in self.parts:
+        for p, loaded in zip(self.parts, self._read(layer, adapter)):
             n = len(p.segment.ids)
-            if p.kv is None:
+            if loaded is None:
                 keys.append(torch.zeros(h, n, d, dtype=dtype, device=self.ids.device))  # [H_kv, n, D]
                 values.append(keys[-1])
                 continue
-            k = p.kv.keys[layer].to(self.ids.device, dtype)  # [H_kv, n, D]
+            k = loaded[0].to(self.ids.device, dtype)  # [H_kv, n, D]
             shift = p.start - p.kv.position
             keys.append(rerotate_keys(k, shift, adapter.inv_freq) if shift else k)  # [H_kv, n, D]
-            values.append(p.kv.values[layer].to(self.ids.device, dtype))  # [H_kv, n, D]
+            values.append(loaded[1].to(self.ids.device, dtype))  # [H_kv, n, D]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [H_kv, N, D]
 
 

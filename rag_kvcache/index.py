@@ -4,6 +4,9 @@ An index directory holds `index.sqlite` (the source of truth: documents, chunks 
 and embeddings, and free-form metadata) and `vectors.faiss` (derived from it). A sync commits SQLite
 in one transaction, then replaces `vectors.faiss` atomically; a FAISS file that does not hold exactly
 the chunks in SQLite (a crash between the two, a deleted or corrupt file) is rebuilt on open.
+SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
+opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
+Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
 """
 
 from __future__ import annotations
@@ -257,6 +260,7 @@ class ChunkIndex:
         full_meta = {**meta, **own_meta}
         conn = _connect(db_path, mode="rwc")
         try:
+            conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a sync's commit
             with _transaction(conn):
                 for statement in _SCHEMA:
                     conn.execute(statement)
@@ -325,10 +329,14 @@ class ChunkIndex:
         chunker: Callable[[str, str], list[Chunk]],
         batch_size: int = 64,
         progress: bool = True,
+        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
     ) -> SyncReport:
         """Bring the index in line with `docs_dir`: index new and changed files, drop deleted ones.
 
         `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
+        `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
+        chunks' KV caches there, so a committed chunk always has its cache); if it raises, the index
+        is left as it was.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -343,6 +351,8 @@ class ChunkIndex:
         chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
         new_chunks = [record for records in chunks_by_source.values() for record in records]
         embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
+        if before_commit is not None:
+            before_commit(new_chunks)
         if to_index or removed:
             documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
             self._apply(removed + changed, documents, new_chunks, embeddings)
@@ -374,7 +384,12 @@ class ChunkIndex:
         scores, faiss_ids = self._vectors.search(self._embed([query], batch_size=1, progress=False), k)
         found = [(int(i), float(s)) for i, s in zip(faiss_ids[0], scores[0], strict=True) if i != -1]
         records = self._fetch("faiss_id", [i for i, _ in found])
-        return [Hit(records[i], score) for i, score in found]
+        if len(records) < len(found):  # another process synced since this index was opened
+            logger.warning(
+                "%d of the %d hits were removed from %s by another process since it was opened; reopen the "
+                "index to search its current contents", len(found) - len(records), len(found), self._dir,
+            )
+        return [Hit(records[i], score) for i, score in found if i in records]
 
     def get(self, ids: Sequence[str]) -> list[ChunkRecord]:
         """The chunks with these ids, in the given order."""

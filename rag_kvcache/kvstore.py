@@ -1,47 +1,38 @@
-"""Content-addressed store of per-chunk KV caches on disk (safetensors, one tensor per layer).
+"""Content-addressed, tiered store of per-chunk KV caches: a memory tier over a disk tier.
 
 An entry's key hashes everything that decides its contents: the model fingerprint, how chunks are
 prefilled (the cache namespace), the tokens before the chunk when it was computed (its context),
 and the chunk's own token ids. A different model or setting is therefore a miss, never a wrong
-hit. Writes are atomic (temp file + rename); every tensor carries an xxh3 checksum that is
-verified on read, and a corrupt or unreadable entry is dropped, reported and treated as a miss.
+hit. `put` writes to disk; `open` returns a `LayerSource` whose layers are read one at a time (from memory, or from the
+memory-mapped file, verified); an entry read whole from disk is promoted to the memory tier.
+
+Counters (hits, misses, bytes read and written, evictions, corrupt entries) are kept per tier in
+process and added to `stats.json` in the store folder by `flush_stats` (under a file lock, so
+concurrent processes lose no counts); `stats()` reports the persisted totals plus this process's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from filelock import FileLock
+
+from .codecs import get_codec
+from .config import StorageConfig
+from .storage import ChunkKV, CorruptEntryError, DiskTier, LayerSource, MemoryTier, TierStats
 
 log = logging.getLogger(__name__)
 
-FORMAT = "rag-kvcache-kv-v1"
+__all__ = ["ChunkKV", "KVStore", "cache_key"]
 
-
-@dataclass(frozen=True)
-class ChunkKV:
-    """One chunk's cache: per-layer keys/values [H_kv, T, D], computed at positions position..position+T-1."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    position: int
-
-    @property
-    def n_tokens(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+_STATS_FILE = "stats.json"
 
 
 def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) -> str:
@@ -54,66 +45,75 @@ def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) ->
     return h.hexdigest()
 
 
-def _checksum(t: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy())
-
-
 class KVStore:
-    """A directory of `<key[:2]>/<key>.safetensors` files."""
+    """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config: StorageConfig = StorageConfig()) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.memory = MemoryTier(config.memory_bytes, config.eviction)
+        self.disk = DiskTier(
+            self.root, get_codec(config.codec), config.disk_bytes, config.eviction,
+            on_loaded=self.memory.put if config.memory_bytes > 0 else None,
+        )
 
     def path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.safetensors"
+        return self.disk.path(key)
 
     def __contains__(self, key: str) -> bool:
-        return self.path(key).is_file()
+        return key in self.disk
 
     def put(self, key: str, kv: ChunkKV) -> None:
-        tensors = {}
-        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            tensors[f"k.{layer}"] = k.detach().to("cpu").contiguous()
-            tensors[f"v.{layer}"] = v.detach().to("cpu").contiguous()
-        meta = {name: _checksum(t) for name, t in tensors.items()}
-        meta |= {"format": FORMAT, "position": str(kv.position), "layers": str(len(kv.keys))}
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        """Write `kv` to disk, atomically. Raises `StorageFullError`. The memory tier is a read cache:
+        entries enter it when read whole, so indexing a corpus does not churn it."""
+        self.disk.write(key, kv)
+
+    def open(self, key: str) -> LayerSource | None:
+        """The entry, layers read on demand, or None when missing or corrupt (then it is removed)."""
+        kv = self.memory.get(key)
+        return kv if kv is not None else self.disk.open(key)
 
     def get(self, key: str, device: torch.device | str = "cpu") -> ChunkKV | None:
-        """The entry, or None when it is missing or fails its integrity check (then it is removed)."""
-        path = self.path(key)
-        if not path.is_file():
+        """The whole entry, or None when missing or corrupt (then it is removed)."""
+        source = self.open(key)
+        if source is None:
             return None
         try:
-            return self._read(path, device)
-        except (SafetensorError, OSError, ValueError, KeyError) as err:
-            log.warning("dropping corrupt KV cache entry %s: %s", path, err)
-            path.unlink(missing_ok=True)
+            layers = [source.layer(i) for i in range(source.n_layers)]
+        except CorruptEntryError:
             return None
+        return ChunkKV([k.to(device) for k, _ in layers], [v.to(device) for _, v in layers], source.position)
 
-    def _read(self, path: Path, device: torch.device | str) -> ChunkKV:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format marker {meta.get('format')!r}, expected {FORMAT!r}")
-            n_layers = int(meta["layers"])
-            keys, values = [], []
-            for layer in range(n_layers):
-                for name, out in ((f"k.{layer}", keys), (f"v.{layer}", values)):
-                    t = f.get_tensor(name)  # [H_kv, T, D]
-                    if _checksum(t) != meta[name]:
-                        raise ValueError(f"checksum mismatch in tensor {name}")
-                    out.append(t.to(device))
-        return ChunkKV(keys, values, int(meta["position"]))
+    def discard(self, key: str) -> None:
+        """Forget an entry in every tier."""
+        self.memory.remove(key)
+        self.disk.remove(key)
+
+    # ---- counters -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, TierStats]:
+        """Per tier: the persisted counters plus those of this process not yet flushed."""
+        saved = self._read_stats()
+        return {name: saved.get(name, TierStats()) + tier.stats for name, tier in self._tiers().items()}
+
+    def flush_stats(self) -> None:
+        """Add this process's counters to `stats.json` and reset them."""
+        with FileLock(self.root / f".{_STATS_FILE}.lock"):
+            totals = self.stats()
+            tmp = self.root / f".{_STATS_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))
+            os.replace(tmp, self.root / _STATS_FILE)
+            for tier in self._tiers().values():
+                tier.stats = TierStats()
+
+    def _tiers(self) -> dict[str, MemoryTier | DiskTier]:
+        return {"memory": self.memory, "disk": self.disk}
+
+    def _read_stats(self) -> dict[str, TierStats]:
+        path = self.root / _STATS_FILE
+        if not path.is_file():
+            return {}
+        try:
+            return {name: TierStats(**counts) for name, counts in json.loads(path.read_text()).items()}
+        except (ValueError, TypeError) as err:
+            log.warning("ignoring unreadable store counters %s: %s", path, err)
+            return {}

@@ -1,0 +1,68 @@
+"""How a cache tensor is stored on disk: as is, int8 with per-channel or per-token scales, or fp8.
+
+A codec turns one K or V tensor [H_kv, T, D] into named parts (the suffix "" is the payload, others
+are side data such as scales) and back. Scales are absmax / the format's largest value, kept in
+float32; per-channel scales are shared by all tokens of a head dimension ([H_kv, 1, D]), per-token
+scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits keys (their outlier channels
+are fixed), per-token suits values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .config import KV_CODECS
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Raw:
+    name: str = "none"
+
+    def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"": t}
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return parts[""].to(dtype)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """Symmetric quantisation to `qdtype` with an absmax scale reduced over `reduce_dim`."""
+
+    name: str
+    qdtype: torch.dtype
+    qmax: float
+    reduce_dim: int  # 1: one scale per channel over tokens; -1: one scale per token over channels
+
+    def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = t.float()  # [H_kv, T, D]
+        scale = (x.abs().amax(dim=self.reduce_dim, keepdim=True) / self.qmax).clamp_min(1e-12)  # [H_kv, 1, D] or [H_kv, T, 1]
+        q = x / scale  # [H_kv, T, D]
+        q = q.round().clamp(-self.qmax, self.qmax) if not self.qdtype.is_floating_point else q
+        return {"": q.to(self.qdtype), "scale": scale}
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return (parts[""].float() * parts["scale"]).to(dtype)  # [H_kv, T, D]
+
+
+def get_codec(name: str) -> Codec:
+    if name == "none":
+        return Raw()
+    if name == "int8-channel":
+        return Scaled(name, torch.int8, 127.0, reduce_dim=1)
+    if name == "int8-token":
+        return Scaled(name, torch.int8, 127.0, reduce_dim=-1)
+    if name == "fp8":
+        return Scaled(name, torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max, reduce_dim=1)
+    raise ValueError(f"unknown KV codec {name!r}; available: {', '.join(KV_CODECS)}")

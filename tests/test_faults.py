@@ -1,0 +1,174 @@
+"""Injected faults: corrupt, truncated and missing cache files; `kill -9` mid-indexing; concurrent
+indexers and readers; a full disk. Each must leave the index consistent and the answers unchanged."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_kvcache.config import Config, GenerationConfig, StorageConfig
+from rag_kvcache.pipeline import FusedGenerator, KVIndex
+from rag_kvcache.storage import StorageFullError
+
+TESTS = Path(__file__).resolve().parent
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0))
+QUESTION = "What is the telescope of the Veldmark Observatory named?"
+WORDS = "harbour ferry granite lighthouse keeper diary telescope refractor bakery caraway regatta oar".split()
+
+# The indexer as a separate process (tiny model), optionally with slow renames to widen the window
+# in which it can be killed: argv = docs, index, seconds of delay before each rename.
+INDEXER = f"""
+import os, sys, time
+sys.path.insert(0, {str(TESTS)!r})
+from conftest import MINILM_DIR, tiny_llama
+from transformers import AutoTokenizer
+from rag_kvcache.config import Config
+from rag_kvcache.model import ModelAdapter
+from rag_kvcache.pipeline import KVIndex
+delay = float(sys.argv[3])
+if delay:
+    replace = os.replace
+    os.replace = lambda a, b: (time.sleep(delay), replace(a, b))[1]
+adapter = ModelAdapter(tiny_llama(), AutoTokenizer.from_pretrained(MINILM_DIR), name="tiny-llama")
+KVIndex.build(sys.argv[1], sys.argv[2], Config(chunk_tokens=24), adapter=adapter, progress=False)
+"""
+
+
+def write_docs(root: Path, n: int, seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        words = [WORDS[j] for j in torch.randint(len(WORDS), (60,), generator=g).tolist()]
+        (root / f"doc{i:03d}.txt").write_text(f"Document {i}. " + " ".join(words) + ".")
+    (root / "observatory.txt").write_text("The main telescope of the Veldmark Observatory is named Harrow's Eye. " * 2)
+    return root
+
+
+def run_indexer(docs: Path, index: Path, delay: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", INDEXER, str(docs), str(index), str(delay)], stderr=subprocess.PIPE)
+
+
+def assert_consistent(index_dir: Path, adapter) -> KVIndex:
+    """Every indexed chunk has an intact cache; no temporary file is left; search works."""
+    index = KVIndex.open(index_dir, CFG, adapter=adapter)
+    chunks = list(index.chunks.all_chunks())
+    assert chunks and len(index.chunks) == len(chunks)
+    assert all(index.store.get(index.key(c.token_ids)) is not None for c in chunks)
+    assert not list(index.store.root.rglob(".tmp-*"))
+    return index
+
+
+@pytest.fixture()
+def index(tiny, tmp_path) -> KVIndex:
+    return KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "idx", CFG, adapter=tiny, progress=False)
+
+
+def top_chunk_path(index: KVIndex) -> Path:
+    return index.store.path(index.key(index.search(QUESTION, 1)[0].chunk.token_ids))
+
+
+@pytest.mark.parametrize("fault", ["bit_flip_last_layer", "truncated", "missing"])
+def test_bad_cache_file_is_recomputed_and_the_answer_unchanged(index, fault, caplog):
+    gen = FusedGenerator(index)
+    hits = index.search(QUESTION, 3)
+    before = gen.generate(QUESTION, hits)
+    path = top_chunk_path(index)
+    raw = bytearray(path.read_bytes())
+    if fault == "bit_flip_last_layer":  # found per layer, mid-fusion, by the background reader
+        raw[-10] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    elif fault == "truncated":
+        path.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING):
+        after = gen.generate(QUESTION, hits)
+    assert after.cache_misses == 1 and "recomputed and rewrote" in caplog.text
+    assert after.answer == before.answer
+    torch.testing.assert_close(after.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
+    assert index.store.get(index.key(hits[0].chunk.token_ids)) is not None  # rewritten, intact
+    assert gen.generate(QUESTION, hits).cache_misses == 0
+
+
+def wait_for_entries(proc: subprocess.Popen, idx: Path, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(list((idx / "kv").rglob("*.safetensors"))) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.02)
+
+
+def test_kill_9_mid_indexing_then_resume(tiny, tmp_path):
+    docs, idx = write_docs(tmp_path / "docs", 12), tmp_path / "idx"
+    proc = run_indexer(docs, idx, delay=0.2)
+    wait_for_entries(proc, idx, 3)  # killed in the middle of storing caches
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list((idx / "kv").rglob(".tmp-*"))  # it died mid-write ...
+    store = KVIndex.open(idx, CFG, adapter=tiny).store
+    for path in store.root.glob("??/*.safetensors"):  # ... but every entry under its real name is whole
+        assert path.name.startswith(".tmp-") or store.get(path.stem) is not None
+    assert len(KVIndex.open(idx, CFG, adapter=tiny).chunks) == 0  # nothing committed without its cache
+
+    index = KVIndex.build(docs, idx, CFG, adapter=tiny, progress=False)  # the same command again
+    assert_consistent(idx, tiny)
+    reference = KVIndex.build(docs, tmp_path / "clean", CFG, adapter=tiny, progress=False)
+    assert {c.id for c in index.chunks.all_chunks()} == {c.id for c in reference.chunks.all_chunks()}
+    assert FusedGenerator(index).ask(QUESTION).cache_misses == 0
+
+
+def test_two_indexers_at_once(tiny, tmp_path, caplog):
+    docs, idx = write_docs(tmp_path / "docs", 8), tmp_path / "idx"
+    proc = run_indexer(docs, idx, delay=0.05)
+    wait_for_entries(proc, idx, 2)  # the other indexer is mid-way
+    with caplog.at_level(logging.INFO):
+        index = KVIndex.build(docs, idx, CFG, adapter=tiny, progress=False)
+    assert "waiting for it to finish" in caplog.text
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    assert_consistent(idx, tiny)
+    reference = KVIndex.build(docs, tmp_path / "clean", CFG, adapter=tiny, progress=False)
+    assert sorted(c.id for c in index.chunks.all_chunks()) == sorted(c.id for c in reference.chunks.all_chunks())
+
+
+def test_reader_during_indexing_sees_no_torn_entry(index, tiny, tmp_path, caplog):
+    docs = write_docs(tmp_path / "docs", 12, seed=1)  # same folder as the fixture's: 9 new documents
+    reader = FusedGenerator(KVIndex.open(index.path, CFG, adapter=tiny))
+    proc = run_indexer(docs, index.path, delay=0.02)
+    reads = 0
+    with caplog.at_level(logging.WARNING):
+        while proc.poll() is None:
+            for path in list(index.store.root.glob("??/*.safetensors")):
+                if not path.name.startswith(".tmp-"):
+                    assert reader.index.store.get(path.stem) is not None
+                    reads += 1
+            assert reader.ask(QUESTION).chunks
+            time.sleep(0.1)  # leave the indexer the CPU
+    assert proc.returncode == 0, proc.stderr.read().decode()
+    assert reads > 0 and "corrupt" not in caplog.text
+    assert_consistent(index.path, tiny)
+
+
+def test_full_disk_fails_clearly_and_keeps_the_index(index, tmp_path, monkeypatch):
+    n_chunks = len(index.chunks)
+    docs = tmp_path / "docs"
+    (docs / "new.txt").write_text("The regatta winners receive a silver oar that hangs in the town hall. " * 3)
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(StorageFullError, match="no space left"):
+        index.update(docs, progress=False)
+    monkeypatch.undo()
+    assert len(index.chunks) == n_chunks and not list(index.store.root.rglob(".tmp-*"))
+    assert FusedGenerator(index).ask(QUESTION).cache_misses == 0  # still usable
+    assert index.update(docs, progress=False).added == ["new.txt"]  # space freed: the same command works
+    assert_consistent(index.path, index.adapter)
