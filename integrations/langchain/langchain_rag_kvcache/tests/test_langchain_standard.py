@@ -11,6 +11,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_message
 
+pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
+
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 

@@ -12,6 +12,8 @@ from rag_kvcache import GenerationConfig
 from llama_index_rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, RagKVCacheRetriever, create_kv_query_engine
 from llama_index_rag_kvcache._engine import engine_for
 
+pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
+
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
