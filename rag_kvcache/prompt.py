@@ -3,6 +3,7 @@
 The prompt is assembled from stored token ids, never by re-tokenising joined text, so the ids that
 were cached at indexing time are exactly the ids in the prompt. The prefix and the question suffix
 come from the model's chat template, split around a placeholder for the user's content.
+`chat_segments` lays out a whole chat (the integrations' messages) the same way.
 """
 
 from __future__ import annotations
