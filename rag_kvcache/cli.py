@@ -9,7 +9,7 @@ import os
 import shlex
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,10 +20,12 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, Config, FusionConfig
+from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, FusionConfig
 from .bench.datasets import FORMATS, load_dataset
 from .bench.runner import DEFAULT_METHODS, BenchSettings, run_benchmark
+from .controller import MEASURED_TIERS, calibrate as measure, choose_ratio, choose_tier, decide
 from .fusion import METHODS
+from .kvstore import KVStore
 from .pipeline import FusedGenerator, KVIndex
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RAG that never prefills the same chunk twice.")
@@ -34,6 +36,7 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "datasets" / "demo"
 DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
 
 Method = Enum("Method", {name: name for name in METHODS}, type=str)
+KVCodec = Enum("KVCodec", {name: name for name in KV_CODECS}, type=str)
 
 
 class ChunkTokens(str, Enum):
@@ -70,6 +73,7 @@ def index(
     model: Annotated[Optional[str], typer.Option(help=f"HF id, local dir or .gguf file [default: {DEFAULT_MODEL}].")] = None,
     embedder: Annotated[Optional[str], typer.Option(help=f"sentence-transformers model [default: {DEFAULT_EMBEDDER}].")] = None,
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
+    kv_codec: Annotated[Optional[KVCodec], typer.Option(help="How KV caches are stored [default: none].")] = None,
 ) -> None:
     """Chunk, embed and precompute KV caches for every file in DOCS_DIR (incremental on re-runs).
 
@@ -84,11 +88,13 @@ def index(
             for key, value in given.items():
                 if value is not None and value != getattr(cfg, key):
                     _fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
+            if kv_codec is not None and kv_codec.value != cfg.storage.codec:
+                _fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
-            cfg = _base_config(**given)
+            cfg = _base_config(**given).with_storage(codec=kv_codec.value if kv_codec else "none")
         idx = KVIndex.create(index_dir, cfg)
         report = idx.update(docs_dir)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         _fail(str(e))
     out.print(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
@@ -103,7 +109,8 @@ def ask(
     index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")],
     method: Annotated[Method, typer.Option(help="Fusion method.")] = Method.cacheblend,
     top_k: Annotated[int, typer.Option(min=1, help="Chunks to retrieve.")] = 6,
-    ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="CacheBlend recompute ratio.")] = 0.15,
+    ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
+                                       "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
     check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
     epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
@@ -122,18 +129,25 @@ def ask(
     try:
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
         cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
-        cfg = cfg.with_fusion(method=method.value, ratio=ratio, check_layer=check_layer, epic_k=epic_k)
+        fixed_ratio = None if ratio == "auto" else _parse_ratio(ratio)
+        cfg = cfg.with_fusion(method=method.value, check_layer=check_layer, epic_k=epic_k)
         cfg = cfg.with_generation(
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
             stop=tuple(stop or ()),
         )
-        gen = FusedGenerator(KVIndex.open(index_dir, cfg))
+        idx = KVIndex.open(index_dir, cfg)
+        decision = None
+        if fixed_ratio is None:
+            decision = decide(idx, n_tokens=top_k * cfg.chunk_tokens)
+            err.print(f"[dim]loading controller: {decision.explain()}[/dim]")
+        fusion = replace(cfg.fusion, ratio=fixed_ratio if decision is None else decision.ratio)
         on_text = (lambda t: out.print(t, end="", highlight=False)) if stream and not as_json else None
-        answer = gen.ask(question, top_k=top_k, on_text=on_text)
+        answer = FusedGenerator(idx).ask(question, top_k=top_k, fusion=fusion, on_text=on_text)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if as_json:
-        print(json.dumps(answer.to_dict(), indent=2))
+        controller = {"controller": asdict(decision)} if decision is not None else {}
+        print(json.dumps(answer.to_dict() | controller, indent=2))
         return
     if on_text is None:
         out.print(answer.answer, highlight=False)
@@ -144,6 +158,72 @@ def ask(
         f"{answer.prompt_tokens} prompt tokens, {answer.recomputed_tokens} recomputed, "
         f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]"
     )
+
+
+def _parse_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"--ratio must be a number in [0, 1] or 'auto', got {text!r}")
+    return value
+
+
+@app.command()
+def stats(index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")]) -> None:
+    """Print the KV store's counters per tier (totals over every process that used it) and its size."""
+    try:
+        cfg = KVIndex.config_of(index_dir, _base_config())
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    store = KVStore(index_dir / "kv", cfg.storage)
+    table = Table("tier", "hits", "misses", "hit rate", "read", "written", "evictions", "corrupt")
+    for tier, s in store.stats().items():
+        rate = f"{s.hits / (s.hits + s.misses):.1%}" if s.hits + s.misses else "-"
+        table.add_row(
+            tier, str(s.hits), str(s.misses), rate, _mib(s.bytes_read), _mib(s.bytes_written), str(s.evictions),
+            str(s.corrupt),
+        )
+    out.print(table)
+    sizes = [p.stat().st_size for p in store.disk.files()]
+    budget = "unbounded" if cfg.storage.disk_bytes is None else _mib(cfg.storage.disk_bytes)
+    out.print(
+        f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.storage.codec}; "
+        f"memory tier budget {_mib(cfg.storage.memory_bytes)} per process, eviction {cfg.storage.eviction}"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@app.command()
+def calibrate(
+    index_dir: Annotated[Path, typer.Option("--index", help="Measure for this index's model, codec and disk.")],
+    tokens: Annotated[int, typer.Option(min=16, help="Tokens per synthetic chunk cache.")] = 512,
+) -> None:
+    """Measure tier read speeds and recompute time on this machine (once per model), and show what
+    the loading controller would choose."""
+    try:
+        cfg = KVIndex.config_of(index_dir, _base_config())
+        idx = KVIndex.open(index_dir, cfg)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    cal = measure(idx.adapter, index_dir, cfg.storage, cfg.cache_dir, n_tokens=tokens)
+    table = Table("tier", "read throughput", "load per layer", "balanced ratio")
+    n_tokens = cfg.top_k * cfg.chunk_tokens
+    for tier in MEASURED_TIERS:
+        d = choose_ratio(cal, tier, n_tokens, cfg.storage.quality_floor)
+        table.add_row(tier, f"{cal.read_bytes_per_s[tier] / 2**30:.2f} GiB/s", f"{d.load_s * 1e3:.3f} ms", f"{d.balanced_ratio:.3f}")
+    out.print(table)
+    out.print(
+        f"recompute: {cal.prefill_s_per_token_layer * 1e6:.2f} us per token per layer "
+        f"({cal.recompute_s(1.0, n_tokens) * 1e3:.1f} ms per layer for {n_tokens} tokens); "
+        f"stored KV: {cal.bytes_per_token_layer:.0f} B per token per layer ({cal.codec})"
+    )
+    out.print(f"ratio auto (disk): {choose_ratio(cal, 'disk', n_tokens, cfg.storage.quality_floor).explain()}")
+    out.print(f"tier for ratio {cfg.fusion.ratio}: {choose_tier(cal, cfg.fusion.ratio, n_tokens).explain()}")
 
 
 @app.command()

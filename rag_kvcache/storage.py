@@ -1,13 +1,18 @@
 """Storage tiers for chunk caches: a memory tier (decoded tensors, LRU/LFU by bytes) over a disk tier
-(one memory-mapped safetensors file per chunk, one tensor per layer and K/V, so a layer is read
-without touching the others).
+(one safetensors file per chunk, one tensor per layer and K/V, so a layer is read without touching
+the others).
 
 Disk files are written whole to a temporary name, fsynced and renamed over, so a reader sees an
 old entry or a new one, never a torn one; a reader holding an entry keeps its inode when a writer
 replaces or evicts the file. Every stored tensor carries an xxh3 checksum in the file's metadata,
 verified when its layer is read: a failure drops the entry, is logged and raises
-`CorruptEntryError` so the caller can recompute it. Layers are read by a torch copy out of the
-mapping, which releases the GIL, so a background reader overlaps the fusion's compute.
+`CorruptEntryError` so the caller can recompute it.
+
+A tensor is read with one positional read (`preadv`) of its byte range straight into a fresh
+tensor: the syscall releases the GIL, so a background reader overlaps the fusion's compute. (Copying
+out of a memory mapping instead pays a page fault per 4 KiB: 57 MB/s against 3 GB/s for `preadv`
+from the page cache on the 2-core VM this was written on.) The files are plain safetensors:
+`safetensors.safe_open` reads them too.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -336,19 +340,18 @@ class DiskTier:
 
 
 class DiskEntry:
-    """An opened cache file: header checked, payload memory-mapped, layers read and verified on demand."""
+    """An opened cache file: header checked; layers read and verified on demand."""
 
     def __init__(self, tier: DiskTier, key: str, path: Path) -> None:
         self._tier, self.key, self.path = tier, key, path
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise ValueError(f"{size}-byte file is too short for a safetensors header")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, no copy
-        (header_len,) = struct.unpack("<Q", self._map[:8])
+        self._file = open(path, "rb", buffering=0)  # closed with the entry
+        size = os.fstat(self._file.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{size}-byte file is too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", os.pread(self._file.fileno(), 8, 0))
         if 8 + header_len > size:
             raise ValueError(f"header of {header_len} bytes in a {size}-byte file (truncated)")
-        header = json.loads(self._map[8 : 8 + header_len])
+        header = json.loads(os.pread(self._file.fileno(), header_len, 8))
         self._meta: dict[str, str] = header.pop("__metadata__", None) or {}
         if self._meta.get("format") != FORMAT:
             raise ValueError(f"format marker {self._meta.get('format')!r}, expected {FORMAT!r}")
@@ -370,9 +373,10 @@ class DiskEntry:
     def _read(self, name: str) -> torch.Tensor:
         info = self._tensors[name]
         start, end = info["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-        view = torch.frombuffer(self._map, dtype=dtype, count=(end - start) // dtype.itemsize, offset=self._base + start)
-        t = view.clone().view(info["shape"])  # the copy pages the bytes in, outside the GIL
+        t = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])  # e.g. [H_kv, T, D]
+        got = os.preadv(self._file.fileno(), [t.view(-1).view(torch.uint8).numpy()], self._base + start)
+        if got != end - start:
+            raise CorruptEntryError(f"tensor {name} of {self.path}: read {got} of {end - start} bytes")
         if _checksum(t) != self._meta[name]:
             raise CorruptEntryError(f"checksum mismatch in tensor {name} of {self.path}")
         self._tier.stats.bytes_read += end - start
