@@ -216,6 +216,7 @@ class DiskTier:
 
     With a budget, the tier learns the sizes of the entries already there when it opens (recency
     from their modification times) and evicts after each write; reads refresh an entry's recency.
+    Use counts (for `lfu`) are kept per process: across restarts, ties fall back to recency.
     `on_loaded(key, kv)` is called when every layer of an entry has been read (the store promotes
     it to the memory tier).
     """
