@@ -21,7 +21,8 @@ def test_notebook_runs_top_to_bottom(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert all(not cell.outputs and cell.execution_count is None for cell in code), f"{path.name} has outputs"
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    resources = {"metadata": {"path": str(path.parent)}}  # run from notebooks/, as a user would
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources=resources).execute()
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
     assert not errors
     assert all(cell.execution_count is not None for cell in code)

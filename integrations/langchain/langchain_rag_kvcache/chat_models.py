@@ -8,7 +8,6 @@ text, `text-plain` blocks without a chunk id) is tokenised and prefilled at quer
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage
-from langchain_core.messages.content import PlainTextContentBlock, create_plaintext_block
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.content import PlainTextContentBlock, create_plaintext_block
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
@@ -27,9 +26,7 @@ from typing_extensions import Self
 from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
 from rag_kvcache.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 
-from ._engine import Engine, engine_for
-
-log = logging.getLogger(__name__)
+from ._engine import engine_for
 
 CHUNK_ID_KEY = "chunk_id"
 """The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""

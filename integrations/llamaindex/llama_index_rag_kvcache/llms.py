@@ -112,8 +112,8 @@ class RagKVCacheLLM(CustomLLM):
         self, prompt: str, formatted: bool, chunk_ids: Sequence[str], options: dict[str, Any]
     ) -> Iterator[CompletionResponse]:
         _refuse_options(options)
-        text = prompt if formatted else self.completion_to_prompt(prompt)
-        for delta, text, stats in self._steps([ChatTurn("user", (text,))], chunk_ids):
+        user_text = prompt if formatted else self.completion_to_prompt(prompt)
+        for delta, text, stats in self._steps([ChatTurn("user", (user_text,))], chunk_ids):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=stats)
 
     def _chat_responses(

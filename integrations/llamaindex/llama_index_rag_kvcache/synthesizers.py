@@ -60,7 +60,8 @@ class KVCacheSynthesizer(BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         prompt, chunk_ids = _prompt(query_str, text_chunks, chunk_ids)
         if self._streaming:
-            return (r.delta for r in self._llm.stream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs) if r.delta)
+            responses = self._llm.stream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs)
+            return (r.delta for r in responses if r.delta)
         return self._llm.complete(prompt, chunk_ids=chunk_ids, **response_kwargs).text
 
     async def aget_response(

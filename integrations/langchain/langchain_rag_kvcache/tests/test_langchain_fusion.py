@@ -6,10 +6,9 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 
-from rag_kvcache import FusionConfig, GenerationConfig
-
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from langchain_rag_kvcache._engine import engine_for
+from rag_kvcache import FusionConfig, GenerationConfig
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
