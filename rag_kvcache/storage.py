@@ -23,6 +23,7 @@ import logging
 import os
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -341,11 +342,21 @@ class DiskTier:
 
 
 class DiskEntry:
-    """An opened cache file: header checked; layers read and verified on demand."""
+    """An opened cache file: header checked; layers read and verified on demand. The file stays open
+    (so a writer replacing or evicting it does not disturb this reader) until the entry is dropped."""
 
     def __init__(self, tier: DiskTier, key: str, path: Path) -> None:
         self._tier, self.key, self.path = tier, key, path
-        self._file = open(path, "rb", buffering=0)  # closed with the entry
+        self._file = open(path, "rb", buffering=0)
+        weakref.finalize(self, self._file.close)
+        try:
+            self._parse_header()
+        except BaseException:
+            self._file.close()
+            raise
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _parse_header(self) -> None:
         size = os.fstat(self._file.fileno()).st_size
         if size < 8:
             raise ValueError(f"{size}-byte file is too short for a safetensors header")
@@ -366,7 +377,6 @@ class DiskEntry:
         self.codec = get_codec(self._meta.get("codec", "none"))
         self.dtype = getattr(torch, self._meta["dtype"]) if "dtype" in self._meta else self._dtype("k.0")
         self.n_tokens = int(header["k.0"]["shape"][1])
-        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _dtype(self, name: str) -> torch.dtype:
         return _SAFETENSORS_DTYPES[self._tensors[name]["dtype"]]
