@@ -27,7 +27,7 @@ import torch
 from .config import FusionConfig
 from .loading import LayerFeed, LayerKV, read_layer
 from .model import ModelAdapter
-from .ops import attend, causal_mask_for, kv_deviation, rerotate_keys, rope_cos_sin, select_tokens
+from .ops import causal_attend, kv_deviation, rerotate_keys, rope_cos_sin, select_tokens
 from .profiling import StageClock
 from .prompt import Segment
 from .storage import LayerSource
@@ -153,8 +153,8 @@ class FusionResult:
     values: list[torch.Tensor]  # L x [H_kv, N, D]
     logits: torch.Tensor  # [V], next-token logits after the last prompt token
     recomputed_tokens: int  # tokens computed through the last layer (question included)
-    compute_fraction: float  # token-layers computed / (N x layers): the work relative to `full`
-    active_per_layer: list[int] = field(default_factory=list)
+    compute_fraction: float  # token-layers through attention and MLP / (N x layers): the work relative to `full`
+    active_per_layer: list[int] = field(default_factory=list)  # tokens through each layer's attention and MLP
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
 
 
@@ -170,10 +170,13 @@ def selective_prefill(
     adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
     clock: StageClock | None = None,
 ) -> FusionResult:
-    """Layer-wise forward computing only `initial` token indices (narrowed by `refine` after a layer).
+    """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
-    `refine(layer, active, fresh_kv, cached_kv)` may return the positions *within* `active` to keep
-    for the next layers; the active set can only shrink, and must keep the last prompt token.
+    `refine(layer, active, fresh_kv, cached_kv)` runs after a layer's Q/K/V projections, where the
+    fresh and cached K/V of the active tokens can be compared, and may return the positions *within*
+    `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
+    its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
+    drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
     """
     clock = clock or StageClock(adapter.device)
     n, n_layers = inp.n_tokens, adapter.layout.n_layers
@@ -183,7 +186,7 @@ def selective_prefill(
         raise ValueError("the active set must include the last prompt token")
     positions = torch.arange(n, device=inp.ids.device)  # [N]
     cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device))  # [N, D]
-    active = initial  # [A]
+    active = initial  # [A], token positions in ascending order
     h = adapter.embed(inp.ids[active])  # [A, E]
     keys_out, values_out, counts = [], [], []
     for layer in range(n_layers):
@@ -194,21 +197,20 @@ def selective_prefill(
             cached = (keys[:, active], values[:, active])  # [H_kv, A, D]
             keys[:, active] = k
             values[:, active] = v
-        with clock.stage("attention"):
-            mask = causal_mask_for(positions[active], positions)  # [A, N]
-            attn = attend(q, keys, values, mask, adapter.scale)  # [A, H_q * D]
-        with clock.stage("mlp"):
-            h = adapter.finish(layer, h, attn)  # [A, E]
-        keys_out.append(keys)
-        values_out.append(values)
-        counts.append(active.numel())
-        if refine is not None and layer < n_layers - 1:
+        if refine is not None:
             with clock.stage("select"):
                 keep = refine(layer, active, (k, v), cached)  # [A'] indices into active
             if keep is not None:
                 if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
                     raise ValueError(f"refine at layer {layer} dropped the last prompt token")
-                active, h = active[keep], h[keep]  # [A'], [A', E]
+                active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
+        with clock.stage("attention"):
+            attn = causal_attend(q, keys, values, active, adapter.scale)  # [A, H_q * D]
+        with clock.stage("mlp"):
+            h = adapter.finish(layer, h, attn)  # [A, E]
+        keys_out.append(keys)
+        values_out.append(values)
+        counts.append(active.numel())
     with clock.stage("logits"):
         logits = adapter.logits(h[-1:])[0]  # [V]
     return FusionResult(
@@ -286,8 +288,8 @@ def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> Fu
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_reusable = int(reusable.sum())
     schedule = filter_schedule(cfg)
-    if max(schedule) >= adapter.layout.n_layers - 1:
-        raise ValueError(f"check layers {sorted(schedule)} leave no layer to recompute in ({adapter.layout.n_layers} layers)")
+    if max(schedule) >= adapter.layout.n_layers:
+        raise ValueError(f"check layers {sorted(schedule)} lie beyond the model's {adapter.layout.n_layers} layers")
     which = 0 if cfg.deviation == "k" else 1
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, cached_kv) -> torch.Tensor | None:

@@ -57,13 +57,37 @@ def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) 
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """Grouped-query attention of q [H_q, Q, D] over k, v [H_kv, N, D] under a bool mask [Q, N]."""
+    """Grouped-query attention of q [H_q, Q, D] over k, v [H_kv, N, D] under a bool mask [Q, N]
+    (`None`: plain causal, for Q == N)."""
     out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask[None, None], scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None], is_causal=mask is None,
+        scale=scale, enable_gqa=q.shape[0] != k.shape[0],
     )  # [1, H_q, Q, D]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [Q, H_q * D]
+
+
+def causal_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float,
+    block: int = 128,
+) -> torch.Tensor:
+    """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
+    q [H_q, Q, D] at ascending `query_positions` [Q].
+
+    Queries go in blocks of `block`, each over only the keys up to its last position: a masked SDPA
+    kernel computes every masked-out score, so one call over all N keys would do about twice the work
+    of a causal prefill. When the queries are every position, SDPA's own causal kernel does it.
+    """
+    if q.shape[1] == k.shape[1]:
+        return attend(q, k, v, None, scale)  # [N, H_q * D]
+    out = []
+    for s in range(0, q.shape[1], block):
+        pos = query_positions[s : s + block]  # [B]
+        seen = int(pos[-1]) + 1
+        mask = causal_mask_for(pos, torch.arange(seen, device=pos.device))  # [B, seen]
+        out.append(attend(q[:, s : s + block], k[:, :seen], v[:, :seen], mask, scale))  # [B, H_q * D]
+    return torch.cat(out)  # [Q, H_q * D]
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

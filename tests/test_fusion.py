@@ -9,7 +9,7 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.fusion import FusionInput, filter_schedule, get_method, selective_prefill
 from rag_kvcache.generation import Decoder
 from rag_kvcache.kvstore import ChunkKV
-from rag_kvcache.ops import causal_mask_for, rerotate_keys
+from rag_kvcache.ops import attend, causal_attend, causal_mask_for, rerotate_keys
 from rag_kvcache.prompt import Segment
 
 from conftest import tiny_llama
@@ -105,12 +105,13 @@ def test_reuse_and_epic_compute_what_they_claim(tiny):
     torch.testing.assert_close(run(tiny, inp, "epic", epic_k=0).logits, run(tiny, inp, "reuse").logits)
 
 
-def test_cacheblend_selects_ratio_after_check_layer(tiny):
+def test_cacheblend_selects_ratio_at_check_layer(tiny):
     inp = rag_prompt(tiny)
     n_fresh, n_reusable = int(inp.fresh.sum()), int(inp.reusable.sum())
     out = run(tiny, inp, "cacheblend", ratio=0.25, check_layer=1)
     kept = n_fresh + round(0.25 * n_reusable)
-    assert out.active_per_layer == [n_fresh + n_reusable] * 2 + [kept] * 2
+    # layer 0 runs every token; the check layer's attention and MLP already run only the kept ones
+    assert out.active_per_layer == [n_fresh + n_reusable] + [kept] * 3
     assert out.recomputed_tokens == kept
 
 
@@ -124,6 +125,20 @@ def test_gradual_filtering_schedule():
 def test_causal_mask_for_scattered_queries():
     mask = causal_mask_for(torch.tensor([2, 5, 9]), torch.arange(10))
     assert mask.tolist() == [[j <= i for j in range(10)] for i in (2, 5, 9)]
+
+
+@pytest.mark.parametrize("block", [1, 3, 128])
+def test_causal_attend_in_blocks_equals_one_masked_call(block):
+    q, k, v = torch.randn(4, 7, 8), torch.randn(2, 20, 8), torch.randn(2, 20, 8)  # GQA: 4 query heads, 2 KV
+    positions = torch.tensor([0, 3, 4, 9, 15, 18, 19])
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(20)), 0.35)  # [7, 4 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, positions, 0.35, block=block), ref)
+
+
+def test_causal_attend_over_every_position_equals_the_mask():
+    q, k, v = torch.randn(4, 12, 8), torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+    ref = attend(q, k, v, causal_mask_for(torch.arange(12), torch.arange(12)), 0.35)  # [12, 4 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, torch.arange(12), 0.35), ref)
 
 
 def test_scattered_recompute_sees_no_future_keys(tiny):
