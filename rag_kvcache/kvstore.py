@@ -3,8 +3,8 @@
 An entry's key hashes everything that decides its contents: the model fingerprint, how chunks are
 prefilled (the cache namespace), the tokens before the chunk when it was computed (its context),
 and the chunk's own token ids. A different model or setting is therefore a miss, never a wrong
-hit. `put` writes to disk; `open` returns a `LayerSource` whose layers are read one at a time (from memory, or from the
-memory-mapped file, verified); an entry read whole from disk is promoted to the memory tier.
+hit. `put` writes to disk; `open` returns a `LayerSource` whose layers are read one at a time (from
+memory, or from the file, verified); an entry read whole from disk is promoted to the memory tier.
 
 Counters (hits, misses, bytes read and written, evictions, corrupt entries) are kept per tier in
 process and added to `stats.json` in the store folder by `flush_stats` (under a file lock, so
