@@ -138,7 +138,7 @@ def ask(
         idx = KVIndex.open(index_dir, cfg)
         decision = None
         if fixed_ratio is None:
-            decision = decide(idx, n_tokens=top_k * cfg.chunk_tokens)
+            decision = decide(idx.config, idx.adapter, n_tokens=top_k * cfg.chunk_tokens)
             err.print(f"[dim]loading controller: {decision.explain()}[/dim]")
         fusion = replace(cfg.fusion, ratio=fixed_ratio if decision is None else decision.ratio)
         on_text = (lambda t: out.print(t, end="", highlight=False)) if stream and not as_json else None
@@ -267,6 +267,8 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods; must include full.")] = ",".join(DEFAULT_METHODS),
     chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
     top_k: Annotated[int, typer.Option(min=1, help="Chunks retrieved per question.")] = 6,
+    ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
+                                       "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
     sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
     out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap.")] = 32,
@@ -280,14 +282,18 @@ def bench(
         examples = load_dataset(dataset, fmt and fmt.value)[:limit]
         settings = BenchSettings(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), sweep=sweep, warmup=warmup,
-            threads=threads,
+            threads=threads, ratio_auto=ratio == "auto",
         )
         cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
+        if ratio != "auto":
+            cfg = cfg.with_fusion(ratio=_parse_ratio(ratio))
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
+    if result.meta["controller"] is not None:
+        out.print(f"loading controller: {result.meta['controller']['explain']}")
     indexing = result.meta["indexing"]
     if indexing["tokens_per_s"] is not None:
         out.print(

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .config import StorageConfig
+from .config import Config, StorageConfig
 from .kvstore import KVStore
 from .loading import read_layer
 from .model import ModelAdapter
-from .pipeline import KVIndex
 from .storage import ChunkKV
 
 log = logging.getLogger(__name__)
@@ -106,11 +105,11 @@ def choose_tier(cal: Calibration, ratio: float, n_tokens: int) -> Decision:
     return next((d for d in decisions if not d.adds_delay), min(decisions, key=lambda d: d.load_s))
 
 
-def decide(index: KVIndex, n_tokens: int, tier: str = "disk") -> Decision:
-    """The ratio for fusing `n_tokens` context tokens of `index` whose caches come from `tier`, from
-    this machine's calibration for the index's model and codec (`ask`/`bench --ratio auto`)."""
-    cal = load_calibration(index.config.cache_dir, index.adapter, index.config.storage.codec)
-    return choose_ratio(cal, tier, n_tokens, index.config.storage.quality_floor)
+def decide(config: Config, adapter: ModelAdapter, n_tokens: int, tier: str = "disk") -> Decision:
+    """The ratio for fusing `n_tokens` context tokens whose caches come from `tier`, from this
+    machine's calibration for `adapter`'s model and `config`'s codec (`ask`/`bench --ratio auto`)."""
+    cal = load_calibration(config.cache_dir, adapter, config.storage.codec)
+    return choose_ratio(cal, tier, n_tokens, config.storage.quality_floor)
 
 
 # ---- measuring ------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from rag_kvcache.bench.datasets import synthetic_multihop, write_jsonl
 from rag_kvcache.bench.report import METRIC_KEYS
 from rag_kvcache.bench.runner import BenchSettings, Variant, plan, rotated, summarise
 from rag_kvcache.cli import app
-from rag_kvcache.config import FusionConfig
+from rag_kvcache.config import FusionConfig, StorageConfig
+from rag_kvcache.controller import calibrate
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,22 @@ def test_stage_table_orders_stages_and_marks_missing():
         "| full | 1000 | 1 | – | 2000 |",
         "| reuse | 1000 | 500 | 12 | – |",
     ]
+
+
+def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_KVCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    write_jsonl(synthetic_multihop(2), tmp_path / "synthetic.jsonl")
+    args = ["bench", "--dataset", str(tmp_path / "synthetic.jsonl"), "--out", str(tmp_path / "out"), "--top-k", "2",
+            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,cacheblend", "--ratio", "auto"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "rag-kvcache calibrate" in result.output
+    assert not (tmp_path / "out" / "work").exists()  # refused before indexing anything
+    calibrate(tiny, tmp_path / "cal", StorageConfig(), tmp_path / "cache", n_tokens=32, entries=2, repeats=1)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "loading controller: ratio" in result.output
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    decided = results["meta"]["controller"]["ratio"]
+    assert decided >= 0.15
+    assert [e["params"] for e in results["summary"] if e["method"] == "cacheblend"] == [{"r": decided}]

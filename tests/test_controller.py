@@ -54,12 +54,12 @@ def test_calibrate_saves_what_decide_uses(tiny, tmp_path):
     cfg = Config(chunk_tokens=32, cache_dir=tmp_path / "cache")
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
     with pytest.raises(FileNotFoundError, match="rag-kvcache calibrate"):
-        decide(index, 64)
+        decide(index.config, index.adapter, 64)
     cal = calibrate(tiny, tmp_path / "idx", StorageConfig(), cfg.cache_dir, n_tokens=32, entries=2, repeats=1)
     assert set(cal.read_bytes_per_s) == {"memory", "page_cache", "disk"} and cal.prefill_s_per_token_layer > 0
     assert cal.bytes_per_token_layer > tiny.layout.bytes_per_token / tiny.layout.n_layers  # + header
     assert load_calibration(cfg.cache_dir, tiny, "none") == cal
-    assert decide(index, 64).ratio >= 0.15
+    assert decide(index.config, index.adapter, 64).ratio >= 0.15
     assert not list((tmp_path / "idx" / ".calibration-store").rglob("*.safetensors"))  # cleaned up
 
 

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, FusionConfig
+from ..controller import decide
 from ..fusion import METHODS
 from ..index import Hit
 from ..model import ModelAdapter
@@ -83,6 +84,7 @@ class BenchSettings:
     sweep_epic_ks: tuple[int, ...] = (0, 4, 16, 32)
     warmup: int = 1
     threads: int = 2
+    ratio_auto: bool = False  # CacheBlend's ratio from the loading controller (needs `rag-kvcache calibrate`)
 
     def __post_init__(self) -> None:
         if REFERENCE not in self.methods:
@@ -317,6 +319,12 @@ def run_benchmark(
     out_dir = Path(out_dir)
     torch.set_num_threads(settings.threads)
     adapter = adapter or ModelAdapter.load(config)
+    controller = None
+    if settings.ratio_auto:  # decided before indexing, so a missing calibration fails at once
+        decision = decide(config, adapter, n_tokens=config.top_k * config.chunk_tokens)
+        log.info("loading controller: %s", decision.explain())
+        config = config.with_fusion(ratio=decision.ratio)
+        controller = {**asdict(decision), "explain": decision.explain()}
     variants = plan(settings, config.fusion)
     log.info("benchmarking %d questions x %d variants: %s", len(examples), len(variants),
              ", ".join(v.label for v in variants))
@@ -328,7 +336,7 @@ def run_benchmark(
         "top_k": config.top_k, "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
         "max_new_tokens": config.generation.max_new_tokens, "questions": len(examples),
         "variants": [v.label for v in variants], "warmup_questions": min(settings.warmup, len(examples)),
-        "machine": machine(), "indexing": indexing.to_dict(),
+        "machine": machine(), "indexing": indexing.to_dict(), "controller": controller,
         "started": _now(),
     }
 
