@@ -8,8 +8,8 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
 from rag_kvcache.index import Hit
+from rag_kvcache.serving import engine_for
 
-from ._engine import engine_for
 from .chat_models import CHUNK_ID_KEY
 
 

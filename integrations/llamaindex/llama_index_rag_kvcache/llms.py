@@ -29,8 +29,7 @@ from typing_extensions import Self
 
 from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
 from rag_kvcache.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-
-from ._engine import engine_for
+from rag_kvcache.serving import engine_for
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 

@@ -1,8 +1,9 @@
-"""One opened index per folder, shared by every model and retriever of the process.
+"""One opened index per folder, shared by every model and retriever of the process (the
+LangChain and LlamaIndex integrations serve through it).
 
 An index owns a SQLite connection (bound to the thread that opened it) and one model that serves
 one request at a time, so everything that touches it runs on the index's own worker thread;
-async callers, which run the sync methods from other threads, work unchanged.
+async callers, which run the sync methods from executor threads, work unchanged.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from rag_kvcache import Answer, FusedGenerator, FusionConfig, GenerationConfig, KVIndex
-from rag_kvcache.prompt import Segment
+from .config import FusionConfig, GenerationConfig
+from .pipeline import Answer, FusedGenerator, KVIndex
+from .prompt import Segment
 
 T = TypeVar("T")
 
