@@ -67,6 +67,16 @@ def test_plot_pareto_writes_png(tmp_path, summary):
     assert [p.name for p in tmp_path.iterdir()] == ["pareto.png"]
 
 
+def _png_width(path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")
+
+
+def test_plot_pareto_adds_a_kl_panel_when_there_is_kl(tmp_path, summary):
+    plot_pareto(summary, tmp_path / "both.png")
+    plot_pareto([e | {"kl_vs_full": None} for e in summary], tmp_path / "f1.png")
+    assert _png_width(tmp_path / "both.png") == 2 * _png_width(tmp_path / "f1.png")
+
+
 def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
     summary[1]["f1_vs_full"] = None
     plot_pareto(summary, tmp_path / "p.png")

@@ -128,33 +128,43 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     points = _plottable(summary)
-    fig = Figure(figsize=(8, 5.5), layout="constrained")
-    ax = fig.add_subplot()
-    for i, method in enumerate(dict.fromkeys(e["method"] for e in points)):
-        sweep = sorted((e for e in points if e["method"] == method), key=lambda e: e["ttft_median_s"])
-        x = [e["ttft_median_s"] for e in sweep]
-        y = [e["f1_vs_full"] for e in sweep]
-        ax.plot(x, y, marker="o", color=f"C{i % 10}", label=method, linewidth=1.5, markersize=6)
-        for entry, xy in zip(sweep, zip(x, y)):
-            ax.annotate(label(entry), xy, textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
     ttfts = [e["ttft_median_s"] for e in points]
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())
-    ax.margins(x=0.12, y=0.06)
-    ax.set_xlabel("median time to first token (s, log scale)")
-    ax.set_ylabel("F1 vs full-prefill answer")
-    ax.set_title("Quality vs latency (up and left is better)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title="method", loc="lower right")
+    panels = [("f1_vs_full", "F1 vs full-prefill answer", "linear", "up and left is better")]
+    if any(e.get("kl_vs_full") is not None for e in points):
+        panels.append(("kl_vs_full", "KL of first-token distribution from full", "symlog", "down and left is better"))
+    fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for ax, (key, ylabel, yscale, better) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in both panels
+        for i, method in enumerate(methods):
+            sweep = sorted((e for e in points if e["method"] == method and e.get(key) is not None),
+                           key=lambda e: e["ttft_median_s"])
+            if not sweep:
+                continue
+            x = [e["ttft_median_s"] for e in sweep]
+            y = [e[key] for e in sweep]
+            ax.plot(x, y, marker="o", color=f"C{i % 10}", label=method, linewidth=1.5, markersize=6)
+            for entry, xy in zip(sweep, zip(x, y)):
+                ax.annotate(label(entry), xy, textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_xscale("log")
+        if yscale == "symlog":
+            ax.set_yscale("symlog", linthresh=0.01)
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())
+        ax.margins(x=0.12, y=0.06)
+        ax.set_xlabel("median time to first token (s, log scale)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"Quality vs latency ({better})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(title="method", loc="best")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=150)
     return buf.getvalue()
 
 
 def plot_pareto(summary: Sequence[Entry], path: str | os.PathLike[str]) -> None:
-    """PNG of answer quality (F1 vs full prefill) against median TTFT (log x), one colour per method."""
+    """PNG of answer quality against median TTFT (log x), one colour per method: F1 vs the full-prefill
+    answer, and beside it the KL of the first-token distribution from full's for the entries that have it."""
     _atomic_write(Path(path), _render_pareto(summary))
     logger.info("wrote %s", path)
 
