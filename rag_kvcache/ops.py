@@ -70,23 +70,31 @@ def attend(
 
 def causal_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float,
-    block: int = 128,
+    block: int = 256,
 ) -> torch.Tensor:
     """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
     q [H_q, Q, D] at ascending `query_positions` [Q].
 
-    Queries go in blocks of `block`, each over only the keys up to its last position: a masked SDPA
-    kernel computes every masked-out score, so one call over all N keys would do about twice the work
-    of a causal prefill. When the queries are every position, SDPA's own causal kernel does it.
+    A masked SDPA kernel computes every score it is given, masked or not, at about twice the cost per
+    score of SDPA's causal kernel, which skips the masked half. So the queries go in blocks of
+    `block`, each over only the keys up to its last position; and when that is still more work than
+    a causal pass over all N positions (e.g. prefix caching, which computes most of the prompt), the
+    queries are placed at their positions in an all-zero [H_q, N, D] and run through the causal
+    kernel, whose rows for the other positions are dropped.
     """
-    if q.shape[1] == k.shape[1]:
-        return attend(q, k, v, None, scale)  # [N, H_q * D]
+    n = k.shape[1]
+    starts = range(0, q.shape[1], block)
+    seen = [int(query_positions[min(s + block, q.shape[1]) - 1]) + 1 for s in starts]
+    masked_scores = sum(min(block, q.shape[1] - s) * m for s, m in zip(starts, seen))
+    if 2 * masked_scores >= n * n // 2:
+        padded = q.new_zeros(q.shape[0], n, q.shape[2])  # [H_q, N, D]
+        padded[:, query_positions] = q
+        return attend(padded, k, v, None, scale)[query_positions]  # [Q, H_q * D]
     out = []
-    for s in range(0, q.shape[1], block):
+    for s, m in zip(starts, seen):
         pos = query_positions[s : s + block]  # [B]
-        seen = int(pos[-1]) + 1
-        mask = causal_mask_for(pos, torch.arange(seen, device=pos.device))  # [B, seen]
-        out.append(attend(q[:, s : s + block], k[:, :seen], v[:, :seen], mask, scale))  # [B, H_q * D]
+        mask = causal_mask_for(pos, torch.arange(m, device=pos.device))  # [B, m]
+        out.append(attend(q[:, s : s + block], k[:, :m], v[:, :m], mask, scale))  # [B, H_q * D]
     return torch.cat(out)  # [Q, H_q * D]
 
 
