@@ -82,11 +82,11 @@ def causal_attend(
     queries are placed at their positions in an all-zero [H_q, N, D] and run through the causal
     kernel, whose rows for the other positions are dropped.
     """
-    n = k.shape[1]
-    starts = range(0, q.shape[1], block)
-    seen = [int(query_positions[min(s + block, q.shape[1]) - 1]) + 1 for s in starts]
-    masked_scores = sum(min(block, q.shape[1] - s) * m for s, m in zip(starts, seen))
-    if 2 * masked_scores >= n * n // 2:
+    n, n_q = k.shape[1], q.shape[1]
+    starts = range(0, n_q, block)
+    seen = (query_positions[[min(s + block, n_q) - 1 for s in starts]] + 1).tolist()  # keys per block
+    masked_scores = sum(min(block, n_q - s) * m for s, m in zip(starts, seen))
+    if 2 * masked_scores >= n * n // 2:  # 2: a masked score's cost in units of a causal one
         padded = q.new_zeros(q.shape[0], n, q.shape[2])  # [H_q, N, D]
         padded[:, query_positions] = q
         return attend(padded, k, v, None, scale)[query_positions]  # [Q, H_q * D]
