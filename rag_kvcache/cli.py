@@ -275,6 +275,8 @@ def bench(
     model: Annotated[str, typer.Option(help="HF id, local dir or .gguf file.")] = DEFAULT_MODEL,
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
+    resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
+                                         "measure the rest (same settings and machine only).")] = False,
 ) -> None:
     """Index every passage of a QA set, then compare fusion methods on each question: TTFT, speedup
     over full prefill, F1 against the gold answers and against full's answer, first-token agreement, KL."""
@@ -282,7 +284,7 @@ def bench(
         examples = load_dataset(dataset, fmt and fmt.value)[:limit]
         settings = BenchSettings(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), sweep=sweep, warmup=warmup,
-            threads=threads, ratio_auto=ratio == "auto",
+            threads=threads, ratio_auto=ratio == "auto", resume=resume,
         )
         cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
         if ratio != "auto":

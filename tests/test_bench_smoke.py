@@ -154,3 +154,51 @@ def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatc
     decided = results["meta"]["controller"]["ratio"]
     assert decided >= 0.15
     assert [e["params"] for e in results["summary"] if e["method"] == "cacheblend"] == [{"r": decided}]
+
+
+def _bench_args(root, *extra: str) -> list[str]:
+    return ["bench", "--dataset", str(root / "synthetic.jsonl"), "--out", str(root / "out"), "--top-k", "2",
+            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,reuse", "--warmup", "0", *extra]
+
+
+def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, monkeypatch):
+    """A run killed during question 3 (question 2 half written, a torn line) goes on: question 1's records
+    are kept as measured, questions 2 and 3 are measured again, and the report covers all three."""
+    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    write_jsonl(synthetic_multihop(3), tmp_path / "synthetic.jsonl")
+    assert CliRunner().invoke(app, _bench_args(tmp_path)).exit_code == 0
+    records_path = tmp_path / "out" / "records.jsonl"
+    lines = records_path.read_text().splitlines()  # 3 questions x 2 variants
+    records_path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+
+    result = CliRunner().invoke(app, _bench_args(tmp_path, "--resume"))
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["meta"]["resumed_questions"] == 1 and results["meta"]["questions_done"] == 3
+    assert [json.dumps(r) for r in results["records"][:2]] == lines[:2]  # kept, not re-measured
+    assert [(r["id"], r["label"]) for r in results["records"]] == [(json.loads(x)["id"], json.loads(x)["label"]) for x in lines]
+    assert records_path.read_text().splitlines()[:2] == lines[:2]
+    assert len(records_path.read_text().splitlines()) == 6
+
+    # Everything done: resuming again measures nothing and reports the same records.
+    result = CliRunner().invoke(app, _bench_args(tmp_path, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["records"] == results["records"]
+
+
+def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    write_jsonl(synthetic_multihop(2), tmp_path / "synthetic.jsonl")
+    assert CliRunner().invoke(app, _bench_args(tmp_path)).exit_code == 0
+
+    result = CliRunner().invoke(app, [*_bench_args(tmp_path, "--resume"), "--top-k", "3"])
+    assert result.exit_code == 2 and "top_k: 2 -> 3" in result.output
+
+    write_jsonl(synthetic_multihop(2, seed=1), tmp_path / "synthetic.jsonl")
+    result = CliRunner().invoke(app, _bench_args(tmp_path, "--resume"))
+    assert result.exit_code == 2 and "is not in this dataset" in " ".join(result.output.split())
+    assert len(list((tmp_path / "out" / "work" / "docs").iterdir())) == 12  # refused before indexing the new set
+
+    (tmp_path / "out" / "plan.json").unlink()
+    result = CliRunner().invoke(app, _bench_args(tmp_path, "--resume"))
+    assert result.exit_code == 2 and "plan.json is missing" in " ".join(result.output.split())

@@ -12,7 +12,6 @@ from rag_kvcache.kvstore import ChunkKV
 from rag_kvcache.ops import attend, causal_attend, causal_mask_for, rerotate_keys
 from rag_kvcache.prompt import Segment
 
-from conftest import tiny_llama
 
 ATOL = 1e-4
 

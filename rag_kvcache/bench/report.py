@@ -96,7 +96,7 @@ def stage_table(summary: Sequence[Entry]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(data)
@@ -165,7 +165,7 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
 def plot_pareto(summary: Sequence[Entry], path: str | os.PathLike[str]) -> None:
     """PNG of answer quality against median TTFT (log x), one colour per method: F1 vs the full-prefill
     answer, and beside it the KL of the first-token distribution from full's for the entries that have it."""
-    _atomic_write(Path(path), _render_pareto(summary))
+    atomic_write(Path(path), _render_pareto(summary))
     logger.info("wrote %s", path)
 
 
@@ -206,6 +206,6 @@ def write_report(
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        _atomic_write(out / name, data)
+        atomic_write(out / name, data)
     logger.info("wrote %s to %s", ", ".join(files), out)
     return out

@@ -12,7 +12,9 @@ Protocol, so that the numbers hold up:
 - Quality is measured against the gold answers and against `full`'s own answer and first-token
   distribution; speedup is the median over questions of the per-question TTFT ratio to `full`.
 - Records are appended to `records.jsonl` as each question finishes, and an interrupted run still
-  writes the report of the questions it finished.
+  writes the report of the questions it finished. `resume` goes on from `records.jsonl` after a run
+  was killed outright, provided `plan.json` (written before the first question) shows the same model,
+  settings, variants and machine; a question is kept only when every variant of it was recorded.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..model import ModelAdapter
 from ..pipeline import Answer, FusedGenerator, KVIndex
 from .datasets import QAExample
 from .metrics import kl_divergence, max_f1, median_ratio, rouge_l, summarize
-from .report import write_report
+from .report import atomic_write, write_report
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class BenchSettings:
     warmup: int = 1
     threads: int = 2
     ratio_auto: bool = False  # CacheBlend's ratio from the loading controller (needs `rag-kvcache calibrate`)
+    resume: bool = False  # keep the questions an interrupted run in the same --out finished
 
     def __post_init__(self) -> None:
         if REFERENCE not in self.methods:
@@ -275,6 +278,56 @@ def summarise(records: Sequence[Mapping[str, Any]], variants: Sequence[Variant])
     return summary
 
 
+# ---- resuming ------------------------------------------------------------------------------------------
+PLAN_FILE = "plan.json"
+
+
+def finished_records(
+    path: Path, run_plan: Mapping[str, Any], examples: Sequence[QAExample], variants: Sequence[Variant]
+) -> list[dict[str, Any]]:
+    """The records of the questions an earlier run finished, read back from `path` (`records.jsonl`).
+
+    Refuses records measured under another plan or for questions this dataset does not ask; drops a
+    torn last line (the run was killed mid-write) and any question not every variant answered.
+    """
+    if not path.is_file():
+        return []
+    plan_path = path.with_name(PLAN_FILE)
+    if not plan_path.is_file():
+        raise ValueError(f"cannot resume from {path}: {plan_path} is missing, so its settings are unknown; "
+                         "use a new --out or drop --resume")
+    earlier = json.loads(plan_path.read_text(encoding="utf-8"))
+    current = json.loads(json.dumps(run_plan))  # tuples as lists, as the file holds them
+    changed = {key: (earlier.get(key), new) for key, new in current.items() if earlier.get(key) != new}
+    if changed:
+        detail = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items())
+        raise ValueError(f"cannot resume from {path}: the run's settings changed ({detail})")
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for n, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if n < len(lines):
+                raise ValueError(f"{path}:{n}: not a JSON record ({err})") from err
+            log.warning("%s:%d: dropping a torn last line", path, n)
+
+    questions = {ex.id: ex.question for ex in examples}
+    for r in records:
+        if questions.get(r["id"]) != r["question"]:
+            raise ValueError(f"cannot resume from {path}: question {r['id']!r} ({r['question']!r}) is not in this "
+                             "dataset (a different file or --limit?)")
+    labels = {v.label for v in variants}
+    answered: dict[str, set[str]] = {}
+    for r in records:
+        answered.setdefault(r["id"], set()).add(r["label"])
+    complete = {qid for qid, seen in answered.items() if seen == labels}
+    if len(complete) < len(answered):
+        log.warning("%s: dropping %d question(s) not every variant answered", path, len(answered) - len(complete))
+    return [r for r in records if r["id"] in complete]
+
+
 # ---- the run --------------------------------------------------------------------------------------------
 @dataclass
 class BenchResult:
@@ -329,27 +382,39 @@ def run_benchmark(
     log.info("benchmarking %d questions x %d variants: %s", len(examples), len(variants),
              ", ".join(v.label for v in variants))
 
+    # What must not change between an interrupted run and its resumption, or the records would not compare.
+    run_plan = {
+        "model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens, "top_k": config.top_k,
+        "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
+        "max_new_tokens": config.generation.max_new_tokens, "variants": [v.label for v in variants],
+        "machine": machine(),
+    }
+    records_path = out_dir / "records.jsonl"  # read before indexing: a refused resume leaves --out as it was
+    records = finished_records(records_path, run_plan, examples, variants) if settings.resume else []
+    done = {r["id"] for r in records}
+
     index, indexing = build_index(examples, out_dir / "work", config, adapter, progress)
     generator = FusedGenerator(index)
     run_meta = {
-        **(meta or {}), "model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens,
-        "top_k": config.top_k, "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
-        "max_new_tokens": config.generation.max_new_tokens, "questions": len(examples),
-        "variants": [v.label for v in variants], "warmup_questions": min(settings.warmup, len(examples)),
-        "machine": machine(), "indexing": indexing.to_dict(), "controller": controller,
-        "started": _now(),
+        **(meta or {}), **run_plan, "questions": len(examples), "warmup_questions": min(settings.warmup, len(examples)),
+        "indexing": indexing.to_dict(), "controller": controller, "started": _now(),
     }
+    if settings.resume:
+        log.info("resuming: %d of %d questions already measured in %s", len(done), len(examples), records_path)
+        run_meta["resumed_questions"] = len(done)
+    atomic_write(out_dir / PLAN_FILE, (json.dumps(run_plan, indent=2) + "\n").encode("utf-8"))
+    atomic_write(records_path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
         run_question(generator, example, variants, 0)
 
-    records: list[dict[str, Any]] = []
-    records_path = out_dir / "records.jsonl"
-    records_path.unlink(missing_ok=True)
-    bar = tqdm(total=len(examples) * len(variants), unit="run", desc="bench", disable=not progress)
+    bar = tqdm(total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench",
+               disable=not progress)
     try:
         for i, example in enumerate(examples):
-            new = run_question(generator, example, variants, i)
+            if example.id in done:
+                continue
+            new = run_question(generator, example, variants, i)  # i, not a resumed count: the same rotation
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
