@@ -35,9 +35,13 @@ def _format_param(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _params_text(entry: Entry) -> str:
+    return " ".join(f"{key}={_format_param(value)}" for key, value in entry["params"].items())
+
+
 def label(entry: Entry) -> str:
     """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16"."""
-    params = " ".join(f"{key}={_format_param(value)}" for key, value in entry["params"].items())
+    params = _params_text(entry)
     return f"{entry['method']} {params}" if params else str(entry["method"])
 
 
@@ -123,9 +127,12 @@ def _plottable(summary: Sequence[Entry]) -> list[Entry]:
     return points
 
 
+LABEL_OFFSETS = ((5, 5, "left"), (5, -11, "left"), (-5, 5, "right"), (-5, -11, "right"))  # points, points, ha
+
+
 def _render_pareto(summary: Sequence[Entry]) -> bytes:
     from matplotlib.figure import Figure  # deferred: heavy import; Figure avoids pyplot global state
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     points = _plottable(summary)
     ttfts = [e["ttft_median_s"] for e in points]
@@ -144,11 +151,15 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
             x = [e["ttft_median_s"] for e in sweep]
             y = [e[key] for e in sweep]
             ax.plot(x, y, marker="o", color=f"C{i % 10}", label=method, linewidth=1.5, markersize=6)
+            # The legend names the method, so a point carries only its parameter; each method's labels
+            # sit on their own side of the point, so two methods' points close together stay readable.
+            dx, dy, ha = LABEL_OFFSETS[i % len(LABEL_OFFSETS)]
             for entry, xy in zip(sweep, zip(x, y)):
-                ax.annotate(label(entry), xy, textcoords="offset points", xytext=(5, 5), fontsize=8)
+                ax.annotate(_params_text(entry) or method, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
         ax.set_xscale("log")
         if yscale == "symlog":
             ax.set_yscale("symlog", linthresh=0.01)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5 s: readable ticks
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())
         ax.margins(x=0.12, y=0.06)
