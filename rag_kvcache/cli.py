@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import transformers
 import typer
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, FusionConfig
+from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, Deviation, FusionConfig
 from .bench.datasets import FORMATS, load_dataset
 from .bench.runner import DEFAULT_METHODS, BenchSettings, run_benchmark
 from .controller import MEASURED_TIERS, calibrate as measure, choose_ratio, choose_tier, decide
@@ -37,6 +37,7 @@ DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observat
 
 Method = Enum("Method", {name: name for name in METHODS}, type=str)
 KVCodec = Enum("KVCodec", {name: name for name in KV_CODECS}, type=str)
+DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 
 
 class ChunkTokens(str, Enum):
@@ -103,6 +104,10 @@ def index(
     )
 
 
+FILTER_STEPS_HELP = "CacheBlend gradual filtering: narrow the selection to --ratio over this many layers."
+DEVIATION_HELP = "CacheBlend: select the tokens whose K (or V) deviates most from the cache."
+
+
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
@@ -112,6 +117,8 @@ def ask(
     ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
                                        "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
     check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
+    filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
+    deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
     epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
@@ -130,7 +137,8 @@ def ask(
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
         cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
         fixed_ratio = None if ratio == "auto" else _parse_ratio(ratio)
-        cfg = cfg.with_fusion(method=method.value, check_layer=check_layer, epic_k=epic_k)
+        cfg = cfg.with_fusion(method=method.value, check_layer=check_layer, filter_steps=filter_steps,
+                              deviation=deviation.value, epic_k=epic_k)
         cfg = cfg.with_generation(
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
             stop=tuple(stop or ()),
@@ -269,6 +277,9 @@ def bench(
     top_k: Annotated[int, typer.Option(min=1, help="Chunks retrieved per question.")] = 6,
     ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
                                        "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
+    check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
+    filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
+    deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
     sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
     out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap.")] = 32,
@@ -287,6 +298,7 @@ def bench(
             threads=threads, ratio_auto=ratio == "auto", resume=resume,
         )
         cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
+        cfg = cfg.with_fusion(check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value)
         if ratio != "auto":
             cfg = cfg.with_fusion(ratio=_parse_ratio(ratio))
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike

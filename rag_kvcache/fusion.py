@@ -273,8 +273,12 @@ def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionRe
     return selective_prefill(adapter, inp, (inp.fresh | heads).nonzero()[:, 0])
 
 
-def filter_schedule(cfg: FusionConfig) -> dict[int, float]:
+def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
     """Layer -> fraction of reusable tokens kept after it (gradual filtering, §4.3 of CacheBlend)."""
+    last = cfg.check_layer + cfg.filter_steps - 1
+    if last >= n_layers:
+        raise ValueError(f"check layer {cfg.check_layer} with {cfg.filter_steps} filter step(s) reaches layer {last}, "
+                         f"beyond the model's {n_layers} layers (0..{n_layers - 1})")
     if cfg.filter_steps == 1:
         return {cfg.check_layer: cfg.ratio}
     first = min(1.0, 2 * cfg.ratio)
@@ -287,9 +291,7 @@ def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> Fu
     """CacheBlend selective recompute of the high-KV-deviation tokens."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_reusable = int(reusable.sum())
-    schedule = filter_schedule(cfg)
-    if max(schedule) >= adapter.layout.n_layers:
-        raise ValueError(f"check layers {sorted(schedule)} lie beyond the model's {adapter.layout.n_layers} layers")
+    schedule = filter_schedule(cfg, adapter.layout.n_layers)
     which = 0 if cfg.deviation == "k" else 1
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, cached_kv) -> torch.Tensor | None:

@@ -202,3 +202,12 @@ def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
     (tmp_path / "out" / "plan.json").unlink()
     result = CliRunner().invoke(app, _bench_args(tmp_path, "--resume"))
     assert result.exit_code == 2 and "plan.json is missing" in " ".join(result.output.split())
+
+
+def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    write_jsonl(synthetic_multihop(1), tmp_path / "synthetic.jsonl")
+    args = [*_bench_args(tmp_path), "--methods", "full,cacheblend", "--check-layer", "3", "--filter-steps", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "reaches layer 4, beyond the model's 4 layers" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()

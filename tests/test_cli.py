@@ -63,6 +63,19 @@ def test_ask_text_and_methods(built):
         assert f"{method}: ttft" in result.output
 
 
+def test_ask_cacheblend_knobs(built):
+    root, _ = built
+    base = ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--json", "--max-new-tokens", "2",
+            "--top-k", "2", "--ratio", "0.2"]
+    one_step = runner.invoke(app, base)
+    gradual = runner.invoke(app, [*base, "--filter-steps", "3", "--deviation", "v"])
+    assert one_step.exit_code == 0 and gradual.exit_code == 0, gradual.output
+    # gradual filtering starts wider and ends at --ratio: the same number of tokens reach the last layer
+    assert json.loads(gradual.stdout)["recomputed_tokens"] == json.loads(one_step.stdout)["recomputed_tokens"]
+    result = runner.invoke(app, [*base, "--check-layer", "2", "--filter-steps", "3"])
+    assert result.exit_code == 2 and "beyond the model's 4 layers" in " ".join(result.output.split())
+
+
 @pytest.mark.parametrize("args,message", [
     (["ask", "  ", "--index", "IDX"], "the question is empty"),
     (["ask", "q", "--index", "MISSING"], "not found"),

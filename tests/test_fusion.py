@@ -115,10 +115,21 @@ def test_cacheblend_selects_ratio_at_check_layer(tiny):
 
 
 def test_gradual_filtering_schedule():
-    assert filter_schedule(FusionConfig(ratio=0.15)) == {1: 0.15}
-    sched = filter_schedule(FusionConfig(ratio=0.1, check_layer=1, filter_steps=3))
+    assert filter_schedule(FusionConfig(ratio=0.15), n_layers=4) == {1: 0.15}
+    sched = filter_schedule(FusionConfig(ratio=0.1, check_layer=1, filter_steps=3), n_layers=4)
     assert list(sched) == [1, 2, 3]
     assert sched[1] == pytest.approx(0.2) and sched[2] == pytest.approx(0.15) and sched[3] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="reaches layer 4, beyond the model's 4 layers"):
+        filter_schedule(FusionConfig(check_layer=2, filter_steps=3), n_layers=4)
+
+
+def test_gradual_filtering_narrows_layer_by_layer(tiny):
+    inp = rag_prompt(tiny)
+    n_fresh, n_reusable = int(inp.fresh.sum()), int(inp.reusable.sum())
+    out = run(tiny, inp, "cacheblend", ratio=0.2, check_layer=1, filter_steps=3)
+    kept = [n_fresh + round(f * n_reusable) for f in (0.4, 0.3, 0.2)]
+    assert out.active_per_layer == [n_fresh + n_reusable, *kept]
+    assert out.recomputed_tokens == kept[-1]
 
 
 def test_causal_mask_for_scattered_queries():

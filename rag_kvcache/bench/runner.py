@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..config import Config, FusionConfig
 from ..controller import decide
-from ..fusion import METHODS
+from ..fusion import METHODS, filter_schedule
 from ..index import Hit
 from ..model import ModelAdapter
 from ..pipeline import Answer, FusedGenerator, KVIndex
@@ -379,6 +379,9 @@ def run_benchmark(
         config = config.with_fusion(ratio=decision.ratio)
         controller = {**asdict(decision), "explain": decision.explain()}
     variants = plan(settings, config.fusion)
+    for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
+        if variant.method == "cacheblend":
+            filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
     log.info("benchmarking %d questions x %d variants: %s", len(examples), len(variants),
              ", ".join(v.label for v in variants))
 
