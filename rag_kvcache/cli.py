@@ -104,6 +104,9 @@ def index(
     )
 
 
+RATIO_HELP = ("CacheBlend recompute ratio in [0, 1], or 'auto': the loading controller's "
+              "(needs `rag-kvcache calibrate`).")
+CHECK_LAYER_HELP = "CacheBlend check layer."
 FILTER_STEPS_HELP = "CacheBlend gradual filtering: narrow the selection to --ratio over this many layers."
 DEVIATION_HELP = "CacheBlend: select the tokens whose K (or V) deviates most from the cache."
 
@@ -114,9 +117,8 @@ def ask(
     index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")],
     method: Annotated[Method, typer.Option(help="Fusion method.")] = Method.cacheblend,
     top_k: Annotated[int, typer.Option(min=1, help="Chunks to retrieve.")] = 6,
-    ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
-                                       "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
-    check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
+    ratio: Annotated[str, typer.Option(help=RATIO_HELP)] = "0.15",
+    check_layer: Annotated[int, typer.Option(min=0, help=CHECK_LAYER_HELP)] = 1,
     filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
     deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
     epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
@@ -275,9 +277,8 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods; must include full.")] = ",".join(DEFAULT_METHODS),
     chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
     top_k: Annotated[int, typer.Option(min=1, help="Chunks retrieved per question.")] = 6,
-    ratio: Annotated[str, typer.Option(help="CacheBlend recompute ratio in [0, 1], or 'auto': the loading "
-                                       "controller's (needs `rag-kvcache calibrate`).")] = "0.15",
-    check_layer: Annotated[int, typer.Option(min=0, help="CacheBlend check layer.")] = 1,
+    ratio: Annotated[str, typer.Option(help=RATIO_HELP)] = "0.15",
+    check_layer: Annotated[int, typer.Option(min=0, help=CHECK_LAYER_HELP)] = 1,
     filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
     deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
     sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,

@@ -161,7 +161,7 @@ class FusionResult:
 class Refine(Protocol):
     def __call__(
         self, layer: int, active: torch.Tensor, fresh_kv: tuple[torch.Tensor, torch.Tensor],
-        cached_kv: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor | None: ...
 
 
@@ -172,8 +172,9 @@ def selective_prefill(
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
-    `refine(layer, active, fresh_kv, cached_kv)` runs after a layer's Q/K/V projections, where the
-    fresh and cached K/V of the active tokens can be compared, and may return the positions *within*
+    `refine(layer, active, fresh_kv, layer_cache)` runs after a layer's Q/K/V projections, with the
+    active tokens' fresh K/V [H_kv, A, D] and the layer's cache [H_kv, N, D] before the fresh K/V are
+    written into it (it gathers only what it compares), and may return the positions *within*
     `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
     its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
     drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
@@ -194,16 +195,17 @@ def selective_prefill(
             keys, values = inp.layer_kv(layer, adapter)  # [H_kv, N, D], cached keys re-rotated
         with clock.stage("qkv"):
             q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
-            cached = (keys[:, active], values[:, active])  # [H_kv, A, D]
-            keys[:, active] = k
-            values[:, active] = v
+        keep = None
         if refine is not None:
             with clock.stage("select"):
-                keep = refine(layer, active, (k, v), cached)  # [A'] indices into active
-            if keep is not None:
-                if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
-                    raise ValueError(f"refine at layer {layer} dropped the last prompt token")
-                active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
+                keep = refine(layer, active, (k, v), (keys, values))  # [A'] indices into active
+        with clock.stage("qkv"):
+            keys[:, active] = k  # every computed token's fresh K/V, kept by `refine` or not
+            values[:, active] = v
+        if keep is not None:
+            if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
+                raise ValueError(f"refine at layer {layer} dropped the last prompt token")
+            active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
         with clock.stage("attention"):
             attn = causal_attend(q, keys, values, active, adapter.scale)  # [A, H_q * D]
         with clock.stage("mlp"):
@@ -274,7 +276,7 @@ def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> FusionRe
 
 
 def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
-    """Layer -> fraction of reusable tokens kept after it (gradual filtering, §4.3 of CacheBlend)."""
+    """Layer -> fraction of reusable tokens kept from its attention on (gradual filtering, §4.3 of CacheBlend)."""
     last = cfg.check_layer + cfg.filter_steps - 1
     if last >= n_layers:
         raise ValueError(f"check layer {cfg.check_layer} with {cfg.filter_steps} filter step(s) reaches layer {last}, "
@@ -294,11 +296,11 @@ def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig) -> Fu
     schedule = filter_schedule(cfg, adapter.layout.n_layers)
     which = 0 if cfg.deviation == "k" else 1
 
-    def refine(layer: int, active: torch.Tensor, fresh_kv, cached_kv) -> torch.Tensor | None:
+    def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
         if layer not in schedule:
             return None
         forced = fresh[active]  # [A]
-        score = kv_deviation(fresh_kv[which], cached_kv[which])  # [A]
+        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
         score[forced] = math.inf
         n_keep = int(forced.sum()) + round(schedule[layer] * n_reusable)
         return select_tokens(score, n_keep)  # [A']

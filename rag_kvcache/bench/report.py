@@ -141,8 +141,8 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
         panels.append(("kl_vs_full", "KL of first-token distribution from full", "symlog", "down and left is better"))
     fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
+    methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in both panels
     for ax, (key, ylabel, yscale, better) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in both panels
         for i, method in enumerate(methods):
             sweep = sorted((e for e in points if e["method"] == method and e.get(key) is not None),
                            key=lambda e: e["ttft_median_s"])

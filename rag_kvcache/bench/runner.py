@@ -314,14 +314,13 @@ def finished_records(
             log.warning("%s:%d: dropping a torn last line", path, n)
 
     questions = {ex.id: ex.question for ex in examples}
+    answered: dict[str, set[str]] = {}
     for r in records:
         if questions.get(r["id"]) != r["question"]:
             raise ValueError(f"cannot resume from {path}: question {r['id']!r} ({r['question']!r}) is not in this "
                              "dataset (a different file or --limit?)")
-    labels = {v.label for v in variants}
-    answered: dict[str, set[str]] = {}
-    for r in records:
         answered.setdefault(r["id"], set()).add(r["label"])
+    labels = {v.label for v in variants}
     complete = {qid for qid, seen in answered.items() if seen == labels}
     if len(complete) < len(answered):
         log.warning("%s: dropping %d question(s) not every variant answered", path, len(answered) - len(complete))
