@@ -20,13 +20,15 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, Deviation, FusionConfig
 from .bench.datasets import FORMATS, load_dataset
 from .bench.runner import DEFAULT_METHODS, BenchSettings, run_benchmark
-from .controller import MEASURED_TIERS, calibrate as measure, choose_ratio, choose_tier, decide
-from .fusion import METHODS
-from .kvstore import KVStore
-from .pipeline import FusedGenerator, KVIndex
+from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, Deviation, FusionConfig
+from .engine.methods import METHODS
+from .generator import FusedGenerator
+from .index import KVIndex
+from .store.controller import MEASURED_TIERS, choose_ratio, choose_tier, decide
+from .store.controller import calibrate as measure
+from .store.kvstore import KVStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RAG that never prefills the same chunk twice.")
 out = Console()
@@ -248,11 +250,11 @@ def demo(
     gen = FusedGenerator(idx)
     methods, repeats = ("full", "cacheblend", "epic"), 3
     hits = idx.search(question, cfg.top_k)
-    gen.generate(question, hits, FusionConfig(method="full"))  # warm-up, not reported
+    gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
     runs = {m: [] for m in methods}
     for _ in range(repeats):  # alternate methods so machine drift hits all alike
         for m in methods:
-            runs[m].append(gen.generate(question, hits, FusionConfig(method=m)))
+            runs[m].append(gen.ask(question, hits, fusion=FusionConfig(method=m)))
     ttft = {m: statistics.median(a.ttft_s for a in runs[m]) for m in methods}
     out.print(f"\n[bold]Q:[/bold] {question}")
     table = Table("method", "answer", f"TTFT (median of {repeats})", "recomputed", "speedup")

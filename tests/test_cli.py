@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
-
-from conftest import tiny_llama
 
 runner = CliRunner()
 

@@ -6,14 +6,20 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
 from rag_kvcache.config import Config, StorageConfig
-from rag_kvcache.controller import Calibration, calibrate, choose_ratio, choose_tier, decide, load_calibration
-from rag_kvcache.pipeline import KVIndex
-
-from conftest import tiny_llama
+from rag_kvcache.index import KVIndex
+from rag_kvcache.store.controller import (
+    Calibration,
+    calibrate,
+    choose_ratio,
+    choose_tier,
+    decide,
+    load_calibration,
+)
 
 runner = CliRunner()
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
-from rag_kvcache.pipeline import FusedGenerator, KVIndex
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
 
 pytestmark = pytest.mark.smollm2
 
@@ -31,7 +32,7 @@ def test_planted_fact_comes_back(demo_index, method):
 def test_cacheblend_matches_full_first_token(demo_index):
     gen = FusedGenerator(demo_index)
     hits = demo_index.search(QUESTION, 4)
-    full = gen.generate(QUESTION, hits, FusionConfig(method="full"))
-    blend = gen.generate(QUESTION, hits, FusionConfig(method="cacheblend"))
+    full = gen.ask(QUESTION, hits, fusion=FusionConfig(method="full"))
+    blend = gen.ask(QUESTION, hits, fusion=FusionConfig(method="cacheblend"))
     assert full.first_token_logits.argmax() == blend.first_token_logits.argmax()
     assert blend.recomputed_tokens < 0.3 * blend.prompt_tokens

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from rag_kvcache.config import Config, GenerationConfig, StorageConfig
-from rag_kvcache.pipeline import FusedGenerator, KVIndex
-from rag_kvcache.storage import StorageFullError
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+from rag_kvcache.store.tiers import StorageFullError
 
 TESTS = Path(__file__).resolve().parent
 CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0))
@@ -32,8 +33,8 @@ sys.path.insert(0, {str(TESTS)!r})
 from conftest import MINILM_DIR, tiny_llama
 from transformers import AutoTokenizer
 from rag_kvcache.config import Config
-from rag_kvcache.model import ModelAdapter
-from rag_kvcache.pipeline import KVIndex
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.index import KVIndex
 delay = float(sys.argv[3])
 if delay:
     replace = os.replace
@@ -80,7 +81,7 @@ def top_chunk_path(index: KVIndex) -> Path:
 def test_bad_cache_file_is_recomputed_and_the_answer_unchanged(index, fault, caplog):
     gen = FusedGenerator(index)
     hits = index.search(QUESTION, 3)
-    before = gen.generate(QUESTION, hits)
+    before = gen.ask(QUESTION, hits)
     path = top_chunk_path(index)
     raw = bytearray(path.read_bytes())
     if fault == "bit_flip_last_layer":  # found per layer, mid-fusion, by the background reader
@@ -91,12 +92,12 @@ def test_bad_cache_file_is_recomputed_and_the_answer_unchanged(index, fault, cap
     else:
         path.unlink()
     with caplog.at_level(logging.WARNING):
-        after = gen.generate(QUESTION, hits)
+        after = gen.ask(QUESTION, hits)
     assert after.cache_misses == 1 and "recomputed and rewrote" in caplog.text
     assert after.answer == before.answer
     torch.testing.assert_close(after.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
     assert index.store.get(index.key(hits[0].chunk.token_ids)) is not None  # rewritten, intact
-    assert gen.generate(QUESTION, hits).cache_misses == 0
+    assert gen.ask(QUESTION, hits).cache_misses == 0
 
 
 def wait_for_entries(proc: subprocess.Popen, idx: Path, n: int) -> None:

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
-from rag_kvcache.fusion import FusionInput, filter_schedule, get_method, selective_prefill
-from rag_kvcache.generation import Decoder
-from rag_kvcache.kvstore import ChunkKV
-from rag_kvcache.ops import attend, causal_attend, causal_mask_for, rerotate_keys
-from rag_kvcache.prompt import Segment
-
+from rag_kvcache.engine.fusion import FusionInput, selective_prefill
+from rag_kvcache.engine.generation import Decoder
+from rag_kvcache.engine.methods import filter_schedule, get_method
+from rag_kvcache.engine.ops import attend, causal_attend, causal_mask_for, rerotate_keys
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.store.kvstore import ChunkKV
 
 ATOL = 1e-4
 

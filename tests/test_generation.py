@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.generation import Decoder, sample_token
+from rag_kvcache.engine.generation import Decoder, sample_token
 
 
 def decode(adapter, cfg: GenerationConfig, seed: int = 0) -> tuple[list[int], str]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from rag_kvcache.config import FusionConfig, GenerationConfig
-from rag_kvcache.fusion import get_method
-from rag_kvcache.generation import Decoder, sample_token
-from rag_kvcache.model import ModelAdapter
-
 from conftest import tiny_llama
 from test_fusion import rag_prompt
+
+from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.engine.generation import Decoder, sample_token
+from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.model import ModelAdapter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

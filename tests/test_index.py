@@ -13,16 +13,11 @@ import pytest
 from sentence_transformers import SentenceTransformer
 from transformers import PreTrainedTokenizerBase
 
-from rag_kvcache.chunking import Chunk, chunk_document
-from rag_kvcache.index import (
-    FORMAT,
-    ChunkIndex,
-    ForeignIndexError,
-    IndexType,
-    chunk_id,
-    load_embedder,
-    read_documents,
-)
+from rag_kvcache.retrieval.chunk_index import FORMAT, ChunkIndex, ForeignIndexError, chunk_id
+from rag_kvcache.retrieval.chunking import Chunk, chunk_document
+from rag_kvcache.retrieval.documents import read_documents
+from rag_kvcache.retrieval.embedder import load_embedder
+from rag_kvcache.retrieval.vectors import IndexType
 
 DOCS = {
     "volcanoes.txt": (
@@ -195,7 +190,7 @@ def test_search_edge_cases(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with _build(tmp_path, docs, embedder, chunker) as index:
-        with caplog.at_level(logging.WARNING, logger="rag_kvcache.index"):
+        with caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"):
             hits = index.search("volcano", len(index) + 10)
         assert len(hits) == len(index)
         assert {h.chunk.id for h in hits} == {c.id for c in index.all_chunks()}
@@ -259,7 +254,7 @@ def test_skips_unindexable_files_with_warnings(
     }
 
     try:
-        with caplog.at_level(logging.WARNING, logger="rag_kvcache.index"):
+        with caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"):
             files, skipped = read_documents(docs)
             with _build(tmp_path, docs, embedder, chunker) as index:
                 report = index.sync(docs, chunker, progress=False)
@@ -333,7 +328,7 @@ def test_damaged_faiss_file_is_rebuilt_on_open(
     else:
         vectors.write_bytes(b"\0garbage")
 
-    with caplog.at_level(logging.WARNING, logger="rag_kvcache.index"):
+    with caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"):
         index = ChunkIndex.open(tmp_path / "index", embedder)
     with index:
         assert "rebuilding" in caplog.text
@@ -341,7 +336,7 @@ def test_damaged_faiss_file_is_rebuilt_on_open(
         assert _top_source(index, "qubits and superposition") == "pasta.md"
     caplog.clear()
     with (
-        caplog.at_level(logging.WARNING, logger="rag_kvcache.index"),
+        caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"),
         ChunkIndex.open(tmp_path / "index", embedder),
     ):
         assert "rebuilding" not in caplog.text

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT
-from rag_kvcache.prompt import ChatTurn, ChunkPart, PromptFormat, chat_segments
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, PromptFormat, chat_segments
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

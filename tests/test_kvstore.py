@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from rag_kvcache.kvstore import ChunkKV, KVStore, cache_key
+from rag_kvcache.store.kvstore import ChunkKV, KVStore, cache_key
 
 
 def make_kv(layers: int = 3, tokens: int = 5, position: int = 7, dtype=torch.float32) -> ChunkKV:

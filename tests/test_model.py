@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fusion import ATOL, rag_prompt
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rag_kvcache.config import FusionConfig
-from rag_kvcache.fusion import get_method
-from rag_kvcache.model import ModelAdapter, UnsupportedModelError
-
-from test_fusion import ATOL, rag_prompt
+from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.model import ModelAdapter, UnsupportedModelError
 
 SMALL = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
-from rag_kvcache.index import ForeignIndexError
-from rag_kvcache.model import ModelAdapter
-from rag_kvcache.pipeline import FusedGenerator, KVIndex
-
-from conftest import tiny_llama
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+from rag_kvcache.retrieval.chunk_index import ForeignIndexError
 
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships. " * 3,
@@ -57,7 +57,7 @@ def test_exact_methods_answer_like_full(index):
     gen = FusedGenerator(index)
     q = "Who kept the lighthouse diary?"
     hits = index.search(q, 3)
-    answers = {m: gen.generate(q, hits, FusionConfig(method=m, ratio=1.0)) for m in ("full", "prefix", "cacheblend")}
+    answers = {m: gen.ask(q, hits, fusion=FusionConfig(method=m, ratio=1.0)) for m in ("full", "prefix", "cacheblend")}
     assert answers["full"].answer == answers["prefix"].answer == answers["cacheblend"].answer
     torch.testing.assert_close(answers["prefix"].first_token_logits, answers["full"].first_token_logits, atol=1e-4, rtol=0)
 
@@ -68,11 +68,11 @@ def test_another_model_misses_never_hits_wrongly(index, tokenizer, tmp_path):
     gen = FusedGenerator(reopened)
     q = "What does the bakery sell?"
     hits = reopened.search(q, 3)
-    fused = gen.generate(q, hits, FusionConfig(method="prefix"))
+    fused = gen.ask(q, hits, fusion=FusionConfig(method="prefix"))
     assert fused.cache_misses == 3  # every chunk missed: caches of the first model are never served
-    full = gen.generate(q, hits, FusionConfig(method="full"))
+    full = gen.ask(q, hits, fusion=FusionConfig(method="full"))
     torch.testing.assert_close(fused.first_token_logits, full.first_token_logits, atol=1e-4, rtol=0)
-    again = gen.generate(q, hits, FusionConfig(method="prefix"))
+    again = gen.ask(q, hits, fusion=FusionConfig(method="prefix"))
     assert again.cache_misses == 0  # the misses were computed and stored for this model
 
 
@@ -117,9 +117,8 @@ def test_missing_and_foreign_index(tiny, tmp_path):
 
 
 def test_other_tokenizer_is_refused(index):
-    from transformers import AutoTokenizer
-
     from conftest import MINILM_DIR
+    from transformers import AutoTokenizer
 
     other = AutoTokenizer.from_pretrained(MINILM_DIR)
     other.add_tokens(["veldmark"])  # a vocabulary the stored token ids were not made with

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from rag_kvcache.codecs import get_codec
-from rag_kvcache.config import StorageConfig
-from rag_kvcache.fusion import FusionInput
-from rag_kvcache.kvstore import KVStore
-from rag_kvcache.loading import LayerFeed
-from rag_kvcache.storage import ChunkKV, DiskEntry, EvictionPolicy
-
 from test_kvstore import make_kv
+
+from rag_kvcache.config import StorageConfig
+from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.store.codecs import get_codec
+from rag_kvcache.store.kvstore import KVStore
+from rag_kvcache.store.loading import LayerFeed
+from rag_kvcache.store.tiers import ChunkKV, DiskEntry, EvictionPolicy
 
 KEYS = [f"{i:02x}" * 16 for i in range(6)]
 
@@ -161,10 +160,10 @@ def test_feed_hands_reader_errors_to_the_consumer():
         feed.get(0)
 
 
-def test_prefetching_input_fuses_like_reading_on_demand(tiny):
-    from rag_kvcache.fusion import get_method
+def test_prefetching_feed_fuses_like_reading_on_demand(tiny):
     from rag_kvcache.config import FusionConfig
-    from rag_kvcache.prompt import Segment
+    from rag_kvcache.engine.methods import get_method
+    from rag_kvcache.engine.prompt import Segment
 
     g = torch.Generator().manual_seed(1)
     chunks = [tuple(torch.randint(1000, 2000, (12,), generator=g).tolist()) for _ in range(3)]
@@ -175,10 +174,11 @@ def test_prefetching_input_fuses_like_reading_on_demand(tiny):
         keys, values, _ = tiny.prefill(torch.tensor([c]))
         caches.append(ChunkKV([k[0] for k in keys], [v[0] for v in values], 0))
     contexts = [()] * 3
-    results = {}
-    for prefetch in (0, 2):
-        inp = FusionInput.build(segments, caches + [None], contexts + [()], prefetch=prefetch)
-        results[prefetch] = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3))
-        inp.close()
-        assert inp.load_wait_s >= 0
-    torch.testing.assert_close(results[0].logits, results[2].logits, atol=0, rtol=0)
+    inp = FusionInput.build(segments, caches + [None], contexts + [()])
+    direct = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3))
+    with LayerFeed(inp.sources, tiny.layout.n_layers, "cpu", depth=2) as feed:
+        fed = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3), reader=feed)
+    assert fed.stages["kv_wait"] >= 0
+    torch.testing.assert_close(direct.logits, fed.logits, atol=0, rtol=0)
+    for a, b in zip(direct.keys + direct.values, fed.keys + fed.values):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

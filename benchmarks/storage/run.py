@@ -33,9 +33,10 @@ import torch
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
 from rag_kvcache.config import KV_CODECS, Config, FusionConfig, GenerationConfig, StorageConfig
-from rag_kvcache.kvstore import KVStore
-from rag_kvcache.pipeline import FusedGenerator, KVIndex
-from rag_kvcache.storage import LayerSource
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+from rag_kvcache.store.kvstore import KVStore
+from rag_kvcache.engine.cache import LayerSource
 
 log = logging.getLogger("storage-bench")
 
@@ -101,10 +102,11 @@ def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repe
                 elif tier in ("warm", "slow"):
                     for key in keys:
                         disk_store.get(key)
-                storage = replace(index.config.storage, prefetch_layers=2 if mode == "pipelined" else 0)
+                index.config = index.config.with_storage(prefetch_layers=2 if mode == "pipelined" else 0)
                 start = time.perf_counter()
-                result, n_prompt, misses = gen.prefill(segments, FUSION, storage)
+                fused = gen.fuse(segments, FUSION)
                 ttft = time.perf_counter() - start
+                result, n_prompt, misses = fused.result, fused.prompt_tokens, fused.cache_misses
                 assert misses == 0
                 records.append({
                     "question": qi, "repeat": rep, "condition": condition, "ttft_s": ttft,

@@ -35,11 +35,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, FusionConfig
-from ..controller import decide
-from ..fusion import METHODS, filter_schedule
-from ..index import Hit
-from ..model import ModelAdapter
-from ..pipeline import Answer, FusedGenerator, KVIndex
+from ..engine.methods import METHODS, filter_schedule
+from ..engine.model import ModelAdapter
+from ..generator import Answer, FusedGenerator
+from ..index import KVIndex
+from ..retrieval.chunk_index import Hit
+from ..store.controller import decide
 from .datasets import QAExample
 from .metrics import kl_divergence, max_f1, median_ratio, rouge_l, summarize
 from .report import atomic_write, write_report
@@ -234,7 +235,8 @@ def run_question(
     retrieval_s = time.perf_counter() - t0
     order = rotated(variants, slot_shift)
     answers = {
-        v: generator.generate(example.question, hits, v.fusion(config.fusion), config.generation) for v in order
+        v: generator.ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
+        for v in order
     }
     reference = answers[Variant(REFERENCE)]
     return [_record(example, v, order.index(v), answers[v], reference, retrieval_s) for v in variants]

@@ -24,8 +24,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
 from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
-from rag_kvcache.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.serving import engine_for
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+from rag_kvcache.serving.engines import engine_for
 
 CHUNK_ID_KEY = "chunk_id"
 """The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""

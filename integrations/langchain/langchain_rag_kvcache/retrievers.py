@@ -7,8 +7,8 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
-from rag_kvcache.index import Hit
-from rag_kvcache.serving import engine_for
+from rag_kvcache.retrieval.chunk_index import Hit
+from rag_kvcache.serving.engines import engine_for
 
 from .chat_models import CHUNK_ID_KEY
 

@@ -28,8 +28,8 @@ from llama_index.core.llms.custom import CustomLLM
 from typing_extensions import Self
 
 from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
-from rag_kvcache.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.serving import engine_for
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+from rag_kvcache.serving.engines import engine_for
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 

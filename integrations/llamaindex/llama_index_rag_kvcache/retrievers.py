@@ -9,7 +9,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from rag_kvcache import KVIndex
-from rag_kvcache.serving import engine_for
+from rag_kvcache.serving.engines import engine_for
 
 
 class RagKVCacheRetriever(BaseRetriever):

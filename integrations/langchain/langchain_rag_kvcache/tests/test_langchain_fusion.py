@@ -8,7 +8,7 @@ from langchain_core.messages.content import create_plaintext_block
 
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from rag_kvcache import FusionConfig, GenerationConfig
-from rag_kvcache.serving import engine_for
+from rag_kvcache.serving.engines import engine_for
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 

@@ -7,9 +7,14 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from llama_index_rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, RagKVCacheRetriever, create_kv_query_engine
+from llama_index_rag_kvcache import (
+    KVCacheSynthesizer,
+    RagKVCacheLLM,
+    RagKVCacheRetriever,
+    create_kv_query_engine,
+)
 from rag_kvcache import GenerationConfig
-from rag_kvcache.serving import engine_for
+from rag_kvcache.serving.engines import engine_for
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 

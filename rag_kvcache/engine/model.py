@@ -21,7 +21,7 @@ import torch
 import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from .config import DEFAULT_MODEL, Config
+from ..config import DEFAULT_MODEL, Config
 from .ops import apply_rope
 
 log = logging.getLogger(__name__)
@@ -214,15 +214,16 @@ class ModelAdapter:
         return DynamicCache(ddp_cache_data=batched)
 
     @torch.inference_mode()
-    def decode(self, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
-        """One decoding step from an injected cache; returns next-token logits [V]."""
+    def decode(self, tokens: list[int], cache: DynamicCache, position: int) -> torch.Tensor:
+        """Feed `tokens` (at `position` onwards) through an injected cache, which they extend;
+        returns the next-token logits after each of them [T, V]."""
         out = self.model(
-            input_ids=torch.tensor([[token]], device=self.device),
-            position_ids=torch.tensor([[position]], device=self.device),
+            input_ids=torch.tensor([tokens], device=self.device),
+            position_ids=torch.arange(position, position + len(tokens), device=self.device)[None],
             past_key_values=cache,
             use_cache=True,
         )
-        return out.logits[0, -1].float()
+        return out.logits[0].float()  # [T, V]
 
     @property
     def eos_token_ids(self) -> set[int]:

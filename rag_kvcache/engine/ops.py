@@ -31,8 +31,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)  # [H, T, D]
 
 
-def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Move keys [H_kv, T, D] computed at positions p to positions p + delta.
+def rerotate_keys(
+    keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Move keys [H_kv, T, D] computed at positions p to positions p + delta (into `out` if given).
 
     RoPE rotations compose, so rotating by the angle of `delta` equals computing at the new offset.
     `delta` is an int (one angle per frequency for all tokens: no per-token table) or a tensor [T].
@@ -42,9 +44,12 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
     d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)  # [T or 1, 1]
     angles = d * inv_freq.to(keys.device, torch.float64)  # [T or 1, D/2]
     cos, sin = angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
-    k32 = keys.to(torch.float32)
+    k32 = keys.to(torch.float32)  # [H_kv, T, D], no copy for float32 keys
     k1, k2 = k32[..., :half], k32[..., half:]  # [H_kv, T, D/2]
-    return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1).to(keys.dtype)  # [H_kv, T, D]
+    out = torch.empty_like(keys) if out is None else out  # [H_kv, T, D]
+    out[..., :half] = k1 * cos - k2 * sin  # [H_kv, T, D/2]
+    out[..., half:] = k2 * cos + k1 * sin  # [H_kv, T, D/2]
+    return out
 
 
 def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

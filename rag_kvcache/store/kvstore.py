@@ -24,9 +24,10 @@ import torch
 import xxhash
 from filelock import FileLock
 
+from ..config import StorageConfig
+from ..engine.cache import ChunkKV, LayerSource
 from .codecs import get_codec
-from .config import StorageConfig
-from .storage import ChunkKV, CorruptEntryError, DiskTier, LayerSource, MemoryTier, TierStats
+from .tiers import CorruptEntryError, DiskTier, MemoryTier, TierStats
 
 log = logging.getLogger(__name__)
 

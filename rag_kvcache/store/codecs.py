@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .config import KV_CODECS
+from ..config import KV_CODECS
 
 
 class Codec(Protocol):

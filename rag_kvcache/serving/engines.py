@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from .config import FusionConfig, GenerationConfig
-from .pipeline import Answer, FusedGenerator, KVIndex
-from .prompt import Segment
+from ..config import FusionConfig, GenerationConfig
+from ..engine.prompt import Segment
+from ..generator import Answer, FusedGenerator
+from ..index import KVIndex
 
 T = TypeVar("T")
 

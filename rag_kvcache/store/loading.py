@@ -1,29 +1,28 @@
 """Layer-wise loading of a prompt's chunk caches, pipelined with the fusion (CacheBlend §5).
 
-The fusion needs layer i's cached K/V only when it reaches layer i. A `LayerFeed` with depth d > 0
-runs a background thread that reads layers in order into a queue of at most d layers, so while
-layer i is being recomputed, layers i+1..i+d are being read (and verified, and decoded); asking
-for layer i waits only for layer i. Depth 0 reads each layer when asked, in the caller's thread:
-the same work, with no overlap. Reading releases the GIL (see `storage`), so the overlap is real
-even on CPU.
+The fusion needs layer i's cached K/V only when it reaches layer i. A `LayerFeed` runs a
+background thread that reads layers in order into a queue of at most `depth` layers, so while
+layer i is being recomputed, layers i+1..i+depth are being read (and verified, and decoded); asking
+for layer i waits only for layer i. Reading releases the GIL (see `tiers`), so the overlap is real
+even on CPU. The fusion engine times its waits (`kv_wait`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .storage import LayerSource
-
-LayerKV = list[tuple[torch.Tensor, torch.Tensor] | None]  # per segment: keys, values [H_kv, T, D], or None
+from ..engine.cache import LayerKV, LayerSource, read_layer
 
 
 class LayerFeed:
-    """Per-layer cached K/V of a prompt's segments (None for segments without a cache), in layer order."""
+    """Per-layer cached K/V of a prompt's segments (None for segments without a cache), in layer order.
+
+    A context manager: leaving it stops a reader the fusion did not drain (it ended early or failed).
+    """
 
     def __init__(
         self, sources: Sequence[LayerSource | None], n_layers: int, device: torch.device | str, depth: int
@@ -34,11 +33,16 @@ class LayerFeed:
         self._n_layers = n_layers
         self._device = device
         self._next = 0
-        self.wait_s = 0.0  # time the consumer spent waiting for a layer
         self._queue: queue.Queue[LayerKV | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-layer-reader", daemon=True)
         self._thread.start()
+
+    def __enter__(self) -> LayerFeed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -57,30 +61,16 @@ class LayerFeed:
         if layer != self._next:
             raise ValueError(f"a feed yields layers in order: asked for layer {layer}, the next is {self._next}")
         self._next += 1
-        start = time.perf_counter()
         item = self._queue.get()
-        self.wait_s += time.perf_counter() - start
         if isinstance(item, BaseException):
             raise item
         return item
 
     def close(self) -> None:
-        """Stop reading ahead (the fusion ended or failed) and let the reader thread finish."""
+        """Stop reading ahead and let the reader thread finish."""
         self._stop.set()
         while self._thread.is_alive():
             try:
                 self._queue.get(timeout=0.01)
             except queue.Empty:
                 pass
-
-
-def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> LayerKV:
-    """One layer of every source, on `device`."""
-    out: LayerKV = []
-    for source in sources:
-        if source is None:
-            out.append(None)
-            continue
-        k, v = source.layer(layer)  # [H_kv, T, D]
-        out.append((k.to(device), v.to(device)))
-    return out

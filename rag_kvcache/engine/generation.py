@@ -1,4 +1,5 @@
-"""Decoding that continues from a fused prompt cache: greedy or sampled, stop strings, streaming."""
+"""Decoding that continues from a fused prompt cache: greedy or sampled, stop strings, streaming; and
+teacher forcing, which scores a given answer from such a cache."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .model import ModelAdapter
 
 
@@ -73,8 +74,25 @@ class Decoder:
             emitted = ready
             if len(ids) >= self.cfg.max_new_tokens:
                 break
-            logits = self.adapter.decode(token, cache, position)  # [V]
+            logits = self.adapter.decode([token], cache, position)[-1]  # [V]
             position += 1
             token = sample_token(logits, self.cfg, self.rng)
         if len(text) > len(emitted):
             yield Step(None, text[len(emitted) :])
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    adapter: ModelAdapter, keys: list[torch.Tensor], values: list[torch.Tensor], first_logits: torch.Tensor,
+    answer_ids: list[int],
+) -> torch.Tensor:
+    """The next-token logits at every position of `answer_ids` forced through a prompt cache (L x
+    [H_kv, N, D]): the prompt's `first_logits` [V] predict the first answer token, the cache extended
+    by the answer's tokens so far predicts each next one. Returns [T, V]; the cache is not changed."""
+    if not answer_ids:
+        raise ValueError("teacher forcing needs at least one answer token, got none")
+    first = first_logits.float()[None]  # [1, V]
+    if len(answer_ids) == 1:
+        return first
+    rest = adapter.decode(answer_ids[:-1], adapter.make_cache(keys, values), keys[0].shape[-2])  # [T-1, V]
+    return torch.cat([first, rest])  # [T, V]

@@ -27,14 +27,15 @@ import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 import xxhash
 from safetensors.torch import save
 
+from ..config import Eviction
+from ..engine.cache import ChunkKV
 from .codecs import Codec, get_codec
-from .config import Eviction
 
 log = logging.getLogger(__name__)
 
@@ -56,44 +57,6 @@ class CorruptEntryError(KVStoreError):
 
 class StorageFullError(OSError):
     """The disk holding the store is full (or over quota)."""
-
-
-@dataclass(frozen=True)
-class ChunkKV:
-    """One chunk's cache: per-layer keys/values [H_kv, T, D], computed at positions position..position+T-1."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    position: int
-
-    @property
-    def n_tokens(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[i], self.values[i]
-
-
-class LayerSource(Protocol):
-    """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a `DiskEntry`."""
-
-    position: int
-
-    @property
-    def n_tokens(self) -> int: ...
-
-    @property
-    def n_layers(self) -> int: ...
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass

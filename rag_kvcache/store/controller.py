@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, StorageConfig
+from ..config import Config, StorageConfig
+from ..engine.cache import ChunkKV, read_layer
+from ..engine.model import ModelAdapter
 from .kvstore import KVStore
-from .loading import read_layer
-from .model import ModelAdapter
-from .storage import ChunkKV
 
 log = logging.getLogger(__name__)
 

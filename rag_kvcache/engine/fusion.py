@@ -1,0 +1,207 @@
+"""The selective-prefill engine: one forward, layer by layer, that computes only an *active* set of
+tokens; every other token's K/V comes from its chunk cache, re-rotated to its place in the prompt.
+
+`FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
+`selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
+store's pipelined feed, or a plain read in the caller's thread); the K/V of the whole prompt is
+assembled into one buffer, allocated once per prompt and written in place layer by layer.
+Recomputed tokens attend with the exact causal mask over their original positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .cache import LayerKV, LayerSource, read_layer
+from .model import ModelAdapter
+from .ops import causal_attend, rerotate_keys, rope_cos_sin
+from .profiling import StageClock
+from .prompt import Segment
+
+
+@dataclass(frozen=True)
+class SegmentKV:
+    """A prompt segment, where it starts, and its cache (None: computed at query time)."""
+
+    segment: Segment
+    start: int
+    kv: LayerSource | None
+    exact: bool  # cache equals what a full prefill computes here (same position, same tokens before)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.segment.ids)
+
+
+@dataclass(frozen=True)
+class FusionInput:
+    """The prompt's tokens and its segments' caches: a layout, nothing more."""
+
+    ids: torch.Tensor  # [N]
+    parts: tuple[SegmentKV, ...]
+
+    @classmethod
+    def build(
+        cls, segments: Sequence[Segment], caches: Sequence[LayerSource | None], contexts: Sequence[tuple[int, ...]],
+        device: torch.device | str = "cpu",
+    ) -> FusionInput:
+        """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind."""
+        if not (len(segments) == len(caches) == len(contexts)):
+            raise ValueError(f"{len(segments)} segments, {len(caches)} caches, {len(contexts)} contexts")
+        ids: list[int] = []
+        parts = []
+        for seg, kv, ctx in zip(segments, caches, contexts):
+            if kv is not None and kv.n_tokens != len(seg.ids):
+                raise ValueError(f"cache of segment {seg.label!r} has {kv.n_tokens} tokens, segment has {len(seg.ids)}")
+            exact = kv is not None and kv.position == len(ids) and tuple(ids) == tuple(ctx)
+            parts.append(SegmentKV(seg, len(ids), kv, exact))
+            ids.extend(seg.ids)
+        if not parts or parts[-1].kv is not None:
+            raise ValueError("the prompt must end with an uncached segment (the question)")
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), tuple(parts))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def sources(self) -> list[LayerSource | None]:
+        return [p.kv for p in self.parts]
+
+    def token_mask(self, pred: Callable[[SegmentKV], bool]) -> torch.Tensor:
+        mask = torch.zeros(self.n_tokens, dtype=torch.bool, device=self.ids.device)  # [N]
+        for p in self.parts:
+            if pred(p):
+                mask[p.start : p.end] = True
+        return mask
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """Tokens with no cache [N]: always recomputed."""
+        return self.token_mask(lambda p: p.kv is None)
+
+    @property
+    def reusable(self) -> torch.Tensor:
+        """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
+        return self.token_mask(lambda p: p.kv is not None and not p.exact)
+
+    def assemble(
+        self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor, inv_freq: torch.Tensor
+    ) -> None:
+        """Write one layer's cached K/V into the prompt's buffers keys, values [H_kv, N, D], keys
+        re-rotated to their prompt positions. Tokens without a cache get zeros; they are always
+        recomputed before anything reads them."""
+        for p, kv in zip(self.parts, loaded):
+            if kv is None:
+                keys[:, p.start : p.end] = 0
+                values[:, p.start : p.end] = 0
+                continue
+            shift = p.start - p.kv.position
+            if shift:
+                rerotate_keys(kv[0], shift, inv_freq, out=keys[:, p.start : p.end])  # [H_kv, n, D]
+            else:
+                keys[:, p.start : p.end] = kv[0]  # [H_kv, n, D]
+            values[:, p.start : p.end] = kv[1]  # [H_kv, n, D]
+
+
+class LayerReader(Protocol):
+    """Delivers the cached K/V of every segment, one layer at a time, in layer order."""
+
+    def get(self, layer: int) -> LayerKV: ...
+
+
+@dataclass(frozen=True)
+class DirectReader:
+    """Reads each layer when asked, in the caller's thread (no overlap with the compute)."""
+
+    sources: Sequence[LayerSource | None]
+    device: torch.device | str
+
+    def get(self, layer: int) -> LayerKV:
+        return read_layer(self.sources, layer, self.device)
+
+
+@dataclass
+class FusionResult:
+    keys: list[torch.Tensor]  # L x [H_kv, N, D]
+    values: list[torch.Tensor]  # L x [H_kv, N, D]
+    logits: torch.Tensor  # [V], next-token logits after the last prompt token
+    recomputed_tokens: int  # tokens computed through the last layer (question included)
+    compute_fraction: float  # token-layers through attention and MLP / (N x layers): the work relative to `full`
+    active_per_layer: list[int] = field(default_factory=list)  # tokens through each layer's attention and MLP
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
+
+
+class Refine(Protocol):
+    def __call__(
+        self, layer: int, active: torch.Tensor, fresh_kv: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None: ...
+
+
+@torch.inference_mode()
+def selective_prefill(
+    adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
+    clock: StageClock | None = None, reader: LayerReader | None = None,
+) -> FusionResult:
+    """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
+
+    `refine(layer, active, fresh_kv, layer_cache)` runs after a layer's Q/K/V projections, with the
+    active tokens' fresh K/V [H_kv, A, D] and the layer's cache [H_kv, N, D] before the fresh K/V are
+    written into it (it gathers only what it compares), and may return the positions *within*
+    `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
+    its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
+    drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
+    `reader` delivers the cached layers (default: read when needed, in this thread); the time spent
+    waiting for them is the stage `kv_wait`.
+    """
+    clock = clock or StageClock(adapter.device)
+    reader = reader or DirectReader(inp.sources, inp.ids.device)
+    n, layout = inp.n_tokens, adapter.layout
+    if adapter.sliding_window is not None and n > adapter.sliding_window:
+        raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
+    if initial.numel() == 0 or initial[-1].item() != n - 1:
+        raise ValueError("the active set must include the last prompt token")
+    positions = torch.arange(n, device=inp.ids.device)  # [N]
+    inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
+    cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
+    shape = (layout.n_layers, layout.n_kv_heads, n, layout.head_dim)
+    keys_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
+    values_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
+    active = initial  # [A], token positions in ascending order
+    h = adapter.embed(inp.ids[active])  # [A, E]
+    counts = []
+    for layer in range(layout.n_layers):
+        keys, values = keys_all[layer], values_all[layer]  # [H_kv, N, D]
+        with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
+            loaded = reader.get(layer)
+        with clock.stage("assemble_kv"):
+            inp.assemble(loaded, keys, values, inv_freq)
+        with clock.stage("qkv"):
+            q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
+        keep = None
+        if refine is not None:
+            with clock.stage("select"):
+                keep = refine(layer, active, (k, v), (keys, values))  # [A'] indices into active
+        with clock.stage("qkv"):
+            keys[:, active] = k  # every computed token's fresh K/V, kept by `refine` or not
+            values[:, active] = v
+        if keep is not None:
+            if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
+                raise ValueError(f"refine at layer {layer} dropped the last prompt token")
+            active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
+        with clock.stage("attention"):
+            attn = causal_attend(q, keys, values, active, adapter.scale)  # [A, H_q * D]
+        with clock.stage("mlp"):
+            h = adapter.finish(layer, h, attn)  # [A, E]
+        counts.append(active.numel())
+    with clock.stage("logits"):
+        logits = adapter.logits(h[-1:])[0]  # [V]
+    return FusionResult(
+        list(keys_all.unbind(0)), list(values_all.unbind(0)), logits, active.numel(),
+        sum(counts) / (n * layout.n_layers), counts, dict(clock.seconds),
+    )

@@ -1,0 +1,135 @@
+"""Fusion methods, registered by name: each turns a prompt's chunk caches into one KV cache.
+
+Every method has the same signature, `(adapter, FusionInput, FusionConfig, clock, reader) ->
+FusionResult`. All but `full` run one engine, `selective_prefill`; a method is just the rule that
+picks the tokens it computes:
+
+- `prefix`     every token after the exactly-cached head (system prefix, and chunk 1 when chunks are
+               prefilled behind the prefix): exact, equals `full`.
+- `reuse`      only tokens without a cache (separators, question).
+- `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
+- `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
+               K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
+
+A new method is one function decorated with `@register("name")`; the CLI, the bench and the
+integrations find it by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FusionConfig
+from .fusion import FusionInput, FusionResult, LayerReader, selective_prefill
+from .model import ModelAdapter
+from .ops import kv_deviation, select_tokens
+from .profiling import StageClock
+
+MethodFn = Callable[[ModelAdapter, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered fusion method; `reads_cache` is False for methods that compute every token."""
+
+    name: str
+    fn: MethodFn
+    reads_cache: bool = True
+
+    def __call__(
+        self, adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
+        reader: LayerReader | None = None,
+    ) -> FusionResult:
+        return self.fn(adapter, inp, cfg, clock, reader)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, reads_cache: bool = True) -> Callable[[MethodFn], MethodFn]:
+    """Register a fusion method under `name` (replacing any method of that name)."""
+
+    def deco(fn: MethodFn) -> MethodFn:
+        METHODS[name] = Method(name, fn, reads_cache)
+        return fn
+
+    return deco
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown fusion method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+@register("full", reads_cache=False)
+@torch.inference_mode()
+def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """Ordinary prefill of the whole prompt: the quality reference; uses no cache."""
+    clock = clock or StageClock(adapter.device)
+    with clock.stage("prefill"):
+        keys, values, logits = adapter.prefill(inp.ids[None])
+    n = inp.n_tokens
+    return FusionResult(
+        [k[0] for k in keys], [v[0] for v in values], logits[0], n, 1.0, [n] * adapter.layout.n_layers,
+        dict(clock.seconds),
+    )
+
+
+@register("prefix")
+def prefix(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """Prefix caching: reuse the exactly-cached head, prefill everything after it."""
+    return selective_prefill(adapter, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], clock=clock, reader=reader)
+
+
+@register("reuse")
+def reuse(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """Full KV reuse: every chunk cache position-corrected, only uncached tokens computed."""
+    return selective_prefill(adapter, inp, inp.fresh.nonzero()[:, 0], clock=clock, reader=reader)
+
+
+@register("epic")
+def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
+    heads = inp.token_mask(lambda p: False)  # [N]
+    for p in inp.parts:
+        if p.kv is not None and not p.exact:
+            heads[p.start : p.start + min(cfg.epic_k, len(p.segment.ids))] = True
+    return selective_prefill(adapter, inp, (inp.fresh | heads).nonzero()[:, 0], clock=clock, reader=reader)
+
+
+def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
+    """Layer -> fraction of reusable tokens kept from its attention on (gradual filtering, §4.3 of CacheBlend)."""
+    last = cfg.check_layer + cfg.filter_steps - 1
+    if last >= n_layers:
+        raise ValueError(f"check layer {cfg.check_layer} with {cfg.filter_steps} filter step(s) reaches layer {last}, "
+                         f"beyond the model's {n_layers} layers (0..{n_layers - 1})")
+    if cfg.filter_steps == 1:
+        return {cfg.check_layer: cfg.ratio}
+    first = min(1.0, 2 * cfg.ratio)
+    step = (first - cfg.ratio) / (cfg.filter_steps - 1)
+    return {cfg.check_layer + s: first - s * step for s in range(cfg.filter_steps)}
+
+
+@register("cacheblend")
+def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """CacheBlend selective recompute of the high-KV-deviation tokens."""
+    fresh, reusable = inp.fresh, inp.reusable  # [N]
+    n_reusable = int(reusable.sum())
+    schedule = filter_schedule(cfg, adapter.layout.n_layers)
+    which = 0 if cfg.deviation == "k" else 1
+
+    def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
+        if layer not in schedule:
+            return None
+        forced = fresh[active]  # [A]
+        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
+        score[forced] = math.inf
+        n_keep = int(forced.sum()) + round(schedule[layer] * n_reusable)
+        return select_tokens(score, n_keep)  # [A']
+
+    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)

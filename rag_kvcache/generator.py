@@ -1,0 +1,152 @@
+"""`FusedGenerator`: the query path. A prompt's segments in, their caches fused, text out.
+
+One question flows downhill: `ask` retrieves (or takes the given hits) and lays out the prompt;
+`stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
+decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from .config import FusionConfig, GenerationConfig
+from .engine.fusion import DirectReader, FusionInput, FusionResult
+from .engine.generation import Decoder, sample_token
+from .engine.methods import get_method
+from .engine.profiling import StageClock
+from .engine.prompt import Segment
+from .index import KVIndex
+from .retrieval.chunk_index import Hit
+from .store.loading import LayerFeed
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    id: str
+    source: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    answer: str
+    method: str
+    ttft_s: float  # question in -> first token out: cache loading, fusion and first sampling included
+    retrieval_s: float
+    prompt_tokens: int
+    recomputed_tokens: int
+    compute_fraction: float
+    generation_s: float
+    generated_tokens: int
+    cache_misses: int
+    chunks: list[RetrievedChunk] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
+    first_token_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the cache (never computed at query time)."""
+        return self.prompt_tokens - self.recomputed_tokens
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("first_token_logits")
+        return out
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A fused prompt cache: the fusion's result, the prompt's length, and how many chunk caches
+    were missing or corrupt (recomputed and stored again before use; the prefix is not counted)."""
+
+    result: FusionResult
+    prompt_tokens: int
+    cache_misses: int
+
+
+class FusedGenerator:
+    """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+        self.adapter = index.adapter
+
+    def ask(
+        self, question: str, hits: Sequence[Hit] | None = None, *, top_k: int | None = None,
+        fusion: FusionConfig | None = None, generation: GenerationConfig | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Answer:
+        """Answer `question` over `hits` (in order), or over the top-k chunks retrieved for it;
+        `on_text` receives the text as it streams."""
+        fmt = self.index.format
+        question_ids = fmt.question_ids(self.adapter.tokenizer, question)  # refuses an empty question
+        retrieval_s = 0.0
+        if hits is None:
+            t0 = time.perf_counter()
+            hits = self.index.search(question, top_k or self.index.config.top_k)
+            retrieval_s = time.perf_counter() - t0
+        segments = fmt.segments([h.chunk.token_ids for h in hits], question_ids)
+        pieces: list[str] = []
+        for step in self.stream(segments, fusion, generation):
+            if isinstance(step, Answer):
+                chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
+                return replace(step, answer="".join(pieces).strip(), retrieval_s=retrieval_s, chunks=chunks)
+            pieces.append(step)
+            if on_text is not None and step:
+                on_text(step)
+        raise AssertionError("stream() always ends with an Answer")
+
+    def stream(
+        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers
+        (its `answer` field empty: the text is what was streamed)."""
+        fusion = fusion or self.index.config.fusion
+        generation = generation or self.index.config.generation
+        t0 = time.perf_counter()
+        fused = self.fuse(segments, fusion)
+        result = fused.result
+        decoder = Decoder(self.adapter, generation)
+        first = sample_token(result.logits, generation, decoder.rng)
+        ttft = time.perf_counter() - t0
+        n_generated = 0
+        for step in decoder.steps(result.keys, result.values, result.logits, first):
+            n_generated += step.token_id is not None
+            yield step.text
+        generation_s = time.perf_counter() - t0 - ttft
+        self.index.store.flush_stats()
+        yield Answer(
+            answer="", method=fusion.method, ttft_s=ttft, retrieval_s=0.0, prompt_tokens=fused.prompt_tokens,
+            recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
+            generation_s=generation_s, generated_tokens=n_generated, cache_misses=fused.cache_misses,
+            stages=result.stages, first_token_logits=result.logits,
+        )
+
+    def fuse(self, segments: Sequence[Segment], fusion: FusionConfig) -> Fused:
+        """The prompt's KV cache: the index opens the segments' caches (none for a method that reads
+        none), the fusion method blends them, reading cached layers `prefetch_layers` ahead.
+
+        Stages: `kv_load` (opening entries, and recomputing missing ones), `kv_wait` (the fusion
+        waiting for cached layers: what the recompute did not hide), then the method's own.
+        """
+        method = get_method(fusion.method)
+        clock = StageClock(self.adapter.device)
+        with clock.stage("kv_load"):
+            if method.reads_cache:
+                caches = self.index.open_caches(segments)
+                sources, contexts = caches.sources, caches.contexts
+            else:
+                caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
+            inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
+        depth = self.index.config.storage.prefetch_layers
+        if caches is None or depth == 0:
+            result = method(self.adapter, inp, fusion, clock, DirectReader(inp.sources, self.adapter.device))
+        else:
+            with LayerFeed(inp.sources, self.adapter.layout.n_layers, self.adapter.device, depth) as feed:
+                result = method(self.adapter, inp, fusion, clock, feed)
+        return Fused(result, inp.n_tokens, 0 if caches is None else caches.repaired)

@@ -1,0 +1,462 @@
+"""The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite, synced with a folder.
+
+An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
+and embeddings, and free-form metadata) and `vectors.faiss` (derived from it). A sync commits SQLite
+in one transaction, then replaces `vectors.faiss` atomically; a FAISS file that does not hold exactly
+the chunks in SQLite (a crash between the two, a deleted or corrupt file) is rebuilt on open.
+SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
+opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
+Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import faiss
+import numpy as np
+from sentence_transformers import SentenceTransformer
+
+from . import vectors as faiss_file
+from .chunking import Chunk
+from .documents import Skipped, SourceFile, read_documents
+from .vectors import EMBEDDING_DTYPE, IndexType
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "rag-kvcache-index-v1"
+_DB_FILE = "index.sqlite"
+_SCHEMA = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE documents (source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, n_chunks INTEGER NOT NULL)",
+    "CREATE TABLE chunks (id TEXT PRIMARY KEY, faiss_id INTEGER NOT NULL UNIQUE, source TEXT NOT NULL,"
+    " ordinal INTEGER NOT NULL, token_ids BLOB NOT NULL, char_start INTEGER NOT NULL,"
+    " char_end INTEGER NOT NULL, text TEXT NOT NULL, embedding BLOB NOT NULL)",
+    "CREATE INDEX chunks_by_source ON chunks (source)",
+)
+_RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
+_TOKEN_DTYPE = np.dtype("<i4")
+
+
+class ForeignIndexError(ValueError):
+    """A directory that is not a rag-kvcache index (or an index of another format version)."""
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """An indexed chunk: a `Chunk` with its content-derived id."""
+
+    id: str
+    source: str
+    ordinal: int
+    token_ids: tuple[int, ...]
+    char_start: int
+    char_end: int
+    text: str
+
+    @classmethod
+    def from_chunk(cls, chunk: Chunk) -> ChunkRecord:
+        """The record of `chunk`, with its id derived from its source, ordinal and token ids."""
+        return cls(
+            id=chunk_id(chunk.source, chunk.ordinal, chunk.token_ids),
+            source=chunk.source,
+            ordinal=chunk.ordinal,
+            token_ids=chunk.token_ids,
+            char_start=chunk.char_start,
+            char_end=chunk.char_end,
+            text=chunk.text,
+        )
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A search result: the chunk and its cosine similarity to the query."""
+
+    chunk: ChunkRecord
+    score: float
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What a `ChunkIndex.sync` did, by document source."""
+
+    added: list[str]
+    changed: list[str]
+    removed: list[str]
+    unchanged: list[str]
+    skipped: list[Skipped]
+    new_chunks: list[ChunkRecord]
+
+
+def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
+    """A short stable id that changes whenever the chunk's source, position or tokens change."""
+    digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
+    digest.update(_pack_tokens(token_ids))
+    return digest.hexdigest()[:16]
+
+
+class ChunkIndex:
+    """A persistent, folder-synced index of chunk embeddings, token ids and texts.
+
+    Build one with `ChunkIndex.create` or `ChunkIndex.open`; close it (or use it as a context manager).
+    """
+
+    def __init__(
+        self,
+        index_dir: Path,
+        conn: sqlite3.Connection,
+        vectors: faiss.Index,
+        embedder: SentenceTransformer,
+        meta: dict[str, str],
+    ) -> None:
+        self._dir = index_dir
+        self._conn = conn
+        self._vectors = vectors
+        self._embedder = embedder
+        self._meta = meta
+        self._dim = int(meta["embedding_dim"])
+
+    @classmethod
+    def create(
+        cls,
+        index_dir: Path,
+        embedder: SentenceTransformer,
+        embedder_name: str,
+        meta: Mapping[str, str],
+        index_type: IndexType = "flat",
+    ) -> ChunkIndex:
+        """Create an empty index in `index_dir` (created if missing) storing the caller's `meta`.
+
+        The index records its own `format`, `embedder`, `embedding_dim` and `index_type` keys; `meta`
+        may repeat them only with the same values.
+        """
+        index_dir = Path(index_dir)
+        if index_type not in ("flat", "hnsw"):
+            raise ValueError(f"index_type must be 'flat' or 'hnsw', got {index_type!r}")
+        if bad := {key: value for key, value in meta.items() if not isinstance(value, str)}:
+            raise TypeError(f"meta values must be strings, got {bad!r}")
+        dim = embedder.get_embedding_dimension()
+        if not dim:
+            raise ValueError(f"embedder {embedder_name!r} reports no fixed embedding dimension ({dim!r})")
+        own_meta = {
+            "format": FORMAT,
+            "embedder": embedder_name,
+            "embedding_dim": str(dim),
+            "index_type": index_type,
+        }
+        if clash := {key: meta[key] for key in own_meta.keys() & meta.keys() if meta[key] != own_meta[key]}:
+            raise ValueError(f"meta {clash!r} contradicts what the index records itself: {own_meta!r}")
+        db_path = index_dir / _DB_FILE
+        if db_path.exists():
+            raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
+
+        index_dir.mkdir(parents=True, exist_ok=True)
+        full_meta = {**meta, **own_meta}
+        conn = _connect(db_path, mode="rwc")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a sync's commit
+            with _transaction(conn):
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
+            vectors = _vectors_from_db(conn, dim, index_type)
+            faiss_file.write(index_dir, vectors)
+        except BaseException:
+            conn.close()
+            raise
+        logger.info("created %s index at %s (embedder %s, dim %d)", index_type, index_dir, embedder_name, dim)
+        return cls(index_dir, conn, vectors, embedder, full_meta)
+
+    @classmethod
+    def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
+        """Open an existing index; `embedder` must produce vectors of the index's dimension."""
+        index_dir = Path(index_dir)
+        conn = _connect_existing(index_dir)
+        try:
+            meta = _checked_meta(conn, index_dir)
+            dim = embedder.get_embedding_dimension()
+            if str(dim) != meta["embedding_dim"]:
+                raise ValueError(
+                    f"index {index_dir} holds {meta['embedding_dim']}-d vectors of {meta['embedder']!r}, "
+                    f"but the given embedder produces {dim}-d vectors"
+                )
+            expected = np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
+            vectors = faiss_file.load(index_dir, expected, dim, lambda: _vectors_from_db(conn, dim, meta["index_type"]))
+            return cls(index_dir, conn, vectors, embedder, meta)
+        except BaseException:
+            conn.close()
+            raise
+
+    @staticmethod
+    def read_meta(index_dir: Path) -> dict[str, str]:
+        """An index's metadata without opening it (e.g. to learn which embedder it was built with)."""
+        index_dir = Path(index_dir)
+        conn = _connect_existing(index_dir)
+        try:
+            return _checked_meta(conn, index_dir)
+        finally:
+            conn.close()
+
+    @property
+    def index_dir(self) -> Path:
+        return self._dir
+
+    @property
+    def meta(self) -> dict[str, str]:
+        """All stored metadata: the caller's keys plus format, embedder, embedding_dim, index_type."""
+        return dict(self._meta)
+
+    def __len__(self) -> int:
+        return self._vectors.ntotal
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> ChunkIndex:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def sync(
+        self,
+        docs_dir: Path,
+        chunker: Callable[[str, str], list[Chunk]],
+        batch_size: int = 64,
+        progress: bool = True,
+        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
+    ) -> SyncReport:
+        """Bring the index in line with `docs_dir`: index new and changed files, drop deleted ones.
+
+        `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
+        `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
+        chunks' KV caches there, so a committed chunk always has its cache); if it raises, the index
+        is left as it was.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        files, skipped = read_documents(docs_dir)
+        indexed = dict(self._conn.execute("SELECT source, sha256 FROM documents"))
+        to_index = [f for f in files if indexed.get(f.source) != f.sha256]
+        added = [f.source for f in to_index if f.source not in indexed]
+        changed = [f.source for f in to_index if f.source in indexed]
+        unchanged = [f.source for f in files if indexed.get(f.source) == f.sha256]
+        removed = sorted(indexed.keys() - {f.source for f in files})
+
+        chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
+        new_chunks = [record for records in chunks_by_source.values() for record in records]
+        embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
+        if before_commit is not None:
+            before_commit(new_chunks)
+        if to_index or removed:
+            documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
+            self._apply(removed + changed, documents, new_chunks, embeddings)
+
+        logger.info(
+            "synced %s into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
+            docs_dir,
+            self._dir,
+            len(added),
+            len(changed),
+            len(removed),
+            len(unchanged),
+            len(skipped),
+            len(new_chunks),
+        )
+        return SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
+
+    def search(self, query: str, k: int) -> list[Hit]:
+        """The `k` chunks most similar to `query`, best first (all chunks, with a warning, if fewer)."""
+        if not query.strip():
+            raise ValueError(f"query must not be empty, got {query!r}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k!r}")
+        if k > len(self):
+            logger.warning("k=%d exceeds the %d chunks in %s; returning all of them", k, len(self), self._dir)
+            k = len(self)
+        if k == 0:
+            return []
+        scores, faiss_ids = self._vectors.search(self._embed([query], batch_size=1, progress=False), k)
+        found = [(int(i), float(s)) for i, s in zip(faiss_ids[0], scores[0], strict=True) if i != -1]
+        records = self._fetch("faiss_id", [i for i, _ in found])
+        if len(records) < len(found):  # another process synced since this index was opened
+            logger.warning(
+                "%d of the %d hits were removed from %s by another process since it was opened; reopen the "
+                "index to search its current contents", len(found) - len(records), len(found), self._dir,
+            )
+        return [Hit(records[i], score) for i, score in found if i in records]
+
+    def get(self, ids: Sequence[str]) -> list[ChunkRecord]:
+        """The chunks with these ids, in the given order."""
+        records = self._fetch("id", list(dict.fromkeys(ids)))
+        if missing := [chunk for chunk in ids if chunk not in records]:
+            raise KeyError(f"chunk ids not in index {self._dir}: {missing!r}")
+        return [records[chunk] for chunk in ids]
+
+    def all_chunks(self) -> Iterator[ChunkRecord]:
+        """Every chunk, by source then ordinal."""
+        rows = self._conn.execute(f"SELECT {_RECORD_COLUMNS} FROM chunks ORDER BY source, ordinal")
+        return (_record(row) for row in rows)
+
+    def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
+        """L2-normalised float32 embeddings, one row per text (a tqdm bar over batches if `progress`)."""
+        if not texts:
+            return np.empty((0, self._dim), dtype=np.float32)
+        embeddings = self._embedder.encode(
+            texts,
+            batch_size=batch_size,
+            show_progress_bar=progress,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+        )
+        return np.ascontiguousarray(embeddings, dtype=np.float32)
+
+    def _apply(
+        self,
+        stale_sources: list[str],
+        documents: list[tuple[str, str, int]],
+        new_chunks: list[ChunkRecord],
+        embeddings: np.ndarray,
+    ) -> None:
+        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`.
+
+        SQLite changes in one transaction; FAISS is updated on a copy, swapped in and written after.
+        """
+        new_faiss_ids = np.array([_faiss_id(record.id) for record in new_chunks], dtype=np.int64)
+        with _transaction(self._conn):
+            old_faiss_ids = np.array(
+                [
+                    faiss_id
+                    for source in stale_sources
+                    for (faiss_id,) in self._conn.execute(
+                        "SELECT faiss_id FROM chunks WHERE source = ?", (source,)
+                    )
+                ],
+                dtype=np.int64,
+            )
+            self._conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
+            self._conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
+            self._conn.executemany(
+                "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
+            )
+            self._conn.executemany(
+                "INSERT INTO chunks (id, faiss_id, source, ordinal, token_ids, char_start, char_end, text,"
+                " embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    (
+                        r.id,
+                        int(fid),
+                        r.source,
+                        r.ordinal,
+                        _pack_tokens(r.token_ids),
+                        r.char_start,
+                        r.char_end,
+                        r.text,
+                        emb.astype(EMBEDDING_DTYPE).tobytes(),
+                    )
+                    for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
+                ),
+            )
+            if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
+                # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
+                vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
+            else:
+                vectors = faiss.clone_index(self._vectors)
+                if len(old_faiss_ids):
+                    vectors.remove_ids(old_faiss_ids)
+                vectors.add_with_ids(embeddings, new_faiss_ids)
+        self._vectors = vectors
+        faiss_file.write(self._dir, vectors)
+
+    def _fetch(
+        self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
+    ) -> dict[str | int, ChunkRecord]:
+        """Chunks whose `column` is in `keys`, keyed by it."""
+        placeholders = ", ".join("?" * len(keys))
+        rows = self._conn.execute(
+            f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({placeholders})", list(keys)
+        )
+        return {row[0]: _record(row[1:]) for row in rows}
+
+
+def _connect_existing(index_dir: Path) -> sqlite3.Connection:
+    """A connection to the SQLite file of an existing index directory (never creates one)."""
+    if not index_dir.is_dir():
+        raise FileNotFoundError(f"index folder not found: {index_dir}")
+    db_path = index_dir / _DB_FILE
+    if not db_path.is_file():
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
+    return _connect(db_path, mode="rw")
+
+
+def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
+    """The meta table, after checking that it marks a rag-kvcache index of this format."""
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    except sqlite3.DatabaseError as exc:
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
+    if (found := meta.get("format")) != FORMAT:
+        raise ForeignIndexError(
+            f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
+        )
+    return meta
+
+
+def _vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
+    """The FAISS index of every chunk embedding in SQLite."""
+    rows = conn.execute("SELECT faiss_id, embedding FROM chunks").fetchall()
+    ids = np.array([fid for fid, _ in rows], dtype=np.int64)
+    embeddings = np.frombuffer(b"".join(blob for _, blob in rows), dtype=EMBEDDING_DTYPE)
+    return faiss_file.build(ids, embeddings, dim, index_type)
+
+
+def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list[ChunkRecord]:
+    """Chunk one file, checking that the chunker kept its source."""
+    records = [ChunkRecord.from_chunk(chunk) for chunk in chunker(file.text, file.source)]
+    if wrong := sorted({r.source for r in records} - {file.source}):
+        raise ValueError(f"chunker returned chunks of sources {wrong} for document {file.source!r}")
+    return records
+
+
+def _record(row: Sequence) -> ChunkRecord:
+    """A `ChunkRecord` from a row of `_RECORD_COLUMNS`."""
+    chunk, source, ordinal, token_blob, char_start, char_end, text = row
+    token_ids = tuple(np.frombuffer(token_blob, dtype=_TOKEN_DTYPE).tolist())
+    return ChunkRecord(chunk, source, ordinal, token_ids, char_start, char_end, text)
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes (the `chunks.token_ids` blob)."""
+    return np.asarray(token_ids, dtype=_TOKEN_DTYPE).tobytes()
+
+
+def _faiss_id(chunk: str) -> int:
+    """The FAISS id of a chunk: 63 bits of its content-derived id, so a non-negative int64.
+
+    Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
+    """
+    return int(chunk, 16) >> 1
+
+
+def _connect(db_path: Path, mode: Literal["rw", "rwc"]) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit, see `_transaction`)."""
+    return sqlite3.connect(f"{db_path.resolve().as_uri()}?mode={mode}", uri=True, isolation_level=None)
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction: committed if the block succeeds, rolled back if it raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
