@@ -1,15 +1,45 @@
-"""rag-kvcache: retrieval-augmented generation that never prefills the same chunk twice."""
+"""rag-kvcache: retrieval-augmented generation that never prefills the same chunk twice.
 
-from .config import Config, FusionConfig, GenerationConfig
-from .engine.cache import ChunkKV
-from .engine.fusion import FusionInput, FusionResult
-from .engine.methods import METHODS, register
-from .engine.model import ModelAdapter, UnsupportedModelError
-from .generator import Answer, FusedGenerator
-from .index import KVIndex
-from .store.kvstore import KVStore
+The names below are imported on first use, so that `import rag_kvcache` (and the CLI's `--help`)
+does not load torch, transformers or FAISS.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {  # name -> module it is imported from on first use
+    "Answer": ".generator", "ChunkKV": ".engine.cache", "Config": ".config", "FusedGenerator": ".generator",
+    "FusionConfig": ".config", "FusionInput": ".engine.fusion", "FusionResult": ".engine.fusion",
+    "GenerationConfig": ".config", "KVIndex": ".index", "KVStore": ".store.kvstore", "METHODS": ".engine.methods",
+    "ModelAdapter": ".engine.model", "UnsupportedModelError": ".engine.model", "register": ".engine.methods",
+}
 __all__ = [
     "Answer", "ChunkKV", "Config", "FusedGenerator", "FusionConfig", "FusionInput", "FusionResult",
     "GenerationConfig", "KVIndex", "KVStore", "METHODS", "ModelAdapter", "UnsupportedModelError", "register",
 ]
+
+if TYPE_CHECKING:
+    from .config import Config, FusionConfig, GenerationConfig
+    from .engine.cache import ChunkKV
+    from .engine.fusion import FusionInput, FusionResult
+    from .engine.methods import METHODS, register
+    from .engine.model import ModelAdapter, UnsupportedModelError
+    from .generator import Answer, FusedGenerator
+    from .index import KVIndex
+    from .store.kvstore import KVStore
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

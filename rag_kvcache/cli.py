@@ -1,8 +1,14 @@
 """`rag-kvcache`: index a folder, ask with fused KV, run the demo. The only place that prints or reads
-environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live)."""
+environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live).
+
+Options that set a `Config` field take their default and help from the field (`config.setting`), so
+config.py is the one source of both. torch, transformers and FAISS are imported inside the commands
+that need them: `--help` and `--version` stay fast.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -11,40 +17,44 @@ import statistics
 import sys
 from dataclasses import asdict, replace
 from enum import Enum
+from importlib.resources import as_file, files
 from pathlib import Path
-from typing import Annotated, Optional, get_args
+from typing import Annotated, Any, Optional, get_args
 
-import transformers
 import typer
+from click.core import ParameterSource
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Table
 
-from .bench.datasets import FORMATS, load_dataset
-from .bench.runner import DEFAULT_METHODS, BenchSettings, run_benchmark
-from .config import DEFAULT_EMBEDDER, DEFAULT_MODEL, KV_CODECS, Config, Deviation, FusionConfig
-from .engine.methods import METHODS
-from .generator import FusedGenerator
-from .index import KVIndex
-from .store.controller import MEASURED_TIERS, choose_ratio, choose_tier, decide
-from .store.controller import calibrate as measure
-from .store.kvstore import KVStore
+from . import __version__
+from .bench.datasets import FORMATS
+from .config import Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
+from .store.codecs import CODECS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="RAG that never prefills the same chunk twice.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    help="RAG that never prefills the same chunk twice.",
+)
 out = Console()
 err = Console(stderr=True)
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "datasets" / "demo"
 DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
+INDEX_HELP = "An index built by `rag-kvcache index`."
 
-Method = Enum("Method", {name: name for name in METHODS}, type=str)
-KVCodec = Enum("KVCodec", {name: name for name in KV_CODECS}, type=str)
+KVCodec = Enum("KVCodec", {name: name for name in CODECS}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
+DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
+BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
 
 
-class ChunkTokens(str, Enum):
-    t128 = "128"
-    t512 = "512"
+def default(cls: type, name: str) -> Any:
+    """The default of config field `cls.name`."""
+    return cls.__dataclass_fields__[name].default
+
+
+def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
+    """A typer option for config field `cls.name`, with the field's help text."""
+    return typer.Option(*decls, help=cls.__dataclass_fields__[name].metadata["help"], **kwargs)
 
 
 def _base_config(**changes: object) -> Config:
@@ -53,48 +63,95 @@ def _base_config(**changes: object) -> Config:
     return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
 
 
+def _quiet_transformers() -> None:
+    """Hide transformers' weight-loading bars (noise here); called by the commands that load a model."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        out.print(f"rag-kvcache {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    from rich.logging import RichHandler
+
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
         handlers=[RichHandler(console=err, show_path=False)],
     )
     logging.getLogger("rag_kvcache").setLevel(logging.DEBUG if verbose else logging.INFO)
-    transformers.utils.logging.disable_progress_bar()  # weight-loading bars are noise here
 
 
 def _fail(message: str) -> None:
-    err.print(f"[red]error:[/red] {message}")
+    err.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(2)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was set by the user rather than left at its default."""
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--ratio must be a number in [0, 1] or 'auto', got {text!r}") from None
+
+
+def _check_method(name: str) -> None:
+    """Refuse a method the registry does not know (read now, so methods registered after import count)."""
+    from .engine.methods import METHODS
+
+    if name not in METHODS:
+        raise ValueError(f"unknown fusion method {name!r}; registered: {', '.join(METHODS)}")
 
 
 @app.command()
 def index(
+    ctx: typer.Context,
     docs_dir: Annotated[Path, typer.Argument(help="Folder of text documents.")],
     index_dir: Annotated[Path, typer.Option("--index", help="Where the index and KV caches go.")],
-    chunk_tokens: Annotated[Optional[ChunkTokens], typer.Option(help="Chunk size in LLM tokens [default: 512].")] = None,
-    model: Annotated[Optional[str], typer.Option(help=f"HF id, local dir or .gguf file [default: {DEFAULT_MODEL}].")] = None,
-    embedder: Annotated[Optional[str], typer.Option(help=f"sentence-transformers model [default: {DEFAULT_EMBEDDER}].")] = None,
+    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
+    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
+    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
-    kv_codec: Annotated[Optional[KVCodec], typer.Option(help="How KV caches are stored [default: none].")] = None,
+    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
 ) -> None:
-    """Chunk, embed and precompute KV caches for every file in DOCS_DIR (incremental on re-runs).
+    """Chunk, embed and precompute KV caches for every file in DOCS_DIR.
 
-    Re-indexing into an existing index keeps the settings it was built with."""
+    Incremental on re-runs: unchanged files are skipped, changed ones redone, deleted ones dropped.
+    Re-indexing into an existing index keeps the settings it was built with.
+    """
+    from .index import KVIndex
+
+    _quiet_transformers()
     if not docs_dir.is_dir():
         _fail(f"documents folder not found or not a folder: {docs_dir}")
-    given = {"chunk_tokens": chunk_tokens and int(chunk_tokens.value), "model": model, "embedder": embedder}
+    given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder)]
+             if _given(ctx, name)}
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
         if (index_dir / "index.sqlite").exists():
             cfg = KVIndex.config_of(index_dir, _base_config())
             for key, value in given.items():
-                if value is not None and value != getattr(cfg, key):
+                if value != getattr(cfg, key):
                     _fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
-            if kv_codec is not None and kv_codec.value != cfg.storage.codec:
+            if _given(ctx, "kv_codec") and kv_codec.value != cfg.storage.codec:
                 _fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
-            cfg = _base_config(**given).with_storage(codec=kv_codec.value if kv_codec else "none")
+            cfg = _base_config(**given).with_storage(codec=kv_codec.value)
         idx = KVIndex.create(index_dir, cfg)
         report = idx.update(docs_dir)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
@@ -102,89 +159,81 @@ def index(
     out.print(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
         f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
-        f"KV {idx.kv_bytes_per_token / 1024:.1f} KiB/token"
+        f"KV {idx.kv_bytes_per_token / 1024:.1f} KiB/token", highlight=False,
     )
-
-
-RATIO_HELP = ("CacheBlend recompute ratio in [0, 1], or 'auto': the loading controller's "
-              "(needs `rag-kvcache calibrate`).")
-CHECK_LAYER_HELP = "CacheBlend check layer."
-FILTER_STEPS_HELP = "CacheBlend gradual filtering: narrow the selection to --ratio over this many layers."
-DEVIATION_HELP = "CacheBlend: select the tokens whose K (or V) deviates most from the cache."
 
 
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
-    index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")],
-    method: Annotated[Method, typer.Option(help="Fusion method.")] = Method.cacheblend,
-    top_k: Annotated[int, typer.Option(min=1, help="Chunks to retrieve.")] = 6,
-    ratio: Annotated[str, typer.Option(help=RATIO_HELP)] = "0.15",
-    check_layer: Annotated[int, typer.Option(min=0, help=CHECK_LAYER_HELP)] = 1,
-    filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
-    deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
-    epic_k: Annotated[int, typer.Option(min=0, help="EPIC: recomputed leading tokens per chunk.")] = 16,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
-    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
-    temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.9,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Override the index's model.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    stream: Annotated[bool, typer.Option(help="Stream tokens as they come (text output only).")] = False,
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
+    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
+    check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
+    filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
+    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
+    epic_k: Annotated[int, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
+    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
+    temperature: Annotated[float, option(GenerationConfig, "temperature", min=0.0)] = default(GenerationConfig, "temperature"),
+    top_p: Annotated[float, option(GenerationConfig, "top_p", min=0.0, max=1.0)] = default(GenerationConfig, "top_p"),
+    seed: Annotated[Optional[int], option(GenerationConfig, "seed")] = default(GenerationConfig, "seed"),
+    stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
+                                                 "another model misses every cache).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
+    stream: Annotated[bool, typer.Option(help="Print the text as it is generated; with --json, one JSON line "
+                                         "{\"text\": ...} per piece, then the answer object.")] = False,
 ) -> None:
     """Answer QUESTION from the index, fusing the retrieved chunks' KV caches."""
+    from .generator import FusedGenerator
+    from .index import KVIndex
+    from .store.controller import resolve_ratio
+
+    _quiet_transformers()
     if not question.strip():
         _fail("the question is empty")
     try:
+        _check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
         cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
-        fixed_ratio = None if ratio == "auto" else _parse_ratio(ratio)
-        cfg = cfg.with_fusion(method=method.value, check_layer=check_layer, filter_steps=filter_steps,
+        cfg = cfg.with_fusion(method=method, ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value, epic_k=epic_k)
-        cfg = cfg.with_generation(
-            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature, top_p=top_p, seed=seed,
-            stop=tuple(stop or ()),
-        )
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                  stop=tuple(stop or ()))
         idx = KVIndex.open(index_dir, cfg)
-        decision = None
-        if fixed_ratio is None:
-            decision = decide(idx.config, idx.adapter, n_tokens=top_k * cfg.chunk_tokens)
-            err.print(f"[dim]loading controller: {decision.explain()}[/dim]")
-        fusion = replace(cfg.fusion, ratio=fixed_ratio if decision is None else decision.ratio)
-        on_text = (lambda t: out.print(t, end="", highlight=False)) if stream and not as_json else None
-        answer = FusedGenerator(idx).ask(question, top_k=top_k, fusion=fusion, on_text=on_text)
+        cfg, decision = resolve_ratio(cfg, idx.adapter)
+        if decision is not None:
+            err.print(f"[dim]loading controller: {decision.explain()}[/dim]", highlight=False)
+        on_text = None
+        if stream:
+            on_text = (lambda t: print(json.dumps({"text": t}), flush=True)) if as_json else (
+                lambda t: out.print(t, end="", highlight=False, markup=False))
+        answer = FusedGenerator(idx).ask(question, top_k=top_k, fusion=cfg.fusion, generation=cfg.generation,
+                                         on_text=on_text)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if as_json:
-        controller = {"controller": asdict(decision)} if decision is not None else {}
-        print(json.dumps(answer.to_dict() | controller, indent=2))
+        result = answer.to_dict() | ({"controller": asdict(decision)} if decision is not None else {})
+        print(json.dumps(result) if stream else json.dumps(result, indent=2))
         return
     if on_text is None:
-        out.print(answer.answer, highlight=False)
+        out.print(answer.answer, highlight=False, markup=False)
     else:
         out.print()
     out.print(
         f"[dim]{answer.method}: ttft {answer.ttft_s * 1000:.0f} ms, retrieval {answer.retrieval_s * 1000:.0f} ms, "
         f"{answer.prompt_tokens} prompt tokens, {answer.recomputed_tokens} recomputed, "
-        f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]"
+        f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]", highlight=False,
     )
 
 
-def _parse_ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"--ratio must be a number in [0, 1] or 'auto', got {text!r}")
-    return value
-
-
 @app.command()
-def stats(index_dir: Annotated[Path, typer.Option("--index", help="An index built by `rag-kvcache index`.")]) -> None:
+def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> None:
     """Print the KV store's counters per tier (totals over every process that used it) and its size."""
+    from .index import KVIndex
+    from .store.kvstore import KVStore
+
     try:
         cfg = KVIndex.config_of(index_dir, _base_config())
     except (FileNotFoundError, ValueError) as e:
@@ -215,8 +264,15 @@ def calibrate(
     index_dir: Annotated[Path, typer.Option("--index", help="Measure for this index's model, codec and disk.")],
     tokens: Annotated[int, typer.Option(min=16, help="Tokens per synthetic chunk cache.")] = 512,
 ) -> None:
-    """Measure tier read speeds and recompute time on this machine (once per model), and show what
-    the loading controller would choose."""
+    """Measure tier read speeds and recompute time on this machine (once per model).
+
+    Shows what the loading controller would choose (`ask --ratio auto` uses the measurement).
+    """
+    from .index import KVIndex
+    from .store.controller import MEASURED_TIERS, choose_ratio, choose_tier
+    from .store.controller import calibrate as measure
+
+    _quiet_transformers()
     try:
         cfg = KVIndex.config_of(index_dir, _base_config())
         idx = KVIndex.open(index_dir, cfg)
@@ -244,9 +300,14 @@ def demo(
     question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
 ) -> None:
     """Index the bundled demo folder, then answer with `cacheblend` and compare its TTFT with `full`."""
+    from .generator import FusedGenerator
+    from .index import KVIndex
+
+    _quiet_transformers()
     cfg = _base_config(chunk_tokens=128, top_k=4)
-    out.print(f"[bold]Indexing[/bold] {DEMO_DIR} -> {index_dir}")
-    idx = KVIndex.build(DEMO_DIR, index_dir, cfg)
+    with as_file(files("rag_kvcache") / "demo") as docs:
+        out.print(f"[bold]Indexing[/bold] {docs} -> {index_dir}", highlight=False)
+        idx = KVIndex.build(docs, index_dir, cfg)
     gen = FusedGenerator(idx)
     methods, repeats = ("full", "cacheblend", "epic"), 3
     hits = idx.search(question, cfg.top_k)
@@ -268,42 +329,49 @@ def demo(
     out.print(f"[dim]sources: {', '.join(c.source for c in runs['cacheblend'][-1].chunks)}[/dim]")
 
 
-DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
-
-
 @app.command()
 def bench(
     dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL.")],
     fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated fusion methods; must include full.")] = ",".join(DEFAULT_METHODS),
-    chunk_tokens: Annotated[ChunkTokens, typer.Option(help="Chunk size in LLM tokens.")] = ChunkTokens.t512,
-    top_k: Annotated[int, typer.Option(min=1, help="Chunks retrieved per question.")] = 6,
-    ratio: Annotated[str, typer.Option(help=RATIO_HELP)] = "0.15",
-    check_layer: Annotated[int, typer.Option(min=0, help=CHECK_LAYER_HELP)] = 1,
-    filter_steps: Annotated[int, typer.Option(min=1, help=FILTER_STEPS_HELP)] = 1,
-    deviation: Annotated[DeviationName, typer.Option(help=DEVIATION_HELP)] = DeviationName.k,
+    methods: Annotated[str, typer.Option(help="Comma-separated fusion methods; must include full.")] = BENCH_METHODS,
+    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
+    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
+    check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
+    filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
+    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
     sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
     out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap.")] = 32,
-    model: Annotated[str, typer.Option(help="HF id, local dir or .gguf file.")] = DEFAULT_MODEL,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers "
+                                                "are compared with full's).")] = 32,
+    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
                                          "measure the rest (same settings and machine only).")] = False,
 ) -> None:
-    """Index every passage of a QA set, then compare fusion methods on each question: TTFT, speedup
-    over full prefill, F1 against the gold answers and against full's answer, first-token agreement, KL."""
+    """Compare fusion methods on a QA set: TTFT, speedup over full prefill, F1, first-token agreement, KL.
+
+    Indexes every passage of the set, then answers each question with every method; F1 is measured
+    against the gold answers and against full's answer.
+    """
+    missing = [name for name in ("matplotlib", "rouge_score") if importlib.util.find_spec(name) is None]
+    if missing:
+        _fail(f"`rag-kvcache bench` needs {', '.join(missing)}: pip install 'rag-kvcache[bench]'")
+    from .bench.datasets import load_dataset
+    from .bench.runner import BenchSettings, run_benchmark
+
+    _quiet_transformers()
     try:
         examples = load_dataset(dataset, fmt and fmt.value)[:limit]
         settings = BenchSettings(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), sweep=sweep, warmup=warmup,
-            threads=threads, ratio_auto=ratio == "auto", resume=resume,
+            threads=threads, resume=resume,
         )
-        cfg = _base_config(chunk_tokens=int(chunk_tokens.value), top_k=top_k, model=model)
-        cfg = cfg.with_fusion(check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value)
-        if ratio != "auto":
-            cfg = cfg.with_fusion(ratio=_parse_ratio(ratio))
+        cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model)
+        cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
+                              deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})

@@ -1,10 +1,16 @@
-"""The one configuration object, passed explicitly everywhere (no globals, no environment)."""
+"""The one configuration object, passed explicitly everywhere (no globals, no environment).
+
+Each setting a user may choose carries its help text in its field's metadata (`setting`); the CLI
+builds its options, defaults and help from these fields, so a default changed here changes the CLI.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from .store.codecs import CODECS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
@@ -16,8 +22,12 @@ DEFAULT_SYSTEM_PROMPT = (
 Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated"]
 Eviction = Literal["lru", "lfu"]
-KVCodecName = Literal["none", "int8-channel", "int8-token", "fp8"]
-KV_CODECS: tuple[str, ...] = ("none", "int8-channel", "int8-token", "fp8")
+BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic"  # for help texts; the registry is engine.methods.METHODS
+
+
+def setting(default: Any, help: str) -> Any:
+    """A dataclass field with a default and the help text the CLI shows for it."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -28,18 +38,25 @@ class FusionConfig:
     `filter_steps` > 1 enables the paper's gradual filtering (§4.3): the kept fraction shrinks
     linearly from `min(1, 2 * ratio)` at the check layer to `ratio` over that many layers.
     `epic_k` is EPIC LegoLink's number of recomputed leading tokens per chunk (paper default 16).
+    `ratio="auto"` asks the loading controller; `store.controller.resolve_ratio` turns it into a
+    number before fusing.
     """
 
-    method: str = "cacheblend"
-    ratio: float = 0.15
-    check_layer: int = 1
-    filter_steps: int = 1
-    deviation: Deviation = "k"
-    epic_k: int = 16
+    method: str = setting(
+        "cacheblend", f"Fusion method: a name registered in rag_kvcache.METHODS (built in: {BUILTIN_METHODS})."
+    )
+    ratio: float | Literal["auto"] = setting(
+        0.15, "CacheBlend recompute ratio in [0, 1], or 'auto': the loading controller's choice "
+        "(needs `rag-kvcache calibrate`)."
+    )
+    check_layer: int = setting(1, "CacheBlend check layer.")
+    filter_steps: int = setting(1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers.")
+    deviation: Deviation = setting("k", "CacheBlend: select the tokens whose K (or V) deviates most from the cache.")
+    epic_k: int = setting(16, "EPIC: recomputed leading tokens per chunk.")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio!r}")
+        if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
+            raise ValueError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
         if self.check_layer < 0:
             raise ValueError(f"check_layer must be >= 0, got {self.check_layer!r}")
         if self.filter_steps < 1:
@@ -52,20 +69,19 @@ class FusionConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding after the fused prefill."""
+    """Decoding after the fused prefill: sampled when `temperature` > 0, greedy at 0."""
 
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 0.9
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    max_new_tokens: int = setting(64, "Most tokens to generate.")
+    temperature: float = setting(0.0, "Sampling temperature; 0 decodes greedily, above 0 samples.")
+    top_p: float = setting(0.9, "Nucleus sampling: sample from the smallest set of tokens holding this probability.")
+    seed: int | None = setting(None, "Seed for sampling (none: a fresh random seed).")
+    stop: tuple[str, ...] = setting((), "Stop string: generation ends before it (repeatable).")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
@@ -85,7 +101,7 @@ class StorageConfig:
     memory_bytes: int = 256 << 20
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
-    codec: KVCodecName = "none"
+    codec: str = setting("none", "How KV caches are stored on disk: as computed, int8 with per-channel or per-token scales, or fp8.")
     prefetch_layers: int = 2
     quality_floor: float = 0.15
 
@@ -96,8 +112,8 @@ class StorageConfig:
             raise ValueError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
         if self.eviction not in ("lru", "lfu"):
             raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
-        if self.codec not in KV_CODECS:
-            raise ValueError(f"codec must be one of {KV_CODECS}, got {self.codec!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.prefetch_layers < 0:
             raise ValueError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
@@ -108,10 +124,10 @@ class StorageConfig:
 class Config:
     """Everything that decides what is indexed, cached and generated."""
 
-    model: str = DEFAULT_MODEL
-    embedder: str = DEFAULT_EMBEDDER
-    chunk_tokens: int = 512
-    top_k: int = 6
+    model: str = setting(DEFAULT_MODEL, "The LLM: SmolLM2-135M-Instruct, a Hugging Face id, a local directory or a .gguf file.")
+    embedder: str = setting(DEFAULT_EMBEDDER, "sentence-transformers model that embeds the chunks.")
+    chunk_tokens: int = setting(512, "Chunk size in LLM tokens (typically 128 or 512).")
+    top_k: int = setting(6, "Chunks retrieved per question.")
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = "behind_prefix"

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from importlib.resources import files
 
 import pytest
+import typer
 from conftest import tiny_llama
 from typer.testing import CliRunner
 
+import rag_kvcache
 from rag_kvcache.cli import app
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.store.codecs import CODECS
 
 runner = CliRunner()
 
@@ -93,3 +100,98 @@ def test_foreign_index_is_refused(tmp_path):
     (tmp_path / "index.sqlite").write_text("hello")
     result = runner.invoke(app, ["ask", "q", "--index", str(tmp_path)])
     assert result.exit_code == 2 and "error" in result.output
+
+
+# ---- issue 15: the command as a new user meets it --------------------------------------------------
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False)
+
+
+def test_importing_the_cli_loads_no_heavy_library():
+    """`--help` is fast because nothing heavy is imported until a command runs."""
+    heavy = ("torch", "transformers", "sentence_transformers", "faiss", "matplotlib")
+    proc = _run("-c", f"import sys, rag_kvcache.cli; print([m for m in {heavy!r} if m in sys.modules])")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_python_m_and_version():
+    proc = _run("-m", "rag_kvcache", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage: rag-kvcache" in proc.stdout and "ask" in proc.stdout
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"rag-kvcache {rag_kvcache.__version__}"
+
+
+def test_every_option_has_help_and_config_defaults():
+    """Help texts are complete, and options that set a config field show that field's default."""
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        assert command.help and command.help.splitlines()[0].strip(), name
+        for param in command.params:
+            assert getattr(param, "help", None), f"{name} {param.name} has no help"
+    ask = {p.name: p for p in group.commands["ask"].params}
+    fusion, generation = FusionConfig(), GenerationConfig()
+    assert ask["method"].default == fusion.method and ask["epic_k"].default == fusion.epic_k
+    assert ask["ratio"].default == str(fusion.ratio) and ask["check_layer"].default == fusion.check_layer
+    assert ask["temperature"].default == generation.temperature == 0.0  # greedy unless asked
+    assert ask["max_new_tokens"].default == generation.max_new_tokens and ask["top_k"].default == Config().top_k
+    assert "sample" not in ask  # one rule: sampling iff temperature > 0
+    result = runner.invoke(app, ["index", "--help"], terminal_width=200)
+    assert f"[default: {Config().chunk_tokens}; x>=16]" in result.stdout  # no markup eats the brackets
+    assert "|".join(CODECS) in result.stdout  # the codec registry's names
+
+
+def test_help_lists_the_builtin_methods_and_bench_defaults_match_the_runner():
+    from rag_kvcache.bench.runner import DEFAULT_METHODS, BenchSettings
+    from rag_kvcache.config import BUILTIN_METHODS
+    from rag_kvcache.engine.methods import METHODS
+
+    assert set(BUILTIN_METHODS.split(", ")) == set(METHODS)
+    bench = {p.name: p for p in typer.main.get_command(app).commands["bench"].params}
+    assert bench["methods"].default == ",".join(DEFAULT_METHODS)
+    assert (bench["warmup"].default, bench["threads"].default) == (BenchSettings().warmup, BenchSettings().threads)
+
+
+def test_a_registered_method_is_reachable_and_an_unknown_one_is_listed(built):
+    from rag_kvcache.engine.methods import METHODS, register
+
+    root, _ = built
+    base = ["ask", "Saltmere?", "--index", str(root / "idx"), "--max-new-tokens", "2", "--top-k", "1"]
+    register("reuse-again")(METHODS["reuse"].fn)
+    try:
+        result = runner.invoke(app, [*base, "--method", "reuse-again"])
+        assert result.exit_code == 0, result.output
+        assert "reuse-again: ttft" in result.output
+    finally:
+        del METHODS["reuse-again"]
+    result = runner.invoke(app, [*base, "--method", "nope"])
+    assert result.exit_code == 2
+    assert f"unknown fusion method 'nope'; registered: {', '.join(METHODS)}" in " ".join(result.output.split())
+
+
+def test_stream_json_emits_json_lines(built):
+    root, _ = built
+    result = runner.invoke(app, ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--stream",
+                                 "--json", "--max-new-tokens", "6", "--top-k", "1", "--method", "full"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    pieces, final = lines[:-1], lines[-1]
+    assert pieces and all(set(p) == {"text"} for p in pieces)
+    assert "".join(p["text"] for p in pieces) == final["answer"] and final["method"] == "full"
+
+
+def test_sampling_follows_temperature(built):
+    root, _ = built
+    base = ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--json", "--max-new-tokens", "8",
+            "--top-k", "1", "--method", "full"]
+    greedy = [json.loads(runner.invoke(app, base).stdout)["answer"] for _ in range(2)]
+    sampled = {json.loads(runner.invoke(app, [*base, "--temperature", "1.5", "--seed", str(s)]).stdout)["answer"]
+               for s in range(4)}
+    assert greedy[0] == greedy[1] and len(sampled) > 1  # a random model at T=1.5 samples away from argmax
+
+
+def test_demo_data_ships_inside_the_package():
+    docs = files("rag_kvcache") / "demo"
+    names = sorted(p.name for p in docs.iterdir())
+    assert "observatory.md" in names and all(n.endswith(".md") for n in names)

@@ -17,8 +17,8 @@ from rag_kvcache.store.controller import (
     calibrate,
     choose_ratio,
     choose_tier,
-    decide,
     load_calibration,
+    resolve_ratio,
 )
 
 runner = CliRunner()
@@ -53,19 +53,22 @@ def test_cheapest_tier_that_adds_no_delay():
         calibration(1e9).load_s("tape", 10)
 
 
-def test_calibrate_saves_what_decide_uses(tiny, tmp_path):
+def test_calibrate_saves_what_resolve_ratio_uses(tiny, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("The main telescope of the Veldmark Observatory is named Harrow's Eye. " * 4)
     cfg = Config(chunk_tokens=32, cache_dir=tmp_path / "cache")
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
+    auto = index.config.with_fusion(ratio="auto")
+    assert resolve_ratio(index.config, index.adapter) == (index.config, None)  # a number is kept
     with pytest.raises(FileNotFoundError, match="rag-kvcache calibrate"):
-        decide(index.config, index.adapter, 64)
+        resolve_ratio(auto, index.adapter)
     cal = calibrate(tiny, tmp_path / "idx", StorageConfig(), cfg.cache_dir, n_tokens=32, entries=2, repeats=1)
     assert set(cal.read_bytes_per_s) == {"memory", "page_cache", "disk"} and cal.prefill_s_per_token_layer > 0
     assert cal.bytes_per_token_layer > tiny.layout.bytes_per_token / tiny.layout.n_layers  # + header
     assert load_calibration(cfg.cache_dir, tiny, "none") == cal
-    assert decide(index.config, index.adapter, 64).ratio >= 0.15
+    resolved, decision = resolve_ratio(auto, index.adapter)
+    assert resolved.fusion.ratio == decision.ratio >= 0.15 and decision.n_tokens == cfg.top_k * cfg.chunk_tokens
     assert not list((tmp_path / "idx" / ".calibration-store").rglob("*.safetensors"))  # cleaned up
 
 

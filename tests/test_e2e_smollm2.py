@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib.resources import files
 
 import pytest
 
@@ -12,7 +12,7 @@ from rag_kvcache.index import KVIndex
 
 pytestmark = pytest.mark.smollm2
 
-DEMO = Path(__file__).resolve().parent.parent / "datasets" / "demo"
+DEMO = files("rag_kvcache") / "demo"
 QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
 
 

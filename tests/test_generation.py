@@ -30,7 +30,7 @@ def test_stop_string_cuts_text(tiny):
 
 
 def test_seeded_sampling_is_reproducible(tiny):
-    cfg = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, seed=123)
+    cfg = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=123)
     assert decode(tiny, cfg) == decode(tiny, cfg)
     greedy = decode(tiny, GenerationConfig(max_new_tokens=10))
     assert decode(tiny, cfg) != greedy  # a random model at T=1 samples away from argmax
@@ -38,6 +38,6 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.tensor([10.0, 9.0, -5.0, -5.0])
-    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_p=0.5, seed=0)
+    cfg = GenerationConfig(temperature=1.0, top_p=0.5, seed=0)
     rng = torch.Generator().manual_seed(0)
     assert {sample_token(logits, cfg, rng) for _ in range(50)} == {0}

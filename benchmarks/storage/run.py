@@ -32,9 +32,10 @@ import torch
 
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
-from rag_kvcache.config import KV_CODECS, Config, FusionConfig, GenerationConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, StorageConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.store.codecs import CODECS
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.engine.cache import LayerSource
 
@@ -121,7 +122,7 @@ def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repe
 def quality(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, work: Path, max_new: int) -> dict:
     source = index.store
     stores = {"none": source}
-    for codec in KV_CODECS[1:]:
+    for codec in [name for name in CODECS if name != "none"]:
         stores[codec] = KVStore(work / f"kv-{codec}", StorageConfig(memory_bytes=0, codec=codec))
         for path in source.disk.files():
             if path.stem not in stores[codec]:

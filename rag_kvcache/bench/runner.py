@@ -40,7 +40,7 @@ from ..engine.model import ModelAdapter
 from ..generator import Answer, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import Hit
-from ..store.controller import decide
+from ..store.controller import resolve_ratio
 from .datasets import QAExample
 from .metrics import kl_divergence, max_f1, median_ratio, rouge_l, summarize
 from .report import atomic_write, write_report
@@ -87,7 +87,6 @@ class BenchSettings:
     sweep_epic_ks: tuple[int, ...] = (0, 4, 16, 32)
     warmup: int = 1
     threads: int = 2
-    ratio_auto: bool = False  # CacheBlend's ratio from the loading controller (needs `rag-kvcache calibrate`)
     resume: bool = False  # keep the questions an interrupted run in the same --out finished
 
     def __post_init__(self) -> None:
@@ -374,10 +373,9 @@ def run_benchmark(
     torch.set_num_threads(settings.threads)
     adapter = adapter or ModelAdapter.load(config)
     controller = None
-    if settings.ratio_auto:  # decided before indexing, so a missing calibration fails at once
-        decision = decide(config, adapter, n_tokens=config.top_k * config.chunk_tokens)
+    config, decision = resolve_ratio(config, adapter)  # before indexing, so a missing calibration fails at once
+    if decision is not None:
         log.info("loading controller: %s", decision.explain())
-        config = config.with_fusion(ratio=decision.ratio)
         controller = {**asdict(decision), "explain": decision.explain()}
     variants = plan(settings, config.fusion)
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing

@@ -13,8 +13,8 @@ from .model import ModelAdapter
 
 
 def sample_token(logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generator | None) -> int:
-    """Greedy argmax, or temperature + nucleus (top-p) sampling, of next-token logits [V]."""
-    if not cfg.do_sample:
+    """Greedy argmax at temperature 0, else temperature + nucleus (top-p) sampling, of next-token logits [V]."""
+    if cfg.temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [V]
     sorted_p, order = probs.sort(descending=True)  # [V]
@@ -40,7 +40,7 @@ class Decoder:
         self.adapter = adapter
         self.cfg = cfg
         self.rng = None
-        if cfg.do_sample:
+        if cfg.temperature > 0:
             self.rng = torch.Generator(device=adapter.device)
             if cfg.seed is not None:
                 self.rng.manual_seed(cfg.seed)

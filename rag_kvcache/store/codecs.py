@@ -5,16 +5,18 @@ are side data such as scales) and back. Scales are absmax / the format's largest
 float32; per-channel scales are shared by all tokens of a head dimension ([H_kv, 1, D]), per-token
 scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits keys (their outlier channels
 are fixed), per-token suits values.
+
+`CODECS` is the one registry of codecs by name (config validation and the CLI read its names). This
+module imports torch only when a codec runs, so that reading the names stays cheap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from ..config import KV_CODECS
+if TYPE_CHECKING:
+    import torch
 
 
 class Codec(Protocol):
@@ -38,31 +40,36 @@ class Raw:
 
 @dataclass(frozen=True)
 class Scaled:
-    """Symmetric quantisation to `qdtype` with an absmax scale reduced over `reduce_dim`."""
+    """Symmetric quantisation to the torch dtype named `qdtype` with an absmax scale reduced over `reduce_dim`."""
 
     name: str
-    qdtype: torch.dtype
+    qdtype: str
     qmax: float
     reduce_dim: int  # 1: one scale per channel over tokens; -1: one scale per token over channels
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        import torch
+
+        qdtype = getattr(torch, self.qdtype)
         x = t.float()  # [H_kv, T, D]
         scale = (x.abs().amax(dim=self.reduce_dim, keepdim=True) / self.qmax).clamp_min(1e-12)  # [H_kv, 1, D] or [H_kv, T, 1]
         q = x / scale  # [H_kv, T, D]
-        q = q.round().clamp(-self.qmax, self.qmax) if not self.qdtype.is_floating_point else q
-        return {"": q.to(self.qdtype), "scale": scale}
+        q = q.round().clamp(-self.qmax, self.qmax) if not qdtype.is_floating_point else q
+        return {"": q.to(qdtype), "scale": scale}
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts[""].float() * parts["scale"]).to(dtype)  # [H_kv, T, D]
 
 
+CODECS: dict[str, Codec] = {
+    "none": Raw(),
+    "int8-channel": Scaled("int8-channel", "int8", 127.0, reduce_dim=1),
+    "int8-token": Scaled("int8-token", "int8", 127.0, reduce_dim=-1),
+    "fp8": Scaled("fp8", "float8_e4m3fn", 448.0, reduce_dim=1),  # 448: torch.finfo(torch.float8_e4m3fn).max
+}
+
+
 def get_codec(name: str) -> Codec:
-    if name == "none":
-        return Raw()
-    if name == "int8-channel":
-        return Scaled(name, torch.int8, 127.0, reduce_dim=1)
-    if name == "int8-token":
-        return Scaled(name, torch.int8, 127.0, reduce_dim=-1)
-    if name == "fp8":
-        return Scaled(name, torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max, reduce_dim=1)
-    raise ValueError(f"unknown KV codec {name!r}; available: {', '.join(KV_CODECS)}")
+    if name not in CODECS:
+        raise ValueError(f"unknown KV codec {name!r}; available: {', '.join(CODECS)}")
+    return CODECS[name]

@@ -104,11 +104,16 @@ def choose_tier(cal: Calibration, ratio: float, n_tokens: int) -> Decision:
     return next((d for d in decisions if not d.adds_delay), min(decisions, key=lambda d: d.load_s))
 
 
-def decide(config: Config, adapter: ModelAdapter, n_tokens: int, tier: str = "disk") -> Decision:
-    """The ratio for fusing `n_tokens` context tokens whose caches come from `tier`, from this
-    machine's calibration for `adapter`'s model and `config`'s codec (`ask`/`bench --ratio auto`)."""
+def resolve_ratio(config: Config, adapter: ModelAdapter, tier: str = "disk") -> tuple[Config, Decision | None]:
+    """`config` with a number for CacheBlend's ratio: `ratio="auto"` becomes the loading controller's
+    choice for `top_k * chunk_tokens` context tokens whose caches come from `tier`, from this machine's
+    calibration for `adapter`'s model and `config`'s codec (with the decision); a number is kept (no decision).
+    The one place `auto` is resolved (`ask` and `bench` both call it)."""
+    if config.fusion.ratio != "auto":
+        return config, None
     cal = load_calibration(config.cache_dir, adapter, config.storage.codec)
-    return choose_ratio(cal, tier, n_tokens, config.storage.quality_floor)
+    decision = choose_ratio(cal, tier, config.top_k * config.chunk_tokens, config.storage.quality_floor)
+    return config.with_fusion(ratio=decision.ratio), decision
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -172,7 +177,7 @@ def calibrate(
 
     ids = torch.randint(1000, 2000, (1, n_tokens), generator=g)  # [1, T]
     adapter.prefill(ids)  # warm-up
-    prefill = statistics.median(_timed(adapter, ids) for _ in range(repeats))
+    prefill = statistics.median(time_prefill(adapter, ids) for _ in range(repeats))
     cal = Calibration(
         machine=machine_id(adapter.device), model_fingerprint=adapter.fingerprint, codec=storage.codec,
         bytes_per_token_layer=stored / (entries * n_tokens * layout.n_layers), read_bytes_per_s=throughput,
@@ -186,7 +191,8 @@ def calibrate(
     return cal
 
 
-def _timed(adapter: ModelAdapter, ids: torch.Tensor) -> float:
+def time_prefill(adapter: ModelAdapter, ids: torch.Tensor) -> float:
+    """Seconds of one plain forward (`adapter.prefill`) over ids [1, T]."""
     start = time.perf_counter()
     adapter.prefill(ids)
     if adapter.device.type == "cuda":

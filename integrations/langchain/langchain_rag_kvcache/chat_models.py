@@ -144,8 +144,7 @@ class ChatRagKVCache(BaseChatModel):
         top_p = options.get("top_p", self.top_p)
         return GenerationConfig(
             max_new_tokens=options.get("max_tokens", self.max_tokens) or default.max_new_tokens,
-            do_sample=bool(temperature),
-            temperature=temperature or default.temperature,
+            temperature=default.temperature if temperature is None else temperature,
             top_p=default.top_p if top_p is None else top_p,
             seed=options.get("seed", self.seed),
             stop=tuple(stop or self.stop or ()),

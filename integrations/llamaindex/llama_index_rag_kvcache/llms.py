@@ -140,8 +140,7 @@ class RagKVCacheLLM(CustomLLM):
         default = index.config.generation
         return GenerationConfig(
             max_new_tokens=self.max_new_tokens or default.max_new_tokens,
-            do_sample=self.temperature > 0,
-            temperature=self.temperature or default.temperature,
+            temperature=self.temperature,
             top_p=default.top_p if self.top_p is None else self.top_p,
             seed=self.seed,
             stop=tuple(self.stop),

@@ -1,14 +1,14 @@
-"""A demo index (datasets/demo, 128-token chunks, SmolLM2-135M) built once per test session."""
+"""A demo index (the demo folder bundled in rag_kvcache, 128-token chunks, SmolLM2-135M) built once per test session."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib.resources import files
 
 import pytest
 
 from rag_kvcache import Config, KVIndex
 
-DEMO_DOCS = Path(__file__).resolve().parents[4] / "datasets" / "demo"
+DEMO_DOCS = files("rag_kvcache") / "demo"
 
 
 @pytest.fixture(scope="session")
