@@ -197,3 +197,53 @@ def test_empty_file_is_an_error(tmp_path):
     path.write_text("\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no examples"):
         load_dataset(path)
+
+
+def _musique_like(n: int) -> list[QAExample]:
+    filler = "it was built in the old style. many people visit it every year. "
+    return [
+        QAExample(f"m{i}", f"question {i}?", ("gold",), tuple(
+            Document("", f"{filler}the tower of kelm {i}-{j} is a stone tower in the north. {filler * 3}")
+            for j in range(3)
+        ))
+        for i in range(n)
+    ]
+
+
+def test_planted_facts_are_deterministic_exact_and_placed_after_the_first_rank():
+    from rag_kvcache.bench.datasets import PLANTED_HEAD_WORDS, planted_facts
+
+    examples = _musique_like(6)
+    planted = planted_facts(examples, top_k=4, seed=3)
+    assert planted == planted_facts(examples, top_k=4, seed=3) and planted != planted_facts(examples, top_k=4, seed=4)
+    assert planted[:2] == planted_facts(examples[:2], top_k=4, seed=3)  # independent of what follows
+    for ex, source in zip(planted, examples):
+        assert ex.task == "exact" and 1 <= ex.evidence_rank <= 3 and ex.id == f"planted-{source.id}"
+        holding = [d for d in ex.documents if ex.answers[0] in d.text]
+        assert len(holding) == 1 and len(ex.documents) == len(source.documents)
+        subject = re.search(r"the tower of kelm \d-\d", ex.question).group()  # the question names the passage's subject
+        assert subject in holding[0].text
+        head = " ".join(holding[0].text.split()[: PLANTED_HEAD_WORDS + 20])  # within the embedder's reach
+        assert ex.answers[0] in head and not holding[0].text.startswith(subject)
+
+
+def test_planted_facts_round_trip_through_jsonl(tmp_path):
+    from rag_kvcache.bench.datasets import planted_facts
+
+    planted = planted_facts(_musique_like(2))
+    write_jsonl(planted, tmp_path / "planted.jsonl")
+    assert load_jsonl(tmp_path / "planted.jsonl") == planted
+
+
+def test_planted_spec_loads_a_musique_file(tmp_path):
+    from rag_kvcache.bench.datasets import load_dataset
+
+    records = [{"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
+               for ex in _musique_like(3)]
+    (tmp_path / "m.json").write_text(json.dumps(records))
+    planted = load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=2)
+    assert len(planted) == 3 and {ex.evidence_rank for ex in planted} == {1}
+    with pytest.raises(ValueError, match="top_k must be >= 2"):
+        load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=1)
+    with pytest.raises(ValueError, match="needs task 'exact'"):
+        QAExample("x", "q?", ("a",), (Document("", "t"),), evidence_rank=1)

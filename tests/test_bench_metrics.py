@@ -12,10 +12,10 @@ from rag_kvcache.bench.metrics import (
     f1_score,
     kl_divergence,
     max_f1,
+    median_p90,
     median_ratio,
     normalize_answer,
     rouge_l,
-    summarize,
 )
 
 
@@ -112,16 +112,16 @@ def test_kl_rejects_bad_input(p, q, match):
         kl_divergence(p, q)
 
 
-def test_summarize_percentiles_of_1_to_10():
+def test_median_p90_of_1_to_10():
     # median of 1..10 = (5 + 6) / 2; p90 linear: rank 0.9 * 9 = 8.1 -> 9 + 0.1 * (10 - 9) = 9.1
-    assert summarize(range(1, 11)) == {"n": 10, "median": pytest.approx(5.5), "p90": pytest.approx(9.1)}
-    assert summarize([2.0]) == {"n": 1, "median": 2.0, "p90": 2.0}
+    assert median_p90(range(1, 11)) == {"n": 10, "median": pytest.approx(5.5), "p90": pytest.approx(9.1)}
+    assert median_p90([2.0]) == {"n": 1, "median": 2.0, "p90": 2.0}
 
 
 @pytest.mark.parametrize("values", [[], [1.0, float("nan")], [[1.0, 2.0]]])
-def test_summarize_rejects_bad_values(values):
+def test_median_p90_rejects_bad_values(values):
     with pytest.raises(ValueError, match="values"):
-        summarize(values)
+        median_p90(values)
 
 
 def test_median_ratio_is_median_of_per_item_ratios():

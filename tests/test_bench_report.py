@@ -12,11 +12,12 @@ from rag_kvcache.bench.report import label, markdown_table, plot_pareto, write_r
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _entry(method: str, params: dict, ttft: float, f1_vs_full: float | None, **overrides) -> dict:
+def _entry(method: str, params: dict, ttft: float, tf_kl: float | None, **overrides) -> dict:
     entry = {
-        "method": method, "params": params, "ttft_median_s": ttft, "ttft_p90_s": ttft * 1.2,
-        "speedup_vs_full": 0.8 / ttft, "f1_gold": 0.4, "f1_vs_full": f1_vs_full,
-        "first_token_agreement": 0.9, "kl_vs_full": 0.05, "recompute_fraction": params.get("r"),
+        "method": method, "params": params, "ttft_median_s": ttft, "speedup_vs_full": 0.8 / ttft,
+        "compute_fraction": params.get("r"), "tf_kl": tf_kl, "tf_kl_ci": None if tf_kl is None else [tf_kl / 2, tf_kl * 2],
+        "tf_kl_diff": None, "tf_top1": 0.9, "tf_logp_delta": -0.05, "first_token_kl": 0.05,
+        "f1_gold": 0.4, "f1_vs_full": 0.7,
     }
     return entry | overrides
 
@@ -24,10 +25,12 @@ def _entry(method: str, params: dict, ttft: float, f1_vs_full: float | None, **o
 @pytest.fixture
 def summary() -> list[dict]:
     return [
-        _entry("full", {}, 0.8, 1.0, kl_vs_full=0.0, recompute_fraction=1.0),
-        _entry("naive", {}, 0.1, 0.45, recompute_fraction=0.0),
-        *(_entry("cacheblend", {"r": r}, 0.1 + r, 0.6 + r) for r in (0.3, 0.05, 0.15)),
-        *(_entry("epic", {"k": k}, 0.1 + k / 200, 0.5 + k / 100, kl_vs_full=None) for k in (4, 16)),
+        _entry("full", {}, 0.8, 0.0, compute_fraction=1.0, first_token_kl=0.0),
+        _entry("naive", {}, 0.1, 0.2, compute_fraction=0.0),
+        *(_entry("cacheblend", {"r": r}, 0.1 + r, 0.1 - r / 10, tf_kl_diff=-r) for r in (0.3, 0.05, 0.15)),
+        *(_entry("epic", {"k": k}, 0.1 + k / 200, 0.1 - k / 1000, first_token_kl=None) for k in (4, 16)),
+        {"method": "full", "params": {"kv": "bfloat16"}, "noise_floor": True, "tf_kl": 2e-5, "tf_kl_ci": [1e-5, 3e-5],
+         "tf_top1": 1.0, "tf_logp_delta": 0.0, "first_token_kl": 1e-5},
     ]
 
 
@@ -46,17 +49,20 @@ def test_markdown_table_rows_and_formatting(summary):
     assert len({line.count("|") for line in lines}) == 1
     full = lines[2].split(" | ")
     assert full[0] == "| full"
-    assert full[1:4] == ["0.800", "0.960", "1.0x"]  # 3 s.f. seconds, speedup "N.Nx"
+    assert full[1:5] == ["0.800", "1.0x", "1.000", "0.00 [0.00, 0.00]"]  # 3 s.f. seconds, speedup "N.Nx"
     cb = next(line for line in lines if line.startswith("| cacheblend r=0.15 |"))
-    assert "| 0.250 | 0.300 | 3.2x |" in cb  # ttft 0.1 + 0.15; speedup 0.8 / 0.25 = 3.2
-    assert "| 0.750 |" in cb  # F1 vs full 0.6 + 0.15, 3 decimals
+    assert "| 0.250 | 3.2x | 0.150 | 0.0850 [0.0425, 0.170] | -0.15 |" in cb  # ttft 0.1 + 0.15; 0.8 / 0.25 = 3.2
     epic = next(line for line in lines if line.startswith("| epic k=4 |"))
-    assert "| – |" in epic  # missing KL
+    assert "| – |" in epic  # missing first-token KL
+    floor = next(line for line in lines if line.startswith("| full kv=bfloat16 |"))
+    assert "| 2.00e-05 [1.00e-05, 3.00e-05] |" in floor and "Planted acc" not in lines[0]
+    planted = markdown_table([summary[0] | {"planted_accuracy": 0.5, "planted_accuracy_ci": [0.25, 0.75]}])
+    assert "Planted acc" in planted and "| 0.50 [0.25, 0.75] |" in planted
 
 
 def test_markdown_table_rejects_incomplete_entries(summary):
-    del summary[1]["kl_vs_full"]
-    with pytest.raises(ValueError, match=r"missing \['kl_vs_full'\]"):
+    del summary[1]["tf_kl"]
+    with pytest.raises(ValueError, match=r"missing \['tf_kl'\]"):
         markdown_table(summary)
 
 
@@ -71,21 +77,21 @@ def _png_width(path) -> int:
     return int.from_bytes(path.read_bytes()[16:20], "big")
 
 
-def test_plot_pareto_adds_a_kl_panel_when_there_is_kl(tmp_path, summary):
-    plot_pareto(summary, tmp_path / "both.png")
-    plot_pareto([e | {"kl_vs_full": None} for e in summary], tmp_path / "f1.png")
-    assert _png_width(tmp_path / "both.png") == 2 * _png_width(tmp_path / "f1.png")
+def test_plot_pareto_adds_a_planted_panel_when_there_is_planted_accuracy(tmp_path, summary):
+    plot_pareto([e | {"planted_accuracy": 0.8} for e in summary], tmp_path / "both.png")
+    plot_pareto(summary, tmp_path / "kl.png")
+    assert _png_width(tmp_path / "both.png") == 2 * _png_width(tmp_path / "kl.png")
 
 
 def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
-    summary[1]["f1_vs_full"] = None
+    summary[1]["tf_kl"] = None
     plot_pareto(summary, tmp_path / "p.png")
     assert "not plotting 'naive'" in caplog.text
 
 
 @pytest.mark.parametrize(("override", "match"), [
     ({"ttft_median_s": 0.0}, "must be > 0"),
-    ({"f1_vs_full": None}, "nothing to plot"),
+    ({"tf_kl": None}, "nothing to plot"),
 ])
 def test_plot_pareto_errors(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):

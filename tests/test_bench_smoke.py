@@ -11,7 +11,17 @@ from typer.testing import CliRunner
 from rag_kvcache.bench import runner
 from rag_kvcache.bench.datasets import synthetic_multihop, write_jsonl
 from rag_kvcache.bench.report import METRIC_KEYS
-from rag_kvcache.bench.runner import BenchSettings, Variant, plan, rotated, summarise
+from rag_kvcache.bench.runner import (
+    FIDELITY_KEYS,
+    NOISE_FLOOR,
+    BenchSettings,
+    Variant,
+    parse_methods,
+    place_evidence,
+    plan,
+    rotated,
+    summarise,
+)
 from rag_kvcache.cli import app
 from rag_kvcache.config import FusionConfig, StorageConfig
 from rag_kvcache.store.controller import calibrate
@@ -35,12 +45,19 @@ def bench_out(tiny, tmp_path_factory):
 def test_bench_writes_every_record_summary_and_plot(bench_out):
     results = json.loads((bench_out / "results.json").read_text())
     variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig())]
-    assert [runner.Variant(e["method"], tuple(e["params"].items())).label for e in results["summary"]] == variants
+    *entries, floor = results["summary"]
+    assert [runner.Variant(e["method"], tuple(e["params"].items())).label for e in entries] == variants
+    assert (floor["method"], floor["params"], floor["noise_floor"], floor["n"]) == ("full", NOISE_FLOOR, True, 3)
     assert len(results["records"]) == 3 * len(variants)
     assert len((bench_out / "records.jsonl").read_text().splitlines()) == len(results["records"])
-    for entry in results["summary"]:
-        assert set(METRIC_KEYS) <= set(entry) and entry["n"] == 3
+    for entry in entries:
+        assert set(METRIC_KEYS) <= set(entry) and entry["n"] == 3 and entry["baseline"] == "cacheblend r=0.15"
         assert {"kv_load", runner.OTHER_STAGE} <= set(entry["stage_median_s"])
+    for entry in results["summary"]:
+        for key in FIDELITY_KEYS:
+            low, high = entry[f"{key}_ci"]
+            assert low <= entry[key] <= high and entry[f"{key}_diff_ci"] is not None
+    assert "TF KL" in (bench_out / "results.md").read_text()
     meta = results["meta"]
     assert meta["questions_done"] == 3 and meta["indexing"]["tokens"] > 0
     assert 0 < meta["indexing"]["fraction_of_forward"]
@@ -53,8 +70,12 @@ def test_exact_methods_match_full(bench_out):
     summary = {(e["method"], tuple(e["params"].items())): e for e in json.loads((bench_out / "results.json").read_text())["summary"]}
     for key in [("full", ()), ("prefix", ())]:
         entry = summary[key]
-        assert entry["f1_vs_full"] == 1.0 and entry["first_token_agreement"] == 1.0
-        assert entry["kl_vs_full"] == pytest.approx(0.0, abs=1e-6)
+        assert entry["f1_vs_full"] == 1.0 and entry["tf_top1"] == 1.0
+        assert entry["tf_kl"] == pytest.approx(0.0, abs=1e-6) and entry["first_token_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert entry["tf_logp_delta"] == pytest.approx(0.0, abs=1e-5)
+    floor, reuse, blend = summary[("full", (("kv", "bfloat16"),))], summary[("reuse", ())], summary[("cacheblend", (("r", 0.15),))]
+    assert 0 < floor["tf_kl"] < reuse["tf_kl"]  # rounding to bfloat16 perturbs, far less than reusing caches
+    assert blend["tf_kl_diff"] == 0.0 and reuse["tf_kl_diff"] == pytest.approx(reuse["tf_kl"] - blend["tf_kl"])
     assert summary[("full", ())]["recompute_fraction"] == 1.0
     assert summary[("reuse", ())]["recompute_fraction"] < summary[("cacheblend", (("r", 0.5),))]["recompute_fraction"]
 
@@ -64,7 +85,8 @@ def test_plan_puts_defaults_first_and_dedupes_the_sweep():
     assert labels[:5] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16"]
     assert labels[5:] == ["cacheblend r=0.05", "cacheblend r=0.1", "cacheblend r=0.25", "cacheblend r=0.5",
                           "epic k=0", "epic k=4", "epic k=32"]
-    assert [v.label for v in plan(BenchSettings(methods=("full", "reuse")), FusionConfig())] == ["full", "reuse"]
+    only = BenchSettings(methods=("full", "reuse"), baseline="reuse")
+    assert [v.label for v in plan(only, FusionConfig())] == ["full", "reuse"]
 
 
 def test_variant_maps_short_params_onto_fusion_config():
@@ -82,7 +104,8 @@ def test_rotation_puts_every_variant_in_every_slot_once():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"methods": ("prefix", "reuse")}, "must include 'full'"), ({"methods": ("full", "full")}, "must not repeat"),
-     ({"threads": 0}, "threads must be >= 1"), ({"warmup": -1}, "warmup must be >= 0")],
+     ({"threads": 0}, "threads must be >= 1"), ({"warmup": -1}, "warmup must be >= 0"),
+     ({"methods": ("full", "reuse")}, "baseline 'cacheblend' is not among the methods")],
 )
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -96,13 +119,14 @@ def test_bad_variant_is_refused():
         Variant("epic", (("z", 1),))
 
 
-def _rec(qid: str, label: str, ttft: float, f1: float, agree: bool) -> dict:
+def _rec(qid: str, label: str, ttft: float, f1: float, kl: float, hit: bool | None = None) -> dict:
     method, _, param = label.partition(" ")
     params = {param.split("=")[0]: float(param.split("=")[1])} if param else {}
     return {
         "id": qid, "method": method, "params": params, "label": label, "ttft_s": ttft, "retrieval_s": 0.01,
-        "prompt_tokens": 100, "f1_gold": f1, "f1_vs_full": f1, "rouge_l_gold": None, "first_token_agree": agree,
-        "kl_vs_full": 0.0, "recompute_fraction": 0.1, "compute_fraction": 0.2, "stages": {"kv_load": ttft / 2},
+        "prompt_tokens": 100, "f1_gold": f1, "f1_vs_full": f1, "rouge_l_gold": None, "exact_hit": hit,
+        "tf_kl": kl, "tf_top1": 1.0 - kl, "tf_logp_delta": -kl, "first_token_kl": kl / 2,
+        "recompute_fraction": 0.1, "compute_fraction": 0.2, "stages": {"kv_load": ttft / 2},
     }
 
 
@@ -110,16 +134,58 @@ def test_summary_speedup_is_the_median_of_paired_ratios():
     """Hand-computed: full 4, 8, 10 s; cacheblend 1, 1, 5 s -> ratios 4, 8, 2 -> median 4 (not 22/7)."""
     variants = [Variant("full"), Variant("cacheblend", (("r", 0.15),))]
     records = [
-        _rec("a", "full", 4.0, 1.0, True), _rec("a", "cacheblend r=0.15", 1.0, 1.0, True),
-        _rec("b", "full", 8.0, 1.0, True), _rec("b", "cacheblend r=0.15", 1.0, 0.5, False),
-        _rec("c", "full", 10.0, 1.0, True), _rec("c", "cacheblend r=0.15", 5.0, 0.0, True),
+        _rec("a", "full", 4.0, 1.0, 0.0), _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
+        _rec("b", "full", 8.0, 1.0, 0.0), _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
+        _rec("c", "full", 10.0, 1.0, 0.0), _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
     ]
-    full, blend = summarise(records, variants)
+    full, blend = summarise(records, variants, baseline=variants[0])
     assert full["speedup_vs_full"] == 1.0
     assert blend["speedup_vs_full"] == 4.0
     assert blend["ttft_median_s"] == 1.0 and blend["ttft_p90_s"] == pytest.approx(4.2)
-    assert blend["f1_vs_full"] == 0.5 and blend["first_token_agreement"] == pytest.approx(2 / 3)
+    assert blend["f1_vs_full"] == 0.5 and blend["tf_kl"] == pytest.approx(0.3) and blend["tf_top1"] == pytest.approx(0.7)
+    assert blend["tf_kl_diff"] == pytest.approx(0.3) and full["tf_kl_diff"] == 0.0 and blend["baseline"] == "full"
+    assert 0.1 <= blend["tf_kl_ci"][0] < 0.3 < blend["tf_kl_ci"][1] <= 0.6
     assert blend["rouge_l_gold"] is None and blend["stage_median_s"] == {"kv_load": 0.5}
+    assert "planted_accuracy" not in blend
+
+
+def test_planted_accuracy_counts_only_what_full_gets_right():
+    variants = [Variant("full"), Variant("reuse")]
+    hits = {"a": (True, True), "b": (True, False), "c": (False, True), "d": (True, False)}
+    records = [_rec(q, label, 1.0, 1.0, 0.0, hit) for q, pair in hits.items() for label, hit in zip(("full", "reuse"), pair)]
+    full, reuse = summarise(records, variants)
+    assert (full["planted_accuracy"], full["planted_n"], full["exact_accuracy"]) == (1.0, 3, 0.75)
+    assert (reuse["planted_accuracy"], reuse["planted_n"], reuse["exact_accuracy"]) == (pytest.approx(1 / 3), 3, 0.5)
+    assert "tf_kl_diff" not in reuse  # no baseline given
+
+
+def test_noise_floor_row_comes_from_full_records():
+    records = [_rec("a", "full", 1.0, 1.0, 0.0) | {"noise_floor": dict.fromkeys(FIDELITY_KEYS, 0.01)}]
+    _, floor = summarise(records, [Variant("full")], baseline=Variant("full"))
+    assert floor["params"] == NOISE_FLOOR and floor["tf_kl"] == 0.01 and floor["tf_kl_diff"] == pytest.approx(0.01)
+    assert "ttft_median_s" not in floor
+
+
+def test_methods_all_is_every_registered_method():
+    from rag_kvcache.engine.methods import METHODS
+
+    assert parse_methods("all") == tuple(METHODS)
+    assert parse_methods(" full, reuse ,") == ("full", "reuse")
+
+
+def test_planted_chunk_is_moved_to_its_rank():
+    from types import SimpleNamespace
+
+    from rag_kvcache.bench.datasets import Document, QAExample
+
+    hits = [SimpleNamespace(chunk=SimpleNamespace(text=t)) for t in ("fact: Zorvane Kel.", "a", "b", "c")]
+    ex = QAExample("q", "who?", ("Zorvane Kel",), (Document("", "x"),), task="exact", evidence_rank=2)
+    placed, found = place_evidence(hits, ex)
+    assert found == 0 and [h.chunk.text for h in placed] == ["a", "b", "fact: Zorvane Kel.", "c"]
+    missing = QAExample("q", "who?", ("Nobody Here",), (Document("", "x"),), task="exact", evidence_rank=1)
+    assert place_evidence(hits, missing) == (hits, None)
+    with pytest.raises(ValueError, match="evidence_rank 5 is beyond the 4 retrieved"):
+        place_evidence(hits, QAExample("q", "who?", ("a",), (Document("", "x"),), task="exact", evidence_rank=5))
 
 
 def test_stage_table_orders_stages_and_marks_missing():
@@ -158,7 +224,8 @@ def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatc
 
 def _bench_args(root, *extra: str) -> list[str]:
     return ["bench", "--dataset", str(root / "synthetic.jsonl"), "--out", str(root / "out"), "--top-k", "2",
-            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,reuse", "--warmup", "0", *extra]
+            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,reuse", "--baseline", "reuse",
+            "--warmup", "0", *extra]
 
 
 def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, monkeypatch):
@@ -207,7 +274,8 @@ def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
 def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(1), tmp_path / "synthetic.jsonl")
-    args = [*_bench_args(tmp_path), "--methods", "full,cacheblend", "--check-layer", "3", "--filter-steps", "2"]
+    args = [*_bench_args(tmp_path), "--methods", "full,cacheblend", "--baseline", "cacheblend", "--check-layer", "3",
+            "--filter-steps", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "reaches layer 4, beyond the model's 4 layers" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""Benchmark datasets: MuSiQue (CacheBlend JSON), LongBench JSONL, plain JSONL and a synthetic generator."""
+"""Benchmark datasets: MuSiQue (CacheBlend JSON), LongBench JSONL, plain JSONL, a synthetic generator, and
+planted facts (made-up single-hop facts inserted into real passages, answered by an exact string)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("qa", "summarization")
+TASKS = ("qa", "summarization", "exact")  # exact: the answer is a string to find in the generated text
 FORMATS = ("musique", "longbench", "jsonl")
 LONGBENCH_SUMMARIZATION = frozenset({"gov_report", "qmsum", "multi_news", "vcsum", "samsum"})
 
@@ -30,13 +32,16 @@ class Document:
 
 @dataclass(frozen=True)
 class QAExample:
-    """A question with its reference answers and candidate documents; `task` selects F1 vs Rouge-L."""
+    """A question with its reference answers and candidate documents; `task` selects F1, Rouge-L or
+    exact-string scoring. `evidence_rank`, for planted facts, is where among the retrieved chunks the
+    chunk holding the answer is placed (0 = first); None keeps the retrieval order."""
 
     id: str
     question: str
     answers: tuple[str, ...]
     documents: tuple[Document, ...]
     task: str = "qa"
+    evidence_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -45,8 +50,10 @@ class QAExample:
             raise ValueError(f"example {self.id!r} has no answers")
         if not self.documents:
             raise ValueError(f"example {self.id!r} has no documents")
-        if self.task == "qa" and not self.question.strip():
-            raise ValueError(f"example {self.id!r}: a qa example needs a non-empty question")
+        if self.task != "summarization" and not self.question.strip():
+            raise ValueError(f"example {self.id!r}: a {self.task} example needs a non-empty question")
+        if self.evidence_rank is not None and (self.task != "exact" or self.evidence_rank < 0):
+            raise ValueError(f"example {self.id!r}: evidence_rank {self.evidence_rank!r} needs task 'exact' and a rank >= 0")
 
 
 def _object(record: Any, where: str) -> dict[str, Any]:
@@ -158,6 +165,7 @@ def _jsonl_example(raw: Any, index: int, where: str) -> QAExample:
         answers=_answers(record, where),
         documents=_documents(_field(record, "documents", list, where), where),
         task=record.get("task", "qa"),
+        evidence_rank=record.get("evidence_rank"),
     )
 
 
@@ -185,8 +193,16 @@ def infer_format(path: PathLike) -> str:
     raise ValueError(f"cannot infer dataset format from suffix {p.suffix!r} of {p}; pass one of {FORMATS}")
 
 
-def load_dataset(path: PathLike, fmt: str | None = None) -> list[QAExample]:
-    """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None."""
+PLANTED = "planted:"
+
+
+def load_dataset(path: PathLike, fmt: str | None = None, top_k: int = 6, seed: int = 0) -> list[QAExample]:
+    """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None;
+    `planted:PASSAGES` plants one fact per question of the MuSiQue file PASSAGES (`planted_facts`)."""
+    if str(path).startswith(PLANTED):
+        if fmt not in (None, "musique"):
+            raise ValueError(f"planted facts are made from a MuSiQue passages file, not format {fmt!r}")
+        return planted_facts(load_musique(str(path)[len(PLANTED):]), top_k=top_k, seed=seed)
     if fmt is not None and fmt not in _LOADERS:
         raise ValueError(f"unknown dataset format {fmt!r}; expected one of {FORMATS}")
     return _LOADERS[fmt or infer_format(path)](path)
@@ -202,6 +218,7 @@ def write_jsonl(examples: Iterable[QAExample], path: PathLike) -> None:
             "answers": list(ex.answers),
             "documents": [{"title": d.title, "text": d.text} for d in ex.documents],
             "task": ex.task,
+            **({} if ex.evidence_rank is None else {"evidence_rank": ex.evidence_rank}),
         }, ensure_ascii=False)
         for ex in examples
     ]
@@ -285,3 +302,82 @@ def synthetic_multihop(n: int, seed: int = 0, distractors: int = 4) -> list[QAEx
         raise ValueError(f"distractors must be in [0, {max_distractors}], got {distractors}")
     rng = random.Random(seed)
     return [_synthetic_example(rng, f"synthetic-{seed}-{i}", distractors) for i in range(n)]
+
+
+# ---- planted facts ------------------------------------------------------------------------------------
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st", "tr")
+_VOWELS = ("a", "e", "i", "o", "u", "ae", "ia", "ou")
+_CODAS = ("", "", "n", "r", "l", "s", "m", "nd", "rk", "th")
+# (fact, question, kind of answer); {s} is the passage's subject, {a} the answer.
+_FACTS = (
+    ("a survey of {s} in 2031 was led by the archivist {a}.", "Who led the 2031 survey of {s}?", "person"),
+    ("the society devoted to {s} was founded by {a}.", "Who founded the society devoted to {s}?", "person"),
+    ("the oldest record of {s} is kept in the town of {a}.", "In which town is the oldest record of {s} kept?", "place"),
+    ("the registry lists {s} under the catalogue number {a}.", "Under which catalogue number does the registry list {s}?",
+     "number"),
+    ("the prize awarded for work on {s} is a bronze owl named {a}.", "What is the bronze owl awarded for work on {s} named?",
+     "name"),
+)
+# A defining sentence: "<subject> is a ..." (passages are lower-cased), its subject captured.
+_DEFINITION = re.compile(r"(?<=\. )([a-z0-9][a-z0-9' &-]{2,40}?) (?:is|was|are|were) (?:a|an|the) ")
+_NOT_SUBJECTS = frozenset({"it", "this", "that", "he", "she", "they", "there", "these", "those", "which"})
+PLANTED_HEAD_WORDS = 120  # facts go within a passage's first words: the embedder reads only a chunk's head
+
+
+def _made_up_word(rng: random.Random) -> str:
+    syllables = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3))]
+    return ("".join(syllables) + rng.choice(_CODAS)).capitalize()
+
+
+def _made_up_answer(rng: random.Random, kind: str) -> str:
+    if kind == "person":
+        return f"{_made_up_word(rng)} {_made_up_word(rng)}"
+    if kind == "number":
+        return str(rng.randint(10_000, 99_999))
+    return _made_up_word(rng)
+
+
+def _definitions(text: str) -> list[tuple[str, int]]:
+    """(subject, index of the end of its sentence) for defining sentences in `text`'s first words."""
+    head = " ".join(text.split()[:PLANTED_HEAD_WORDS])
+    found = []
+    for m in _DEFINITION.finditer(head):
+        end = head.find(". ", m.end())
+        if m.group(1) not in _NOT_SUBJECTS and end > 0:
+            found.append((m.group(1), end + 1))
+    return found
+
+
+def plant_fact(example: QAExample, rng: random.Random, top_k: int) -> QAExample | None:
+    """`example`'s passages with one made-up fact inserted after a defining sentence of one of them
+    (None when no passage has one), asked about by subject, answered by an invented string, to be
+    placed at a random retrieved rank other than the first."""
+    candidates = [(i, subject, end) for i, doc in enumerate(example.documents) for subject, end in _definitions(doc.text)]
+    if not candidates:
+        return None
+    i, subject, end = rng.choice(candidates)
+    fact, question, kind = rng.choice(_FACTS)
+    answer = _made_up_answer(rng, kind)
+    doc = example.documents[i]
+    head = " ".join(doc.text.split()[:PLANTED_HEAD_WORDS])
+    text = f"{head[:end]} {fact.format(s=subject, a=answer)}{head[end:]} {' '.join(doc.text.split()[PLANTED_HEAD_WORDS:])}"
+    documents = (*example.documents[:i], Document(doc.title, text.strip()), *example.documents[i + 1 :])
+    return QAExample(
+        id=f"planted-{example.id}", question=question.format(s=subject), answers=(answer,), documents=documents,
+        task="exact", evidence_rank=rng.randint(1, top_k - 1),
+    )
+
+
+def planted_facts(examples: Iterable[QAExample], top_k: int = 6, seed: int = 0) -> list[QAExample]:
+    """One planted-fact question per example that has a passage to plant it in (`plant_fact`).
+
+    Deterministic per seed, and per example: the first n questions do not depend on how many follow.
+    """
+    if top_k < 2:
+        raise ValueError(f"planted facts go at a retrieved rank other than the first: top_k must be >= 2, got {top_k}")
+    planted = [plant_fact(ex, random.Random(f"{seed}:{ex.id}"), top_k) for ex in examples]
+    kept = [ex for ex in planted if ex is not None]
+    if not kept:
+        raise ValueError("no passage has a defining sentence to plant a fact after")
+    logger.info("planted %d facts (%d examples had no passage to plant in)", len(kept), len(planted) - len(kept))
+    return kept

@@ -1,4 +1,5 @@
-"""Answer-quality and latency metrics: SQuAD F1/EM, Rouge-L, KL divergence, robust summaries."""
+"""Answer-quality and latency metrics: SQuAD F1/EM, Rouge-L, exact-string containment, KL divergence,
+teacher-forced fidelity, bootstrap confidence intervals, robust summaries."""
 
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     return float(any(pred == normalize_answer(answer) for answer in answers))
 
 
+def contains_answer(prediction: str, answers: Sequence[str]) -> bool:
+    """Whether any normalised reference answer occurs, on word boundaries, in the normalised prediction."""
+    _require_answers(answers)
+    pred = f" {normalize_answer(prediction)} "
+    return any(f" {normalize_answer(answer)} " in pred for answer in answers if normalize_answer(answer))
+
+
 @functools.lru_cache(maxsize=2)
 def _rouge_l_scorer(stem: bool) -> RougeScorer:
     from rouge_score import rouge_scorer  # deferred: pulls in nltk (~2 s import)
@@ -103,7 +111,7 @@ def _as_finite_1d(values: ArrayLike, name: str) -> np.ndarray:
     return arr
 
 
-def summarize(values: ArrayLike) -> dict[str, float]:
+def median_p90(values: ArrayLike) -> dict[str, float]:
     """Median and 90th percentile (linear interpolation) of `values`, plus their count."""
     arr = _as_finite_1d(values, "values")
     return {
@@ -122,3 +130,50 @@ def median_ratio(numerators: ArrayLike, denominators: ArrayLike) -> float:
     if (den <= 0).any():
         raise ValueError(f"denominators must be positive, got {den}")
     return float(np.median(num / den))
+
+
+def _log_softmax_rows(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def teacher_forced(reference_logits: ArrayLike, logits: ArrayLike, answer_ids: Sequence[int]) -> dict[str, float]:
+    """Fidelity of a method to the reference over the reference's own answer forced through both.
+
+    `reference_logits` and `logits` [T, V] are the next-token logits at each of the answer's T
+    positions. Returns, in nats: `tf_kl`, the mean over positions of KL(reference || method);
+    `tf_top1`, the fraction of positions whose argmax is the answer's token; `tf_logp_delta`, the
+    method's mean log-probability of the answer tokens minus the reference's; `first_token_kl`, the
+    KL at the first position alone.
+    """
+    ref = np.asarray(reference_logits, dtype=np.float64)
+    mine = np.asarray(logits, dtype=np.float64)
+    ids = np.asarray(answer_ids, dtype=np.int64)
+    if ref.ndim != 2 or ref.shape != mine.shape or ref.shape[0] != ids.size or ids.size == 0:
+        raise ValueError(f"need [T, V] logits of equal shape for T = {ids.size} > 0 answer tokens, "
+                         f"got {ref.shape} and {mine.shape}")
+    if not (np.isfinite(ref).all() and np.isfinite(mine).all()):
+        raise ValueError("teacher-forced logits contain NaN or inf")
+    log_ref, log_mine = _log_softmax_rows(ref), _log_softmax_rows(mine)  # [T, V]
+    kl = (np.exp(log_ref) * (log_ref - log_mine)).sum(axis=-1)  # [T]
+    rows = np.arange(ids.size)
+    return {
+        "tf_kl": float(kl.mean()),
+        "tf_top1": float((mine.argmax(axis=-1) == ids).mean()),
+        "tf_logp_delta": float(log_mine[rows, ids].mean() - log_ref[rows, ids].mean()),
+        "first_token_kl": float(kl[0]),
+    }
+
+
+def bootstrap_ci(
+    values: ArrayLike, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the mean of `values` (resampled with replacement)."""
+    arr = _as_finite_1d(values, "values")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    rng = np.random.default_rng(seed)
+    means = arr[rng.integers(0, arr.size, size=(resamples, arr.size))].mean(axis=1)  # [resamples]
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)

@@ -1,4 +1,4 @@
-"""Benchmark reports: Markdown table, quality-vs-TTFT Pareto plot and JSON/Markdown/PNG bundle."""
+"""Benchmark reports: Markdown table, fidelity-vs-TTFT Pareto plot and JSON/Markdown/PNG bundle."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ logger = logging.getLogger(__name__)
 Entry = Mapping[str, Any]
 
 METRIC_KEYS = (
-    "ttft_median_s", "ttft_p90_s", "speedup_vs_full", "f1_gold", "f1_vs_full",
-    "first_token_agreement", "kl_vs_full", "recompute_fraction",
+    "ttft_median_s", "speedup_vs_full", "compute_fraction", "tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl",
+    "f1_gold", "f1_vs_full",
 )
 MISSING = "–"
 
 
 def _check_entry(entry: Entry) -> None:
-    missing = [key for key in ("method", "params", *METRIC_KEYS) if key not in entry]
+    """A variant's entry carries every metric; the noise-floor entry only the fidelity ones."""
+    keys = ("tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl") if entry.get("noise_floor") else METRIC_KEYS
+    missing = [key for key in ("method", "params", *keys) if key not in entry]
     if missing:
         raise ValueError(f"summary entry is missing {missing}: {dict(entry)!r}")
     if not isinstance(entry["params"], Mapping):
@@ -40,7 +42,8 @@ def _params_text(entry: Entry) -> str:
 
 
 def label(entry: Entry) -> str:
-    """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16"."""
+    """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16", "full kv=bfloat16" (the one
+    place labels are made: `Variant.label` uses it too)."""
     params = _params_text(entry)
     return f"{entry['method']} {params}" if params else str(entry["method"])
 
@@ -54,25 +57,44 @@ def _fmt_sig3(value: float | None) -> str:
     return MISSING if value is None else f"{value:#.3g}".rstrip(".")
 
 
-_COLUMNS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
-    ("ttft_median_s", "TTFT median (s)", _fmt_sig3),
-    ("ttft_p90_s", "TTFT p90 (s)", _fmt_sig3),
-    ("speedup_vs_full", "Speedup", _fmt(".1f", "x")),
-    ("f1_gold", "F1 (gold)", _fmt(".3f")),
-    ("f1_vs_full", "F1 vs full", _fmt(".3f")),
-    ("first_token_agreement", "1st-token agree", _fmt(".3f")),
-    ("kl_vs_full", "KL vs full", _fmt_sig3),
-    ("recompute_fraction", "Recompute frac", _fmt(".3f")),
+def _with_ci(fmt: Callable[[float | None], str]) -> Callable[[Entry, str], str]:
+    """A cell "mean [low, high]" from the entry's `key` and `key_ci`."""
+    def cell(entry: Entry, key: str) -> str:
+        ci = entry.get(f"{key}_ci")
+        return fmt(entry.get(key)) + ("" if ci is None else f" [{fmt(ci[0])}, {fmt(ci[1])}]")
+    return cell
+
+
+def _plain(fmt: Callable[[float | None], str]) -> Callable[[Entry, str], str]:
+    return lambda entry, key: fmt(entry.get(key))
+
+
+_fmt_signed = _fmt("+.3g")
+# (key, title, cell); fidelity first (teacher-forced over full's greedy answer), F1 last (secondary).
+_COLUMNS: tuple[tuple[str, str, Callable[[Entry, str], str]], ...] = (
+    ("ttft_median_s", "TTFT median (s)", _plain(_fmt_sig3)),
+    ("speedup_vs_full", "Speedup", _plain(_fmt(".1f", "x"))),
+    ("compute_fraction", "Compute frac", _plain(_fmt(".3f"))),
+    ("tf_kl", "TF KL [95% CI]", _with_ci(_fmt_sig3)),
+    ("tf_kl_diff", "TF KL - baseline [95% CI]", _with_ci(_fmt_signed)),
+    ("tf_top1", "TF top-1", _with_ci(_fmt(".3f"))),
+    ("tf_logp_delta", "TF Δ log p", _with_ci(_fmt_signed)),
+    ("first_token_kl", "1st-token KL", _with_ci(_fmt_sig3)),
+    ("planted_accuracy", "Planted acc", _with_ci(_fmt(".2f"))),
+    ("f1_gold", "F1 (gold)", _plain(_fmt(".3f"))),
+    ("f1_vs_full", "F1 vs full", _plain(_fmt(".3f"))),
 )
 
 
 def markdown_table(summary: Sequence[Entry]) -> str:
-    """GitHub Markdown table with one row per summary entry (missing metrics shown as "–")."""
+    """GitHub Markdown table with one row per summary entry (missing metrics shown as "–"); the planted
+    accuracy column only when an entry has it."""
     for entry in summary:
         _check_entry(entry)
-    header = ["Method", *(title for _, title, _ in _COLUMNS)]
-    rows = [[label(e), *(fmt(e[key]) for key, _, fmt in _COLUMNS)] for e in summary]
-    lines = [header, ["---", *("---:" for _ in _COLUMNS)], *rows]
+    columns = [c for c in _COLUMNS if c[0] != "planted_accuracy" or any("planted_accuracy" in e for e in summary)]
+    header = ["Method", *(title for _, title, _ in columns)]
+    rows = [[label(e), *(cell(e, key) for key, _, cell in columns)] for e in summary]
+    lines = [header, ["---", *("---:" for _ in columns)], *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
@@ -84,6 +106,7 @@ def stage_table(summary: Sequence[Entry]) -> str:
 
     Stages are those of `Answer.stages` plus "other" (TTFT outside them: decoder setup, first sampling).
     """
+    summary = [e for e in summary if not e.get("noise_floor")]
     for entry in summary:
         _check_entry(entry)
         if not isinstance(entry.get("stage_median_s"), Mapping):
@@ -114,20 +137,23 @@ def _plottable(summary: Sequence[Entry]) -> list[Entry]:
     points = []
     for entry in summary:
         _check_entry(entry)
-        if entry["f1_vs_full"] is None or entry["ttft_median_s"] is None:
-            logger.warning("not plotting %r: no f1_vs_full or ttft_median_s", label(entry))
+        if entry.get("noise_floor"):
+            continue
+        if entry["tf_kl"] is None or entry["ttft_median_s"] is None:
+            logger.warning("not plotting %r: no tf_kl or ttft_median_s", label(entry))
             continue
         if entry["ttft_median_s"] <= 0:
             raise ValueError(f"{label(entry)!r}: ttft_median_s must be > 0 for a log axis, "
                              f"got {entry['ttft_median_s']}")
         points.append(entry)
     if not points:
-        raise ValueError(f"nothing to plot: no entry has both ttft_median_s and f1_vs_full "
+        raise ValueError(f"nothing to plot: no entry has both ttft_median_s and tf_kl "
                          f"among {[label(e) for e in summary]}")
     return points
 
 
 LABEL_OFFSETS = ((5, 5, "left"), (5, -11, "left"), (-5, 5, "right"), (-5, -11, "right"))  # points, points, ha
+KL_LINTHRESH = 1e-6  # symlog: exact methods (KL 0) stay on the axis, the rest is log-scaled
 
 
 def _render_pareto(summary: Sequence[Entry]) -> bytes:
@@ -135,13 +161,15 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     points = _plottable(summary)
+    floor = next((e for e in summary if e.get("noise_floor") and e.get("tf_kl") is not None), None)
     ttfts = [e["ttft_median_s"] for e in points]
-    panels = [("f1_vs_full", "F1 vs full-prefill answer", "linear", "up and left is better")]
-    if any(e.get("kl_vs_full") is not None for e in points):
-        panels.append(("kl_vs_full", "KL of first-token distribution from full", "symlog", "down and left is better"))
+    panels = [("tf_kl", "teacher-forced KL per token from full (nats, log)", "symlog", "down and left is better")]
+    if any(e.get("planted_accuracy") is not None for e in points):
+        panels.append(("planted_accuracy", "planted-fact accuracy (of the facts full answers)", "linear",
+                       "up and left is better"))
     fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in both panels
+    methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in every panel
     for ax, (key, ylabel, yscale, better) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for i, method in enumerate(methods):
             sweep = sorted((e for e in points if e["method"] == method and e.get(key) is not None),
@@ -158,14 +186,16 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
                 ax.annotate(_params_text(entry) or method, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
         ax.set_xscale("log")
         if yscale == "symlog":
-            ax.set_yscale("symlog", linthresh=0.01)
+            ax.set_yscale("symlog", linthresh=KL_LINTHRESH)
+            if floor is not None:
+                ax.axhline(floor["tf_kl"], color="grey", linestyle="--", linewidth=1, label=f"noise floor ({label(floor)})")
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5 s: readable ticks
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())
         ax.margins(x=0.12, y=0.06)
         ax.set_xlabel("median time to first token (s, log scale)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"Quality vs latency ({better})")
+        ax.set_title(f"Fidelity vs latency ({better})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(title="method", loc="best")
     buf = io.BytesIO()
@@ -174,8 +204,9 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
 
 
 def plot_pareto(summary: Sequence[Entry], path: str | os.PathLike[str]) -> None:
-    """PNG of answer quality against median TTFT (log x), one colour per method: F1 vs the full-prefill
-    answer, and beside it the KL of the first-token distribution from full's for the entries that have it."""
+    """PNG of fidelity against median TTFT (log x), one colour per method: the teacher-forced KL from
+    full (symlog y, the bfloat16 noise floor as a dashed line), and beside it the planted-fact accuracy
+    when the entries have it."""
     atomic_write(Path(path), _render_pareto(summary))
     logger.info("wrote %s", path)
 

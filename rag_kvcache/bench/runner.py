@@ -9,8 +9,14 @@ Protocol, so that the numbers hold up:
   and fusion included.
 - The variant order rotates from question to question, so machine drift hits every variant alike;
   the first `warmup` questions are run once untimed before measuring.
-- Quality is measured against the gold answers and against `full`'s own answer and first-token
-  distribution; speedup is the median over questions of the per-question TTFT ratio to `full`.
+- Quality is fidelity to `full`, teacher-forced: `full`'s greedy answer is forced through every
+  variant's fused cache (the same cache the timed answer used) and scored position by position (KL
+  from full's distributions, top-1 agreement, log-probability change, first-token KL); each mean has
+  a bootstrap CI over questions and a paired difference from a baseline variant. `full` with its K/V
+  rounded to bfloat16 is scored alike: the noise floor. On exact-string datasets (planted facts),
+  `planted_accuracy` counts the answers holding the fact among the questions `full` gets right. F1
+  against the gold answers and against full's answer are kept as secondary columns. Speedup is the
+  median over questions of the per-question TTFT ratio to `full`.
 - Records are appended to `records.jsonl` as each question finishes, and an interrupted run still
   writes the report of the questions it finished. `resume` goes on from `records.jsonl` after a run
   was killed outright, provided `plan.json` (written before the first question) shows the same model,
@@ -21,8 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -34,21 +38,27 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import Config, FusionConfig
+from ..config import Config, FusionConfig, GenerationConfig
+from ..engine.generation import Decoder, sample_token, teacher_forced_logits
 from ..engine.methods import METHODS, filter_schedule
 from ..engine.model import ModelAdapter
-from ..generator import Answer, FusedGenerator
+from ..engine.prompt import Segment
+from ..generator import Answer, Fused, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import Hit
-from ..store.controller import resolve_ratio
+from ..store.controller import machine_id, resolve_ratio, time_prefill
 from .datasets import QAExample
-from .metrics import kl_divergence, max_f1, median_ratio, rouge_l, summarize
-from .report import atomic_write, write_report
+from .metrics import bootstrap_ci, contains_answer, max_f1, median_p90, median_ratio, rouge_l, teacher_forced
+from .report import atomic_write, label, write_report
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "full"
 DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
+ALL_METHODS = "all"  # --methods all: every registered method at its defaults
+DEFAULT_BASELINE = "cacheblend"
+FIDELITY_KEYS = ("tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl")
+NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
 # Short parameter names used in labels ("cacheblend r=0.15") -> FusionConfig fields.
 PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
 METHOD_PARAMS = {"cacheblend": "r", "epic": "k"}
@@ -71,7 +81,7 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return " ".join([self.method, *(f"{key}={value:g}" for key, value in self.params)])
+        return label({"method": self.method, "params": dict(self.params)})
 
     def fusion(self, base: FusionConfig) -> FusionConfig:
         return replace(base, method=self.method, **{PARAM_FIELDS[key]: value for key, value in self.params})
@@ -85,6 +95,7 @@ class BenchSettings:
     sweep: bool = False
     sweep_ratios: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.5)
     sweep_epic_ks: tuple[int, ...] = (0, 4, 16, 32)
+    baseline: str = DEFAULT_BASELINE  # the method every variant's fidelity is compared with, pairwise
     warmup: int = 1
     threads: int = 2
     resume: bool = False  # keep the questions an interrupted run in the same --out finished
@@ -94,10 +105,20 @@ class BenchSettings:
             raise ValueError(f"methods must include {REFERENCE!r}, the reference of every metric; got {self.methods}")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must not repeat, got {self.methods}")
+        if self.baseline not in self.methods:
+            raise ValueError(f"baseline {self.baseline!r} is not among the methods {self.methods}: add it or pick "
+                             "another baseline")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """Comma-separated method names, or "all": every registered method."""
+    if text.strip() == ALL_METHODS:
+        return tuple(METHODS)
+    return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
 def plan(settings: BenchSettings, base: FusionConfig) -> list[Variant]:
@@ -152,15 +173,10 @@ def write_corpus(examples: Sequence[QAExample], docs_dir: Path) -> int:
 
 
 def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int = 3) -> float:
-    """Tokens/s of a plain forward (`adapter.prefill`) over `n_tokens` ids: median of `repeats` after a warm-up."""
+    """Tokens/s of a plain forward over `n_tokens` ids: median of `repeats` after a warm-up."""
     ids = torch.randint(0, adapter.model.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
     adapter.prefill(ids)
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        adapter.prefill(ids)
-        seconds.append(time.perf_counter() - t0)
-    return n_tokens / float(np.median(seconds))
+    return n_tokens / float(np.median([time_prefill(adapter, ids) for _ in range(repeats)]))
 
 
 def build_index(
@@ -195,18 +211,12 @@ def _stages(answer: Answer) -> dict[str, float]:
     return {**answer.stages, OTHER_STAGE: max(0.0, answer.ttft_s - sum(answer.stages.values()))}
 
 
-def _first_logits(answer: Answer) -> np.ndarray:
-    if answer.first_token_logits is None:
-        raise ValueError(f"{answer.method!r} returned no first-token logits")
-    return answer.first_token_logits.float().cpu().numpy()  # [V]
-
-
 def _record(
-    example: QAExample, variant: Variant, slot: int, answer: Answer, reference: Answer, retrieval_s: float
+    example: QAExample, variant: Variant, slot: int, answer: Answer, reference: Answer, retrieval_s: float,
+    fidelity: Mapping[str, float | None], evidence: int | None,
 ) -> dict[str, Any]:
-    logits, ref_logits = _first_logits(answer), _first_logits(reference)  # [V]
-    first, ref_first = int(logits.argmax()), int(ref_logits.argmax())
     summarisation = example.task == "summarization"
+    exact = example.task == "exact"
     return {
         "id": example.id, "question": example.question, "gold": list(example.answers),
         "method": variant.method, "params": dict(variant.params), "label": variant.label, "slot": slot,
@@ -219,9 +229,70 @@ def _record(
         "f1_gold": max_f1(answer.answer, example.answers),
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
-        "first_token": first, "first_token_agree": first == ref_first,
-        "kl_vs_full": kl_divergence(ref_logits, logits),
+        "exact_hit": contains_answer(answer.answer, example.answers) if exact else None,
+        "evidence_retrieved_rank": evidence, "evidence_rank": example.evidence_rank if evidence is not None else None,
+        **fidelity,
     }
+
+
+def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], int | None]:
+    """For a planted fact (`example.evidence_rank` set): `hits` with the first chunk holding the answer
+    moved to that rank, and the rank retrieval gave it (None, order kept, when it was not retrieved)."""
+    if example.evidence_rank is None:
+        return list(hits), None
+    if example.evidence_rank >= len(hits):
+        raise ValueError(f"{example.id!r}: evidence_rank {example.evidence_rank} is beyond the {len(hits)} retrieved "
+                         "chunks: plant the facts for this top-k")
+    found = next((i for i, h in enumerate(hits) if contains_answer(h.chunk.text, example.answers)), None)
+    if found is None:
+        log.warning("%s: the chunk holding %r was not retrieved", example.id, example.answers[0])
+        return list(hits), None
+    rest = [h for i, h in enumerate(hits) if i != found]
+    return [*rest[: example.evidence_rank], hits[found], *rest[example.evidence_rank :]], found
+
+
+def greedy_answer_ids(adapter: ModelAdapter, fused: Fused, generation: GenerationConfig) -> list[int]:
+    """The token ids of the greedy answer decoded from `fused` (what `ask` answers with, as ids)."""
+    greedy = replace(generation, temperature=0.0)
+    result = fused.result
+    steps = Decoder(adapter, greedy).steps(result.keys, result.values, result.logits, sample_token(result.logits, greedy, None))
+    return [step.token_id for step in steps if step.token_id is not None]
+
+
+def bfloat16_rounded(fused: Fused, adapter: ModelAdapter, last_token: int) -> tuple[list, list, torch.Tensor]:
+    """The noise floor: `fused`'s K/V rounded to bfloat16 and back, and the last prompt token's logits
+    recomputed over the rounded cache of the tokens before it [V]."""
+    keys = [k.to(torch.bfloat16).to(k.dtype) for k in fused.result.keys]  # L x [H_kv, N, D]
+    values = [v.to(torch.bfloat16).to(v.dtype) for v in fused.result.values]  # L x [H_kv, N, D]
+    before = adapter.make_cache([k[:, :-1] for k in keys], [v[:, :-1] for v in values])
+    first = adapter.decode([last_token], before, fused.prompt_tokens - 1)[-1]  # [V]
+    return keys, values, first
+
+
+def fidelity(
+    generator: FusedGenerator, segments: Sequence[Segment], variants: Sequence[Variant], config: Config
+) -> tuple[dict[Variant, dict[str, float | None]], dict[str, float | None]]:
+    """Teacher-forced scores of every variant, and of the bfloat16 noise floor, against `full`: full's
+    greedy answer forced through each variant's fused cache (`fuse` is deterministic: the cache the
+    timed answer used). All None when full answers with no token at all."""
+    adapter = generator.adapter
+    reference = generator.fuse(segments, Variant(REFERENCE).fusion(config.fusion))
+    answer_ids = greedy_answer_ids(adapter, reference, config.generation)
+    if not answer_ids:
+        log.warning("full answered with no token: no teacher-forced scores for this question")
+        return {v: dict.fromkeys(FIDELITY_KEYS) for v in variants}, dict.fromkeys(FIDELITY_KEYS)
+
+    def forced(keys: list, values: list, first: torch.Tensor) -> np.ndarray:
+        return teacher_forced_logits(adapter, keys, values, first, answer_ids).cpu().numpy()  # [T, V]
+
+    ref = reference.result
+    ref_logits = forced(ref.keys, ref.values, ref.logits)  # [T, V]
+    scores = {}
+    for v in variants:
+        fused = reference if v == Variant(REFERENCE) else generator.fuse(segments, v.fusion(config.fusion))
+        scores[v] = teacher_forced(ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids)
+    floor = teacher_forced(ref_logits, forced(*bfloat16_rounded(reference, adapter, segments[-1].ids[-1])), answer_ids)
+    return scores, floor
 
 
 def run_question(
@@ -232,13 +303,19 @@ def run_question(
     t0 = time.perf_counter()
     hits: list[Hit] = generator.index.search(example.question, config.top_k)
     retrieval_s = time.perf_counter() - t0
+    hits, evidence = place_evidence(hits, example)
     order = rotated(variants, slot_shift)
     answers = {
         v: generator.ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
         for v in order
     }
+    fmt = generator.index.format
+    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question))
+    scores, floor = fidelity(generator, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
-    return [_record(example, v, order.index(v), answers[v], reference, retrieval_s) for v in variants]
+    records = [_record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence) for v in variants]
+    records[variants.index(Variant(REFERENCE))]["noise_floor"] = floor
+    return records
 
 
 # ---- summary ------------------------------------------------------------------------------------------
@@ -252,29 +329,77 @@ def _stage_medians(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {name: float(np.median([r["stages"].get(name, 0.0) for r in records])) for name in names}
 
 
-def summarise(records: Sequence[Mapping[str, Any]], variants: Sequence[Variant]) -> list[dict[str, Any]]:
-    """One entry per variant: latency percentiles, paired speedup over `full`, mean quality metrics."""
-    reference_ttft = {r["id"]: r["ttft_s"] for r in records if r["label"] == REFERENCE}
+def _with_ci(name: str, values: Sequence[float | bool | None]) -> dict[str, Any]:
+    """`name`: the mean of the present values, `name_ci`: its bootstrap CI (both None when none is present)."""
+    present = [float(v) for v in values if v is not None]
+    return {name: float(np.mean(present)) if present else None, f"{name}_ci": list(bootstrap_ci(present)) if present else None}
+
+
+def _paired(name: str, mine: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """`name_diff`: mean over questions of (this - baseline), `name_diff_ci`: its bootstrap CI."""
+    diffs = [mine[q] - baseline[q] for q in mine if q in baseline and mine[q] is not None and baseline[q] is not None]
+    return {f"{name}_diff": float(np.mean(diffs)) if diffs else None,
+            f"{name}_diff_ci": list(bootstrap_ci(diffs)) if diffs else None}
+
+
+def _fidelity_columns(
+    scores: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]] | None
+) -> dict[str, Any]:
+    """Each fidelity measure's mean and CI over `scores` (one per question, with its `id`), and its
+    paired difference from `baseline`'s scores of the same questions."""
+    out: dict[str, Any] = {}
+    for key in FIDELITY_KEYS:
+        out |= _with_ci(key, [s[key] for s in scores])
+        if baseline is not None:
+            out |= _paired(key, {s["id"]: s[key] for s in scores}, {b["id"]: b[key] for b in baseline})
+    return out
+
+
+def _planted(mine: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Exact-string datasets: `planted_accuracy` among the questions full answers correctly (with its
+    CI and how many there are), and `exact_accuracy` over all questions."""
+    if all(r["exact_hit"] is None for r in mine):
+        return {}
+    eligible = [r["exact_hit"] for r in mine if reference[r["id"]]["exact_hit"]]
+    return {**_with_ci("planted_accuracy", eligible), "planted_n": len(eligible),
+            "exact_accuracy": _mean([r["exact_hit"] for r in mine])}
+
+
+def summarise(
+    records: Sequence[Mapping[str, Any]], variants: Sequence[Variant], baseline: Variant | None = None
+) -> list[dict[str, Any]]:
+    """One entry per variant: latency percentiles, paired speedup over `full`, fidelity to `full`
+    (means, bootstrap CIs, paired differences from `baseline`), secondary quality metrics; then the
+    noise-floor entry (`full` with bfloat16-rounded K/V), which has fidelity columns only."""
+    reference = {r["id"]: r for r in records if r["label"] == REFERENCE}
+    base = [r for r in records if baseline is not None and r["label"] == baseline.label] or None
     summary = []
     for variant in variants:
         mine = [r for r in records if r["label"] == variant.label]
         if not mine:
             continue
-        ttft = summarize([r["ttft_s"] for r in mine])
+        ttft = median_p90([r["ttft_s"] for r in mine])
         summary.append({
             "method": variant.method, "params": dict(variant.params), "n": ttft["n"],
             "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
-            "speedup_vs_full": median_ratio([reference_ttft[r["id"]] for r in mine], [r["ttft_s"] for r in mine]),
+            "speedup_vs_full": median_ratio([reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]),
+            "baseline": None if base is None else baseline.label,
+            **_fidelity_columns(mine, base),
+            **_planted(mine, reference),
             "f1_gold": _mean([r["f1_gold"] for r in mine]),
             "rouge_l_gold": _mean([r["rouge_l_gold"] for r in mine]),
             "f1_vs_full": _mean([r["f1_vs_full"] for r in mine]),
-            "first_token_agreement": _mean([r["first_token_agree"] for r in mine]),
-            "kl_vs_full": _mean([r["kl_vs_full"] for r in mine]),
             "recompute_fraction": _mean([r["recompute_fraction"] for r in mine]),
             "compute_fraction": _mean([r["compute_fraction"] for r in mine]),
             "retrieval_median_s": float(np.median([r["retrieval_s"] for r in mine])),
             "prompt_tokens_median": float(np.median([r["prompt_tokens"] for r in mine])),
             "stage_median_s": _stage_medians(mine),
+        })
+    floors = [{"id": qid, **r["noise_floor"]} for qid, r in reference.items() if "noise_floor" in r]
+    if floors:
+        summary.append({
+            "method": REFERENCE, "params": dict(NOISE_FLOOR), "n": len(floors), "noise_floor": True,
+            "baseline": None if base is None else baseline.label, **_fidelity_columns(floors, base),
         })
     return summary
 
@@ -337,19 +462,6 @@ class BenchResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)
-        cpu = names[0] if names else cpu
-    return {
-        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-    }
-
-
 def run_benchmark(
     examples: Sequence[QAExample],
     out_dir: Path,
@@ -381,15 +493,16 @@ def run_benchmark(
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
         if variant.method == "cacheblend":
             filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
-    log.info("benchmarking %d questions x %d variants: %s", len(examples), len(variants),
-             ", ".join(v.label for v in variants))
+    baseline = next(v for v in variants if v.method == settings.baseline)  # at its default setting
+    log.info("benchmarking %d questions x %d variants: %s (baseline %s)", len(examples), len(variants),
+             ", ".join(v.label for v in variants), baseline.label)
 
     # What must not change between an interrupted run and its resumption, or the records would not compare.
     run_plan = {
         "model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens, "top_k": config.top_k,
         "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
         "max_new_tokens": config.generation.max_new_tokens, "variants": [v.label for v in variants],
-        "machine": machine(),
+        "machine": machine_id(adapter.device), "torch": torch.__version__, "threads": settings.threads,
     }
     records_path = out_dir / "records.jsonl"  # read before indexing: a refused resume leaves --out as it was
     records = finished_records(records_path, run_plan, examples, variants) if settings.resume else []
@@ -421,19 +534,37 @@ def run_benchmark(
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
             bar.update(len(new))
-            bar.set_postfix(_headline(summarise(records, variants)), refresh=False)
+            bar.set_postfix(_headline(records, variants), refresh=False)
     finally:  # an interrupted run still reports the questions it finished
         bar.close()
         if records:
-            run_meta |= {"questions_done": len(records) // len(variants), "finished": _now()}
-            write_report(summarise(records, variants), records, out_dir, run_meta)
-    return BenchResult(out_dir, summarise(records, variants), records, run_meta)
+            run_meta |= {"questions_done": len(records) // len(variants), "finished": _now(),
+                         "baseline": baseline.label, **_evidence(records)}
+            write_report(summarise(records, variants, baseline), records, out_dir, run_meta)
+    return BenchResult(out_dir, summarise(records, variants, baseline), records, run_meta)
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _headline(summary: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Progress-bar postfix: the running speedup of each method at its default setting (its first entry)."""
-    return {e["method"]: f"{e['speedup_vs_full']:.1f}x" for e in reversed(summary) if e["method"] != REFERENCE}
+def _headline(records: Sequence[Mapping[str, Any]], variants: Sequence[Variant]) -> dict[str, str]:
+    """Progress-bar postfix: the running speedup and teacher-forced KL of each method at its default
+    setting (its first variant)."""
+    firsts = {v.method: v for v in reversed(variants) if v.method != REFERENCE}
+    out = {}
+    for method, variant in reversed(firsts.items()):
+        mine = {r["id"]: r for r in records if r["label"] == variant.label}
+        kl = _mean([r["tf_kl"] for r in mine.values()])
+        speedup = median_ratio([r["ttft_s"] for r in records if r["label"] == REFERENCE and r["id"] in mine],
+                               [r["ttft_s"] for r in mine.values()])
+        out[method] = f"{speedup:.1f}x" + ("" if kl is None else f" kl {kl:.3g}")
+    return out
+
+
+def _evidence(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Planted facts: how many questions' fact-holding chunk retrieval found (placed at its rank)."""
+    planted = {r["id"]: r["evidence_retrieved_rank"] for r in records if r["label"] == REFERENCE and r["exact_hit"] is not None}
+    if not planted:
+        return {}
+    return {"planted_questions": len(planted), "evidence_retrieved": sum(rank is not None for rank in planted.values())}
