@@ -32,6 +32,7 @@ import torch
 
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
+from rag_kvcache.bench.runner import write_corpus
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, StorageConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
@@ -70,15 +71,6 @@ class ThrottledStore(KVStore):
     def open(self, key: str) -> LayerSource | None:
         source = super().open(key)
         return None if source is None else Throttled(source, SLOW_BYTES_PER_S)
-
-
-def write_corpus(data: Path, docs: Path, questions: int, passages: int) -> list:
-    examples = load_musique(data)[:questions]
-    docs.mkdir(parents=True, exist_ok=True)
-    for i, ex in enumerate(examples):
-        for j, doc in enumerate(ex.documents[:passages]):
-            (docs / f"q{i:02d}-p{j}.txt").write_text(f"{doc.title}\n{doc.text}\n")
-    return examples
 
 
 def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repeats: int) -> list[dict]:
@@ -202,7 +194,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    examples = write_corpus(args.data, args.work / "docs", args.questions, args.passages)
+    examples = [replace(ex, documents=ex.documents[: args.passages]) for ex in load_musique(args.data)[: args.questions]]
+    write_corpus(examples, args.work / "docs")
     cfg = Config(chunk_tokens=128, top_k=args.top_k, storage=StorageConfig(memory_bytes=0))
     index = KVIndex.build(args.work / "docs", args.work / "idx", cfg)
     gen = FusedGenerator(index)
