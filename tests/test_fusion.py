@@ -9,7 +9,7 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.methods import filter_schedule, get_method
-from rag_kvcache.engine.ops import attend, causal_attend, causal_mask_for, rerotate_keys
+from rag_kvcache.engine.ops import attend, causal_attend, causal_mask_for, query_blocks, rerotate_keys
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.store.kvstore import ChunkKV
 
@@ -143,6 +143,26 @@ def test_causal_attend_in_blocks_equals_one_masked_call(block):
     positions = torch.tensor([0, 3, 4, 9, 15, 18, 19])
     ref = attend(q, k, v, causal_mask_for(positions, torch.arange(20)), 0.35)  # [7, 4 * 8]
     torch.testing.assert_close(causal_attend(q, k, v, positions, 0.35, block=block), ref)
+
+
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_causal_attend_merging_open_and_masked_parts_equals_one_masked_call(block):
+    """Scattered queries (a CacheBlend-like 15% plus a question at the end) over 300 keys: each run's
+    unmasked pass over the keys before it, merged by log-sum-exp with its small masked pass."""
+    g = torch.Generator().manual_seed(3)
+    positions = torch.cat([torch.randperm(280, generator=g)[:42].sort().values, torch.arange(280, 300)])
+    q = torch.randn(6, len(positions), 8, generator=g)  # GQA: 6 query heads over 2 KV heads
+    k, v = torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(300)), 0.35)  # [62, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, positions, 0.35, block=block), ref)
+
+
+def test_query_blocks_bound_count_and_span():
+    pos = [0, 1, 2, 10, 11, 40, 41, 42, 43, 44, 90]
+    runs = query_blocks(pos, 4)
+    assert [i for s, e in runs for i in range(s, e)] == list(range(len(pos)))  # every query once, in order
+    assert all(e - s <= 4 and pos[e - 1] - pos[s] < 4 for s, e in runs)
+    assert runs == [(0, 3), (3, 5), (5, 9), (9, 10), (10, 11)]
 
 
 def test_causal_attend_over_every_position_equals_the_mask():

@@ -9,6 +9,10 @@ scaled rotary output, so re-rotation is exact for every RoPE variant whose scali
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -73,34 +77,85 @@ def attend(
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [Q, H_q * D]
 
 
+def attend_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [H, M, D] over k, v [H, n, D] under a bool mask [M, n] (None: every key), with
+    each query's log-sum-exp of scores [H, M] (float32), so partial results over disjoint key sets
+    merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the cost of a plain
+    SDPA call; elsewhere the scores are formed explicitly."""
+    if q.device.type == "cpu":
+        bias = None if mask is None else q.new_zeros(mask.shape).masked_fill_(~mask, -math.inf)  # [M, n]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, False, attn_mask=None if bias is None else bias[None, None], scale=scale,
+        )[:2]  # [1, H, M, D], [1, H, M]
+        return out[0], lse[0]
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)  # [H, M, n]
+    lse = scores.logsumexp(dim=-1)  # [H, M]
+    return torch.matmul((scores - lse[..., None]).exp(), v.float()).to(q.dtype), lse  # [H, M, D], [H, M]
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's output [H, M, D] and log-sum-exp [H, M]."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [H, M]
+    w_a, w_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]  # [H, M, 1]
+    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)  # [H, M, D]
+
+
+def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
+    """Split ascending query positions into runs [s, e) of at most `block` queries spanning at most
+    `block` positions: a run's keys before its first position are seen by all of its queries."""
+    runs, s = [], 0
+    while s < len(positions):
+        e = bisect.bisect_right(positions, positions[s] + block - 1, s, min(s + block, len(positions)))
+        runs.append((s, e))
+        s = e
+    return runs
+
+
 def causal_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float,
-    block: int = 256,
+    block: int = 128,
 ) -> torch.Tensor:
     """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
     q [H_q, Q, D] at ascending `query_positions` [Q].
 
-    A masked SDPA kernel computes every score it is given, masked or not, at about twice the cost per
-    score of SDPA's causal kernel, which skips the masked half. So the queries go in blocks of
-    `block`, each over only the keys up to its last position; and when that is still more work than
-    a causal pass over all N positions (e.g. prefix caching, which computes most of the prompt), the
-    queries are placed at their positions in an all-zero [H_q, N, D] and run through the causal
-    kernel, whose rows for the other positions are dropped.
+    Queries go in runs (`query_blocks`). A run's queries all see every key before its first position:
+    that part is one unmasked attention; only the keys inside the run's span need the mask, a small
+    masked attention; the two merge by log-sum-exp. Masked scores are never computed for keys no
+    query of the run can see, and few are computed at all. The G query heads that share a KV head are
+    folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. When the queries are
+    (nearly) the whole prompt, one causal kernel over all N positions costs less: the queries are
+    placed at their positions in an all-zero [H_q, N, D] and the other rows dropped. Runs of 128
+    were fastest on a 2-core CPU (CacheBlend-like 15% queries over 3,046 keys: 18.5 ms per layer
+    against 21.3 for 256 and 23.6 for 64; EPIC-like heads 5.1 ms against 7.2 for the masked
+    blocks this replaced).
     """
-    n, n_q = k.shape[1], q.shape[1]
-    starts = range(0, n_q, block)
-    seen = (query_positions[[min(s + block, n_q) - 1 for s in starts]] + 1).tolist()  # keys per block
-    masked_scores = sum(min(block, n_q - s) * m for s, m in zip(starts, seen))
-    if 2 * masked_scores >= n * n // 2:  # 2: a masked score's cost in units of a causal one
-        padded = q.new_zeros(q.shape[0], n, q.shape[2])  # [H_q, N, D]
+    n, (h_q, n_q, d), h_kv = k.shape[1], q.shape, k.shape[0]
+    g = h_q // h_kv
+    pos = query_positions.tolist()  # one device sync
+    runs = query_blocks(pos, block)
+    open_scores = sum((e - s) * pos[s] for s, e in runs)
+    masked_scores = sum((e - s) * (pos[e - 1] - pos[s] + 1) for s, e in runs)
+    if open_scores + 2 * masked_scores >= n * n // 2:  # 2: a masked score's cost in units of an unmasked one
+        padded = q.new_zeros(h_q, n, d)  # [H_q, N, D]
         padded[:, query_positions] = q
         return attend(padded, k, v, None, scale)[query_positions]  # [Q, H_q * D]
-    out = []
-    for s, m in zip(starts, seen):
-        pos = query_positions[s : s + block]  # [B]
-        mask = causal_mask_for(pos, torch.arange(m, device=pos.device))  # [B, m]
-        out.append(attend(q[:, s : s + block], k[:, :m], v[:, :m], mask, scale))  # [B, H_q * D]
-    return torch.cat(out)  # [Q, H_q * D]
+    grouped = q.reshape(h_kv, g, n_q, d)  # [H_kv, G, Q, D]
+    out = q.new_empty(n_q, h_q * d)  # [Q, H_q * D]
+    for s, e in runs:
+        first, last = pos[s], pos[e - 1]
+        qb = grouped[:, :, s:e].reshape(h_kv, g * (e - s), d)  # [H_kv, G * B, D]
+        mask = causal_mask_for(query_positions[s:e], torch.arange(first, last + 1, device=q.device))  # [B, m]
+        o, lse = attend_lse(qb, k[:, first : last + 1], v[:, first : last + 1], mask.repeat(g, 1), scale)  # [H_kv, G * B, D]
+        if first > 0:
+            o = merge_attention(*attend_lse(qb, k[:, :first], v[:, :first], None, scale), o, lse)  # [H_kv, G * B, D]
+        out[s:e] = o.reshape(h_kv, g, e - s, d).permute(2, 0, 1, 3).reshape(e - s, h_q * d)  # [B, H_q * D]
+    return out
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
