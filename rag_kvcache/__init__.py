@@ -16,10 +16,14 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "FusionConfig": ".config", "FusionInput": ".engine.fusion", "FusionResult": ".engine.fusion",
     "GenerationConfig": ".config", "KVIndex": ".index", "KVStore": ".store.kvstore", "METHODS": ".engine.methods",
     "ModelAdapter": ".engine.model", "UnsupportedModelError": ".engine.model", "register": ".engine.methods",
+    "Segment": ".engine.prompt", "ChatTurn": ".engine.prompt", "ChunkPart": ".engine.prompt",
+    "chat_segments": ".engine.prompt", "Hit": ".retrieval.chunk_index", "Engine": ".serving.engine",
+    "EngineHandle": ".serving.engine",
 }
 __all__ = [
-    "Answer", "ChunkKV", "Config", "FusedGenerator", "FusionConfig", "FusionInput", "FusionResult",
-    "GenerationConfig", "KVIndex", "KVStore", "METHODS", "ModelAdapter", "UnsupportedModelError", "register",
+    "Answer", "ChatTurn", "ChunkKV", "ChunkPart", "Config", "Engine", "EngineHandle", "FusedGenerator",
+    "FusionConfig", "FusionInput", "FusionResult", "GenerationConfig", "Hit", "KVIndex", "KVStore",
+    "METHODS", "ModelAdapter", "Segment", "UnsupportedModelError", "chat_segments", "register",
 ]
 
 if TYPE_CHECKING:
@@ -28,8 +32,11 @@ if TYPE_CHECKING:
     from .engine.fusion import FusionInput, FusionResult
     from .engine.methods import METHODS, register
     from .engine.model import ModelAdapter, UnsupportedModelError
+    from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
     from .generator import Answer, FusedGenerator
     from .index import KVIndex
+    from .retrieval.chunk_index import Hit
+    from .serving.engine import Engine, EngineHandle
     from .store.kvstore import KVStore
 
 

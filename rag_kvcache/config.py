@@ -6,6 +6,7 @@ builds its options, defaults and help from these fields, so a default changed he
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +54,10 @@ class FusionConfig:
     filter_steps: int = setting(1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers.")
     deviation: Deviation = setting("k", "CacheBlend: select the tokens whose K (or V) deviates most from the cache.")
     epic_k: int = setting(16, "EPIC: recomputed leading tokens per chunk.")
+    repick_layers: tuple[int, ...] = setting(
+        (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
+    )
+    repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
 
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
@@ -65,6 +70,8 @@ class FusionConfig:
             raise ValueError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
         if self.epic_k < 0:
             raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
+        if not 0.0 < self.repick_decay <= 1.0:
+            raise ValueError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,16 @@ class GenerationConfig:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def with_options(
+        self, *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+        seed: int | None = None, stop: Sequence[str] | None = None,
+    ) -> GenerationConfig:
+        """These settings with a caller's per-request options (a framework's `max_tokens`, `temperature`,
+        ...) put over them; None keeps the setting."""
+        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                 "stop": None if stop is None else tuple(stop)}
+        return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass(frozen=True)

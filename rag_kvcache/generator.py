@@ -21,6 +21,7 @@ from .engine.profiling import StageClock
 from .engine.prompt import Segment
 from .index import KVIndex
 from .retrieval.chunk_index import Hit
+from .store.controller import resolve_ratio
 from .store.loading import LayerFeed
 
 
@@ -43,6 +44,7 @@ class Answer:
     generation_s: float
     generated_tokens: int
     cache_misses: int
+    finish_reason: str = "stop"  # "length": stopped at max_new_tokens; "stop": end of sequence or a stop string
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
     first_token_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -51,6 +53,23 @@ class Answer:
     def cached_tokens(self) -> int:
         """Prompt tokens whose K/V came from the cache (never computed at query time)."""
         return self.prompt_tokens - self.recomputed_tokens
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """Token counts, named as OpenAI's API names them."""
+        return {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated_tokens,
+            "total_tokens": self.prompt_tokens + self.generated_tokens, "cached_tokens": self.cached_tokens,
+        }
+
+    @property
+    def fusion_stats(self) -> dict[str, object]:
+        """What the fusion did and what it cost (the integrations' response metadata)."""
+        return {
+            "method": self.method, "ttft_s": self.ttft_s, "recomputed_tokens": self.recomputed_tokens,
+            "compute_fraction": self.compute_fraction, "cache_misses": self.cache_misses,
+            "generation_s": self.generation_s, "stages": self.stages,
+        }
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -118,13 +137,14 @@ class FusedGenerator:
         for step in decoder.steps(result.keys, result.values, result.logits, first):
             n_generated += step.token_id is not None
             yield step.text
+        finish_reason = "length" if n_generated >= generation.max_new_tokens else "stop"
         generation_s = time.perf_counter() - t0 - ttft
         self.index.store.flush_stats()
         yield Answer(
             answer="", method=fusion.method, ttft_s=ttft, retrieval_s=0.0, prompt_tokens=fused.prompt_tokens,
             recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
             generation_s=generation_s, generated_tokens=n_generated, cache_misses=fused.cache_misses,
-            stages=result.stages, first_token_logits=result.logits,
+            finish_reason=finish_reason, stages=result.stages, first_token_logits=result.logits,
         )
 
     def fuse(self, segments: Sequence[Segment], fusion: FusionConfig) -> Fused:
@@ -135,6 +155,8 @@ class FusedGenerator:
         waiting for cached layers: what the recompute did not hide), then the method's own.
         """
         method = get_method(fusion.method)
+        if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
+            fusion = resolve_ratio(replace(self.index.config, fusion=fusion), self.adapter)[0].fusion
         clock = StageClock(self.adapter.device)
         with clock.stage("kv_load"):
             if method.reads_cache:

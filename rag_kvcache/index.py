@@ -215,6 +215,10 @@ class KVIndex:
             log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
         return kv
 
+    def close(self) -> None:
+        """Close the chunk index's database connection (on the thread that opened it)."""
+        self.chunks.close()
+
     def search(self, query: str, k: int) -> list[Hit]:
         return self.chunks.search(query, k)
 

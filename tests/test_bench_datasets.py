@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from synthetic import synthetic_multihop
 
 from rag_kvcache.bench.datasets import (
     Document,
@@ -16,7 +17,6 @@ from rag_kvcache.bench.datasets import (
     load_jsonl,
     load_longbench,
     load_musique,
-    synthetic_multihop,
     write_jsonl,
 )
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from synthetic import synthetic_multihop
 from typer.testing import CliRunner
 
 from rag_kvcache.bench import runner
-from rag_kvcache.bench.datasets import synthetic_multihop, write_jsonl
+from rag_kvcache.bench.datasets import write_jsonl
 from rag_kvcache.bench.report import METRIC_KEYS
 from rag_kvcache.bench.runner import (
     FIDELITY_KEYS,

@@ -10,7 +10,8 @@ from conftest import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.controller import (
     Calibration,
@@ -70,6 +71,10 @@ def test_calibrate_saves_what_resolve_ratio_uses(tiny, tmp_path):
     resolved, decision = resolve_ratio(auto, index.adapter)
     assert resolved.fusion.ratio == decision.ratio >= 0.15 and decision.n_tokens == cfg.top_k * cfg.chunk_tokens
     assert not list((tmp_path / "idx" / ".calibration-store").rglob("*.safetensors"))  # cleaned up
+    q = "What is the telescope called?"
+    by_number = FusedGenerator(index).ask(q, fusion=FusionConfig(ratio=decision.ratio))
+    by_auto = FusedGenerator(index).ask(q, fusion=auto.fusion)  # the generator resolves `auto` the same way
+    assert by_auto.recomputed_tokens == by_number.recomputed_tokens and by_auto.answer == by_number.answer
 
 
 def test_cli_calibrate_ask_auto_and_stats(tmp_path, tokenizer, monkeypatch):

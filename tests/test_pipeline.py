@@ -131,3 +131,16 @@ def test_index_can_be_copied_and_reopened(index, tmp_path):
     shutil.copytree(index.path, copy)
     reopened = KVIndex.open(copy, CFG, adapter=index.adapter)
     assert FusedGenerator(reopened).ask("ferry to Tessaly").cache_misses == 0
+
+
+def test_engine_serves_on_its_thread_and_closes(index):
+    from rag_kvcache import Engine
+
+    with Engine(index.path, index.config, index.adapter) as engine:
+        hits = engine.search("Who kept the lighthouse diary?", 2)
+        steps = list(engine.stream(engine.index.format.segments([h.chunk.token_ids for h in hits],
+                                   engine.index.format.question_ids(engine.index.adapter.tokenizer, "Who?"))))
+        assert steps[-1].prompt_tokens > 0 and steps[-1].usage["cached_tokens"] > 0
+    with pytest.raises(RuntimeError, match="shutdown"):
+        engine.search("diary", 1)
+    engine.close()  # closing twice is harmless

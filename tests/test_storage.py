@@ -182,3 +182,26 @@ def test_prefetching_feed_fuses_like_reading_on_demand(tiny):
     torch.testing.assert_close(direct.logits, fed.logits, atol=0, rtol=0)
     for a, b in zip(direct.keys + direct.values, fed.keys + fed.values):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_counters_taken_while_a_reader_counts_lose_nothing(tmp_path):
+    """The fusion's background reader counts hits while the query thread flushes: no count is lost."""
+    import threading
+
+    store = KVStore(tmp_path, StorageConfig(memory_bytes=0))
+    store.put("a" * 32, make_kv())
+    stop = threading.Event()
+    opened = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            opened.append(store.open("a" * 32) is not None)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for _ in range(20):
+        store.flush_stats()
+    stop.set()
+    thread.join()
+    store.flush_stats()
+    assert store.stats()["disk"].hits == sum(opened) > 0

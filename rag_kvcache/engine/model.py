@@ -128,7 +128,6 @@ class ModelAdapter:
         cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.n_heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]

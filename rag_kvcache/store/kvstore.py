@@ -99,12 +99,11 @@ class KVStore:
     def flush_stats(self) -> None:
         """Add this process's counters to `stats.json` and reset them."""
         with FileLock(self.root / f".{_STATS_FILE}.lock"):
-            totals = self.stats()
+            saved = self._read_stats()
+            totals = {name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()}
             tmp = self.root / f".{_STATS_FILE}.{os.getpid()}"
             tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))
             os.replace(tmp, self.root / _STATS_FILE)
-            for tier in self._tiers().values():
-                tier.stats = TierStats()
 
     def _tiers(self) -> dict[str, MemoryTier | DiskTier]:
         return {"memory": self.memory, "disk": self.disk}

@@ -77,6 +77,32 @@ class TierStats:
         return asdict(self)
 
 
+class Counted:
+    """A tier's counters, changed and read under their own lock: the fusion's background reader
+    counts too."""
+
+    def __init__(self) -> None:
+        self._stats_lock = threading.Lock()
+        self._stats = TierStats()
+
+    def count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    @property
+    def stats(self) -> TierStats:
+        """A snapshot of this process's counters."""
+        with self._stats_lock:
+            return TierStats(**self._stats.as_dict())
+
+    def take_stats(self) -> TierStats:
+        """The counters, reset to zero in the same step."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, TierStats()
+        return stats
+
+
 class EvictionPolicy:
     """Sizes and use of a tier's entries; names the victims when the tier is over its byte budget.
 
@@ -129,12 +155,12 @@ class EvictionPolicy:
         return out
 
 
-class MemoryTier:
+class MemoryTier(Counted):
     """Decoded chunk caches in process memory, within `budget` bytes."""
 
     def __init__(self, budget: int, eviction: Eviction) -> None:
         self.budget = budget
-        self.stats = TierStats()
+        super().__init__()
         self._policy = EvictionPolicy(eviction)
         self._items: dict[str, ChunkKV] = {}
         self._lock = threading.Lock()
@@ -150,11 +176,11 @@ class MemoryTier:
         with self._lock:
             kv = self._items.get(key)
             if kv is None:
-                self.stats.misses += 1
+                self.count(misses=1)
                 return None
             self._policy.touch(key)
-            self.stats.hits += 1
-            self.stats.bytes_read += kv.nbytes
+            self.count(hits=1)
+            self.count(bytes_read=kv.nbytes)
             return kv
 
     def put(self, key: str, kv: ChunkKV) -> None:
@@ -163,11 +189,11 @@ class MemoryTier:
         with self._lock:
             self._items[key] = kv
             self._policy.add(key, kv.nbytes)
-            self.stats.bytes_written += kv.nbytes
+            self.count(bytes_written=kv.nbytes)
             for victim in self._policy.victims(self.budget, keep=key):
                 self._policy.remove(victim)
                 del self._items[victim]
-                self.stats.evictions += 1
+                self.count(evictions=1)
 
     def remove(self, key: str) -> None:
         with self._lock:
@@ -175,7 +201,7 @@ class MemoryTier:
             self._policy.remove(key)
 
 
-class DiskTier:
+class DiskTier(Counted):
     """A directory of `<key[:2]>/<key>.safetensors` files, within `budget` bytes (None: no limit).
 
     With a budget, the tier learns the sizes of the entries already there when it opens (recency
@@ -193,7 +219,7 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.codec = codec
         self.budget = budget
-        self.stats = TierStats()
+        super().__init__()
         self.on_loaded = on_loaded
         self._policy = EvictionPolicy(eviction)
         self._lock = threading.Lock()
@@ -242,14 +268,14 @@ class DiskTier:
                 ) from err
             raise
         with self._lock:
-            self.stats.bytes_written += len(data)
+            self.count(bytes_written=len(data))
             self._policy.add(key, len(data))
             victims = self._policy.victims(self.budget, keep=key) if self.budget is not None else []
             for victim in victims:
                 self._policy.remove(victim)
         for victim in victims:
             self.path(victim).unlink(missing_ok=True)
-            self.stats.evictions += 1
+            self.count(evictions=1)
         return len(data)
 
     def open(self, key: str) -> DiskEntry | None:
@@ -258,14 +284,14 @@ class DiskTier:
         try:
             entry = DiskEntry(self, key, path)
         except FileNotFoundError:
-            self.stats.misses += 1
+            self.count(misses=1)
             return None
         except (OSError, ValueError, KeyError) as err:
             self.drop(key, err)
-            self.stats.misses += 1
+            self.count(misses=1)
             return None
         with self._lock:
-            self.stats.hits += 1
+            self.count(hits=1)
             self._policy.touch(key)
         if self.budget is not None:
             os.utime(path)  # recency survives restarts
@@ -273,7 +299,7 @@ class DiskTier:
 
     def drop(self, key: str, reason: Exception | str) -> None:
         log.warning("dropping corrupt KV cache entry %s: %s", self.path(key), reason)
-        self.stats.corrupt += 1
+        self.count(corrupt=1)
         self.remove(key)
 
     def remove(self, key: str) -> None:
@@ -338,11 +364,8 @@ class DiskEntry:
         self.position = int(self._meta["position"])
         self.n_layers = int(self._meta["layers"])
         self.codec = get_codec(self._meta.get("codec", "none"))
-        self.dtype = getattr(torch, self._meta["dtype"]) if "dtype" in self._meta else self._dtype("k.0")
+        self.dtype = getattr(torch, self._meta["dtype"])
         self.n_tokens = int(header["k.0"]["shape"][1])
-
-    def _dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._tensors[name]["dtype"]]
 
     def _read(self, name: str) -> torch.Tensor:
         info = self._tensors[name]
@@ -353,7 +376,7 @@ class DiskEntry:
             raise CorruptEntryError(f"tensor {name} of {self.path}: read {got} of {end - start} bytes")
         if _checksum(t) != self._meta[name]:
             raise CorruptEntryError(f"checksum mismatch in tensor {name} of {self.path}")
-        self._tier.stats.bytes_read += end - start
+        self._tier.count(bytes_read=end - start)
         return t
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,6 @@ text, `text-plain` blocks without a chunk id) is tokenised and prefilled at quer
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -23,9 +22,17 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
-from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
-from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import (
+    Answer,
+    ChatTurn,
+    ChunkPart,
+    Engine,
+    EngineHandle,
+    FusionConfig,
+    KVIndex,
+    Segment,
+    chat_segments,
+)
 
 CHUNK_ID_KEY = "chunk_id"
 """The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""
@@ -65,9 +72,12 @@ class ChatRagKVCache(BaseChatModel):
     tokens whose KV came from the cache.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    index: str = Field(description="Folder of a rag-kvcache index (`rag-kvcache index DOCS --index FOLDER`).")
+    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a retriever.")
+    index: str | None = Field(
+        default=None, description="Or the folder of a rag-kvcache index; the model opens its own engine on first use.",
+    )
     fusion: FusionConfig = Field(default_factory=FusionConfig, description="How chunk caches are fused.")
     temperature: float | None = Field(default=None, ge=0.0, description="0 or None: greedy decoding.")
     max_tokens: int | None = Field(default=None, ge=1, description="None: the index's default (64).")
@@ -76,17 +86,21 @@ class ChatRagKVCache(BaseChatModel):
     stop: list[str] | None = None
     streaming: bool = False
 
-    _model_name: str = PrivateAttr()
+    _handle: EngineHandle = PrivateAttr()
 
     @model_validator(mode="after")
-    def _read_index(self) -> Self:
-        self._model_name = KVIndex.config_of(Path(self.index)).model  # fails here for a folder that is no index
+    def _open_handle(self) -> Self:
+        self._handle = EngineHandle(self.engine, self.index)  # fails here for a folder that is no index
         return self
 
     @property
     def model_name(self) -> str:
         """The LLM the index was built with."""
-        return self._model_name
+        return self._handle.model_name
+
+    def close(self) -> None:
+        """Close the engine this model opened for `index` (a given `engine` is its owner's to close)."""
+        self._handle.close()
 
     @property
     def _llm_type(self) -> str:
@@ -94,7 +108,7 @@ class ChatRagKVCache(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"index": self.index, "model_name": self.model_name, "fusion": self.fusion}
+        return {"index": str(self._handle.index_path), "model_name": self.model_name, "fusion": self.fusion}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
@@ -121,51 +135,38 @@ class ChatRagKVCache(BaseChatModel):
             raise TypeError(f"{type(self).__name__} got unexpected call options {sorted(unknown)!r}")
         if kwargs.get("model", self.model_name) != self.model_name:
             raise ValueError(
-                f"index {self.index} serves {self.model_name!r}, not {kwargs['model']!r}: another model needs "
+                f"index {self._handle.index_path} serves {self.model_name!r}, not {kwargs['model']!r}: another model needs "
                 "its own index"
             )
-        engine = engine_for(self.index)
-        generation = self._generation_config(engine.index, stop, kwargs)
+        engine = self._handle.get()
+        generation = engine.index.config.generation.with_options(
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens), temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed), stop=stop or self.stop,
+        )
         segments = engine.run(_segments, engine.index, messages)
         for step in engine.stream(segments, kwargs.get("fusion", self.fusion), generation):
             if isinstance(step, Answer):
-                yield self._last_chunk(step, generation)
+                yield self._last_chunk(step)
             elif step:
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=step))
                 if run_manager is not None:
                     run_manager.on_llm_new_token(step, chunk=chunk)
                 yield chunk
 
-    def _generation_config(
-        self, index: KVIndex, stop: list[str] | None, options: dict[str, Any]
-    ) -> GenerationConfig:
-        default = index.config.generation
-        temperature = options.get("temperature", self.temperature)
-        top_p = options.get("top_p", self.top_p)
-        return GenerationConfig(
-            max_new_tokens=options.get("max_tokens", self.max_tokens) or default.max_new_tokens,
-            temperature=default.temperature if temperature is None else temperature,
-            top_p=default.top_p if top_p is None else top_p,
-            seed=options.get("seed", self.seed),
-            stop=tuple(stop or self.stop or ()),
-        )
-
-    def _last_chunk(self, answer: Answer, generation: GenerationConfig) -> ChatGenerationChunk:
+    def _last_chunk(self, answer: Answer) -> ChatGenerationChunk:
         """The closing chunk: usage and the fusion's numbers, no text (it was streamed)."""
-        cache_read = answer.prompt_tokens - answer.recomputed_tokens
-        usage = UsageMetadata(
-            input_tokens=answer.prompt_tokens, output_tokens=answer.generated_tokens,
-            total_tokens=answer.prompt_tokens + answer.generated_tokens,
-            input_token_details={"cache_read": cache_read},
+        usage = answer.usage
+        usage_metadata = UsageMetadata(
+            input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
+            total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
         )
-        finish_reason = "length" if answer.generated_tokens >= generation.max_new_tokens else "stop"
         metadata = {
-            "model_name": self.model_name, "model_provider": "rag_kvcache", "finish_reason": finish_reason,
-            "method": answer.method, "ttft_s": answer.ttft_s, "prompt_tokens": answer.prompt_tokens,
-            "recomputed_tokens": answer.recomputed_tokens, "compute_fraction": answer.compute_fraction,
-            "cache_misses": answer.cache_misses, "generation_s": answer.generation_s, "stages": answer.stages,
+            "model_name": self.model_name, "model_provider": "rag_kvcache", "finish_reason": answer.finish_reason,
+            "prompt_tokens": answer.prompt_tokens, **answer.fusion_stats,
         }
-        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+        message = AIMessageChunk(
+            content="", usage_metadata=usage_metadata, response_metadata=metadata, chunk_position="last"
+        )
         return ChatGenerationChunk(message=message)
 
 

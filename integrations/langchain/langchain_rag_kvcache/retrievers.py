@@ -5,10 +5,10 @@ from __future__ import annotations
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from typing_extensions import Self
 
-from rag_kvcache.retrieval.chunk_index import Hit
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import Engine, EngineHandle, Hit
 
 from .chat_models import CHUNK_ID_KEY
 
@@ -17,16 +17,27 @@ class RagKVCacheRetriever(BaseRetriever):
     """Retrieves indexed chunks as `Document`s: `id` and `metadata["chunk_id"]` are the chunk id,
     `metadata` also has its `source` file, `ordinal` in that file, and cosine `score`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    index: str = Field(description="Folder of a rag-kvcache index.")
+    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a model.")
+    index: str | None = Field(default=None, description="Or the folder of a rag-kvcache index (opened on first use).")
     k: int = Field(default=4, ge=1, description="How many chunks to return.")
+
+    _handle: EngineHandle = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _open_handle(self) -> Self:
+        self._handle = EngineHandle(self.engine, self.index)
+        return self
+
+    def close(self) -> None:
+        """Close the engine this retriever opened for `index`."""
+        self._handle.close()
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
     ) -> list[Document]:
-        engine = engine_for(self.index)
-        hits = engine.run(engine.index.search, query, self.k if k is None else k)
+        hits = self._handle.get().search(query, self.k if k is None else k)
         return [_document(hit) for hit in hits]
 
 

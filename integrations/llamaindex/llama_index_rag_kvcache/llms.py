@@ -9,7 +9,6 @@ stored token ids are spliced into the prompt and their caches loaded, so only th
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -27,9 +26,18 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from typing_extensions import Self
 
-from rag_kvcache import Answer, FusionConfig, GenerationConfig, KVIndex
-from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import (
+    Answer,
+    ChatTurn,
+    ChunkPart,
+    Engine,
+    EngineHandle,
+    FusionConfig,
+    GenerationConfig,
+    KVIndex,
+    Segment,
+    chat_segments,
+)
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 
@@ -41,7 +49,7 @@ class RagKVCacheLLM(CustomLLM):
     from llama_index_rag_kvcache import RagKVCacheLLM, RagKVCacheRetriever
 
     llm = RagKVCacheLLM(index="demo-index", max_new_tokens=48)
-    nodes = RagKVCacheRetriever("demo-index", similarity_top_k=4).retrieve("Veldmark telescope")
+    nodes = RagKVCacheRetriever(engine=llm.serving_engine, similarity_top_k=4).retrieve("Veldmark telescope")
     print(llm.complete("What is the telescope called?", chunk_ids=[n.node_id for n in nodes]).text)
     ```
 
@@ -51,9 +59,12 @@ class RagKVCacheLLM(CustomLLM):
     tokens whose KV came from the cache) and the fusion (`ttft_s`, `recomputed_tokens`, ...).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    index: str = Field(description="Folder of a rag-kvcache index (`rag-kvcache index DOCS --index FOLDER`).")
+    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a retriever.")
+    index: str | None = Field(
+        default=None, description="Or the folder of a rag-kvcache index; the LLM opens its own engine on first use.",
+    )
     fusion: FusionConfig = Field(default_factory=FusionConfig, description="How chunk caches are fused.")
     max_new_tokens: int | None = Field(default=None, ge=1, description="None: the index's default (64).")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding.")
@@ -61,12 +72,21 @@ class RagKVCacheLLM(CustomLLM):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
 
-    _model_name: str = PrivateAttr()
+    _handle: EngineHandle = PrivateAttr()
 
     @model_validator(mode="after")
-    def _read_index(self) -> Self:
-        self._model_name = KVIndex.config_of(Path(self.index)).model  # fails here for a folder that is no index
+    def _open_handle(self) -> Self:
+        self._handle = EngineHandle(self.engine, self.index)  # fails here for a folder that is no index
         return self
+
+    @property
+    def serving_engine(self) -> Engine:
+        """The engine this LLM serves from (opened on first use when it was given `index`)."""
+        return self._handle.get()
+
+    def close(self) -> None:
+        """Close the engine this LLM opened for `index` (a given `engine` is its owner's to close)."""
+        self._handle.close()
 
     @classmethod
     def class_name(cls) -> str:
@@ -74,12 +94,12 @@ class RagKVCacheLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        engine = engine_for(self.index)
+        engine = self._handle.get()
         return LLMMetadata(
             context_window=engine.index.adapter.model.config.max_position_embeddings,
             num_output=self._generation(engine.index).max_new_tokens,
             is_chat_model=True,
-            model_name=self._model_name,
+            model_name=self._handle.model_name,
         )
 
     @llm_completion_callback()
@@ -126,24 +146,20 @@ class RagKVCacheLLM(CustomLLM):
 
     def _steps(self, turns: list[ChatTurn], chunk_ids: Sequence[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
         """(delta, text so far, stats) per generated piece; stats only on the last, empty, step."""
-        engine = engine_for(self.index)
+        engine = self._handle.get()
         segments = engine.run(_segments, engine.index, turns, list(chunk_ids))
         text = ""
         for step in engine.stream(segments, self.fusion, self._generation(engine.index)):
             if isinstance(step, Answer):
-                yield "", text, _stats(step)
+                yield "", text, {**step.usage, "prompt_tokens": step.prompt_tokens, **step.fusion_stats}
             elif step:
                 text += step
                 yield step, text, {}
 
     def _generation(self, index: KVIndex) -> GenerationConfig:
-        default = index.config.generation
-        return GenerationConfig(
-            max_new_tokens=self.max_new_tokens or default.max_new_tokens,
-            temperature=self.temperature,
-            top_p=default.top_p if self.top_p is None else self.top_p,
-            seed=self.seed,
-            stop=tuple(self.stop),
+        return index.config.generation.with_options(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+            stop=self.stop,
         )
 
 
@@ -176,15 +192,3 @@ def _texts(message: ChatMessage) -> Iterator[str]:
 def _refuse_options(options: dict[str, Any]) -> None:
     if options:
         raise TypeError(f"RagKVCacheLLM got unexpected arguments {sorted(options)!r}")
-
-
-def _stats(answer: Answer) -> dict[str, Any]:
-    return {
-        "prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.generated_tokens,
-        "total_tokens": answer.prompt_tokens + answer.generated_tokens,
-        "cached_tokens": answer.prompt_tokens - answer.recomputed_tokens, "method": answer.method,
-        "ttft_s": answer.ttft_s, "recomputed_tokens": answer.recomputed_tokens,
-        "compute_fraction": answer.compute_fraction, "cache_misses": answer.cache_misses,
-        "generation_s": answer.generation_s,
-    }
-

@@ -8,8 +8,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from rag_kvcache import KVIndex
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import Engine, EngineHandle
 
 
 class RagKVCacheRetriever(BaseRetriever):
@@ -17,18 +16,22 @@ class RagKVCacheRetriever(BaseRetriever):
     the chunk's `source` file and `ordinal` in it, and its score the cosine similarity."""
 
     def __init__(
-        self, index: str | Path, similarity_top_k: int = 4, callback_manager: CallbackManager | None = None
+        self, index: str | Path | None = None, similarity_top_k: int = 4, *, engine: Engine | None = None,
+        callback_manager: CallbackManager | None = None,
     ) -> None:
+        """Serve from `engine` (shared, e.g. an LLM's `serving_engine`) or open one for `index` on first use."""
         if similarity_top_k < 1:
             raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k!r}")
-        KVIndex.config_of(Path(index))  # fails here for a folder that is no index
-        self.index = str(index)
+        self._handle = EngineHandle(engine, index)  # fails here for a folder that is no index
         self.similarity_top_k = similarity_top_k
         super().__init__(callback_manager=callback_manager)
 
+    def close(self) -> None:
+        """Close the engine this retriever opened for `index`."""
+        self._handle.close()
+
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        engine = engine_for(self.index)
-        hits = engine.run(engine.index.search, query_bundle.query_str, self.similarity_top_k)
+        hits = self._handle.get().search(query_bundle.query_str, self.similarity_top_k)
         return [
             NodeWithScore(
                 node=TextNode(

@@ -94,6 +94,6 @@ def create_kv_query_engine(
 ) -> RetrieverQueryEngine:
     """A `RetrieverQueryEngine` over the LLM's index whose answers fuse the retrieved chunks' caches."""
     return RetrieverQueryEngine(
-        retriever=RagKVCacheRetriever(llm.index, similarity_top_k=similarity_top_k),
+        retriever=RagKVCacheRetriever(engine=llm.serving_engine, similarity_top_k=similarity_top_k),
         response_synthesizer=KVCacheSynthesizer(llm=llm, streaming=streaming),
     )

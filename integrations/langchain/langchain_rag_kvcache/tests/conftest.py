@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from importlib.resources import files
 
 import pytest
 
-from rag_kvcache import Config, KVIndex
+from rag_kvcache import Config, Engine, KVIndex
 
 DEMO_DOCS = files("rag_kvcache") / "demo"
 
@@ -16,3 +17,10 @@ def demo_index(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("langchain-rag-kvcache") / "demo-index"
     KVIndex.build(DEMO_DOCS, path, Config(chunk_tokens=128), progress=False)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_index: str) -> Iterator[Engine]:
+    """One opened demo index and model, shared by the session's models and retrievers."""
+    with Engine(demo_index) as engine:
+        yield engine

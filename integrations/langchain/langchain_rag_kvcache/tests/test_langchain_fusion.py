@@ -7,8 +7,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
-from rag_kvcache import FusionConfig, GenerationConfig
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import Engine, FusionConfig, GenerationConfig
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -16,18 +15,18 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
 @pytest.fixture(scope="module")
-def model(demo_index: str) -> ChatRagKVCache:
-    return ChatRagKVCache(index=demo_index, max_tokens=24)
+def model(demo_engine: Engine) -> ChatRagKVCache:
+    return ChatRagKVCache(engine=demo_engine, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def retriever(demo_index: str) -> RagKVCacheRetriever:
-    return RagKVCacheRetriever(index=demo_index, k=3)
+def retriever(demo_engine: Engine) -> RagKVCacheRetriever:
+    return RagKVCacheRetriever(engine=demo_engine, k=3)
 
 
-def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_index: str) -> None:
+def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_engine: Engine) -> None:
     docs = retriever.invoke(QUESTION)
-    engine = engine_for(demo_index)
+    engine = demo_engine
     records = engine.run(engine.index.chunks.get, [doc.id for doc in docs])
     assert [doc.page_content for doc in docs] == [record.text for record in records]
     assert all(doc.metadata["chunk_id"] == doc.id for doc in docs)
@@ -47,12 +46,12 @@ def test_chain_answers_from_fused_chunk_caches(retriever: RagKVCacheRetriever, m
 
 
 def test_model_prompt_equals_the_core_fused_prompt(
-    retriever: RagKVCacheRetriever, model: ChatRagKVCache, demo_index: str
+    retriever: RagKVCacheRetriever, model: ChatRagKVCache, demo_engine: Engine
 ) -> None:
     """A user message of chunk blocks and a question is the prompt `FusedGenerator.ask` fuses."""
-    engine = engine_for(demo_index)
-    hits = engine.run(engine.index.search, QUESTION, 3)
-    core = engine.run(engine.generator.generate, QUESTION, hits, None, GenerationConfig(max_new_tokens=24))
+    engine = demo_engine
+    hits = engine.search(QUESTION, 3)
+    core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
     message = model.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
     assert message.text == core.answer
     assert message.usage_metadata["input_tokens"] == core.prompt_tokens
@@ -74,8 +73,8 @@ def test_blocks_without_chunk_id_are_prefilled(model: ChatRagKVCache, retriever:
     assert message.response_metadata["cache_misses"] == 0
 
 
-def test_full_method_reads_no_cache(demo_index: str, retriever: RagKVCacheRetriever) -> None:
-    full = ChatRagKVCache(index=demo_index, max_tokens=8, fusion=FusionConfig(method="full"))
+def test_full_method_reads_no_cache(demo_engine: Engine, retriever: RagKVCacheRetriever) -> None:
+    full = ChatRagKVCache(engine=demo_engine, max_tokens=8, fusion=FusionConfig(method="full"))
     message = full.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
     assert message.usage_metadata["input_token_details"]["cache_read"] == 0
     assert message.response_metadata["recomputed_tokens"] == message.usage_metadata["input_tokens"]
@@ -99,12 +98,27 @@ def test_tool_messages_are_refused(model: ChatRagKVCache) -> None:
         model.invoke([HumanMessage("hi"), ToolMessage("3", tool_call_id="t1")])
 
 
-def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_index: str, tmp_path) -> None:
+def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_engine: Engine, tmp_path) -> None:
     with pytest.raises(TypeError, match="frequency_penalty"):
         model.invoke("hi", frequency_penalty=1.0)
     with pytest.raises(ValueError, match="another model needs its own index"):
         model.invoke("hi", model="gpt-4o")
     with pytest.raises(ValueError, match="max_token"):
-        ChatRagKVCache(index=demo_index, max_token=5)
+        ChatRagKVCache(engine=demo_engine, max_token=5)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         ChatRagKVCache(index=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not both"):
+        ChatRagKVCache(engine=demo_engine, index=str(demo_engine.path))
+    with pytest.raises(ValueError, match="neither"):
+        ChatRagKVCache()
+
+
+def test_a_model_given_an_index_opens_and_closes_its_own_engine(demo_engine: Engine) -> None:
+    own = ChatRagKVCache(index=str(demo_engine.path), max_tokens=4)
+    assert own.invoke("Veldmark telescope?").usage_metadata["output_tokens"] >= 1
+    engine = own._handle.get()
+    assert engine is not demo_engine
+    own.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        engine.search("telescope", 1)  # its worker thread has ended
+    assert demo_engine.search("telescope", 1)  # the shared engine is untouched

@@ -10,6 +10,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests, Retriev
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_message
+from rag_kvcache import Engine
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -19,11 +20,11 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 class _OnDemoIndex:
     """Points the suite's constructor parameters at the session's demo index."""
 
-    index: str
+    engine: Engine
 
     @pytest.fixture(autouse=True)
-    def _use_demo_index(self, demo_index: str) -> None:
-        self.index = demo_index
+    def _use_demo_engine(self, demo_engine: Engine) -> None:
+        self.engine = demo_engine
 
 
 class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
@@ -33,7 +34,7 @@ class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"index": self.index}
+        return {"engine": self.engine}
 
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
@@ -50,7 +51,7 @@ class TestChatRagKVCacheIntegration(_OnDemoIndex, ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"index": self.index, "max_tokens": 24}
+        return {"engine": self.engine, "max_tokens": 24}
 
     @property
     def supports_model_override(self) -> bool:
@@ -61,8 +62,8 @@ class TestChatRagKVCacheIntegration(_OnDemoIndex, ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        retriever = RagKVCacheRetriever(index=self.index, k=3)
-        model = ChatRagKVCache(index=self.index, max_tokens=16)
+        retriever = RagKVCacheRetriever(engine=self.engine, k=3)
+        model = ChatRagKVCache(engine=self.engine, max_tokens=16)
         messages = [rag_message(retriever.invoke(QUESTION), QUESTION)]
         if not stream:
             return model.invoke(messages)
@@ -80,7 +81,7 @@ class TestRagKVCacheRetriever(_OnDemoIndex, RetrieversIntegrationTests):
 
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
-        return {"index": self.index, "k": 2}
+        return {"engine": self.engine, "k": 2}
 
     @property
     def retriever_query_example(self) -> str:

@@ -13,8 +13,7 @@ from llama_index_rag_kvcache import (
     RagKVCacheRetriever,
     create_kv_query_engine,
 )
-from rag_kvcache import GenerationConfig
-from rag_kvcache.serving.engines import engine_for
+from rag_kvcache import Engine, GenerationConfig
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -22,13 +21,13 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
 @pytest.fixture(scope="module")
-def llm(demo_index: str) -> RagKVCacheLLM:
-    return RagKVCacheLLM(index=demo_index, max_new_tokens=24)
+def llm(demo_engine: Engine) -> RagKVCacheLLM:
+    return RagKVCacheLLM(engine=demo_engine, max_new_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def chunk_ids(demo_index: str) -> list[str]:
-    return [n.node_id for n in RagKVCacheRetriever(demo_index, similarity_top_k=3).retrieve(QUESTION)]
+def chunk_ids(demo_engine: Engine) -> list[str]:
+    return [n.node_id for n in RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3).retrieve(QUESTION)]
 
 
 def test_query_engine_answers_with_source_nodes(llm: RagKVCacheLLM) -> None:
@@ -41,16 +40,16 @@ def test_query_engine_answers_with_source_nodes(llm: RagKVCacheLLM) -> None:
     assert set(response.metadata) == {n.node_id for n in response.source_nodes}
 
 
-def test_retrieved_node_ids_are_chunk_ids(demo_index: str, chunk_ids: list[str]) -> None:
-    engine = engine_for(demo_index)
-    hits = engine.run(engine.index.search, QUESTION, 3)
+def test_retrieved_node_ids_are_chunk_ids(demo_engine: Engine, chunk_ids: list[str]) -> None:
+    engine = demo_engine
+    hits = engine.search(QUESTION, 3)
     assert chunk_ids == [hit.chunk.id for hit in hits]
 
 
-def test_complete_fuses_the_chunks_like_the_core(llm: RagKVCacheLLM, demo_index: str, chunk_ids: list[str]) -> None:
-    engine = engine_for(demo_index)
-    hits = engine.run(engine.index.search, QUESTION, 3)
-    core = engine.run(engine.generator.generate, QUESTION, hits, None, GenerationConfig(max_new_tokens=24))
+def test_complete_fuses_the_chunks_like_the_core(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
+    engine = demo_engine
+    hits = engine.search(QUESTION, 3)
+    core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
     response = llm.complete(QUESTION, chunk_ids=chunk_ids)
     assert response.text == core.answer
     stats = response.additional_kwargs
@@ -111,7 +110,7 @@ def test_metadata(llm: RagKVCacheLLM) -> None:
     assert meta.num_output == 24
 
 
-def test_refusals(llm: RagKVCacheLLM, demo_index: str, tmp_path) -> None:
+def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
     with pytest.raises(KeyError, match="0123456789abcdef"):
         llm.complete(QUESTION, chunk_ids=["0123456789abcdef"])
     with pytest.raises(ValueError, match="no tool calling"):
@@ -123,6 +122,6 @@ def test_refusals(llm: RagKVCacheLLM, demo_index: str, tmp_path) -> None:
     with pytest.raises(TypeError, match="MockLLM"):
         KVCacheSynthesizer(llm=MockLLM())
     with pytest.raises(ValueError, match="max_tokens"):
-        RagKVCacheLLM(index=demo_index, max_tokens=5)
+        RagKVCacheLLM(engine=demo_engine, max_tokens=5)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         RagKVCacheRetriever(tmp_path / "missing")

@@ -1,0 +1,99 @@
+"""`Engine`: an opened index and its generator, confined to one worker thread.
+
+An index owns a SQLite connection (bound to the thread that opened it) and one model that serves
+one request at a time, so everything that touches it runs on the engine's own worker thread; async
+callers, which run the sync methods from executor threads, work unchanged. An engine is an explicit
+object: open one per index and hand it to every model and retriever that should share it, and
+`close()` it (or use it as a context manager) to release the index and end the thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from ..config import Config, FusionConfig, GenerationConfig
+from ..engine.model import ModelAdapter
+from ..engine.prompt import Segment
+from ..generator import Answer, FusedGenerator
+from ..index import KVIndex
+from ..retrieval.chunk_index import Hit
+
+T = TypeVar("T")
+
+
+class Engine:
+    """An opened `KVIndex` and its `FusedGenerator`, confined to one worker thread."""
+
+    def __init__(self, path: str | Path, config: Config | None = None, adapter: ModelAdapter | None = None) -> None:
+        """Open the index at `path` (with `config`, default: the settings it was built with; `adapter`
+        injects a loaded model)."""
+        self.path = Path(path).expanduser().resolve()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rag-kvcache:{self.path.name}")
+        self._closed = False
+        try:
+            self.index = self.run(KVIndex.open, self.path, config, adapter)
+        except BaseException:
+            self._worker.shutdown()
+            raise
+        self.generator = FusedGenerator(self.index)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the worker thread."""
+        return self._worker.submit(fn, *args).result()
+
+    def search(self, query: str, k: int) -> list[Hit]:
+        return self.run(self.index.search, query, k)
+
+    def stream(
+        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> Iterator[str | Answer]:
+        """`FusedGenerator.stream`, each step computed on the worker thread."""
+        steps = self.generator.stream(segments, fusion, generation)
+        while (step := self.run(next, steps, None)) is not None:
+            yield step
+
+    def close(self) -> None:
+        """Close the index on its thread and end the thread (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.run(self.index.close)
+            self._worker.shutdown()
+
+
+class EngineHandle:
+    """The engine an integration object (chat model, LLM, retriever) serves from: the `engine` it
+    was given, shared with others, or else one it opens itself for `index` on first use and closes
+    with `close()`. Exactly one of the two must be given; `index` must be an index folder."""
+
+    def __init__(self, engine: Engine | None, index: str | Path | None) -> None:
+        if (engine is None) == (index is None):
+            raise ValueError("give either engine= (an opened Engine, to share) or index= (an index folder), not "
+                             f"{'both' if engine is not None else 'neither'}")
+        self._given = engine
+        self._own: Engine | None = None
+        self.index_path = engine.path if engine is not None else Path(index).expanduser().resolve()
+        config = engine.index.config if engine is not None else KVIndex.config_of(self.index_path)  # refuses a non-index
+        self.model_name = config.model
+
+    def get(self) -> Engine:
+        if self._given is not None:
+            return self._given
+        if self._own is None:
+            self._own = Engine(self.index_path)
+        return self._own
+
+    def close(self) -> None:
+        """Close the engine this handle opened (a given engine belongs to whoever opened it)."""
+        if self._own is not None:
+            self._own.close()
+            self._own = None
