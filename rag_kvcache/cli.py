@@ -128,10 +128,13 @@ def index(
     embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
     kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
+    prune: Annotated[bool, typer.Option(help="Also drop the documents the index holds that are not in DOCS_DIR "
+                                             "(deleted files, other folders', added through a store).")] = False,
 ) -> None:
-    """Chunk, embed and precompute KV caches for every file in DOCS_DIR.
+    """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
 
-    Incremental on re-runs: unchanged files are skipped, changed ones redone, deleted ones dropped.
+    Incremental on re-runs: unchanged files are skipped, changed ones redone. Documents from other
+    folders (or deleted files) stay in the index unless --prune drops them.
     Re-indexing into an existing index keeps the settings it was built with.
     """
     from .index import KVIndex
@@ -153,7 +156,7 @@ def index(
         else:
             cfg = _base_config(**given).with_storage(codec=kv_codec.value)
         idx = KVIndex.create(index_dir, cfg)
-        report = idx.update(docs_dir)
+        report = idx.update(docs_dir, prune=prune)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         _fail(str(e))
     out.print(

@@ -123,15 +123,16 @@ class KVIndex:
         adapter = adapter or ModelAdapter.load(config)
         return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device)), adapter)
 
-    def update(self, docs_dir: Path, progress: bool = True) -> SyncReport:
-        """Re-index changed/new files and drop deleted ones, storing the new chunks' KV caches before
-        the index commits them. Raises `StorageFullError` (index unchanged) when the disk fills."""
+    def update(self, docs_dir: Path, progress: bool = True, prune: bool = False) -> SyncReport:
+        """Add `docs_dir`: index its new and changed files, storing the new chunks' KV caches before the
+        index commits them; other documents stay unless `prune` drops those not in `docs_dir`.
+        Raises `StorageFullError` (index unchanged) when the disk fills."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             self.store.disk.remove_stale_temp_files()
             report = self.chunks.sync(
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
-                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
+                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress), prune=prune,
             )
         self.store.flush_stats()
         return report

@@ -112,7 +112,7 @@ def test_build_search_and_resync(
         },
     )
     (docs / "volcanoes.txt").unlink()
-    report = index.sync(docs, chunker, progress=False)
+    report = index.sync(docs, chunker, progress=False, prune=True)
 
     assert report.added == ["baking.txt"]
     assert report.changed == ["chess.txt"]
@@ -345,3 +345,36 @@ def test_damaged_faiss_file_is_rebuilt_on_open(
 def test_load_embedder_accepts_hub_style_default_name(embedder: SentenceTransformer) -> None:
     other = load_embedder("sentence-transformers/all-MiniLM-L6-v2")
     assert other.get_embedding_dimension() == embedder.get_embedding_dimension() == 384
+
+
+def test_second_folder_adds_and_prune_removes(
+    tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker
+) -> None:
+    other = tmp_path / "other"
+    _write(other, {"baking.txt": "Sourdough bread rises thanks to wild yeast in a fermented starter."})
+    with _build(tmp_path, docs, embedder, chunker) as index:
+        report = index.sync(other, chunker, progress=False)
+        assert (report.added, report.removed) == (["baking.txt"], [])
+        assert {c.source for c in index.all_chunks()} == {*DOCS, "baking.txt"}
+        assert _top_source(index, "Which volcano in Sicily erupts lava?") == "volcanoes.txt"
+        report = index.sync(other, chunker, progress=False, prune=True)
+        assert report.removed == sorted(DOCS) and report.unchanged == ["baking.txt"]
+        assert {c.source for c in index.all_chunks()} == {"baking.txt"} and len(index) == len(report.unchanged)
+
+
+def test_match_finds_chunks_added_and_forgets_removed_ones(
+    tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker, tokenizer
+) -> None:
+    with _build(tmp_path, docs, embedder, chunker) as index:
+        chunk = max((c for c in index.all_chunks() if c.source == "pasta.md"), key=lambda c: len(c.token_ids))
+        prompt = tuple(tokenizer("Answer from this: ", add_special_tokens=False).input_ids) + chunk.token_ids + (102,)
+        [(span, record)] = index.match(prompt)
+        assert record == chunk and (span.offset, span.length) == (0, len(chunk.token_ids))
+        (docs / "pasta.md").unlink()
+        index.sync(docs, chunker, progress=False, prune=True)
+        assert index.match(prompt) == []
+        with sqlite3.connect(tmp_path / "index" / "index.sqlite") as conn:  # an index from before the table
+            conn.execute("DROP TABLE ngrams")
+    with ChunkIndex.open(tmp_path / "index", embedder) as reopened:  # rebuilt from the chunks on open
+        chess = max((c for c in reopened.all_chunks() if c.source == "chess.txt"), key=lambda c: len(c.token_ids))
+        assert [r.id for _, r in reopened.match((7,) + chess.token_ids + (8,))] == [chess.id]

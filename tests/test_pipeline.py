@@ -90,7 +90,7 @@ def test_empty_question(index):
 def test_incremental_update(index, docs):
     (docs / "bakery.txt").unlink()
     (docs / "new.txt").write_text("The regatta winners receive a silver oar that hangs in the town hall. " * 2)
-    report = index.update(docs, progress=False)
+    report = index.update(docs, progress=False, prune=True)
     assert report.removed == ["bakery.txt"] and report.added == ["new.txt"]
     assert all(h.chunk.source != "bakery.txt" for h in index.search("rye loaf caraway", 10))
     assert FusedGenerator(index).ask("What do regatta winners get?").chunks[0].source == "new.txt"

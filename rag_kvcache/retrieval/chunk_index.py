@@ -1,7 +1,9 @@
 """The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite, synced with a folder.
 
 An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
-and embeddings, and free-form metadata) and `vectors.faiss` (derived from it). A sync commits SQLite
+and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
+in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
+from it). A sync commits SQLite
 in one transaction, then replaces `vectors.faiss` atomically; a FAISS file that does not hold exactly
 the chunks in SQLite (a crash between the two, a deleted or corrupt file) is rebuilt on open.
 SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
@@ -14,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from sentence_transformers import SentenceTransformer
 
 from . import vectors as faiss_file
 from .chunking import Chunk
+from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
 from .documents import Skipped, SourceFile, read_documents
 from .vectors import EMBEDDING_DTYPE, IndexType
 
@@ -33,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "rag-kvcache-index-v1"
 _DB_FILE = "index.sqlite"
+_NGRAM_SCHEMA = (
+    "CREATE TABLE ngrams (hash INTEGER NOT NULL, faiss_id INTEGER NOT NULL, offset INTEGER NOT NULL,"
+    " PRIMARY KEY (hash, faiss_id, offset)) WITHOUT ROWID",
+    "CREATE INDEX ngrams_by_chunk ON ngrams (faiss_id)",
+)
 _SCHEMA = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE documents (source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, n_chunks INTEGER NOT NULL)",
@@ -40,7 +48,9 @@ _SCHEMA = (
     " ordinal INTEGER NOT NULL, token_ids BLOB NOT NULL, char_start INTEGER NOT NULL,"
     " char_end INTEGER NOT NULL, text TEXT NOT NULL, embedding BLOB NOT NULL)",
     "CREATE INDEX chunks_by_source ON chunks (source)",
+    *_NGRAM_SCHEMA,
 )
+_LOOKUP_BATCH = 500  # hashes per SELECT (under SQLite's bound-parameter limit)
 _RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
 _TOKEN_DTYPE = np.dtype("<i4")
 
@@ -181,6 +191,7 @@ class ChunkIndex:
         conn = _connect_existing(index_dir)
         try:
             meta = _checked_meta(conn, index_dir)
+            _ensure_ngrams(conn, index_dir)
             dim = embedder.get_embedding_dimension()
             if str(dim) != meta["embedding_dim"]:
                 raise ValueError(
@@ -232,8 +243,12 @@ class ChunkIndex:
         batch_size: int = 64,
         progress: bool = True,
         before_commit: Callable[[list[ChunkRecord]], None] | None = None,
+        prune: bool = False,
     ) -> SyncReport:
-        """Bring the index in line with `docs_dir`: index new and changed files, drop deleted ones.
+        """Add `docs_dir` to the index: index its new and changed files. Documents the index holds that
+        are not in `docs_dir` (another folder's, a store's, or deleted files) are kept, unless `prune`
+        drops them (reported as `removed`). Sources are paths relative to `docs_dir`, so a file at the
+        same relative path as an indexed document replaces it (`changed`).
 
         `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
         `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
@@ -248,7 +263,7 @@ class ChunkIndex:
         added = [f.source for f in to_index if f.source not in indexed]
         changed = [f.source for f in to_index if f.source in indexed]
         unchanged = [f.source for f in files if indexed.get(f.source) == f.sha256]
-        removed = sorted(indexed.keys() - {f.source for f in files})
+        removed = sorted(indexed.keys() - {f.source for f in files}) if prune else []
 
         chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
         new_chunks = [record for records in chunks_by_source.values() for record in records]
@@ -292,6 +307,26 @@ class ChunkIndex:
                 "index to search its current contents", len(found) - len(records), len(found), self._dir,
             )
         return [Hit(records[i], score) for i, score in found if i in records]
+
+    def match(self, ids: Sequence[int], min_span: int = MIN_SPAN) -> list[tuple[Span, ChunkRecord]]:
+        """Every run of at least `min_span` tokens of `ids` (a prompt's token ids) that equals a run of an
+        indexed chunk's ids, in prompt order, without overlaps, with its chunk (`matching.find_spans`)."""
+        hashes = sorted(set(prompt_ngrams(ids)))
+        candidates: dict[int, list[tuple[int, int]]] = {}
+        for start in range(0, len(hashes), _LOOKUP_BATCH):
+            batch = hashes[start : start + _LOOKUP_BATCH]
+            rows = self._conn.execute(
+                f"SELECT hash, faiss_id, offset FROM ngrams WHERE hash IN ({', '.join('?' * len(batch))})", batch
+            )
+            for h, faiss_id, offset in rows:
+                if len(entries := candidates.setdefault(h, [])) < MAX_CANDIDATES:
+                    entries.append((faiss_id, offset))
+        if not candidates:
+            return []
+        records = self._fetch("faiss_id", list({fid for entries in candidates.values() for fid, _ in entries}))
+        candidates = {h: [e for e in entries if e[0] in records] for h, entries in candidates.items()}
+        spans = find_spans(ids, candidates, {fid: r.token_ids for fid, r in records.items()}, min_span=min_span)
+        return [(span, records[span.chunk]) for span in spans]
 
     def get(self, ids: Sequence[str]) -> list[ChunkRecord]:
         """The chunks with these ids, in the given order."""
@@ -341,6 +376,7 @@ class ChunkIndex:
                 ],
                 dtype=np.int64,
             )
+            self._conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
             self._conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
             self._conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
             self._conn.executemany(
@@ -364,6 +400,7 @@ class ChunkIndex:
                     for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
                 ),
             )
+            _insert_ngrams(self._conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
             if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
                 vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
@@ -407,6 +444,29 @@ def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
             f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
         )
     return meta
+
+
+def _insert_ngrams(conn: sqlite3.Connection, chunks: Iterable[tuple[int, Sequence[int]]]) -> None:
+    """Add the n-gram entries of chunks given as (faiss id, token ids) (inside the caller's transaction)."""
+    conn.executemany(
+        "INSERT OR IGNORE INTO ngrams (hash, faiss_id, offset) VALUES (?, ?, ?)",
+        ((h, fid, offset) for fid, ids in chunks for h, offset in chunk_ngrams(ids)),
+    )
+
+
+def _ensure_ngrams(conn: sqlite3.Connection, index_dir: Path) -> None:
+    """Build the n-gram table from the chunks when the index has none (it is derived from them, like
+    the FAISS file; indexes made before it existed get it on first open)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
+        return
+    with _transaction(conn):
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
+            return  # another process built it meanwhile
+        for statement in _NGRAM_SCHEMA:
+            conn.execute(statement)
+        rows = conn.execute("SELECT faiss_id, token_ids FROM chunks").fetchall()
+        _insert_ngrams(conn, ((fid, np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for fid, blob in rows))
+    logger.info("built the chunk n-gram table of %s (%d chunks)", index_dir, len(rows))
 
 
 def _vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
