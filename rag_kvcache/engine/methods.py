@@ -133,3 +133,38 @@ def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock
         return select_tokens(score, n_keep)  # [A']
 
     return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+
+
+def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
+    """Layer -> fraction of reusable tokens kept from its attention on, for `cacheblend_repick`: a pick at
+    the check layer and a narrower re-pick at each of `repick_layers`, each keeping `repick_decay` times the
+    fraction before it. The first fraction is solved so that the reusable token-layers equal CacheBlend's
+    at `ratio` ((n_layers - check_layer) * ratio); it is capped at 1, which can only lower the total."""
+    layers = (cfg.check_layer, *cfg.repick_layers)
+    if list(layers) != sorted(set(layers)) or layers[-1] >= n_layers:
+        raise ValueError(f"repick layers {cfg.repick_layers} must rise strictly after the check layer "
+                         f"{cfg.check_layer} and stay below the model's {n_layers} layers")
+    spans = [b - a for a, b in zip(layers, (*layers[1:], n_layers))]  # layers each fraction lasts
+    weight = sum(span * cfg.repick_decay**j for j, span in enumerate(spans))
+    first = min(1.0, (n_layers - cfg.check_layer) * cfg.ratio / weight)
+    return {layer: first * cfg.repick_decay**j for j, layer in enumerate(layers)}
+
+
+@register("cacheblend_repick")
+def cacheblend_repick(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """CacheBlend with re-selection: pick more HKVD tokens at the check layer, then at each re-pick layer
+    keep those whose fresh K (or V) still deviates most from the cache there; CacheBlend's budget."""
+    fresh, reusable = inp.fresh, inp.reusable  # [N]
+    n_reusable = int(reusable.sum())
+    schedule = repick_schedule(cfg, adapter.layout.n_layers)
+    which = 0 if cfg.deviation == "k" else 1
+
+    def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
+        if layer not in schedule:
+            return None
+        forced = fresh[active]  # [A]
+        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
+        score[forced] = math.inf
+        return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
+
+    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
