@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from enum import Enum
 from importlib.resources import as_file, files
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args
+from typing import Annotated, Any, Optional, get_args, get_type_hints
 
 import typer
 from click.core import ParameterSource
@@ -29,6 +29,7 @@ from rich.table import Table
 from . import __version__
 from .bench.datasets import FORMATS
 from .config import Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
+from .serving.settings import ServerConfig
 from .store.codecs import CODECS
 
 app = typer.Typer(
@@ -393,3 +394,48 @@ def bench(
             f"{indexing['fraction_of_forward']:.2f} of the plain forward ({indexing['forward_tokens_per_s']:.0f} tok/s)"
         )
     out.print((result.out_dir / "results.md").read_text(encoding="utf-8"), markup=False, highlight=False)
+
+
+DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
+
+
+@app.command()
+def serve(
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    host: Annotated[str, option(ServerConfig, "host")] = default(ServerConfig, "host"),
+    port: Annotated[int, option(ServerConfig, "port", min=0, max=65535)] = default(ServerConfig, "port"),
+    api_key: Annotated[Optional[str], option(ServerConfig, "api_key", envvar="RAG_KVCACHE_API_KEY")] = None,
+    docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
+    max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
+    max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
+        ServerConfig, "max_prompt_tokens"),
+    max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
+    device: Annotated[Optional[str], typer.Option(help="Torch device of the model: cpu, cuda, cuda:1, mps "
+                                                  "(default: cpu).")] = None,
+    dtype: Annotated[Optional[DType], typer.Option(help="Model dtype (default: the one the index was built with; "
+                                                   "another dtype misses every cache).")] = None,
+) -> None:
+    """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
+    retrieve, documents, metrics, health), the model loaded once."""
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        _fail(f"`rag-kvcache serve` needs {', '.join(missing)}: pip install 'rag-kvcache[serve]'")
+    from .index import KVIndex
+    from .serving.engine import Engine
+    from .serving.openai_api import serve as run_server
+
+    _quiet_transformers()
+    try:
+        server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
+                                  max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
+        cfg = replace(KVIndex.config_of(index_dir, _base_config()), **{
+            k: v for k, v in (("device", device), ("dtype", dtype and dtype.value)) if v is not None})
+        engine = Engine(index_dir, cfg)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
+                  highlight=False)
+    err.print(f"serving {index_dir} ({cfg.model}) on http://{host}:{port}/v1", highlight=False)
+    with engine:
+        run_server(engine, server_cfg)

@@ -1,0 +1,85 @@
+"""Prometheus metrics of the server, in a registry of its own (one per app, so that two servers in
+one process, as in the tests, never share counters).
+
+Latencies are histograms per fusion method; tokens are counters (`rate()` gives tokens per second)
+plus a per-request decode-speed histogram; the KV store's hits and misses per tier are read from
+the store when scraped (its counters are totals over every process that used the index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..generator import Answer
+from ..store.tiers import TierStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+FRACTION_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, TierStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily("rag_kvcache_kv_cache_hits", "KV store reads served, per tier.", labels=["tier"])
+        misses = CounterMetricFamily("rag_kvcache_kv_cache_misses", "KV store reads missed, per tier.", labels=["tier"])
+        corrupt = CounterMetricFamily("rag_kvcache_kv_cache_corrupt", "Corrupt entries found, per tier.", labels=["tier"])
+        for tier, s in self._stats().items():
+            hits.add_metric([tier], s.hits)
+            misses.add_metric([tier], s.misses)
+            corrupt.add_metric([tier], s.corrupt)
+        yield from (hits, misses, corrupt)
+
+
+class ServerMetrics:
+    """Every metric the server exports, in its own registry."""
+
+    def __init__(self, store_stats: Callable[[], dict[str, TierStats]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rag_kvcache_requests", "Requests answered, by route and status code.",
+                                ["route", "status"], registry=r)
+        self.cancelled = Counter("rag_kvcache_requests_cancelled", "Generations stopped because the client left.",
+                                 registry=r)
+        self.rejected = Counter("rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.",
+                                registry=r)
+        self.ttft = Histogram("rag_kvcache_ttft_seconds", "Time to first token (fusion included), per method.",
+                              ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("rag_kvcache_request_seconds", "Admission to last token (queueing included), per method.",
+                             ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("rag_kvcache_queue_wait_seconds", "Time a request waited for the engine.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.recomputed = Histogram("rag_kvcache_recomputed_fraction",
+                                    "Fraction of the prompt's tokens recomputed at query time, per method.",
+                                    ["method"], buckets=FRACTION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("rag_kvcache_prompt_tokens", "Prompt tokens, per method.", ["method"], registry=r)
+        self.cached_tokens = Counter("rag_kvcache_cached_prompt_tokens", "Prompt tokens read from the KV cache.",
+                                     ["method"], registry=r)
+        self.completion_tokens = Counter("rag_kvcache_completion_tokens", "Generated tokens, per method.", ["method"],
+                                         registry=r)
+        self.decode_rate = Histogram("rag_kvcache_decode_tokens_per_second", "Decoding speed after the first token.",
+                                     ["method"], buckets=RATE_BUCKETS, registry=r)
+        self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
+        self.active = Gauge("rag_kvcache_active_requests", "Requests the engine is serving now.", registry=r)
+        r.register(_StoreCollector(store_stats))
+
+    def observe(self, answer: Answer, e2e_s: float) -> None:
+        """Record a finished generation."""
+        m = answer.method
+        self.ttft.labels(m).observe(answer.ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+        self.recomputed.labels(m).observe(answer.recomputed_tokens / max(answer.prompt_tokens, 1))
+        self.prompt_tokens.labels(m).inc(answer.prompt_tokens)
+        self.cached_tokens.labels(m).inc(answer.cached_tokens)
+        self.completion_tokens.labels(m).inc(answer.generated_tokens)
+        if answer.generated_tokens > 1 and answer.generation_s > 0:
+            self.decode_rate.labels(m).observe((answer.generated_tokens - 1) / answer.generation_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,568 @@
+"""`rag-kvcache serve`: an OpenAI-compatible HTTP server over one `Engine` (model loaded once).
+
+Routes: `POST /v1/chat/completions` and `POST /v1/completions` (server-sent events when `stream`,
+with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top-k chunks),
+`POST /v1/documents` (write documents into the folder the index mirrors and sync it), `GET
+/metrics` (Prometheus) and `GET /health`. With an API key every route but `/health` needs
+`Authorization: Bearer KEY`.
+
+The engine serves one request at a time on its worker thread (on this CPU a batch of decoding
+steps costs about as much as the steps one after another: `benchmarks/serve/README.md`). Admitted
+requests wait in a bounded FIFO queue; past `max_queue` waiting a request is refused with 429 and
+`Retry-After`. A client that disconnects stops its generation at the next token (or leaves the
+queue). Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): a bad body,
+an unknown field, a wrong type or a request over the limits is a 400, never a 500.
+
+Prompts: chat messages are laid out by the model's chat template (`chat_segments`); chunks named
+in `rag_kvcache.chunk_ids`, or retrieved with `rag_kvcache.top_k` for the last user message, go at
+the head of the last user message and are fused from their stored caches. A completion prompt with
+chunks is laid out as `ask` lays out a question; without chunks it is prefilled as given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..config import FusionConfig, GenerationConfig
+from ..engine.methods import METHODS
+from ..engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+from ..generator import Answer
+from ..index import KVIndex
+from ..retrieval.chunk_index import ChunkRecord
+from .engine import Engine
+from .metrics import ServerMetrics
+from .settings import ServerConfig
+from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/retrieve", "/v1/documents", "/metrics",
+          "/health")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's API answers it."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as segments, the chunks fused into it, and how to fuse and decode."""
+
+    segments: list[Segment]
+    chunks: list[dict[str, Any]]  # id, source, score (None for chunks named by id)
+    fusion: FusionConfig
+    generation: GenerationConfig
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+# ---- admission --------------------------------------------------------------------------------------
+class Admission:
+    """One request served at a time; at most `max_queue` admitted requests waiting (FIFO)."""
+
+    def __init__(self, max_queue: int, metrics: ServerMetrics) -> None:
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting = 0
+        self.active = 0
+        self._slot = asyncio.Semaphore(1)
+        self._service_s = 1.0  # moving average of a request's service time, for Retry-After
+
+    def admit(self) -> Ticket:
+        """A place in the queue, or a 429 when the queue is full."""
+        if self.waiting >= self.max_queue and (self.active or self.waiting):
+            self.metrics.rejected.inc()
+            retry = max(1, math.ceil(self._service_s * (self.waiting + self.active)))
+            raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
+                           type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
+        self._set_waiting(+1)
+        return Ticket(self)
+
+    def _set_waiting(self, delta: int) -> None:
+        self.waiting += delta
+        self.metrics.queue_depth.set(self.waiting)
+
+    def _set_active(self, delta: int) -> None:
+        self.active += delta
+        self.metrics.active.set(self.active)
+
+    def served(self, seconds: float) -> None:
+        self._service_s = 0.8 * self._service_s + 0.2 * seconds
+
+
+class Ticket:
+    """An admitted request: waits for the engine in `serve()`; `close()` gives its place back."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._queued = True
+        self.admitted_at = time.perf_counter()
+
+    @asynccontextmanager
+    async def serve(self) -> AsyncIterator[None]:
+        adm = self._admission
+        await adm._slot.acquire()
+        self._queued = False
+        adm._set_waiting(-1)
+        adm._set_active(+1)
+        started = time.perf_counter()
+        adm.metrics.queue_wait.observe(started - self.admitted_at)
+        try:
+            yield
+        finally:
+            adm._set_active(-1)
+            adm._slot.release()
+            adm.served(time.perf_counter() - started)
+
+    def close(self) -> None:
+        if self._queued:
+            self._queued = False
+            self._admission._set_waiting(-1)
+
+
+# ---- prompts ------------------------------------------------------------------------------------------
+def _fusion(index: KVIndex, request: Sampling) -> FusionConfig:
+    changes = request.rag_kvcache.fusion_changes()
+    if "method" in changes and changes["method"] not in METHODS:
+        raise APIError(400, f"unknown fusion method {changes['method']!r}; registered: {', '.join(METHODS)}",
+                       param="rag_kvcache.method", code="invalid_method")
+    try:
+        return replace(index.config.fusion, **changes)
+    except ValueError as e:
+        raise APIError(400, str(e), param="rag_kvcache") from None
+
+
+def _generation(index: KVIndex, request: Sampling, config: ServerConfig) -> GenerationConfig:
+    limit = request.completion_limit()
+    if limit is not None and limit > config.max_tokens:
+        raise APIError(400, f"max_tokens is {limit}, above this server's limit of {config.max_tokens}",
+                       param="max_tokens", code="max_tokens_exceeded")
+    default = min(index.config.generation.max_new_tokens, config.max_tokens)
+    return index.config.generation.with_options(
+        max_new_tokens=limit or default, temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+        stop=request.stops(),
+    )
+
+
+def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRecord, float | None]]:
+    """The chunks the request names (`chunk_ids`) or asks to retrieve (`top_k`) for `query`."""
+    options = request.rag_kvcache
+    if options.chunk_ids is not None:
+        try:
+            return [(record, None) for record in index.chunks.get(options.chunk_ids)]
+        except KeyError as e:
+            raise APIError(400, str(e.args[0]), param="rag_kvcache.chunk_ids", code="unknown_chunk") from None
+    if options.top_k is not None:
+        if not query.strip():
+            raise APIError(400, "rag_kvcache.top_k retrieves for the last user message, which is empty",
+                           param="rag_kvcache.top_k")
+        return [(hit.chunk, float(hit.score)) for hit in index.search(query, options.top_k)]
+    return []
+
+
+def chat_prompt(index: KVIndex, request: ChatCompletionRequest, config: ServerConfig) -> Prompt:
+    """Chat messages as segments: chunks at the head of the last user message (runs on the engine's thread)."""
+    turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
+    users = [i for i, turn in enumerate(turns) if turn.role == "user"]
+    if not users:
+        raise APIError(400, "messages need at least one user message", param="messages")
+    last = turns[users[-1]]
+    found = _chunks(index, request, "\n".join(p for p in last.parts if isinstance(p, str)))
+    if found:
+        parts = tuple(ChunkPart(record.token_ids, label=f"chunk:{record.id}") for record, _ in found)
+        turns[users[-1]] = ChatTurn("user", parts + last.parts)
+    try:
+        segments = chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return _checked(Prompt(segments, _described(found), _fusion(index, request), _generation(index, request, config)),
+                    config)
+
+
+def completion_prompt(index: KVIndex, request: CompletionRequest, config: ServerConfig) -> Prompt:
+    """A completion prompt as segments: with chunks, `ask`'s layout with the prompt as the question;
+    without, the prompt as given (runs on the engine's thread)."""
+    found = _chunks(index, request, request.text)
+    tokenizer = index.adapter.tokenizer
+    if found:
+        try:
+            question = index.format.question_ids(tokenizer, request.text)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        segments = index.format.segments([record.token_ids for record, _ in found], question)
+    else:
+        ids = tuple(tokenizer(request.text).input_ids)
+        if not request.text or not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        segments = [Segment(ids, cacheable=False, label="prompt")]
+    return _checked(Prompt(segments, _described(found), _fusion(index, request), _generation(index, request, config)),
+                    config)
+
+
+def _described(found: list[tuple[ChunkRecord, float | None]]) -> list[dict[str, Any]]:
+    return [{"id": record.id, "source": record.source, "score": score} for record, score in found]
+
+
+def _checked(prompt: Prompt, config: ServerConfig) -> Prompt:
+    if prompt.n_tokens > config.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {prompt.n_tokens} tokens, above this server's limit of "
+                       f"{config.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+    return prompt
+
+
+# ---- the server -----------------------------------------------------------------------------------------
+class Server:
+    """The routes' shared state: the engine, the admission queue, the metrics."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_id = engine.index.config.model
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.index.store.stats)
+        self.admission = Admission(config.max_queue, self.metrics)
+        # Threads that wait on the engine's worker for one step each (the worker does the work).
+        self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the engine's worker thread, awaited."""
+        return await asyncio.wrap_future(self._waiters.submit(self.engine.run, fn, *args))
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    async def steps(self, prompt: Prompt) -> AsyncIterator[str | Answer]:
+        """The engine's stream of the prompt: text pieces, then the `Answer`. Closing it early (the
+        client left) stops the generation after the step in flight."""
+        steps: Iterator[str | Answer] = self.engine.stream(prompt.segments, prompt.fusion, prompt.generation)
+        pending: Future | None = None
+        try:
+            while True:
+                pending = self._waiters.submit(next, steps, None)
+                step = await asyncio.wrap_future(pending)
+                pending = None
+                if step is None:
+                    return
+                yield step
+        finally:
+            if pending is not None and not pending.cancel() and not pending.done():
+                pending.add_done_callback(lambda _: steps.close())  # the step in flight must end first
+            else:
+                steps.close()
+
+    async def generate(self, ticket: Ticket, prompt: Prompt, request: Request | None) -> AsyncIterator[str | Answer]:
+        """Wait for the engine, then stream `prompt`; records the metrics. `request` (non-streaming
+        responses) is polled for a disconnect before each step; a streaming response learns of one
+        when the server cancels it."""
+        try:
+            async with ticket.serve():
+                async with aclosing(self.steps(prompt)) as steps:
+                    if request is not None and await request.is_disconnected():
+                        raise ClientGone
+                    async for step in steps:
+                        if isinstance(step, Answer):
+                            self.metrics.observe(step, time.perf_counter() - ticket.admitted_at)
+                        yield step
+                        if request is not None and await request.is_disconnected():
+                            raise ClientGone
+        except (ClientGone, asyncio.CancelledError):
+            self.metrics.cancelled.inc()
+            log.info("client disconnected: generation stopped")
+            raise
+        finally:
+            ticket.close()
+
+
+def _usage(answer: Answer) -> dict[str, Any]:
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.generated_tokens,
+            "total_tokens": answer.prompt_tokens + answer.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+
+
+def _extension(prompt: Prompt, answer: Answer) -> dict[str, Any]:
+    """The `rag_kvcache` field of a response: what the fusion did."""
+    return {"chunks": prompt.chunks, **answer.fusion_stats, "prompt_tokens": answer.prompt_tokens}
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app serving `engine` (which the caller opened and closes)."""
+    server = Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    app = FastAPI(title="rag-kvcache", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.server = server
+
+    async def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
+                           type="authentication_error", code="invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    app.add_middleware(_CountRequests, metrics=server.metrics)
+    auth = [Depends(authorize)]
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": server.model_id, "queue_depth": server.admission.waiting,
+                "active": server.admission.active}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "rag-kvcache"}]}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/retrieve", dependencies=auth)
+    async def retrieve(body: RetrieveRequest) -> dict[str, Any]:
+        try:
+            hits = await server.on_engine(server.engine.index.search, body.query, body.top_k)
+        except ValueError as e:
+            raise APIError(400, str(e), param="query") from None
+        return {"object": "list", "data": [
+            {"id": h.chunk.id, "source": h.chunk.source, "score": float(h.score), "text": h.chunk.text} for h in hits]}
+
+    @app.post("/v1/documents", dependencies=auth)
+    async def add_documents(body: DocumentsRequest) -> dict[str, Any]:
+        if config.docs_dir is None:
+            raise APIError(400, "this server was started without a documents folder (`serve --docs DIR`)",
+                           code="documents_disabled")
+        paths = [_document_path(config.docs_dir, doc.source) for doc in body.documents]
+        ticket = server.admission.admit()
+        try:
+            async with ticket.serve():
+                report = await server.on_engine(_write_and_sync, server.engine.index, config.docs_dir, paths,
+                                                [doc.text for doc in body.documents])
+        finally:
+            ticket.close()
+        return {"added": report.added, "changed": report.changed, "removed": report.removed,
+                "unchanged": len(report.unchanged), "skipped": [s.source for s in report.skipped],
+                "new_chunks": [{"id": c.id, "source": c.source} for c in report.new_chunks],
+                "chunks": len(server.engine.index.chunks)}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        ticket = server.admission.admit()
+        try:
+            prompt = await server.on_engine(chat_prompt, server.engine.index, body, config)
+        except BaseException:
+            ticket.close()
+            raise
+        return await _respond(server, ticket, prompt, body, request, chat=True)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        ticket = server.admission.admit()
+        try:
+            prompt = await server.on_engine(completion_prompt, server.engine.index, body, config)
+        except BaseException:
+            ticket.close()
+            raise
+        return await _respond(server, ticket, prompt, body, request, chat=False)
+
+    return app
+
+
+async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Sampling, request: Request,
+                   chat: bool) -> Response:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": server.model_id}
+    if not body.stream:
+        pieces: list[str] = []
+        try:
+            async with aclosing(server.generate(ticket, prompt, request)) as steps:
+                async for step in steps:
+                    if isinstance(step, str):
+                        pieces.append(step)
+                    else:
+                        answer = step
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening
+        except ValueError as e:  # what the fusion refuses (e.g. ratio 'auto' without calibration)
+            raise APIError(400, str(e), param="rag_kvcache") from None
+        text = "".join(pieces)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+                  if chat else {"index": 0, "text": text, "logprobs": None})
+        return JSONResponse(head | {"choices": [choice | {"finish_reason": answer.finish_reason}],
+                                    "usage": _usage(answer), "rag_kvcache": _extension(prompt, answer)})
+
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    usage_field = {"usage": None} if body.include_usage else {}
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _sse(head | {"choices": [choice]} | usage_field)
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            async with aclosing(server.generate(ticket, prompt, None)) as steps:
+                async for step in steps:
+                    if isinstance(step, str):
+                        if step:
+                            yield chunk(step, None)
+                        continue
+                    yield chunk(None if chat else "", step.finish_reason)
+                    if body.include_usage:
+                        yield _sse(head | {"choices": [], "usage": _usage(step),
+                                           "rag_kvcache": _extension(prompt, step)})
+        except ValueError as e:
+            yield _sse(APIError(400, str(e), param="rag_kvcache").body())
+        except Exception as e:  # the status line is sent: the error goes in the stream, as OpenAI's does
+            log.exception("error while streaming %s", rid)
+            yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """The first problem of a request body, as an OpenAI-style 400."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    elif first.get("type") == "extra_forbidden":
+        message = f"unknown field {param!r}"
+    elif first.get("type") == "missing":
+        message = f"missing required field {param!r}"
+    else:
+        message = f"{param + ': ' if param else ''}{first['msg']}"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return APIError(400, message + more, param=param, code="invalid_request")
+
+
+def _document_path(docs_dir: Path, source: str) -> Path:
+    """Where a posted document goes: a relative path inside `docs_dir`, no hidden or parent parts."""
+    rel = PurePosixPath(source)
+    if rel.is_absolute() or "\\" in source or any(part in ("", "..") or part.startswith(".") for part in rel.parts):
+        raise APIError(400, f"source must be a relative path inside the documents folder, without hidden or "
+                       f"'..' parts; got {source!r}", param="documents.source", code="invalid_source")
+    return docs_dir / Path(*rel.parts)
+
+
+def _write_and_sync(index: KVIndex, docs_dir: Path, paths: list[Path], texts: list[str]):
+    """Write the documents and sync the index with the folder (on the engine's thread)."""
+    for path, text in zip(paths, texts, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return index.update(docs_dir, progress=False)
+
+
+class _CountRequests:
+    """ASGI middleware: counts every HTTP response by route and status (streams included)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+def serve(engine: Engine, config: ServerConfig) -> None:
+    """Run the server until interrupted (uvicorn; logs through `logging`)."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_config=None,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,153 @@
+"""Request bodies of the OpenAI-compatible server, validated strictly: an unknown field, a wrong
+type or a value out of range is a 400, never a 500 or a silently ignored option.
+
+The fields are those of OpenAI's API that this server honours, plus the few that clients send by
+default and that are accepted only at the value that means "off" (`n=1`, no penalties, no
+logprobs). `rag_kvcache` (the OpenAI client's `extra_body`) picks the fusion method and its
+parameters, and names the chunks to fuse or asks the server to retrieve them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RagOptions(Strict):
+    """The `rag_kvcache` request field: fusion method and parameters; chunks named or retrieved."""
+
+    method: str | None = None
+    ratio: float | Literal["auto"] | None = None
+    check_layer: int | None = Field(None, ge=0)
+    filter_steps: int | None = Field(None, ge=1)
+    deviation: Literal["k", "v"] | None = None
+    epic_k: int | None = Field(None, ge=0)
+    chunk_ids: list[str] | None = Field(None, min_length=1)
+    top_k: int | None = Field(None, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _one_source_of_chunks(self) -> RagOptions:
+        if self.chunk_ids is not None and self.top_k is not None:
+            raise ValueError("give chunk_ids (the chunks to fuse) or top_k (retrieve them), not both")
+        return self
+
+    def fusion_changes(self) -> dict[str, object]:
+        """The `FusionConfig` fields this request sets."""
+        names = ("method", "ratio", "check_layer", "filter_steps", "deviation", "epic_k")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text_parts(self) -> list[str]:
+        return [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
+
+
+class Sampling(Strict):
+    """What both completion endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    user: str | None = None
+    rag_kvcache: RagOptions = RagOptions()
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _supported(self) -> Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        unsupported = {"n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
+                       "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs}
+        if given := [name for name, value in unsupported.items() if value]:
+            raise ValueError(f"not supported by this server: {', '.join(given)} (n=1, penalties 0, no logprobs)")
+        return self
+
+    def stops(self) -> tuple[str, ...] | None:
+        return None if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    def completion_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError("this server answers one prompt per request")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class RetrieveRequest(Strict):
+    query: str = Field(min_length=1)
+    top_k: int = Field(4, ge=1, le=64)
+
+
+class Document(Strict):
+    source: str = Field(min_length=1, max_length=255)  # a relative path inside the documents folder
+    text: str = Field(min_length=1)
+
+
+class DocumentsRequest(Strict):
+    documents: list[Document] = Field(min_length=1, max_length=256)

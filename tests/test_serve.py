@@ -1,0 +1,390 @@
+"""`rag-kvcache serve` on the tiny Llama: a real uvicorn server on a free loopback port, driven by
+the official `openai` client, LangChain's `ChatOpenAI`, LlamaIndex's `OpenAILike` and raw httpx.
+
+Answers are compared with the engine's own (`ask` / `Engine.stream`) for the same prompt and method.
+The tiny model's tokenizer has no chat template; the tests give a copy of it ChatML's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import tiny_llama
+
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
+from rag_kvcache.generator import Answer
+from rag_kvcache.index import KVIndex
+from rag_kvcache.serving import Engine, ServerConfig, create_app
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DOCS = {
+    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships. " * 3,
+    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor. " * 3,
+    "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
+}
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6))
+KEY = "test-key"
+QUESTION = "What is the telescope of the Veldmark Observatory named?"
+LONG = 600  # tokens: a generation long enough to be interrupted
+
+
+@dataclass
+class Running:
+    url: str
+    engine: Engine
+    docs: Path
+    model: str
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {KEY}"}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers()).text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health").json()
+
+
+
+def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """uvicorn on a free 127.0.0.1 port, in a thread; returns once it accepts connections."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def stop_server(server: uvicorn.Server, thread: threading.Thread) -> None:
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def chat_adapter(tokenizer) -> ModelAdapter:
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHATML
+    return ModelAdapter(tiny_llama(), chat, name="tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
+    root = tmp_path_factory.mktemp("serve")
+    docs = root / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    KVIndex.build(docs, root / "idx", CFG, adapter=chat_adapter, progress=False).close()
+    with Engine(root / "idx", CFG, chat_adapter) as engine:
+        config = ServerConfig(api_key=KEY, docs_dir=docs, max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
+        server, thread, url = start_server(create_app(engine, config))
+        try:
+            yield Running(url, engine, docs, engine.index.config.model)
+        finally:
+            stop_server(server, thread)
+
+
+def reference(engine: Engine, question: str, method: str, chunk_ids: list[str], max_tokens: int = 6) -> Answer:
+    """`ask`'s answer on the engine, for the given chunks in order."""
+    def ask() -> Answer:
+        hits = [h for cid in chunk_ids for h in engine.index.search(question, 10) if h.chunk.id == cid]
+        return engine.generator.ask(question, hits, fusion=FusionConfig(method=method),
+                                    generation=GenerationConfig(max_new_tokens=max_tokens))
+    return engine.run(ask)
+
+
+def top_ids(running: Running, query: str = QUESTION, k: int = 3) -> list[str]:
+    r = httpx.post(f"{running.url}/v1/retrieve", json={"query": query, "top_k": k}, headers=running.headers())
+    assert r.status_code == 200, r.text
+    return [hit["id"] for hit in r.json()["data"]]
+
+
+# ---- answers equal the engine's -----------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["full", "cacheblend", "epic"])
+def test_openai_chat_equals_ask(running, method):
+    ids = top_ids(running)
+    want = reference(running.engine, QUESTION, method, ids)
+    client = running.client()
+    extra = {"rag_kvcache": {"method": method, "chunk_ids": ids}}
+    got = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": QUESTION}],
+                                         max_tokens=6, temperature=0, extra_body=extra)
+    assert got.choices[0].message.content.strip() == want.answer
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == want.generated_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
+    if method != "full":  # reuse happened: most of the RAG prompt came from the cache
+        assert got.usage.prompt_tokens_details.cached_tokens > got.usage.prompt_tokens / 2
+    assert [c["id"] for c in got.model_extra["rag_kvcache"]["chunks"]] == ids
+
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == got.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens == want.cached_tokens
+
+
+def test_chat_with_history_equals_engine_stream(running):
+    ids = top_ids(running, "bakery rye loaf", 2)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there."},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What does the bakery sell?"}]
+    records = running.engine.run(running.engine.index.chunks.get, ids)
+    turns = [ChatTurn("system", ("Be brief.",)), ChatTurn("user", ("Hello there.",)), ChatTurn("assistant", ("Hello.",)),
+             ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?"))]
+    segments = chat_segments(running.engine.index.adapter.tokenizer, CFG.system_prompt, turns)
+    steps = list(running.engine.stream(segments, FusionConfig(method="epic"), GenerationConfig(max_new_tokens=5)))
+    got = running.client().chat.completions.create(
+        model=running.model, messages=messages, max_completion_tokens=5,
+        extra_body={"rag_kvcache": {"method": "epic", "chunk_ids": ids}},
+    )
+    assert got.choices[0].message.content == "".join(s for s in steps if isinstance(s, str))
+    assert got.usage.prompt_tokens == steps[-1].prompt_tokens
+
+
+def test_openai_completion_equals_ask_and_retrieves_itself(running):
+    want = running.engine.run(lambda: running.engine.generator.ask(
+        QUESTION, top_k=3, fusion=FusionConfig(method="cacheblend"), generation=GenerationConfig(max_new_tokens=6)))
+    client = running.client()
+    extra = {"rag_kvcache": {"top_k": 3}}  # retrieved by the server, fused with the index's default method
+    got = client.completions.create(model=running.model, prompt=QUESTION, max_tokens=6, extra_body=extra)
+    assert got.choices[0].text.strip() == want.answer
+    assert got.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
+    assert [c["id"] for c in got.model_extra["rag_kvcache"]["chunks"]] == [c.id for c in want.chunks]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=running.model, prompt=QUESTION, max_tokens=6, extra_body=extra, stream=True) if c.choices)
+    assert streamed == got.choices[0].text
+    plain = client.completions.create(model=running.model, prompt="Once upon a time", max_tokens=4)
+    assert plain.usage.completion_tokens <= 4 and plain.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_langchain_chat_openai(running):
+    from langchain_openai import ChatOpenAI
+
+    ids = top_ids(running)
+    want = reference(running.engine, QUESTION, "cacheblend", ids)
+    model = ChatOpenAI(model=running.model, base_url=f"{running.url}/v1", api_key=KEY, temperature=0, max_tokens=6,
+                       max_retries=0, extra_body={"rag_kvcache": {"chunk_ids": ids}}, stream_usage=True)
+    message = model.invoke(QUESTION)
+    assert message.content.strip() == want.answer
+    assert message.usage_metadata["input_token_details"]["cache_read"] == want.cached_tokens
+    streamed = "".join(chunk.content for chunk in model.stream(QUESTION))
+    assert streamed == message.content
+
+
+def test_llamaindex_openai_like(running):
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    ids = top_ids(running)
+    want = reference(running.engine, QUESTION, "epic", ids)
+    llm = OpenAILike(model=running.model, api_base=f"{running.url}/v1", api_key=KEY, is_chat_model=True,
+                     temperature=0, max_tokens=6, max_retries=0,
+                     additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}})
+    reply = llm.chat([ChatMessage(role="user", content=QUESTION)])
+    assert reply.message.content.strip() == want.answer
+    streamed = "".join(r.delta or "" for r in llm.stream_chat([ChatMessage(role="user", content=QUESTION)]))
+    assert streamed == reply.message.content
+    completion = OpenAILike(model=running.model, api_base=f"{running.url}/v1", api_key=KEY, is_chat_model=False,
+                            temperature=0, max_tokens=6, max_retries=0,
+                            additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}})
+    assert completion.complete(QUESTION).text.strip() == want.answer
+
+
+# ---- the other routes ------------------------------------------------------------------------------
+def test_models_health_retrieve_metrics(running):
+    assert [m.id for m in running.client().models.list()] == [running.model]
+    assert running.health()["status"] == "ok"
+    hits = httpx.post(f"{running.url}/v1/retrieve", json={"query": "telescope Veldmark", "top_k": 2},
+                      headers=running.headers()).json()["data"]
+    assert len(hits) == 2 and hits[0]["source"] == "observatory.txt" and hits[0]["score"] >= hits[1]["score"]
+    running.client().chat.completions.create(model=running.model, messages=[{"role": "user", "content": QUESTION}],
+                                             max_tokens=3, extra_body={"rag_kvcache": {"top_k": 2}})
+    assert running.metric("rag_kvcache_ttft_seconds_count", method="cacheblend") >= 1
+    assert running.metric("rag_kvcache_recomputed_fraction_count", method="cacheblend") >= 1
+    assert running.metric("rag_kvcache_kv_cache_hits_total", tier="disk") + running.metric(
+        "rag_kvcache_kv_cache_hits_total", tier="memory") > 0
+    assert running.metric("rag_kvcache_completion_tokens_total", method="cacheblend") > 0
+    assert running.metric("rag_kvcache_requests_total", route="/v1/chat/completions", status="200") >= 1
+
+
+def test_documents_added_over_http_are_retrieved_and_fused(running):
+    doc = {"source": "added/regatta.txt", "text": "The regatta winners receive a silver oar kept in the town hall. " * 3}
+    r = httpx.post(f"{running.url}/v1/documents", json={"documents": [doc]}, headers=running.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["added"] == ["added/regatta.txt"] and r.json()["new_chunks"]
+    assert (running.docs / "added" / "regatta.txt").read_text() == doc["text"]
+    got = running.client().chat.completions.create(
+        model=running.model, messages=[{"role": "user", "content": "What do regatta winners receive?"}],
+        max_tokens=3, extra_body={"rag_kvcache": {"top_k": 1}})
+    assert got.model_extra["rag_kvcache"]["chunks"][0]["source"] == "added/regatta.txt"
+    assert got.model_extra["rag_kvcache"]["cache_misses"] == 0  # its cache was computed when it was added
+    for source in ("../escape.txt", "/etc/passwd", ".hidden", "a/../../b"):
+        bad = httpx.post(f"{running.url}/v1/documents", json={"documents": [{"source": source, "text": "x"}]},
+                         headers=running.headers())
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_source"
+
+
+# ---- security, limits, bad requests ------------------------------------------------------------------
+def test_api_key_is_required_everywhere_but_health(running):
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/retrieve"), ("POST", "/v1/documents")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, f"{running.url}{path}", headers=headers, json={})
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{running.url}/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"methd": "epic"}},
+     "rag_kvcache.methd"),
+    ({"model": "M", "messages": [{"role": "tool", "content": "hi"}]}, "messages.0.role"),
+    ({"model": "M", "messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"ratio": 2.0}}, "rag_kvcache"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"method": "nope"}},
+     "rag_kvcache.method"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"chunk_ids": ["nope"]}},
+     "rag_kvcache.chunk_ids"),
+    ({"model": "M", "messages": [{"role": "system", "content": "hi"}]}, "messages"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG + 1}, "max_tokens"),
+    ({"model": "M", "messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
+])
+def test_bad_requests_are_openai_400s(running, body, param):
+    if "model" in body:
+        body = body | {"model": running.model}
+    r = httpx.post(f"{running.url}/v1/chat/completions", json=body, headers=running.headers())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert param is None or error["param"] == param, error
+
+
+def test_malformed_bodies_and_unknown_model(running):
+    url = f"{running.url}/v1/chat/completions"
+    for content in (b"{not json", b"", b"[1, 2]", b'"text"'):
+        r = httpx.post(url, content=content, headers=running.headers() | {"Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json(), (content, r.text)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        running.client().completions.create(model=running.model, prompt="hi", max_tokens=LONG + 1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        running.client().completions.create(model="gpt-4o", prompt="hi")
+    assert httpx.get(f"{running.url}/v1/nope", headers=running.headers()).status_code == 404
+
+
+# ---- load: overload and disconnects -----------------------------------------------------------------------
+def _wait(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _long_stream(running: Running, client: httpx.Client):
+    body = {"model": running.model, "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    return client.stream("POST", f"{running.url}/v1/completions", json=body, headers=running.headers())
+
+
+def test_full_queue_answers_429_with_retry_after(running):
+    release = threading.Event()
+    blocker = threading.Thread(target=running.engine.run, args=(release.wait,))  # the engine is busy until released
+    blocker.start()
+    outcomes: list[object] = []
+
+    def ask() -> None:
+        try:
+            outcomes.append(running.client().chat.completions.create(
+                model=running.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+        except openai.RateLimitError as e:
+            outcomes.append(e)
+
+    clients = [threading.Thread(target=ask) for _ in range(4)]
+    try:
+        for c in clients:
+            c.start()
+        _wait(lambda: len(outcomes) == 3, "three of four requests to be refused (max_queue=1)")
+        assert running.health()["queue_depth"] == 1
+    finally:
+        release.set()
+        blocker.join()
+        for c in clients:
+            c.join(timeout=60)
+    refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    assert len(refused) == 3 and all(int(e.response.headers["Retry-After"]) >= 1 for e in refused)
+    assert all(e.body["code"] == "server_busy" for e in refused)
+    (served,) = [o for o in outcomes if not isinstance(o, openai.RateLimitError)]
+    assert served.choices[0].finish_reason in ("length", "stop")
+    _wait(lambda: running.health()["queue_depth"] == 0 and running.health()["active"] == 0, "the queue to drain")
+    assert running.metric("rag_kvcache_requests_rejected_total") >= 3
+
+
+def test_disconnect_stops_the_generation(running):
+    full = running.client().completions.create(model=running.model, prompt="Once upon a time", max_tokens=LONG)
+    assert full.usage.completion_tokens == LONG  # this prompt runs to the limit when nobody leaves
+    cancelled = running.metric("rag_kvcache_requests_cancelled_total")
+    generated = running.metric("rag_kvcache_completion_tokens_total", method="cacheblend")
+    with httpx.Client(timeout=60) as client, _long_stream(running, client) as stream:  # streamed: left after one event
+        next(stream.iter_lines())
+    _wait(lambda: running.metric("rag_kvcache_requests_cancelled_total") == cancelled + 1, "the stream to be cancelled")
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
+        httpx.post(f"{running.url}/v1/completions", headers=running.headers(), timeout=0.3,
+                   json={"model": running.model, "prompt": "Once upon a time", "max_tokens": LONG})
+    _wait(lambda: running.metric("rag_kvcache_requests_cancelled_total") == cancelled + 2, "the request to be cancelled")
+    _wait(lambda: running.health()["active"] == 0, "the engine to be free")
+    # the cancelled generations never finished: no tokens were counted for them
+    assert running.metric("rag_kvcache_completion_tokens_total", method="cacheblend") == generated
+
+
+def test_streamed_events_are_sse_with_usage_last(running):
+    body = {"model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, headers=running.headers()) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 4
+    assert all(c["usage"] is None for c in chunks[:-1])
