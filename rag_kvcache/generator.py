@@ -1,14 +1,17 @@
 """`FusedGenerator`: the query path. A prompt's segments in, their caches fused, text out.
 
 One question flows downhill: `ask` retrieves (or takes the given hits) and lays out the prompt;
-`stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
+`complete` takes any prompt (a string or chat messages), tokenises it whole and finds the indexed
+chunks in it by their token ids (`prompt_segments`), so pipelines that build their own prompts are
+fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -18,11 +21,13 @@ from .engine.fusion import DirectReader, FusionInput, FusionResult
 from .engine.generation import Decoder, sample_token
 from .engine.methods import get_method
 from .engine.profiling import StageClock
-from .engine.prompt import Segment
+from .engine.prompt import Segment, StoredRun, matched_segments, render_prompt
 from .index import KVIndex
 from .retrieval.chunk_index import Hit
 from .store.controller import resolve_ratio
 from .store.loading import LayerFeed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,40 @@ class FusedGenerator:
             if on_text is not None and step:
                 on_text(step)
         raise AssertionError("stream() always ends with an Answer")
+
+    def complete(
+        self, prompt: str | Sequence[Mapping[str, str]], *, fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None, on_text: Callable[[str], None] | None = None,
+    ) -> Answer:
+        """Answer any prompt, a string or chat messages (`render_prompt`), reading from the cache every
+        indexed chunk found in it (`prompt_segments`); `on_text` receives the text as it streams."""
+        pieces: list[str] = []
+        for step in self.stream(self.prompt_segments(prompt, fusion), fusion, generation):
+            if isinstance(step, Answer):
+                return replace(step, answer="".join(pieces).strip())
+            pieces.append(step)
+            if on_text is not None and step:
+                on_text(step)
+        raise AssertionError("stream() always ends with an Answer")
+
+    def prompt_segments(
+        self, prompt: str | Sequence[Mapping[str, str]], fusion: FusionConfig | None = None
+    ) -> list[Segment]:
+        """The segments of any prompt: rendered and tokenised whole, its head a run of the system prefix
+        where it agrees with it, every run of an indexed chunk's ids in it a slice of that chunk's
+        cache (`ChunkIndex.match`), the rest computed. Logs a warning when a method that reads caches
+        (`fusion`, default the index's) finds no indexed text in it."""
+        ids = render_prompt(self.adapter.tokenizer, self.index.config.system_prompt, prompt)
+        matches = self.index.chunks.match(ids)
+        runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
+        segments = matched_segments(ids, self.index.format.prefix_ids, runs)
+        method = (fusion or self.index.config.fusion).method
+        if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in segments):
+            log.warning(
+                "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
+                "token, so it is computed in full", method, len(ids),
+            )
+        return segments
 
     def stream(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,

@@ -35,7 +35,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from .config import Config
-from .engine.cache import ChunkKV, LayerSource
+from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
 from .retrieval.chunk_index import ChunkIndex, Hit, SyncReport
@@ -183,26 +183,39 @@ class KVIndex:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
         index's `chunk_context`. A missing entry is recomputed and stored now; one that fails a layer's
-        check while the fusion reads it is recomputed then. Either way the fusion gets intact caches."""
+        check while the fusion reads it is recomputed then. Either way the fusion gets intact caches.
+        A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
+        prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
+        to its context; a sequence several segments read is opened once.
+        """
         sources: list[LayerSource | None] = []
         contexts: list[tuple[int, ...]] = []
-        recomputed: dict[str, ChunkKV] = {}
+        opened: dict[str, LayerSource] = {}
+        recomputed: set[str] = set()
         missing = start = 0
         for seg in segments:
             ctx = () if start == 0 else self.chunk_context
             source: LayerSource | None = None
             if seg.cacheable:
-                key = self.key(seg.ids, ctx)
-                source = recomputed.get(key) or self.store.open(key)
-                if source is None:
-                    source = recomputed[key] = self._repair(key, seg.ids, ctx)
-                elif not isinstance(source, ChunkKV):
-                    source = _Repairing(source, partial(self._repair, key, seg.ids, ctx))
-                missing += start > 0 and key in recomputed  # the prefix is not a retrieved chunk
+                whole = seg.stored
+                key = self.key(whole, ctx)
+                if key not in opened:
+                    entry = self.store.open(key)
+                    if entry is None:
+                        opened[key] = self._repair(key, whole, ctx)
+                        recomputed.add(key)
+                    else:
+                        opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
+                            entry, partial(self._repair, key, whole, ctx))
+                source = opened[key]
+                missing += start > 0 and key in recomputed  # per segment; the prefix is not a retrieved chunk
+                if len(seg.ids) < len(whole):
+                    source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
+                ctx = ctx + whole[: seg.offset]
             sources.append(source)
             contexts.append(ctx)
             start += len(seg.ids)
-        return PromptCaches(sources, contexts, missing)
+        return PromptCaches(sources, contexts, missing, list(opened.values()))
 
     def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
@@ -250,11 +263,12 @@ class PromptCaches:
     sources: list[LayerSource | None]  # per segment; None: computed at query time
     contexts: list[tuple[int, ...]]  # per segment: the tokens its cache was computed behind
     missing: int  # chunk caches that were missing when opened (recomputed and stored)
+    opened: list[LayerSource]  # each stored cache opened, once (segments may read slices of one)
 
     @property
     def repaired(self) -> int:
         """Chunk caches recomputed so far: missing when opened, or corrupt when a layer was read."""
-        return self.missing + sum(isinstance(s, _Repairing) and s.repaired for s in self.sources)
+        return self.missing + sum(isinstance(s, _Repairing) and s.repaired for s in self.opened)
 
 
 class _Repairing:

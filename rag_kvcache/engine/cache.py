@@ -1,7 +1,7 @@
 """A chunk's cache as the fusion engine reads it: per-layer keys and values, one layer at a time.
 
 `LayerSource` is what the engine asks of a cache (the store's tiers implement it); `ChunkKV` is a
-cache held whole in memory. Keys/values are per KV head `[H_kv, T, D]`, never repeated for GQA.
+cache held whole in memory; `SliceKV` is a run of a cache's tokens (part of a chunk found in a prompt). Keys/values are per KV head `[H_kv, T, D]`, never repeated for GQA.
 """
 
 from __future__ import annotations
@@ -63,3 +63,32 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
         k, v = source.layer(layer)  # [H_kv, T, D]
         out.append((k.to(device), v.to(device)))
     return out
+
+
+@dataclass(frozen=True)
+class SliceKV:
+    """Tokens [start, stop) of a cache: the part of a chunk that a prompt holds (a matched span)."""
+
+    source: LayerSource
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.source.n_tokens:
+            raise ValueError(f"slice [{self.start}:{self.stop}] of a {self.source.n_tokens}-token cache")
+
+    @property
+    def position(self) -> int:
+        return self.source.position + self.start
+
+    @property
+    def n_tokens(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def n_layers(self) -> int:
+        return self.source.n_layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.source.layer(i)  # [H_kv, T, D]
+        return k[:, self.start : self.stop], v[:, self.start : self.stop]  # [H_kv, stop - start, D]

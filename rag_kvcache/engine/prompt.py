@@ -3,13 +3,15 @@
 The prompt is assembled from stored token ids, never by re-tokenising joined text, so the ids that
 were cached at indexing time are exactly the ids in the prompt. The prefix and the question suffix
 come from the model's chat template, split around a placeholder for the user's content.
-`chat_segments` lays out a whole chat (the integrations' messages) the same way.
+`chat_segments` lays out a whole chat (the integrations' messages) the same way. Any other prompt is
+tokenised whole (`render_prompt`), and the chunks found in it by their ids (the index's matching)
+become cacheable runs of those chunks (`matched_segments`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 _PLACEHOLDER = "\x00RAGKV-USER-CONTENT\x00"
@@ -21,11 +23,28 @@ _QUESTION_HEAD = "Question: "
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of prompt tokens; `cacheable` runs may come from the KV store, the others are always computed."""
+    """A run of prompt tokens; `cacheable` runs may come from the KV store, the others are always computed.
+
+    A cacheable segment is a whole stored sequence (a chunk, the prefix), or a run of one: `ids` equal
+    `whole[offset : offset + len(ids)]`, and its cache is that slice of `whole`'s cache.
+    """
 
     ids: tuple[int, ...]
     cacheable: bool
     label: str = ""
+    whole: tuple[int, ...] | None = None  # the stored sequence `ids` is a run of (None: `ids` itself)
+    offset: int = 0  # where `ids` start in `whole`
+
+    def __post_init__(self) -> None:
+        if self.whole is not None and (
+            not self.cacheable or self.whole[self.offset : self.offset + len(self.ids)] != self.ids
+        ):
+            raise ValueError(f"segment {self.label!r}: ids are not a cacheable run of `whole` at offset {self.offset}")
+
+    @property
+    def stored(self) -> tuple[int, ...]:
+        """The stored sequence whose cache this segment reads."""
+        return self.ids if self.whole is None else self.whole
 
 
 @dataclass(frozen=True)
@@ -126,6 +145,64 @@ def chat_segments(tokenizer, system_prompt: str, turns: Sequence[ChatTurn]) -> l
             segments.append(Segment(tuple(tokenizer(piece, add_special_tokens=False).input_ids), False, "text"))
     if segments[0].ids == PromptFormat.build(tokenizer, system_prompt).prefix_ids:
         segments[0] = replace(segments[0], cacheable=True, label="prefix")
+    return segments
+
+
+def render_prompt(tokenizer, system_prompt: str, prompt: str | Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+    """A prompt's token ids, the whole rendered text tokenised at once: a string is one user message
+    and messages are taken as they are, both through the chat template (with `system_prompt` when
+    they bring no system message); a tokenizer without a chat template takes a string as it is."""
+    if isinstance(prompt, str):
+        if not tokenizer.chat_template:
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            return tuple(tokenizer(prompt, add_special_tokens=False).input_ids)
+        prompt = [{"role": "user", "content": prompt}]
+    if not tokenizer.chat_template:
+        raise ValueError(f"chat messages need a chat template; tokenizer {tokenizer.name_or_path!r} has none")
+    messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if not messages or not any(m["content"].strip() for m in messages):
+        raise ValueError(f"no text to answer in the messages {messages!r}")
+    if messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """Prompt tokens [start, start + length) equal `whole[offset : offset + length]`, a stored sequence."""
+
+    start: int
+    whole: tuple[int, ...]
+    offset: int
+    length: int
+    label: str = ""
+
+
+def matched_segments(ids: Sequence[int], prefix_ids: Sequence[int], runs: Sequence[StoredRun]) -> list[Segment]:
+    """The segments of a prompt given as token ids: its head as a run of the system prefix (exact: the
+    prefix's cache is computed from position 0), the stored `runs` found in it (in order, not
+    overlapping) as cacheable runs of their chunks, and every other token computed. Runs are trimmed
+    to start after the head (and after position 0, which only the prefix's cache serves) and to end
+    before the last token (which is always computed)."""
+    ids = tuple(ids)
+    head = next((i for i, (a, b) in enumerate(zip(ids, prefix_ids)) if a != b), min(len(ids), len(prefix_ids)))
+    head = min(head, len(ids) - 1)
+    segments: list[Segment] = []
+    if head:
+        segments.append(Segment(ids[:head], True, "prefix", tuple(prefix_ids), 0))
+    at = head
+    for run in runs:
+        start, end = max(run.start, at, 1), min(run.start + run.length, len(ids) - 1)
+        if end <= start:
+            continue
+        if start > at:
+            segments.append(Segment(ids[at:start], False, "text"))
+        offset = run.offset + start - run.start
+        segments.append(Segment(ids[start:end], True, run.label, run.whole, offset))
+        at = end
+    segments.append(Segment(ids[at:], False, "text"))
     return segments
 
 

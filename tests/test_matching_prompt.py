@@ -1,0 +1,104 @@
+"""Any prompt through `FusedGenerator.complete` on the tiny Llama: the indexed chunks found in it are
+read from their caches (slices included), everything else is computed, and a prompt without
+indexed text answers exactly as `full`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.profiling import StageClock
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+
+DOCS = {
+    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856 and its keeper Ada Rennick kept a diary of every "
+    "ship that passed the northern reef, including the wreck of the brig Marigold in a winter storm.",
+    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye; it is a refractor with "
+    "a lens ground by the optician Selma Voss, and it was moved to the hill above the town in 1902.",
+}
+CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5))
+
+
+@pytest.fixture(scope="module")
+def index(tiny, tmp_path_factory) -> KVIndex:
+    root = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (root / name).write_text(text)
+    return KVIndex.build(root, tmp_path_factory.mktemp("idx"), CFG, adapter=tiny, progress=False)
+
+
+def chunk_texts(index: KVIndex) -> list:
+    return sorted(index.chunks.all_chunks(), key=lambda c: (c.source, c.ordinal))
+
+
+def ask(index: KVIndex, prompt: str, method: str, ratio: float = 0.15):
+    return FusedGenerator(index).complete(prompt, fusion=FusionConfig(method=method, ratio=ratio))
+
+
+def test_prompt_without_indexed_text_answers_as_full(index, caplog):
+    prompt = "Write one sentence about the weather in a small harbour town where fishing boats come home at dusk."
+    with caplog.at_level(logging.WARNING):
+        fused = ask(index, prompt, "cacheblend")
+    assert "found no indexed text" in caplog.text
+    full = ask(index, prompt, "full")
+    assert fused.answer == full.answer
+    torch.testing.assert_close(fused.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_quoted_chunks_are_read_from_cache(index):
+    chunks = chunk_texts(index)
+    context = "\n\n".join(c.text for c in chunks)
+    prompt = f"Use the following context.\nContext: {context}\n\nQuestion: who ground the lens?\nAnswer:"
+    segments = FusedGenerator(index).prompt_segments(prompt)
+    matched = [s for s in segments if s.cacheable and s.label != "prefix"]
+    assert {s.label for s in matched} == {f"chunk:{c.id}" for c in chunks}
+    assert sum(len(s.ids) for s in matched) >= 0.9 * sum(len(c.token_ids) for c in chunks)
+    answer = ask(index, prompt, "cacheblend")
+    assert answer.cached_tokens >= sum(len(s.ids) for s in matched) * 0.8 and answer.cache_misses == 0
+
+
+@pytest.mark.parametrize("method", ["prefix", "cacheblend"])
+def test_exact_methods_over_matched_prompts_equal_full(index, method):
+    """Ratio 1.0 and prefix caching stay exact with matched slices, partial and repeated chunks."""
+    first, second = chunk_texts(index)[:2]
+    half = first.text[len(first.text) // 2 :]
+    prompt = f"Notes: {half}\n\n{second.text}\n\nAgain: {second.text}\n\nQuestion: when?\nAnswer:"
+    assert sum(s.cacheable for s in FusedGenerator(index).prompt_segments(prompt)) >= 2
+    fused, full = ask(index, prompt, method, ratio=1.0), ask(index, prompt, "full")
+    assert fused.answer == full.answer
+    torch.testing.assert_close(fused.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_slice_at_its_own_place_is_exact(index, tiny):
+    """A chunk's cache sliced from offset a and placed right after the chunk's own first a tokens (and
+    the context it was computed behind) is what a full prefill computes there: reuse then equals full."""
+    chunk = chunk_texts(index)[0].token_ids
+    a = 7
+    question = tuple(tiny.tokenizer(" and then?", add_special_tokens=False).input_ids)
+    segments = [
+        Segment(index.format.prefix_ids, True, "prefix"),
+        Segment(chunk[:a], False, "head"),
+        Segment(chunk[a:], True, "tail", whole=chunk, offset=a),
+        Segment(question, False, "question"),
+    ]
+    caches = index.open_caches(segments)
+    inp = FusionInput.build(segments, caches.sources, caches.contexts)
+    assert [p.exact for p in inp.parts] == [True, False, True, False]
+    assert caches.sources[2].position == len(index.format.prefix_ids) + a
+    fusion = FusionConfig(method="reuse")
+    reuse = get_method("reuse")(tiny, inp, fusion, StageClock("cpu"), None)
+    full = get_method("full")(tiny, FusionInput.build(segments, [None] * 4, [()] * 4), fusion, StageClock("cpu"), None)
+    torch.testing.assert_close(reuse.logits, full.logits, atol=1e-4, rtol=1e-4)
+    assert reuse.recomputed_tokens == a + len(question)
+
+
+def test_segment_refuses_ids_that_are_not_a_run_of_whole():
+    with pytest.raises(ValueError, match="not a cacheable run"):
+        Segment((1, 2), True, "x", whole=(1, 3, 2), offset=0)
