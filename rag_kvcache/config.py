@@ -21,7 +21,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 Deviation = Literal["k", "v"]
-ChunkPrefill = Literal["behind_prefix", "isolated"]
+ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours"]
 Eviction = Literal["lru", "lfu"]
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic"  # for help texts; the registry is engine.methods.METHODS
 
@@ -58,6 +58,9 @@ class FusionConfig:
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
     repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
+    gate_bound: float = setting(
+        0.2, "cacheblend_gate: above this relative K (or V) deviation at the check layer, recompute every token."
+    )
 
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
@@ -72,6 +75,8 @@ class FusionConfig:
             raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ValueError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
+        if self.gate_bound < 0:
+            raise ValueError(f"gate_bound must be >= 0, got {self.gate_bound!r}")
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Config:
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = "behind_prefix"
+    context_chunks: int = 2  # chunk_prefill="neighbours": similar chunks each chunk's cache is also computed behind
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
@@ -160,8 +166,10 @@ class Config:
             raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.chunk_prefill not in ("behind_prefix", "isolated"):
-            raise ValueError(f"chunk_prefill must be 'behind_prefix' or 'isolated', got {self.chunk_prefill!r}")
+        if self.chunk_prefill not in ("behind_prefix", "isolated", "neighbours"):
+            raise ValueError(f"chunk_prefill must be 'behind_prefix', 'isolated' or 'neighbours', got {self.chunk_prefill!r}")
+        if self.context_chunks < 1:
+            raise ValueError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
 
     def with_fusion(self, **changes: object) -> Config:
         return replace(self, fusion=replace(self.fusion, **changes))

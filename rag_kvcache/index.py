@@ -5,6 +5,12 @@ and the per-chunk KV caches (`kv/`). Chunks are prefilled *behind the system pre
 chunk's cache is computed at the positions it would have right after the prefix, so the first
 retrieved chunk is exact and no chunk grows an attention sink of its own (the prefix's first
 token is the sink). `chunk_prefill="isolated"` computes each chunk alone from position 0 instead.
+`chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk behind the prefix and its
+`context_chunks` most similar chunks of the corpus (its likely retrieval neighbours, laid out as in a
+prompt, the most similar last), so its cache already carries cross-attention of the kind a prompt
+needs; the chosen neighbours are recorded in `neighbours.json`. A chunk right after the prefix, or one
+without recorded neighbours (indexed by a run killed before it recorded them), uses its behind-prefix
+cache, which every index stores.
 
 Consistency. Indexers are serialised by a lock file (`.writer.lock`): a second indexer waits, then
 finds the work done. A sync stores the new chunks' caches *before* it commits them, so every chunk
@@ -23,9 +29,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -38,7 +45,7 @@ from .config import Config
 from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
-from .retrieval.chunk_index import ChunkIndex, Hit, SyncReport
+from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport
 from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
@@ -46,7 +53,9 @@ from .store.tiers import CorruptEntryError
 
 log = logging.getLogger(__name__)
 
-_INDEX_CONFIG_KEYS = ("model", "embedder", "chunk_tokens", "index_type", "system_prompt", "chunk_prefill", "dtype")
+_INDEX_CONFIG_KEYS = (
+    "model", "embedder", "chunk_tokens", "index_type", "system_prompt", "chunk_prefill", "context_chunks", "dtype",
+)
 
 
 class KVIndex:
@@ -134,6 +143,8 @@ class KVIndex:
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress), prune=prune,
             )
+            if self.config.chunk_prefill == "neighbours":
+                self.precompute_neighbours(report.new_chunks, progress)
         self.store.flush_stats()
         return report
 
@@ -149,6 +160,28 @@ class KVIndex:
             bar.update(len(todo[i]))
         bar.close()
         return len(todo)
+
+    def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
+        """`chunk_prefill="neighbours"`: for each of `chunks` (already in the index), find its
+        `context_chunks` most similar other chunks, store its cache computed behind the prefix and them,
+        and record them in `neighbours.json`; returns how many caches were computed."""
+        table = self._neighbours
+        bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
+        done = 0
+        for chunk in chunks:
+            hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
+            near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][: self.config.context_chunks]
+            table[self._neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
+            ctx = self._neighbour_context(near)
+            if self.key(chunk.token_ids, ctx) not in self.store:
+                self.store.put(self.key(chunk.token_ids, ctx), next(self.compute([chunk.token_ids], ctx))[1])
+                done += 1
+            bar.update(1)
+        bar.close()
+        tmp = self._neighbours_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(table), encoding="utf-8")
+        os.replace(tmp, self._neighbours_path)  # atomic: readers see the old table or the new one
+        return done
 
     def compute(
         self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int = 4
@@ -173,7 +206,34 @@ class KVIndex:
     @property
     def chunk_context(self) -> tuple[int, ...]:
         """Tokens a chunk's cache is computed behind."""
-        return self.format.prefix_ids if self.config.chunk_prefill == "behind_prefix" else ()
+        return () if self.config.chunk_prefill == "isolated" else self.format.prefix_ids
+
+    @property
+    def _neighbours_path(self) -> Path:
+        return self.path / "neighbours.json"
+
+    @cached_property
+    def _neighbours(self) -> dict[str, list[list[int]]]:
+        """`chunk_prefill="neighbours"`: chunk (by `_neighbour_key`) -> its recorded neighbours' token ids."""
+        if self.config.chunk_prefill != "neighbours" or not self._neighbours_path.exists():
+            return {}
+        return json.loads(self._neighbours_path.read_text(encoding="utf-8"))
+
+    def _neighbour_key(self, ids: Sequence[int]) -> str:
+        return cache_key(self.namespace, (), ids)
+
+    def _neighbour_context(self, near: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """The prefix, then the neighbours as a prompt lays chunks out (separator after each), most similar last."""
+        return self.format.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *self.format.separator_ids))
+
+    def context_at(self, start: int, ids: Sequence[int]) -> tuple[int, ...]:
+        """The context of the cache used for chunk `ids` starting at prompt position `start` > 0: behind
+        its recorded neighbours (`chunk_prefill="neighbours"`), except right after the prefix, where the
+        behind-prefix cache is exact; otherwise the index's `chunk_context`."""
+        near = self._neighbours.get(self._neighbour_key(ids))
+        if near is None or start == len(self.format.prefix_ids):
+            return self.chunk_context
+        return self._neighbour_context(near)
 
     def key(self, ids: Sequence[int], context: Sequence[int] | None = None) -> str:
         """The store key of the cache of `ids` computed behind `context` (default: a chunk's)."""
@@ -182,7 +242,7 @@ class KVIndex:
     def open_caches(self, segments: Sequence[Segment]) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
-        index's `chunk_context`. A missing entry is recomputed and stored now; one that fails a layer's
+        one `context_at` its position names. A missing entry is recomputed and stored now; one that fails a layer's
         check while the fusion reads it is recomputed then. Either way the fusion gets intact caches.
         A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
         prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
@@ -194,7 +254,7 @@ class KVIndex:
         recomputed: set[str] = set()
         missing = start = 0
         for seg in segments:
-            ctx = () if start == 0 else self.chunk_context
+            ctx = () if start == 0 else self.context_at(start - seg.offset, seg.stored)
             source: LayerSource | None = None
             if seg.cacheable:
                 whole = seg.stored

@@ -1,0 +1,99 @@
+"""`chunk_prefill="neighbours"` (issue 13): each chunk's cache also computed behind its most similar
+chunks, addressed by that context; exact only where the prompt's tokens before it are that context."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from test_fusion import ATOL
+
+from rag_kvcache.config import Config, FusionConfig
+from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+
+NEIGHBOURS = Config(chunk_tokens=24, top_k=3, chunk_prefill="neighbours", context_chunks=2)
+DOCS = {
+    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
+                      "passed the point, the weather each morning, and the state of the lamp and its oil.",
+    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor "
+                       "built in 1911 and it still observes double stars on clear winter nights.",
+    "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day, and on Sundays "
+                  "it bakes small honey cakes for the children of the harbour families.",
+}
+
+
+@pytest.fixture()
+def index(tiny, tmp_path) -> KVIndex:
+    for name, text in DOCS.items():
+        (tmp_path / "docs").mkdir(exist_ok=True)
+        (tmp_path / "docs" / name).write_text(text)
+    return KVIndex.build(tmp_path / "docs", tmp_path / "idx", NEIGHBOURS, adapter=tiny, progress=False)
+
+
+def some_chunk(index: KVIndex):
+    return next(index.chunks.all_chunks())
+
+
+def layout(index: KVIndex, near) -> tuple[int, ...]:
+    sep = index.format.separator_ids
+    return index.format.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *sep))
+
+
+def test_neighbour_cache_is_the_chunk_behind_its_most_similar_chunks(tiny, index):
+    chunk = some_chunk(index)
+    near = [h.chunk.token_ids for h in index.search(chunk.text, 3) if h.chunk.id != chunk.id][:2]
+    table = json.loads((index.path / "neighbours.json").read_text())
+    assert len(table) == len(list(index.chunks.all_chunks())) and len(near) == 2
+    context = layout(index, near)
+    assert index.context_at(1000, chunk.token_ids) == context
+    stored = index.store.get(index.key(chunk.token_ids, context))
+    assert stored.position == len(context)
+    past = tiny.prefill(torch.tensor([context]))[:2]
+    keys, values, _ = tiny.prefill(torch.tensor([chunk.token_ids]), past)
+    for layer in range(tiny.layout.n_layers):
+        torch.testing.assert_close(stored.keys[layer], keys[layer][0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(stored.values[layer], values[layer][0], atol=ATOL, rtol=0)
+
+
+def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
+    question = "Who kept the lighthouse diary of ships?"
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in index.search(question, 3)],
+                            fmt.question_ids(index.adapter.tokenizer, question))
+    caches = index.open_caches(segments)
+    inp = FusionInput.build(segments, caches.sources, caches.contexts)
+    chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
+    assert chunks[0].exact and not any(p.exact for p in chunks[1:])
+    assert caches.contexts[3] != fmt.prefix_ids  # a later chunk reads its neighbour cache
+    gen = FusedGenerator(index)
+    full = gen.fuse(segments, FusionConfig(method="full")).result
+    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits, full.logits,
+                               atol=ATOL, rtol=0)
+
+
+def test_a_chunk_behind_exactly_its_neighbours_is_exact(index):
+    chunk = some_chunk(index)
+    context = index.context_at(1000, chunk.token_ids)
+    segments = [Segment(index.format.prefix_ids, True, "prefix"), Segment(context[len(index.format.prefix_ids):], False, "text"),
+                Segment(chunk.token_ids, True, "chunk"), Segment((1012, 1013), False, "question")]
+    caches = index.open_caches(segments)
+    inp = FusionInput.build(segments, caches.sources, caches.contexts)
+    assert inp.parts[2].exact
+    full = FusedGenerator(index).fuse(segments, FusionConfig(method="full")).result
+    torch.testing.assert_close(FusedGenerator(index).fuse(segments, FusionConfig(method="prefix")).result.logits,
+                               full.logits, atol=ATOL, rtol=0)
+
+
+def test_another_setting_is_a_miss(tiny, index):
+    chunk = some_chunk(index)
+    one = KVIndex(index.path, replace(NEIGHBOURS, context_chunks=1), index.chunks, tiny)
+    plain = KVIndex(index.path, replace(NEIGHBOURS, chunk_prefill="behind_prefix"), index.chunks, tiny)
+    near = json.loads((index.path / "neighbours.json").read_text())[index._neighbour_key(chunk.token_ids)]
+    assert one.key(chunk.token_ids, layout(one, near[:1])) not in index.store
+    assert plain.key(chunk.token_ids) not in index.store
+    assert plain.context_at(1000, chunk.token_ids) == plain.format.prefix_ids  # no neighbours outside the mode
