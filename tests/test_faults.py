@@ -4,9 +4,11 @@ indexers and readers; a full disk. Each must leave the index consistent and the 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -98,6 +100,67 @@ def test_bad_cache_file_is_recomputed_and_the_answer_unchanged(index, fault, cap
     torch.testing.assert_close(after.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
     assert index.store.get(index.key(hits[0].chunk.token_ids)) is not None  # rewritten, intact
     assert gen.ask(QUESTION, hits).cache_misses == 0
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Replace a cache file's header by `edit(header)` (a parsed JSON object; it may return any JSON
+    value), leaving its checksum and tensor bytes as they were: a damaged or hand-edited header."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = edit(json.loads(raw[8 : 8 + n]))
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _set_meta(key: str, value: str):
+    def edit(header):
+        header["__metadata__"][key] = value
+        return header
+    return edit
+
+
+def _set_tensor(name: str, field: str, value):
+    def edit(header):
+        header[name][field] = value
+        return header
+    return edit
+
+
+def _rename(old: str, new: str):
+    def edit(header):
+        header[new] = header.pop(old)
+        return header
+    return edit
+
+
+HEADER_FAULTS = {  # each of these once changed an answer silently or crashed every question
+    "position": _set_meta("position", "0"),
+    "dtype": _set_meta("dtype", "float16"),
+    "layers": _set_meta("layers", "3"),
+    "codec": _set_meta("codec", "int8-token"),
+    "shape_off_by_one": _set_tensor("k.0", "shape", [3, 24, 16]),
+    "huge_shape": _set_tensor("v.1", "shape", [2, 10**12, 16]),
+    "negative_shape": _set_tensor("v.1", "shape", [2, -24, 16]),
+    "unknown_dtype": _set_tensor("k.2", "dtype", "Q4"),
+    "renamed_tensor": _rename("k.3", ""),
+    "json_list": lambda header: [1, 2, 3],
+    "no_metadata": lambda header: {k: v for k, v in header.items() if k != "__metadata__"},
+}
+
+
+@pytest.mark.parametrize("fault", sorted(HEADER_FAULTS))
+def test_a_damaged_header_is_a_recomputed_miss_never_a_wrong_answer(index, fault, caplog):
+    gen = FusedGenerator(index)
+    hits = index.search(QUESTION, 3)
+    before = gen.ask(QUESTION, hits)
+    _rewrite_header(top_chunk_path(index), HEADER_FAULTS[fault])
+    with caplog.at_level(logging.WARNING):
+        after = gen.ask(QUESTION, hits)
+    assert after.cache_misses == 1 and "dropping corrupt KV cache entry" in caplog.text
+    assert after.answer == before.answer
+    torch.testing.assert_close(after.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
+    assert gen.ask(QUESTION, hits).cache_misses == 0  # rewritten, intact
 
 
 def wait_for_entries(proc: subprocess.Popen, idx: Path, n: int) -> None:

@@ -39,7 +39,8 @@ from .codecs import Codec, get_codec
 
 log = logging.getLogger(__name__)
 
-FORMAT = "rag-kvcache-kv-v1"
+FORMAT = "rag-kvcache-kv-v2"  # v2: the header carries a checksum of itself
+_HEADER_CHECKSUM = "header_xxh3"
 _TMP_PREFIX = ".tmp-"
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -248,7 +249,7 @@ class DiskTier(Counted):
             "format": FORMAT, "position": str(kv.position), "layers": str(kv.n_layers), "codec": self.codec.name,
             "dtype": str(kv.keys[0].dtype).removeprefix("torch."),
         }
-        data = save(tensors, metadata=meta)
+        data = _seal_header(save(tensors, metadata=meta))
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key}.safetensors"
@@ -346,26 +347,30 @@ class DiskEntry:
         self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _parse_header(self) -> None:
+        """Read and verify the header: its own checksum first (so no field of it, position, dtype or a
+        tensor's shape, is used unverified), then its shape against the file. Any malformation is a
+        `ValueError`, which makes the entry a corrupt miss (recomputed), never a crash."""
         size = os.fstat(self._file.fileno()).st_size
         if size < 8:
             raise ValueError(f"{size}-byte file is too short for a safetensors header")
         (header_len,) = struct.unpack("<Q", os.pread(self._file.fileno(), 8, 0))
         if 8 + header_len > size:
             raise ValueError(f"header of {header_len} bytes in a {size}-byte file (truncated)")
-        header = json.loads(os.pread(self._file.fileno(), header_len, 8))
-        self._meta: dict[str, str] = header.pop("__metadata__", None) or {}
-        if self._meta.get("format") != FORMAT:
-            raise ValueError(f"format marker {self._meta.get('format')!r}, expected {FORMAT!r}")
-        self._tensors: dict[str, dict] = header
-        self._base = 8 + header_len
-        end = max(t["data_offsets"][1] for t in header.values())
-        if self._base + end != size:
-            raise ValueError(f"{size}-byte file, header describes {self._base + end} bytes (truncated)")
-        self.position = int(self._meta["position"])
-        self.n_layers = int(self._meta["layers"])
-        self.codec = get_codec(self._meta.get("codec", "none"))
-        self.dtype = getattr(torch, self._meta["dtype"])
-        self.n_tokens = int(header["k.0"]["shape"][1])
+        header = _verified_header(os.pread(self._file.fileno(), header_len, 8))
+        try:
+            self._meta: dict[str, str] = header.pop("__metadata__")
+            self._tensors: dict[str, dict] = header
+            self._base = 8 + header_len
+            end = max(t["data_offsets"][1] for t in header.values())
+            if self._base + end != size:
+                raise ValueError(f"{size}-byte file, header describes {self._base + end} bytes (truncated)")
+            self.position = int(self._meta["position"])
+            self.n_layers = int(self._meta["layers"])
+            self.codec = get_codec(self._meta["codec"])
+            self.dtype = _SAFETENSORS_DTYPES[_DTYPE_NAMES[self._meta["dtype"]]]
+            self.n_tokens = int(header["k.0"]["shape"][1])
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed header ({type(err).__name__}: {err})") from err
 
     def _read(self, name: str) -> torch.Tensor:
         info = self._tensors[name]
@@ -405,6 +410,41 @@ class DiskEntry:
 
 def _checksum(t: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+_DTYPE_NAMES = {str(d).removeprefix("torch."): name for name, d in _SAFETENSORS_DTYPES.items()}
+
+
+def _header_checksum(header: dict) -> str:
+    """xxh3 of a header (metadata and every tensor's dtype, shape and offsets) without its own checksum."""
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != _HEADER_CHECKSUM}
+    canonical = {**header, "__metadata__": meta}
+    return xxhash.xxh3_128_hexdigest(json.dumps(canonical, sort_keys=True).encode())
+
+
+def _seal_header(data: bytes) -> bytes:
+    """A safetensors file with its header's checksum added to the header metadata. Data offsets are
+    relative to the end of the header, so a longer header leaves them valid."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"][_HEADER_CHECKSUM] = _header_checksum(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+
+def _verified_header(raw: bytes) -> dict:
+    """The parsed header, or `ValueError` if it is not a JSON object carrying its own correct checksum."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"header is not JSON ({err})") from err
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"no {FORMAT!r} header (format marker {meta and meta.get('format')!r})")
+    if meta.get(_HEADER_CHECKSUM) != _header_checksum(header):
+        raise ValueError("header checksum mismatch: its metadata or tensor layout was altered")
+    return header
 
 
 def _fsync_dir(path: Path) -> None:
