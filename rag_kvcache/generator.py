@@ -30,6 +30,10 @@ from .store.loading import LayerFeed
 log = logging.getLogger(__name__)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt (with the tokens to generate) longer than the model's context."""
+
+
 @dataclass(frozen=True)
 class RetrievedChunk:
     id: str
@@ -166,6 +170,12 @@ class FusedGenerator:
         (its `answer` field empty: the text is what was streamed)."""
         fusion = fusion or self.index.config.fusion
         generation = generation or self.index.config.generation
+        n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
+        if n_prompt + generation.max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, beyond "
+                f"the {limit} positions of model {self.adapter.name!r}: retrieve fewer chunks or shorten the question"
+            )
         t0 = time.perf_counter()
         fused = self.fuse(segments, fusion)
         result = fused.result

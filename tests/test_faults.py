@@ -236,3 +236,23 @@ def test_full_disk_fails_clearly_and_keeps_the_index(index, tmp_path, monkeypatc
     assert FusedGenerator(index).ask(QUESTION).cache_misses == 0  # still usable
     assert index.update(docs, progress=False).added == ["new.txt"]  # space freed: the same command works
     assert_consistent(index.path, index.adapter)
+
+
+def test_a_stray_temp_file_that_is_not_ours_blocks_nothing(index, tmp_path):
+    """An editor's swap file (or any name our writers do not make) under kv/ used to abort indexing
+    with "invalid literal for int()"; it is left alone, and a dead writer's temp file is still removed."""
+    stray = index.store.root / "ab" / ".tmp-editor-swap.safetensors"
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"not ours")
+    dead = index.store.root / "ab" / f".tmp-999999999-1-{'ab' * 16}.safetensors"
+    dead.write_bytes(b"half")
+    report = index.update(tmp_path / "docs", progress=False)
+    assert report.unchanged and stray.exists() and not dead.exists()
+
+
+def test_a_prompt_beyond_the_model_context_is_refused(index):
+    from rag_kvcache.generator import PromptTooLongError
+
+    question = "telescope " * (index.adapter.context_length + 10)
+    with pytest.raises(PromptTooLongError, match=f"beyond the {index.adapter.context_length} positions"):
+        FusedGenerator(index).ask(question)

@@ -225,6 +225,11 @@ class ModelAdapter:
         return out.logits[0].float()  # [T, V]
 
     @property
+    def context_length(self) -> int:
+        """The most positions the model was trained for (prompt and generated tokens together)."""
+        return self.model.config.max_position_embeddings
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
         ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])

@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import weakref
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 FORMAT = "rag-kvcache-kv-v2"  # v2: the header carries a checksum of itself
 _HEADER_CHECKSUM = "header_xxh3"
 _TMP_PREFIX = ".tmp-"
+_TMP_NAME = re.compile(rf"^{re.escape(_TMP_PREFIX)}([0-9]+)-[0-9]+-[0-9a-f]+\.safetensors$")  # pid, thread, key
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
@@ -312,8 +314,8 @@ class DiskTier(Counted):
         """Delete temporary files left by writers that died (a `kill -9` mid-write); returns how many."""
         removed = 0
         for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
-            pid = int(tmp.name.removeprefix(_TMP_PREFIX).split("-", 1)[0])
-            if not _alive(pid):
+            writer = _TMP_NAME.match(tmp.name)  # a name of our own writers; anything else is not ours to touch
+            if writer is not None and not _alive(int(writer[1])):
                 tmp.unlink(missing_ok=True)
                 removed += 1
         if removed:
