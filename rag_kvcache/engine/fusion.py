@@ -18,7 +18,7 @@ import torch
 
 from .cache import LayerKV, LayerSource, read_layer
 from .model import ModelAdapter
-from .ops import causal_attend, rerotate_keys, rope_cos_sin
+from .ops import causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
 from .prompt import Segment
 
@@ -89,20 +89,28 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
+    def rotations(self, inv_freq: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per segment, the RoPE rotation (cos, sin [1, D/2]) that moves its cached keys to their place
+        in the prompt; None where it has no cache or already sits there. The same for every layer."""
+        return [
+            rotation(p.start - p.kv.position, inv_freq) if p.kv is not None and p.start != p.kv.position else None
+            for p in self.parts
+        ]
+
     def assemble(
-        self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor, inv_freq: torch.Tensor
+        self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor,
+        rotations: list[tuple[torch.Tensor, torch.Tensor] | None],
     ) -> None:
         """Write one layer's cached K/V into the prompt's buffers keys, values [H_kv, N, D], keys
-        re-rotated to their prompt positions. Tokens without a cache get zeros; they are always
-        recomputed before anything reads them."""
-        for p, kv in zip(self.parts, loaded):
+        rotated to their prompt positions (`rotations`). Tokens without a cache get zeros; they are
+        always recomputed before anything reads them."""
+        for p, kv, turn in zip(self.parts, loaded, rotations):
             if kv is None:
                 keys[:, p.start : p.end] = 0
                 values[:, p.start : p.end] = 0
                 continue
-            shift = p.start - p.kv.position
-            if shift:
-                rerotate_keys(kv[0], shift, inv_freq, out=keys[:, p.start : p.end])  # [H_kv, n, D]
+            if turn is not None:
+                rotate_keys(kv[0], *turn, out=keys[:, p.start : p.end])  # [H_kv, n, D]
             else:
                 keys[:, p.start : p.end] = kv[0]  # [H_kv, n, D]
             values[:, p.start : p.end] = kv[1]  # [H_kv, n, D]
@@ -169,6 +177,7 @@ def selective_prefill(
     positions = torch.arange(n, device=inp.ids.device)  # [N]
     inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
     cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
+    rotations = inp.rotations(inv_freq)
     shape = (layout.n_layers, layout.n_kv_heads, n, layout.head_dim)
     keys_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
     values_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
@@ -180,7 +189,7 @@ def selective_prefill(
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             loaded = reader.get(layer)
         with clock.stage("assemble_kv"):
-            inp.assemble(loaded, keys, values, inv_freq)
+            inp.assemble(loaded, keys, values, rotations)
         with clock.stage("qkv"):
             q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
         keep = None

@@ -35,25 +35,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)  # [H, T, D]
 
 
-def rerotate_keys(
-    keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Move keys [H_kv, T, D] computed at positions p to positions p + delta (into `out` if given).
+def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T or 1, D/2] (float32) of the RoPE rotation that moves keys by `delta` positions: an
+    int (one angle per frequency for all tokens) or a tensor [T]. Angles are formed in float64 so a
+    large shift adds no error of its own."""
+    d = torch.as_tensor(delta, dtype=torch.float64, device=inv_freq.device).reshape(-1, 1)  # [T or 1, 1]
+    angles = d * inv_freq.to(torch.float64)  # [T or 1, D/2]
+    return angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
 
-    RoPE rotations compose, so rotating by the angle of `delta` equals computing at the new offset.
-    `delta` is an int (one angle per frequency for all tokens: no per-token table) or a tensor [T].
-    Angles are formed in float64 so a large shift adds no error of its own.
-    """
+
+def rotate_keys(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply a `rotation` to keys [H_kv, T, D] (into `out` if given). RoPE rotations compose, so
+    rotating keys computed at positions p by the angle of `delta` equals computing them at p + delta."""
     half = keys.shape[-1] // 2
-    d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)  # [T or 1, 1]
-    angles = d * inv_freq.to(keys.device, torch.float64)  # [T or 1, D/2]
-    cos, sin = angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
     k32 = keys.to(torch.float32)  # [H_kv, T, D], no copy for float32 keys
     k1, k2 = k32[..., :half], k32[..., half:]  # [H_kv, T, D/2]
     out = torch.empty_like(keys) if out is None else out  # [H_kv, T, D]
     out[..., :half] = k1 * cos - k2 * sin  # [H_kv, T, D/2]
     out[..., half:] = k2 * cos + k1 * sin  # [H_kv, T, D/2]
     return out
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Move keys [H_kv, T, D] computed at positions p to positions p + delta."""
+    return rotate_keys(keys, *rotation(delta, inv_freq.to(keys.device)))  # [H_kv, T, D]
 
 
 def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
