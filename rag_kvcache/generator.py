@@ -2,7 +2,7 @@
 
 One question flows downhill: `ask` retrieves (or takes the given hits) and lays out the prompt;
 `complete` takes any prompt (a string or chat messages), tokenises it whole and finds the indexed
-chunks in it by their token ids (`prompt_segments`), so pipelines that build their own prompts are
+chunks in it by their token ids (`prompt_segments`, `find_chunks`), so pipelines that build their own prompts are
 fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last.
 """
@@ -21,7 +21,7 @@ from .engine.fusion import DirectReader, FusionInput, FusionResult
 from .engine.generation import Decoder, sample_token
 from .engine.methods import get_method
 from .engine.profiling import StageClock
-from .engine.prompt import Segment, StoredRun, matched_segments, render_prompt
+from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
 from .index import KVIndex
 from .retrieval.chunk_index import Hit
 from .store.controller import resolve_ratio
@@ -146,21 +146,26 @@ class FusedGenerator:
     def prompt_segments(
         self, prompt: str | Sequence[Mapping[str, str]], fusion: FusionConfig | None = None
     ) -> list[Segment]:
-        """The segments of any prompt: rendered and tokenised whole, its head a run of the system prefix
-        where it agrees with it, every run of an indexed chunk's ids in it a slice of that chunk's
-        cache (`ChunkIndex.match`), the rest computed. Logs a warning when a method that reads caches
-        (`fusion`, default the index's) finds no indexed text in it."""
+        """The segments of any prompt, rendered and tokenised whole: its head a run of the system prefix
+        where it agrees with it, then `find_chunks`."""
         ids = render_prompt(self.adapter.tokenizer, self.index.config.system_prompt, prompt)
+        return self.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
+
+    def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
+        """`segments` with every run of an indexed chunk's ids inside their computed text made a slice
+        of that chunk's cache (`ChunkIndex.match`). Logs a warning when a method that reads caches
+        (`fusion`, default the index's) finds no chunk in the prompt."""
+        ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
-        segments = matched_segments(ids, self.index.format.prefix_ids, runs)
+        out = with_runs(segments, runs)
         method = (fusion or self.index.config.fusion).method
-        if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in segments):
+        if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in out):
             log.warning(
                 "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
                 "token, so it is computed in full", method, len(ids),
             )
-        return segments
+        return out
 
     def stream(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,

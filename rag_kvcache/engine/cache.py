@@ -1,7 +1,7 @@
 """A chunk's cache as the fusion engine reads it: per-layer keys and values, one layer at a time.
 
-`LayerSource` is what the engine asks of a cache (the store's tiers implement it); `ChunkKV` is a
-cache held whole in memory; `SliceKV` is a run of a cache's tokens (part of a chunk found in a prompt). Keys/values are per KV head `[H_kv, T, D]`, never repeated for GQA.
+`LayerSource` is what the engine asks of a cache (the store's tiers implement it); `ChunkKV` is a cache held
+whole in memory; `SliceKV` is a run of a cache's tokens (part of a chunk found in a prompt).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ were cached at indexing time are exactly the ids in the prompt. The prefix and t
 come from the model's chat template, split around a placeholder for the user's content.
 `chat_segments` lays out a whole chat (the integrations' messages) the same way. Any other prompt is
 tokenised whole (`render_prompt`), and the chunks found in it by their ids (the index's matching)
-become cacheable runs of those chunks (`matched_segments`).
+become cacheable runs of those chunks (`prefix_head`, `with_runs`).
 """
 
 from __future__ import annotations
@@ -180,30 +180,44 @@ class StoredRun:
     label: str = ""
 
 
-def matched_segments(ids: Sequence[int], prefix_ids: Sequence[int], runs: Sequence[StoredRun]) -> list[Segment]:
-    """The segments of a prompt given as token ids: its head as a run of the system prefix (exact: the
-    prefix's cache is computed from position 0), the stored `runs` found in it (in order, not
-    overlapping) as cacheable runs of their chunks, and every other token computed. Runs are trimmed
-    to start after the head (and after position 0, which only the prefix's cache serves) and to end
-    before the last token (which is always computed)."""
+def prefix_head(ids: Sequence[int], prefix_ids: Sequence[int]) -> list[Segment]:
+    """A prompt as one computed segment, but for its head where it agrees with the system prefix: a
+    cacheable run of the prefix (exact: the prefix's cache is computed from position 0)."""
     ids = tuple(ids)
     head = next((i for i, (a, b) in enumerate(zip(ids, prefix_ids)) if a != b), min(len(ids), len(prefix_ids)))
-    head = min(head, len(ids) - 1)
-    segments: list[Segment] = []
-    if head:
-        segments.append(Segment(ids[:head], True, "prefix", tuple(prefix_ids), 0))
-    at = head
-    for run in runs:
-        start, end = max(run.start, at, 1), min(run.start + run.length, len(ids) - 1)
-        if end <= start:
+    head = min(head, len(ids) - 1)  # the last token is always computed
+    text = Segment(ids[head:], False, "text")
+    return [Segment(ids[:head], True, "prefix", tuple(prefix_ids), 0), text] if head else [text]
+
+
+def with_runs(segments: Sequence[Segment], runs: Sequence[StoredRun]) -> list[Segment]:
+    """`segments` with the stored `runs` found in the prompt (positions in the whole prompt, in order,
+    not overlapping) made cacheable runs of their sequences wherever they fall inside computed
+    segments; the rest of those stays computed. Runs are trimmed to start after position 0 (which
+    only the prefix's cache serves) and to end before the prompt's last token (always computed)."""
+    n = sum(len(seg.ids) for seg in segments)
+    out: list[Segment] = []
+    start = 0
+    for seg in segments:
+        end = start + len(seg.ids)
+        if seg.cacheable:
+            out.append(seg)
+            start = end
             continue
-        if start > at:
-            segments.append(Segment(ids[at:start], False, "text"))
-        offset = run.offset + start - run.start
-        segments.append(Segment(ids[start:end], True, run.label, run.whole, offset))
-        at = end
-    segments.append(Segment(ids[at:], False, "text"))
-    return segments
+        at = start
+        for run in runs:
+            lo, hi = max(run.start, at, 1), min(run.start + run.length, end, n - 1)
+            if hi <= lo:
+                continue
+            if lo > at:
+                out.append(Segment(seg.ids[at - start : lo - start], False, seg.label))
+            offset = run.offset + lo - run.start
+            out.append(Segment(seg.ids[lo - start : hi - start], True, run.label, run.whole, offset))
+            at = hi
+        if at < end:
+            out.append(Segment(seg.ids[at - start :], False, seg.label))
+        start = end
+    return out
 
 
 def _render_parts(parts: Sequence[str | ChunkPart], chunks: list[ChunkPart]) -> str:

@@ -1,9 +1,11 @@
 """`ChatRagKVCache`: a LangChain chat model that fuses the KV caches of retrieved chunks.
 
-Retrieved chunks travel inside messages as standard `text-plain` content blocks whose `extras`
-carry the chunk id (`chunk_block` makes one from a retriever's `Document`). The model splices
-each such chunk's stored token ids into the prompt and loads its cache; all other content (plain
-text, `text-plain` blocks without a chunk id) is tokenised and prefilled at query time.
+Any prompt is fused: the messages are rendered with the chat template and tokenised, and every run
+of an indexed chunk's token ids found in them (a retrieved document joined by `format_docs` into a
+`ChatPromptTemplate`, a quoted passage, part of a chunk) is read from that chunk's cache; the rest is
+prefilled at query time. Retrieved chunks may also travel as standard `text-plain` content blocks
+whose `extras` carry the chunk id (`chunk_block` makes one from a retriever's `Document`): their
+stored token ids are spliced into the prompt as they are, never re-tokenised.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rag_kvcache import (
     ChunkPart,
     Engine,
     EngineHandle,
+    FusedGenerator,
     FusionConfig,
     KVIndex,
     Segment,
@@ -143,8 +146,9 @@ class ChatRagKVCache(BaseChatModel):
             max_new_tokens=kwargs.get("max_tokens", self.max_tokens), temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed), stop=stop or self.stop,
         )
-        segments = engine.run(_segments, engine.index, messages)
-        for step in engine.stream(segments, kwargs.get("fusion", self.fusion), generation):
+        fusion = kwargs.get("fusion", self.fusion)
+        segments = engine.run(_segments, engine.generator, messages, fusion)
+        for step in engine.stream(segments, fusion, generation):
             if isinstance(step, Answer):
                 yield self._last_chunk(step)
             elif step:
@@ -170,10 +174,12 @@ class ChatRagKVCache(BaseChatModel):
         return ChatGenerationChunk(message=message)
 
 
-def _segments(index: KVIndex, messages: Sequence[BaseMessage]) -> list[Segment]:
-    """The prompt of `messages` as segments, chunks as their stored token ids."""
+def _segments(generator: FusedGenerator, messages: Sequence[BaseMessage], fusion: FusionConfig) -> list[Segment]:
+    """The prompt of `messages` as segments: chunk blocks as their stored token ids, and the indexed
+    chunks found in the rest of the text read from their caches too."""
+    index = generator.index
     turns = [ChatTurn(_role(message), tuple(_parts(index, message))) for message in messages]
-    return chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+    return generator.find_chunks(chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns), fusion)
 
 
 def _role(message: BaseMessage) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
 
+from langchain_rag_kvcache.chat_models import _segments
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from rag_kvcache import Engine, FusionConfig, GenerationConfig
 
@@ -65,12 +68,49 @@ def test_streaming_matches_invoke(retriever: RagKVCacheRetriever, model: ChatRag
     assert "".join(pieces).strip() == model.invoke(messages).text
 
 
-def test_blocks_without_chunk_id_are_prefilled(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
+def test_text_without_chunk_ids_is_found_in_the_cache(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
+    """Plain text blocks (no chunk id) holding the retrieved chunks: the chunks are found by their ids."""
     docs = retriever.invoke(QUESTION)
     blocks = [create_plaintext_block(text=doc.page_content) for doc in docs]
-    message = model.invoke([HumanMessage([*blocks, {"type": "text", "text": QUESTION}])])
-    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
-    assert message.response_metadata["cache_misses"] == 0
+    messages = [HumanMessage([*blocks, {"type": "text", "text": QUESTION}])]
+    assert _matched(model, messages) >= 0.9 * _chunk_tokens(model, docs)
+    message = model.invoke(messages)
+    assert _cache_read(message) > 0 and message.response_metadata["cache_misses"] == 0
+
+
+def test_tutorial_chain_reads_the_chunks_from_cache(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
+    """LangChain's own RAG tutorial chain: `format_docs` joins the documents into a prompt template."""
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+                   "context to answer the question. Keep the answer concise.\n\n{context}"),
+        ("human", "{question}"),
+    ])
+    docs = retriever.invoke(QUESTION)
+    chain = (
+        {"context": retriever | (lambda ds: "\n\n".join(d.page_content for d in ds)), "question": RunnablePassthrough()}
+        | prompt | model
+    )
+    answer = chain.invoke(QUESTION)
+    assert "Harrow" in answer.text
+    assert _cache_read(answer) > 0
+    messages = prompt.invoke({"context": "\n\n".join(d.page_content for d in docs), "question": QUESTION}).to_messages()
+    assert _matched(model, messages) >= 0.9 * _chunk_tokens(model, docs)
+
+
+def _cache_read(message) -> int:
+    return message.usage_metadata["input_token_details"]["cache_read"]
+
+
+def _matched(model: ChatRagKVCache, messages) -> int:
+    """Prompt tokens of `messages` found in the index's chunks (read from their caches)."""
+    engine = model._handle.get()
+    segments = engine.run(_segments, engine.generator, messages, model.fusion)
+    return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
+
+
+def _chunk_tokens(model: ChatRagKVCache, docs) -> int:
+    engine = model._handle.get()
+    return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, [d.id for d in docs]))
 
 
 def test_full_method_reads_no_cache(demo_engine: Engine, retriever: RagKVCacheRetriever) -> None:
