@@ -62,7 +62,7 @@ class Running:
         text = httpx.get(f"{self.url}/metrics", headers=self.headers()).text
         want = ",".join(f'{k}="{v}"' for k, v in labels.items())
         pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
-        found = re.search(pattern, text, re.M)
+        found = re.search(pattern, text, re.MULTILINE)
         return float(found.group(1)) if found else 0.0
 
     def health(self) -> dict:
@@ -190,6 +190,26 @@ def test_openai_completion_equals_ask_and_retrieves_itself(running):
     assert streamed == got.choices[0].text
     plain = client.completions.create(model=running.model, prompt="Once upon a time", max_tokens=4)
     assert plain.usage.completion_tokens <= 4 and plain.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_reuse_is_transparent_for_a_prompt_that_quotes_indexed_text(running):
+    hits = httpx.post(f"{running.url}/v1/retrieve", json={"query": QUESTION, "top_k": 2},
+                      headers=running.headers()).json()["data"]
+    rag = "Documents:\n" + "\n\n".join(h["text"] for h in hits) + f"\n\nQuestion: {QUESTION}"
+    client = running.client()
+    chat = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": rag}],
+                                          max_tokens=4, extra_body={"rag_kvcache": {"method": "epic"}})
+    want = running.engine.run(lambda: running.engine.generator.complete(
+        [{"role": "user", "content": rag}], fusion=FusionConfig(method="epic"),
+        generation=GenerationConfig(max_new_tokens=4)))
+    assert chat.choices[0].message.content.strip() == want.answer
+    assert chat.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens > chat.usage.prompt_tokens / 2
+    completion = client.completions.create(model=running.model, prompt=rag, max_tokens=4)
+    assert completion.usage.prompt_tokens_details.cached_tokens > completion.usage.prompt_tokens / 2
+    plain = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": "Hi there."}],
+                                           max_tokens=2)
+    assert plain.usage.prompt_tokens_details.cached_tokens <= len(running.engine.index.format.prefix_ids)  # prefix only
 
 
 def test_langchain_chat_openai(running):

@@ -13,10 +13,11 @@ requests wait in a bounded FIFO queue; past `max_queue` waiting a request is ref
 queue). Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): a bad body,
 an unknown field, a wrong type or a request over the limits is a 400, never a 500.
 
-Prompts: chat messages are laid out by the model's chat template (`chat_segments`); chunks named
-in `rag_kvcache.chunk_ids`, or retrieved with `rag_kvcache.top_k` for the last user message, go at
-the head of the last user message and are fused from their stored caches. A completion prompt with
-chunks is laid out as `ask` lays out a question; without chunks it is prefilled as given.
+Prompts: reuse is transparent. Any prompt is tokenised whole and every indexed chunk quoted in it is
+found by its token ids (the index's chunk matching) and read from the cache, the rest computed.
+Chunks named in `rag_kvcache.chunk_ids`, or retrieved with `rag_kvcache.top_k` for the last user
+message, are spliced in by their stored ids instead: at the head of the last user message (chat,
+`chat_segments`), or in `ask`'s layout with the prompt as the question (completions).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ from .. import __version__
 from ..config import FusionConfig, GenerationConfig
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from ..generator import Answer
+from ..generator import Answer, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
 from .engine import Engine
 from .metrics import ServerMetrics
-from .settings import ServerConfig
 from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
+from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,29 +198,38 @@ def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRe
     return []
 
 
-def chat_prompt(index: KVIndex, request: ChatCompletionRequest, config: ServerConfig) -> Prompt:
-    """Chat messages as segments: chunks at the head of the last user message (runs on the engine's thread)."""
+def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig) -> Prompt:
+    """Chat messages as segments (runs on the engine's thread): chunks named or retrieved go at the
+    head of the last user message; without them, every indexed chunk quoted in the messages is found
+    by its token ids and read from the cache (`FusedGenerator.prompt_segments`)."""
+    index = generator.index
     turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
     users = [i for i, turn in enumerate(turns) if turn.role == "user"]
     if not users:
         raise APIError(400, "messages need at least one user message", param="messages")
     last = turns[users[-1]]
     found = _chunks(index, request, "\n".join(p for p in last.parts if isinstance(p, str)))
-    if found:
-        parts = tuple(ChunkPart(record.token_ids, label=f"chunk:{record.id}") for record, _ in found)
-        turns[users[-1]] = ChatTurn("user", parts + last.parts)
+    fusion = _fusion(index, request)
     try:
-        segments = chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+        if found:
+            parts = tuple(ChunkPart(record.token_ids, label=f"chunk:{record.id}") for record, _ in found)
+            turns[users[-1]] = ChatTurn("user", parts + last.parts)
+            segments = chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+        else:
+            messages = [{"role": t.role, "content": "\n\n".join(p for p in t.parts if isinstance(p, str))} for t in turns]
+            segments = generator.prompt_segments(messages, fusion)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return _checked(Prompt(segments, _described(found), _fusion(index, request), _generation(index, request, config)),
-                    config)
+    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config)), config)
 
 
-def completion_prompt(index: KVIndex, request: CompletionRequest, config: ServerConfig) -> Prompt:
-    """A completion prompt as segments: with chunks, `ask`'s layout with the prompt as the question;
-    without, the prompt as given (runs on the engine's thread)."""
+def completion_prompt(generator: FusedGenerator, request: CompletionRequest, config: ServerConfig) -> Prompt:
+    """A completion prompt as segments (runs on the engine's thread): with chunks named or retrieved,
+    `ask`'s layout with the prompt as the question; without, the prompt as given, every indexed chunk
+    quoted in it found by its token ids and read from the cache."""
+    index = generator.index
     found = _chunks(index, request, request.text)
+    fusion = _fusion(index, request)
     tokenizer = index.adapter.tokenizer
     if found:
         try:
@@ -229,21 +239,27 @@ def completion_prompt(index: KVIndex, request: CompletionRequest, config: Server
         segments = index.format.segments([record.token_ids for record, _ in found], question)
     else:
         ids = tuple(tokenizer(request.text).input_ids)
-        if not request.text or not ids:
+        if not request.text.strip() or not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        segments = [Segment(ids, cacheable=False, label="prompt")]
-    return _checked(Prompt(segments, _described(found), _fusion(index, request), _generation(index, request, config)),
-                    config)
+        segments = generator.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
+    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config)), config)
 
 
 def _described(found: list[tuple[ChunkRecord, float | None]]) -> list[dict[str, Any]]:
     return [{"id": record.id, "source": record.source, "score": score} for record, score in found]
 
 
-def _checked(prompt: Prompt, config: ServerConfig) -> Prompt:
-    if prompt.n_tokens > config.max_prompt_tokens:
-        raise APIError(400, f"the prompt has {prompt.n_tokens} tokens, above this server's limit of "
-                       f"{config.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+def _checked(index: KVIndex, prompt: Prompt, config: ServerConfig) -> Prompt:
+    """Refuse a prompt over the server's limit, or one that with the tokens it may generate does not
+    fit the model's context."""
+    n, limit = prompt.n_tokens, index.adapter.context_length
+    if n > config.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {n} tokens, above this server's limit of {config.max_prompt_tokens}",
+                       param="messages", code="context_length_exceeded")
+    if n + prompt.generation.max_new_tokens > limit:
+        raise APIError(400, f"the prompt has {n} tokens and up to {prompt.generation.max_new_tokens} more may be "
+                       f"generated, beyond the model's {limit} positions", param="max_tokens",
+                       code="context_length_exceeded")
     return prompt
 
 
@@ -297,16 +313,15 @@ class Server:
         responses) is polled for a disconnect before each step; a streaming response learns of one
         when the server cancels it."""
         try:
-            async with ticket.serve():
-                async with aclosing(self.steps(prompt)) as steps:
+            async with ticket.serve(), aclosing(self.steps(prompt)) as steps:
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone
+                async for step in steps:
+                    if isinstance(step, Answer):
+                        self.metrics.observe(step, time.perf_counter() - ticket.admitted_at)
+                    yield step
                     if request is not None and await request.is_disconnected():
                         raise ClientGone
-                    async for step in steps:
-                        if isinstance(step, Answer):
-                            self.metrics.observe(step, time.perf_counter() - ticket.admitted_at)
-                        yield step
-                        if request is not None and await request.is_disconnected():
-                            raise ClientGone
         except (ClientGone, asyncio.CancelledError):
             self.metrics.cancelled.inc()
             log.info("client disconnected: generation stopped")
@@ -330,8 +345,10 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """The FastAPI app serving `engine` (which the caller opened and closes)."""
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (which the caller opened and closes), with `config`'s limits
+    (default: `ServerConfig()`)."""
+    config = config or ServerConfig()
     server = Server(engine, config)
 
     @asynccontextmanager
@@ -417,7 +434,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         server.check_model(body.model)
         ticket = server.admission.admit()
         try:
-            prompt = await server.on_engine(chat_prompt, server.engine.index, body, config)
+            prompt = await server.on_engine(chat_prompt, server.engine.generator, body, config)
         except BaseException:
             ticket.close()
             raise
@@ -428,7 +445,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         server.check_model(body.model)
         ticket = server.admission.admit()
         try:
-            prompt = await server.on_engine(completion_prompt, server.engine.index, body, config)
+            prompt = await server.on_engine(completion_prompt, server.engine.generator, body, config)
         except BaseException:
             ticket.close()
             raise

@@ -1,0 +1,215 @@
+"""Bounded load test of `rag-kvcache serve` on loopback with MuSiQue prompts.
+
+Indexes the passages of the first `--questions` MuSiQue questions (under `--work`, reused by later
+runs), starts `rag-kvcache serve` on a free 127.0.0.1 port, retrieves each question's top-k chunks
+once (`/v1/retrieve`), then for every method and every client count sends `--requests-per-client`
+streamed chat requests per client (the question, with the chunks named in `rag_kvcache.chunk_ids`)
+and measures, client side: TTFT (request sent -> first content token, queueing included),
+requests/s and output tokens/s over the level's wall time, errors, and the server's peak RSS.
+Writes `results.json` and `results.md` to `--out`. See README.md for the command and the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+from rag_kvcache.bench.datasets import load_dataset
+from rag_kvcache.bench.runner import write_corpus
+
+
+@dataclass(frozen=True)
+class Level:
+    method: str
+    clients: int
+    requests: int
+    errors: int
+    wall_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    cached_fraction: float
+    peak_rss_mib: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for process {pid}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, question: str, chunk_ids: list[str], method: str,
+                      max_tokens: int) -> tuple[float, float, int, int, int]:
+    """(ttft, e2e, completion tokens, prompt tokens, cached tokens) of one streamed chat request."""
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"rag_kvcache": {"method": method, "chunk_ids": chunk_ids}},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            usage = chunk.usage
+    e2e = time.perf_counter() - t0
+    return (ttft if ttft is not None else e2e), e2e, usage.completion_tokens, usage.prompt_tokens, \
+        usage.prompt_tokens_details.cached_tokens
+
+
+async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], method: str, clients: int,
+                    per_client: int, max_tokens: int, server_pid: int) -> Level:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    todo = [prompts[i % len(prompts)] for i in range(clients * per_client)]
+    results, errors = [], 0
+    peak = rss_mib(server_pid)
+
+    async def worker() -> None:
+        nonlocal errors
+        while todo:
+            question, ids = todo.pop(0)
+            try:
+                results.append(await one_request(client, model, question, ids, method, max_tokens))
+            except openai.OpenAIError as e:
+                errors += 1
+                print(f"  error: {type(e).__name__}: {e}", file=sys.stderr)
+
+    async def sample_memory() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_mib(server_pid))
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample_memory())
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    sampler.cancel()
+    await client.close()
+    ttfts = [r[0] for r in results]
+    return Level(
+        method=method, clients=clients, requests=len(results), errors=errors, wall_s=wall,
+        ttft_p50_s=statistics.median(ttfts), ttft_p99_s=percentile(ttfts, 0.99),
+        e2e_p50_s=statistics.median(r[1] for r in results), requests_per_s=len(results) / wall,
+        output_tokens_per_s=sum(r[2] for r in results) / wall,
+        cached_fraction=sum(r[4] for r in results) / max(1, sum(r[3] for r in results)), peak_rss_mib=peak,
+    )
+
+
+def markdown(levels: list[Level], command: str) -> str:
+    header = ("| method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | out tok/s | "
+              "cached | server peak RSS (MiB) |")
+    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in levels:
+        lines.append(f"| {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | {v.ttft_p99_s:.2f} | "
+                     f"{v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
+                     f"{v.cached_fraction:.0%} | {v.peak_rss_mib:.0f} |")
+    by = {(v.method, v.clients): v for v in levels}
+    top = max(v.clients for v in levels)
+    if ("full", top) in by and ("cacheblend", top) in by:
+        full, blend = by["full", top], by["cacheblend", top]
+        verdict = (f"At {top} clients: cacheblend serves {blend.requests_per_s / full.requests_per_s:.2f}x the "
+                   f"requests/s of full (target >= 2.8x); cacheblend p99 TTFT {blend.ttft_p99_s:.2f} s vs full p50 "
+                   f"{full.ttft_p50_s:.2f} s (target: below).")
+        lines += ["", verdict]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", type=Path, required=True, help="MuSiQue JSON (e.g. musique_dev.json)")
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--methods", default="full,cacheblend,epic")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads of the server")
+    p.add_argument("--work", type=Path, default=Path("serve-bench-work"), help="corpus and index (reused)")
+    p.add_argument("--out", type=Path, default=Path("serve-bench-out"))
+    args = p.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    methods = args.methods.split(",")
+
+    examples = load_dataset(args.dataset, "musique", top_k=args.top_k)[: args.questions]
+    write_corpus(examples, args.work / "docs")
+    cli = [sys.executable, "-m", "rag_kvcache"]
+    subprocess.run([*cli, "index", str(args.work / "docs"), "--index", str(args.work / "index"),
+                    "--chunk-tokens", str(args.chunk_tokens)], check=True)
+    port = free_port()
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    server = subprocess.Popen([*cli, "serve", "--index", str(args.work / "index"), "--port", str(port),
+                               "--max-queue", str(max(clients) + 1), "--max-tokens", str(args.max_tokens)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        prompts = []
+        for ex in examples:
+            hits = httpx.post(f"{url}/v1/retrieve", json={"query": ex.question, "top_k": args.top_k}, timeout=60)
+            prompts.append((ex.question, [h["id"] for h in hits.raise_for_status().json()["data"]]))
+        levels = []
+        for method in methods:  # warm-up: one request per method, not measured
+            asyncio.run(run_level(url, model, prompts[:1], method, 1, 1, args.max_tokens, server.pid))
+        for c in clients:
+            for method in methods:
+                level = asyncio.run(run_level(url, model, prompts, method, c, args.requests_per_client,
+                                              args.max_tokens, server.pid))
+                print(f"{method} x{c}: {level.requests} requests, {level.errors} errors, TTFT p50 "
+                      f"{level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} req/s",
+                      flush=True)
+                levels.append(level)
+        metrics = httpx.get(f"{url}/metrics").text
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python", *sys.argv])
+    (args.out / "results.json").write_text(json.dumps({"command": command, "levels": [asdict(v) for v in levels]},
+                                                      indent=1))
+    (args.out / "metrics.txt").write_text(metrics)
+    (args.out / "results.md").write_text(markdown(levels, command))
+    print(markdown(levels, command))
+
+
+if __name__ == "__main__":
+    main()
