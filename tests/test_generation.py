@@ -41,3 +41,17 @@ def test_top_p_keeps_only_the_nucleus():
     cfg = GenerationConfig(temperature=1.0, top_p=0.5, seed=0)
     rng = torch.Generator().manual_seed(0)
     assert {sample_token(logits, cfg, rng) for _ in range(50)} == {0}
+
+
+def test_a_static_decode_cache_decodes_exactly_like_a_dynamic_one(tiny):
+    """Decoding fills a cache allocated once for the prompt plus the tokens to come (no copy of the
+    prompt's K/V per token); the logits are those of the cache that grows by concatenation."""
+    ids = torch.randint(1000, 2000, (1, 40), generator=torch.Generator().manual_seed(5))
+    keys, values, _ = tiny.prefill(ids)
+    static = tiny.make_cache(keys, values, room=6)
+    dynamic = tiny.make_cache(keys, values)
+    buffer = static.layers[0].keys.data_ptr()
+    for step, token in enumerate([1100, 1200, 1300, 1400, 1500, 1600]):
+        torch.testing.assert_close(tiny.decode([token], static, 40 + step), tiny.decode([token], dynamic, 40 + step),
+                                   atol=1e-5, rtol=0)
+    assert static.layers[0].keys.data_ptr() == buffer  # written in place, never reallocated

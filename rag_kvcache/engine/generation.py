@@ -55,7 +55,7 @@ class Decoder:
         Stops at an end-of-sequence token, a stop string (its text is cut), or `max_new_tokens`.
         """
         eos = self.adapter.eos_token_ids
-        cache = self.adapter.make_cache(keys, values)
+        cache = self.adapter.make_cache(keys, values, room=self.cfg.max_new_tokens)
         position = keys[0].shape[-2]
         hold = max((len(s) - 1 for s in self.cfg.stop), default=0)  # chars that may start a stop string
         ids: list[int] = []
@@ -94,5 +94,6 @@ def teacher_forced_logits(
     first = first_logits.float()[None]  # [1, V]
     if len(answer_ids) == 1:
         return first
-    rest = adapter.decode(answer_ids[:-1], adapter.make_cache(keys, values), keys[0].shape[-2])  # [T-1, V]
+    cache = adapter.make_cache(keys, values, room=len(answer_ids) - 1)
+    rest = adapter.decode(answer_ids[:-1], cache, keys[0].shape[-2])  # [T-1, V]
     return torch.cat([first, rest])  # [T, V]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from ..config import DEFAULT_MODEL, Config
 from .ops import apply_rope
@@ -207,13 +207,22 @@ class ModelAdapter:
         values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         return keys, values, out.logits[:, -1].float()
 
-    def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-        """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D])."""
+    def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> Cache:
+        """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D]).
+
+        With `room` > 0 it is a static cache allocated once for T + `room` positions, which decoding
+        fills in place; a dynamic cache copies the whole prompt's K/V again at every token it adds.
+        """
         batched = [(k if k.dim() == 4 else k[None], v if v.dim() == 4 else v[None]) for k, v in zip(keys, values)]
-        return DynamicCache(ddp_cache_data=batched)
+        if room == 0:
+            return DynamicCache(ddp_cache_data=batched)
+        cache = StaticCache(config=self.model.config, max_cache_len=batched[0][0].shape[-2] + room)
+        for layer, (k, v) in enumerate(batched):
+            cache.update(k, v, layer)  # allocates [B, H_kv, T + room, D] and writes the first T positions
+        return cache
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], cache: DynamicCache, position: int) -> torch.Tensor:
+    def decode(self, tokens: list[int], cache: Cache, position: int) -> torch.Tensor:
         """Feed `tokens` (at `position` onwards) through an injected cache, which they extend;
         returns the next-token logits after each of them [T, V]."""
         out = self.model(
