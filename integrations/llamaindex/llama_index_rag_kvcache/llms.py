@@ -2,8 +2,10 @@
 
 `complete(prompt, chunk_ids=[...])` answers `prompt` over the index's chunks with those ids: their
 stored token ids are spliced into the prompt and their caches loaded, so only the rest is computed.
-`chat(messages, chunk_ids=[...])` puts the chunks at the head of the last user message. Without
-`chunk_ids` both are ordinary chat-template prompts, prefilled at query time.
+`chat(messages, chunk_ids=[...])` puts the chunks at the head of the last user message. Any prompt,
+with or without `chunk_ids` (the ones LlamaIndex's own synthesizers build: `compact`, `refine`,
+`tree_summarize`, custom templates), is rendered with the chat template and tokenised, and every run
+of an indexed chunk's token ids found in it is read from that chunk's cache; the rest is prefilled.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rag_kvcache import (
     ChunkPart,
     Engine,
     EngineHandle,
+    FusedGenerator,
     FusionConfig,
     GenerationConfig,
     KVIndex,
@@ -147,7 +150,7 @@ class RagKVCacheLLM(CustomLLM):
     def _steps(self, turns: list[ChatTurn], chunk_ids: Sequence[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
         """(delta, text so far, stats) per generated piece; stats only on the last, empty, step."""
         engine = self._handle.get()
-        segments = engine.run(_segments, engine.index, turns, list(chunk_ids))
+        segments = engine.run(_segments, engine.generator, turns, list(chunk_ids), self.fusion)
         text = ""
         for step in engine.stream(segments, self.fusion, self._generation(engine.index)):
             if isinstance(step, Answer):
@@ -163,14 +166,18 @@ class RagKVCacheLLM(CustomLLM):
         )
 
 
-def _segments(index: KVIndex, turns: list[ChatTurn], chunk_ids: list[str]) -> list[Segment]:
-    """The prompt's segments, with the chunks at the head of the last (user) turn."""
+def _segments(
+    generator: FusedGenerator, turns: list[ChatTurn], chunk_ids: list[str], fusion: FusionConfig
+) -> list[Segment]:
+    """The prompt's segments, with the chunks named by id at the head of the last (user) turn, and the
+    indexed chunks found in the rest of the text read from their caches too."""
+    index = generator.index
     if chunk_ids:
         if not turns or turns[-1].role != "user":
             raise ValueError("chunk_ids go into the last message, which must be a user message")
         chunks = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in index.chunks.get(chunk_ids))
         turns = [*turns[:-1], ChatTurn("user", chunks + turns[-1].parts)]
-    return chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
+    return generator.find_chunks(chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns), fusion)
 
 
 def _role(message: ChatMessage) -> str:

@@ -9,55 +9,79 @@ from typing import Any
 from llama_index.core.base.llms.types import CompletionResponseAsyncGen
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks import CallbackManager
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryType
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
+from rag_kvcache import KVIndex
+
 from .llms import RagKVCacheLLM
 from .retrievers import RagKVCacheRetriever
 
 
 class KVCacheSynthesizer(BaseSynthesizer):
-    """Answers over the retrieved nodes by their ids: the LLM splices in the chunks' stored tokens and
-    fuses their caches, in the index's prompt layout (the synthesizer has no prompt templates).
+    """Answers over the retrieved nodes in one LLM call that reads the nodes' chunks from cache.
 
-    Called with text only (`get_response` without `chunk_ids`), it prefills the texts instead.
+    Without a template, nodes whose ids are chunk ids of the LLM's index (`RagKVCacheRetriever`'s)
+    are passed by id: the LLM splices in the chunks' stored tokens in the index's prompt layout. Any
+    other nodes (another retriever's, a vector store's) are joined as text before the question, and
+    the indexed text in them is found by matching. With `text_qa_template` (a LlamaIndex prompt
+    template taking `context_str` and `query_str`, also set by `update_prompts`), the template is
+    filled with the nodes' texts and the chunks in it are found by matching.
     """
 
     def __init__(
-        self, llm: RagKVCacheLLM, streaming: bool = False, callback_manager: CallbackManager | None = None
+        self, llm: RagKVCacheLLM, streaming: bool = False, callback_manager: CallbackManager | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
     ) -> None:
         if not isinstance(llm, RagKVCacheLLM):
             raise TypeError(f"KVCacheSynthesizer needs a RagKVCacheLLM to fuse chunk caches, got {type(llm).__name__}")
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
+        self._text_qa_template = text_qa_template
 
     def _get_prompts(self) -> PromptDictType:
-        return {}
+        return {} if self._text_qa_template is None else {"text_qa_template": self._text_qa_template}
 
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
-        if prompts_dict:
-            raise ValueError(f"KVCacheSynthesizer has no prompt templates to update: {sorted(prompts_dict)!r}")
+        if unknown := prompts_dict.keys() - {"text_qa_template"}:
+            raise ValueError(f"KVCacheSynthesizer takes the prompt 'text_qa_template' only, got {sorted(unknown)!r}")
+        if "text_qa_template" in prompts_dict:
+            self._text_qa_template = prompts_dict["text_qa_template"]
 
     def synthesize(
         self, query: QueryType, nodes: list[NodeWithScore],
         additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        chunk_ids = [n.node.node_id for n in nodes]
+        chunk_ids = self._chunk_ids(nodes)
         return super().synthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
 
     async def asynthesize(
         self, query: QueryType, nodes: list[NodeWithScore],
         additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        chunk_ids = [n.node.node_id for n in nodes]
+        chunk_ids = self._chunk_ids(nodes)
         return await super().asynthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
+
+    def _chunk_ids(self, nodes: list[NodeWithScore]) -> list[str] | None:
+        """The nodes' ids when there is no template and all of them are chunk ids of the index, else None."""
+        if self._text_qa_template is not None or not nodes:
+            return None
+        engine = self._llm.serving_engine
+        ids = [n.node.node_id for n in nodes]
+        return ids if engine.run(_all_indexed, engine.index, ids) else None
 
     def get_response(
         self, query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
+        if self._text_qa_template is not None:
+            context_str = "\n\n".join(text_chunks)
+            if self._streaming:
+                return self._llm.stream(self._text_qa_template, context_str=context_str, query_str=query_str)
+            return self._llm.predict(self._text_qa_template, context_str=context_str, query_str=query_str)
         prompt, chunk_ids = _prompt(query_str, text_chunks, chunk_ids)
         if self._streaming:
             responses = self._llm.stream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs)
@@ -68,10 +92,24 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self, query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
+        if self._text_qa_template is not None:
+            context_str = "\n\n".join(text_chunks)
+            if self._streaming:
+                return await self._llm.astream(self._text_qa_template, context_str=context_str, query_str=query_str)
+            return await self._llm.apredict(self._text_qa_template, context_str=context_str, query_str=query_str)
         prompt, chunk_ids = _prompt(query_str, text_chunks, chunk_ids)
         if self._streaming:
             return _deltas(await self._llm.astream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs))
         return (await self._llm.acomplete(prompt, chunk_ids=chunk_ids, **response_kwargs)).text
+
+
+def _all_indexed(index: KVIndex, ids: list[str]) -> bool:
+    """Whether every id is a chunk id of `index`."""
+    try:
+        index.chunks.get(ids)
+    except KeyError:
+        return False
+    return True
 
 
 def _prompt(query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None) -> tuple[str, Sequence[str]]:

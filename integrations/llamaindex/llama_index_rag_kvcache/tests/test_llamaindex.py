@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCompletionStartEvent
 from llama_index.core.llms import MockLLM
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_rag_kvcache import (
     KVCacheSynthesizer,
@@ -13,7 +22,8 @@ from llama_index_rag_kvcache import (
     RagKVCacheRetriever,
     create_kv_query_engine,
 )
-from rag_kvcache import Engine, GenerationConfig
+from llama_index_rag_kvcache.llms import _role, _segments, _texts
+from rag_kvcache import ChatTurn, Engine, GenerationConfig
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -125,3 +135,104 @@ def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
         RagKVCacheLLM(engine=demo_engine, max_tokens=5)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         RagKVCacheRetriever(tmp_path / "missing")
+
+
+class _Prompts(BaseEventHandler):
+    """The prompts LlamaIndex sends to LLMs, as chat turns (a completion prompt as one user turn)."""
+
+    turns: list[list[ChatTurn]] = []
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "_Prompts"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        if isinstance(event, LLMChatStartEvent):
+            self.turns.append([ChatTurn(_role(m), tuple(_texts(m))) for m in event.messages])
+        elif isinstance(event, LLMCompletionStartEvent):
+            self.turns.append([ChatTurn("user", (event.prompt,))])
+
+
+@pytest.fixture
+def prompts() -> Iterator[_Prompts]:
+    handler = _Prompts(turns=[])
+    dispatcher = get_dispatcher()
+    dispatcher.add_event_handler(handler)
+    yield handler
+    dispatcher.event_handlers.remove(handler)
+
+
+def _matched(llm: RagKVCacheLLM, turns: list[ChatTurn]) -> int:
+    """Prompt tokens of `turns` found in the index's chunks (read from their caches)."""
+    engine = llm.serving_engine
+    segments = engine.run(_segments, engine.generator, turns, [], llm.fusion)
+    return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
+
+
+def _chunk_tokens(llm: RagKVCacheLLM, ids: list[str]) -> int:
+    engine = llm.serving_engine
+    return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, ids))
+
+
+def test_default_query_engine_reads_the_chunks_from_cache(
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+) -> None:
+    """LlamaIndex's own synthesizer (default response mode, its own prompt template) with our LLM."""
+    engine = RetrieverQueryEngine.from_args(RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3), llm=llm)
+    response = engine.query(QUESTION)
+    assert "Harrow" in response.response
+    assert [n.node_id for n in response.source_nodes] == chunk_ids
+    (turns,) = prompts.turns
+    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+
+
+@pytest.mark.parametrize("mode", ["refine", "tree_summarize"])
+def test_other_response_modes_read_the_chunks_from_cache(
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts, mode: str
+) -> None:
+    retriever = RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3)
+    RetrieverQueryEngine.from_args(retriever, llm=llm, response_mode=mode).query(QUESTION)
+    assert sum(_matched(llm, turns) for turns in prompts.turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+
+
+def test_plain_completion_with_chunk_text_is_fused(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
+    texts = [r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids)]
+    prompt = "\n\n".join([*texts, QUESTION])
+    assert _matched(llm, [ChatTurn("user", (prompt,))]) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    response = llm.complete(prompt)
+    assert response.additional_kwargs["cached_tokens"] > 0
+    assert response.additional_kwargs["cache_misses"] == 0
+
+
+def test_synthesizer_over_foreign_node_ids_matches_by_text(
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+) -> None:
+    """Nodes from another store (ids that are no chunk ids) holding indexed text: found by matching."""
+    records = demo_engine.run(demo_engine.index.chunks.get, chunk_ids)
+    nodes = [NodeWithScore(node=TextNode(id_=f"other-{i}", text=r.text), score=1.0) for i, r in enumerate(records)]
+    response = KVCacheSynthesizer(llm=llm).synthesize(QUESTION, nodes)
+    assert "Harrow" in response.response
+    (turns,) = prompts.turns
+    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+
+
+def test_synthesizer_takes_prompt_templates(
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+) -> None:
+    first = PromptTemplate("Context:\n{context_str}\n\nQuestion: {query_str}\nAnswer:")
+    synthesizer = KVCacheSynthesizer(llm=llm, text_qa_template=first)
+    engine = RetrieverQueryEngine(
+        retriever=RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3), response_synthesizer=synthesizer
+    )
+    assert engine.get_prompts() == {"response_synthesizer:text_qa_template": first}
+    second = PromptTemplate("Read these notes.\n\n{context_str}\n\nNow answer briefly: {query_str}")
+    engine.update_prompts({"response_synthesizer:text_qa_template": second})
+    assert engine.get_prompts() == {"response_synthesizer:text_qa_template": second}
+    response = engine.query(QUESTION)
+    assert "Harrow" in response.response
+    (turns,) = prompts.turns
+    (user,) = [t for t in turns if t.role == "user"]
+    assert user.parts[0].startswith("Read these notes.")
+    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    with pytest.raises(ValueError, match="refine_template"):
+        synthesizer.update_prompts({"refine_template": second})
