@@ -256,3 +256,45 @@ def test_a_prompt_beyond_the_model_context_is_refused(index):
     question = "telescope " * (index.adapter.context_length + 10)
     with pytest.raises(PromptTooLongError, match=f"beyond the {index.adapter.context_length} positions"):
         FusedGenerator(index).ask(question)
+
+
+def test_a_flipped_bit_in_vectors_faiss_is_rebuilt_from_sqlite(index, tiny, caplog):
+    """One exponent bit flipped in one stored vector made that chunk score 6.5e35 for every question,
+    and the next sync wrote the damage back: the file is checked against the checksum SQLite records."""
+    path = index.path / "vectors.faiss"
+    intact = path.read_bytes()
+    before = [(h.chunk.id, h.score) for h in index.search(QUESTION, 3)]
+    victim = next(c for c in index.chunks.all_chunks() if c.id not in {i for i, _ in before})
+    (blob,) = index.chunks._conn.execute("SELECT embedding FROM chunks WHERE id = ?", (victim.id,)).fetchone()
+    at = intact.index(blob) + 4 * 5 + 3  # the high byte of the victim's 6th float
+    damaged = bytearray(intact)
+    damaged[at] ^= 0x40  # its exponent's top bit
+    path.write_bytes(bytes(damaged))
+
+    with caplog.at_level(logging.WARNING):
+        reopened = KVIndex.open(index.path, CFG, adapter=tiny)
+    after = [(h.chunk.id, h.score) for h in reopened.search(QUESTION, 3)]
+    assert [i for i, _ in after] == [i for i, _ in before] and max(s for _, s in after) <= 1.0 + 1e-5
+    assert "does not match the checksum" in caplog.text
+    assert len(reopened.chunks) == len(index.chunks)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        KVIndex.open(index.path, CFG, adapter=tiny)  # the rebuilt file is recorded: no second rebuild
+    assert "rebuilding" not in caplog.text
+
+
+def test_a_writer_opened_before_another_sync_does_not_drop_its_chunks(index, tiny, tmp_path):
+    """A writer extending a FAISS snapshot older than SQLite's wrote a vectors.faiss without the chunks
+    another process had added since; it rebuilds from SQLite instead."""
+    stale = KVIndex.open(index.path, CFG, adapter=tiny)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "regatta.txt").write_text("The regatta winners receive a silver oar that hangs in the town hall. " * 2)
+    index.update(other, progress=False)
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "bakery.txt").write_text("The harbour bakery sells caraway bread to the ferry keeper every morning. " * 2)
+    stale.update(more, progress=False)
+    assert len(stale.chunks) == len(list(stale.chunks.all_chunks()))
+    reopened = KVIndex.open(index.path, CFG, adapter=tiny)
+    assert len(reopened.chunks) == len(list(reopened.chunks.all_chunks())) == len(stale.chunks)

@@ -4,8 +4,11 @@ An index directory holds `index.sqlite` (the source of truth: documents, chunks 
 and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
 in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
 from it). A sync commits SQLite
-in one transaction, then replaces `vectors.faiss` atomically; a FAISS file that does not hold exactly
-the chunks in SQLite (a crash between the two, a deleted or corrupt file) is rebuilt on open.
+in one transaction (with the sha256 of the FAISS file it is about to write), then replaces
+`vectors.faiss` atomically; a FAISS file whose bytes do not match that checksum or that does not hold
+exactly the chunks in SQLite (a crash between the two, a deleted, damaged or edited file) is rebuilt
+from SQLite's embeddings on open. A writer whose FAISS snapshot is not the one SQLite records
+(another process synced since it opened) rebuilds from SQLite instead of extending its snapshot.
 SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
 opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
 Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
@@ -14,11 +17,12 @@ Writers are serialised by the caller (the pipeline holds a lock file for a whole
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "rag-kvcache-index-v1"
 _DB_FILE = "index.sqlite"
+_VECTORS_SHA256 = "vectors_sha256"  # meta key: the checksum of the vectors.faiss SQLite's chunks belong to
 _NGRAM_SCHEMA = (
     "CREATE TABLE ngrams (hash INTEGER NOT NULL, faiss_id INTEGER NOT NULL, offset INTEGER NOT NULL,"
     " PRIMARY KEY (hash, faiss_id, offset)) WITHOUT ROWID",
@@ -50,6 +55,8 @@ _SCHEMA = (
     "CREATE INDEX chunks_by_source ON chunks (source)",
     *_NGRAM_SCHEMA,
 )
+_TEXTS = "texts"  # documents added as text (a vector store's): their whole text and metadata
+_TEXTS_SCHEMA = f"CREATE TABLE IF NOT EXISTS {_TEXTS} (source TEXT PRIMARY KEY, text TEXT NOT NULL, metadata TEXT NOT NULL)"
 _LOOKUP_BATCH = 500  # hashes per SELECT (under SQLite's bound-parameter limit)
 _RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
 _TOKEN_DTYPE = np.dtype("<i4")
@@ -105,6 +112,16 @@ class SyncReport:
     new_chunks: list[ChunkRecord]
 
 
+@dataclass(frozen=True)
+class TextDocument:
+    """A document given as text rather than as a file (a vector store's), with its JSON-able metadata;
+    its `source` is its id in the index."""
+
+    source: str
+    text: str = field(repr=False)
+    metadata: Mapping[str, object] = field(default_factory=dict)
+
+
 def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
     """A short stable id that changes whenever the chunk's source, position or tokens change."""
     digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
@@ -125,10 +142,12 @@ class ChunkIndex:
         vectors: faiss.Index,
         embedder: SentenceTransformer,
         meta: dict[str, str],
+        vectors_sha256: str,
     ) -> None:
         self._dir = index_dir
         self._conn = conn
         self._vectors = vectors
+        self._vectors_sha256 = vectors_sha256
         self._embedder = embedder
         self._meta = meta
         self._dim = int(meta["embedding_dim"])
@@ -176,13 +195,14 @@ class ChunkIndex:
                 for statement in _SCHEMA:
                     conn.execute(statement)
                 conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
-            vectors = _vectors_from_db(conn, dim, index_type)
-            faiss_file.write(index_dir, vectors)
+                vectors = _vectors_from_db(conn, dim, index_type)
+                data = _record_vectors(conn, vectors)
+            faiss_file.write(index_dir, data)
         except BaseException:
             conn.close()
             raise
         logger.info("created %s index at %s (embedder %s, dim %d)", index_type, index_dir, embedder_name, dim)
-        return cls(index_dir, conn, vectors, embedder, full_meta)
+        return cls(index_dir, conn, vectors, embedder, full_meta, faiss_file.checksum(data))
 
     @classmethod
     def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
@@ -198,9 +218,20 @@ class ChunkIndex:
                     f"index {index_dir} holds {meta['embedding_dim']}-d vectors of {meta['embedder']!r}, "
                     f"but the given embedder produces {dim}-d vectors"
                 )
-            expected = np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
-            vectors = faiss_file.load(index_dir, expected, dim, lambda: _vectors_from_db(conn, dim, meta["index_type"]))
-            return cls(index_dir, conn, vectors, embedder, meta)
+            conn.execute("BEGIN")  # the checksum and the chunk ids of one snapshot
+            try:
+                recorded = _recorded_vectors_sha256(conn)
+                expected = np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
+            finally:
+                conn.execute("COMMIT")
+            vectors = faiss_file.load(index_dir, expected, dim, recorded)
+            if vectors is None:
+                with _transaction(conn):
+                    vectors = _vectors_from_db(conn, dim, meta["index_type"])
+                    data = _record_vectors(conn, vectors)
+                faiss_file.write(index_dir, data)
+                recorded = faiss_file.checksum(data)
+            return cls(index_dir, conn, vectors, embedder, meta, recorded)
         except BaseException:
             conn.close()
             raise
@@ -287,6 +318,54 @@ class ChunkIndex:
         )
         return SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
 
+    def add_texts(
+        self,
+        documents: Sequence[TextDocument],
+        chunker: Callable[[str, str], list[Chunk]],
+        batch_size: int = 64,
+        progress: bool = True,
+        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
+    ) -> SyncReport:
+        """Add documents given as text, as `sync` adds files (`chunker`, `before_commit` alike): a document
+        whose source the index holds replaces it (`changed`); nothing else is removed. Their texts and
+        metadata are kept (`texts`)."""
+        sources = [d.source for d in documents]
+        if duplicates := sorted({s for s in sources if sources.count(s) > 1}):
+            raise ValueError(f"documents added together must have distinct sources, got {duplicates!r} twice")
+        if empty := [d.source for d in documents if not d.text.strip()]:
+            raise ValueError(f"documents without text cannot be indexed: {empty!r}")
+        files = [SourceFile(d.source, d.text, hashlib.sha256(d.text.encode()).hexdigest()) for d in documents]
+        indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
+        chunks_by_source = {f.source: _chunk(f, chunker) for f in files}
+        new_chunks = [record for records in chunks_by_source.values() for record in records]
+        embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
+        stored = [(d.source, d.text, json.dumps(dict(d.metadata))) for d in documents]  # TypeError if not JSON-able
+        if before_commit is not None:
+            before_commit(new_chunks)
+        changed = [s for s in sources if s in indexed]
+        documents_rows = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
+        self._apply(changed, documents_rows, new_chunks, embeddings, stored)
+        return SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
+
+    def delete(self, sources: Sequence[str]) -> list[str]:
+        """Remove the documents (files or texts) with these sources; returns those the index held."""
+        indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
+        removed = [s for s in dict.fromkeys(sources) if s in indexed]
+        if removed:
+            self._apply(removed, [], [], np.zeros((0, self._dim), dtype=np.float32))
+        logger.info("deleted %d documents from %s", len(removed), self._dir)
+        return removed
+
+    def texts(self, sources: Sequence[str]) -> dict[str, TextDocument]:
+        """The documents among `sources` that were added as text (`add_texts`), by source."""
+        if not sources or not self._conn.execute(f"SELECT 1 FROM sqlite_master WHERE name = '{_TEXTS}'").fetchone():
+            return {}
+        keys = list(dict.fromkeys(sources))
+        rows = self._conn.execute(
+            f"SELECT source, text, metadata FROM {_TEXTS} WHERE source IN ({', '.join('?' * len(keys))})", keys
+        )
+        return {source: TextDocument(source, text, json.loads(metadata)) for source, text, metadata in rows}
+
     def search(self, query: str, k: int) -> list[Hit]:
         """The `k` chunks most similar to `query`, best first (all chunks, with a warning, if fewer)."""
         if not query.strip():
@@ -359,8 +438,10 @@ class ChunkIndex:
         documents: list[tuple[str, str, int]],
         new_chunks: list[ChunkRecord],
         embeddings: np.ndarray,
+        texts: Sequence[tuple[str, str, str]] = (),
     ) -> None:
-        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`.
+        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`, and
+        `texts` (source, text, metadata JSON) of documents added as text.
 
         SQLite changes in one transaction; FAISS is updated on a copy, swapped in and written after.
         """
@@ -379,6 +460,9 @@ class ChunkIndex:
             self._conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
             self._conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
             self._conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
+            self._conn.execute(_TEXTS_SCHEMA)
+            self._conn.executemany(f"DELETE FROM {_TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
+            self._conn.executemany(f"INSERT INTO {_TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
             self._conn.executemany(
                 "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
             )
@@ -401,7 +485,13 @@ class ChunkIndex:
                 ),
             )
             _insert_ngrams(self._conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
-            if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
+            if (recorded := _recorded_vectors_sha256(self._conn)) != self._vectors_sha256:
+                logger.warning(
+                    "%s was synced by another process since it was opened (vectors sha256 %s, this process has "
+                    "%s); rebuilding the vectors from the stored embeddings", self._dir, recorded, self._vectors_sha256,
+                )
+                vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
+            elif len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
                 vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
             else:
@@ -409,8 +499,9 @@ class ChunkIndex:
                 if len(old_faiss_ids):
                     vectors.remove_ids(old_faiss_ids)
                 vectors.add_with_ids(embeddings, new_faiss_ids)
-        self._vectors = vectors
-        faiss_file.write(self._dir, vectors)
+            data = _record_vectors(self._conn, vectors)
+        self._vectors, self._vectors_sha256 = vectors, faiss_file.checksum(data)
+        faiss_file.write(self._dir, data)
 
     def _fetch(
         self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
@@ -436,7 +527,7 @@ def _connect_existing(index_dir: Path) -> sqlite3.Connection:
 def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
     """The meta table, after checking that it marks a rag-kvcache index of this format."""
     try:
-        meta = dict(conn.execute("SELECT key, value FROM meta"))
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key != ?", (_VECTORS_SHA256,)))
     except sqlite3.DatabaseError as exc:
         raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
     if (found := meta.get("format")) != FORMAT:
@@ -444,6 +535,23 @@ def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
             f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
         )
     return meta
+
+
+def _recorded_vectors_sha256(conn: sqlite3.Connection) -> str | None:
+    """The checksum of the `vectors.faiss` that SQLite's chunks belong to (None in indexes made before
+    it was recorded)."""
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (_VECTORS_SHA256,)).fetchone()
+    return row[0] if row else None
+
+
+def _record_vectors(conn: sqlite3.Connection, vectors: faiss.Index) -> bytes:
+    """Record the checksum of `vectors`' file in the meta table (inside the caller's transaction) and
+    return the file's bytes, for the caller to write once the transaction commits."""
+    data = faiss_file.serialize(vectors)
+    conn.execute(
+        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_VECTORS_SHA256, faiss_file.checksum(data))
+    )
+    return data
 
 
 def _insert_ngrams(conn: sqlite3.Connection, chunks: Iterable[tuple[int, Sequence[int]]]) -> None:

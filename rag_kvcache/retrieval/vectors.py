@@ -1,15 +1,17 @@
 """The FAISS side of the chunk index: inner-product search over normalised embeddings, keyed by chunk.
 
-`vectors.faiss` is derived from SQLite (the source of truth): it is rebuilt from the stored
-embeddings whenever it does not hold exactly the indexed chunks, and replaced atomically.
+`vectors.faiss` is derived from SQLite (the source of truth): every write records the file's sha256
+in SQLite's meta table (in the transaction that commits the chunks it holds), and a file whose bytes
+do not match that checksum, or that does not hold exactly the indexed chunks, is rebuilt from the
+stored embeddings. It is replaced atomically.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -25,32 +27,48 @@ EMBEDDING_DTYPE = np.dtype("<f4")
 _HNSW_NEIGHBOURS = 32
 
 
-def load(index_dir: Path, expected_ids: np.ndarray, dim: int, rebuild: Callable[[], faiss.Index]) -> faiss.Index:
-    """Read `vectors.faiss`; when it is missing, unreadable or does not hold exactly `expected_ids`,
-    write and return `rebuild()` instead."""
+def serialize(vectors: faiss.Index) -> bytes:
+    """The bytes of `vectors.faiss` for `vectors`."""
+    return faiss.serialize_index(vectors).tobytes()
+
+
+def checksum(data: bytes) -> str:
+    """The checksum recorded for a `vectors.faiss` of these bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | None) -> faiss.Index | None:
+    """Read `vectors.faiss`, or None (with the reason logged) when it must be rebuilt: it is missing,
+    its bytes do not match the `recorded` checksum (None: none recorded), it is unreadable, or it does
+    not hold exactly `expected_ids`."""
     path = index_dir / VECTORS_FILE
-    expected = np.sort(expected_ids)
-    if not path.is_file():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         logger.warning("%s is missing; rebuilding it from the stored embeddings", path)
-    else:
-        try:
-            vectors = faiss.read_index(str(path))
-        except RuntimeError as exc:
-            logger.warning("%s is unreadable (%s); rebuilding it from the stored embeddings", path, exc)
-        else:
-            if (
-                isinstance(vectors, faiss.IndexIDMap2)
-                and vectors.d == dim
-                and np.array_equal(np.sort(faiss.vector_to_array(vectors.id_map)), expected)
-            ):
-                return vectors
-            logger.warning(
-                "%s is stale (%d vectors for %d chunks); rebuilding it from the stored embeddings",
-                path, vectors.ntotal, len(expected),
-            )
-    vectors = rebuild()
-    write(index_dir, vectors)
-    return vectors
+        return None
+    if (found := checksum(data)) != recorded:
+        logger.warning(
+            "%s does not match the checksum recorded in the index (sha256 %s, recorded %s); rebuilding it "
+            "from the stored embeddings", path, found, recorded,
+        )
+        return None
+    try:
+        vectors = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    except RuntimeError as exc:
+        logger.warning("%s is unreadable (%s); rebuilding it from the stored embeddings", path, exc)
+        return None
+    if (
+        isinstance(vectors, faiss.IndexIDMap2)
+        and vectors.d == dim
+        and np.array_equal(np.sort(faiss.vector_to_array(vectors.id_map)), np.sort(expected_ids))
+    ):
+        return vectors
+    logger.warning(
+        "%s is stale (%d vectors for %d chunks); rebuilding it from the stored embeddings",
+        path, vectors.ntotal, len(expected_ids),
+    )
+    return None
 
 
 def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexType) -> faiss.Index:
@@ -65,11 +83,13 @@ def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexTy
     return vectors
 
 
-def write(index_dir: Path, vectors: faiss.Index) -> None:
-    """Durably replace `vectors.faiss`: write and fsync a temporary file, then rename it over."""
+def write(index_dir: Path, data: bytes) -> None:
+    """Durably replace `vectors.faiss` by `data` (`serialize`): write and fsync a temporary file, then
+    rename it over."""
     with tempfile.NamedTemporaryFile(dir=index_dir, prefix=f".{VECTORS_FILE}.", delete=False) as tmp:
         try:
-            tmp.write(faiss.serialize_index(vectors))
+            tmp.write(data)
+            os.fchmod(tmp.fileno(), 0o644)  # readers of the index need not be its writer
             tmp.flush()
             os.fsync(tmp.fileno())
         except BaseException:
