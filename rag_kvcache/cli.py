@@ -197,6 +197,8 @@ def ask(
     _quiet_transformers()
     if not question.strip():
         _fail("the question is empty")
+    if "" in (stop or ()):
+        _fail(f"--stop must not be empty (it would end every answer before its first token), got {stop!r}")
     try:
         _check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, _base_config())

@@ -23,7 +23,7 @@ from .engine.methods import get_method
 from .engine.profiling import StageClock
 from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
 from .index import KVIndex
-from .retrieval.chunk_index import Hit
+from .retrieval.chunk_index import EmptyIndexError, Hit
 from .store.controller import resolve_ratio
 from .store.loading import LayerFeed
 
@@ -117,6 +117,11 @@ class FusedGenerator:
             t0 = time.perf_counter()
             hits = self.index.search(question, top_k or self.index.config.top_k)
             retrieval_s = time.perf_counter() - t0
+        if not hits:  # an answer from no chunks is the model's guess presented as retrieved
+            raise EmptyIndexError(
+                f"no chunks to answer from: index {self.index.path} holds {len(self.index.chunks)} chunks"
+                + ("" if len(self.index.chunks) else "; index documents into it first")
+            )
         segments = fmt.segments([h.chunk.token_ids for h in hits], question_ids)
         pieces: list[str] = []
         for step in self.stream(segments, fusion, generation):

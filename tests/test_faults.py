@@ -298,3 +298,46 @@ def test_a_writer_opened_before_another_sync_does_not_drop_its_chunks(index, tin
     assert len(stale.chunks) == len(list(stale.chunks.all_chunks()))
     reopened = KVIndex.open(index.path, CFG, adapter=tiny)
     assert len(reopened.chunks) == len(list(reopened.chunks.all_chunks())) == len(stale.chunks)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from conftest import MINILM_DIR, tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama().save_pretrained(path)
+    AutoTokenizer.from_pretrained(MINILM_DIR).save_pretrained(path)
+    return path
+
+
+def test_an_empty_index_refuses_to_answer(tiny, tiny_model_dir, tmp_path):
+    """An index with no chunks answered confidently (a hallucination with no sources; only a log line)."""
+    from typer.testing import CliRunner
+
+    from rag_kvcache.cli import app
+    from rag_kvcache.retrieval.chunk_index import EmptyIndexError
+
+    empty = KVIndex.create(tmp_path / "idx", replace_model(CFG, tiny_model_dir))
+    with pytest.raises(EmptyIndexError, match="holds 0 chunks; index documents into it first"):
+        FusedGenerator(empty).ask(QUESTION)
+    with pytest.raises(EmptyIndexError, match="no chunks to answer from"):
+        FusedGenerator(empty).ask(QUESTION, [])
+    result = CliRunner().invoke(app, ["ask", QUESTION, "--index", str(tmp_path / "idx"), "--max-new-tokens", "2"])
+    assert result.exit_code != 0 and "holds 0 chunks" in " ".join(result.output.split())
+
+
+def test_an_empty_stop_string_is_refused(index):
+    from typer.testing import CliRunner
+
+    from rag_kvcache.cli import app
+
+    result = CliRunner().invoke(app, ["ask", QUESTION, "--index", str(index.path), "--stop", ""])
+    assert result.exit_code != 0 and "--stop must not be empty" in " ".join(result.output.split())
+
+
+def replace_model(config: Config, model_dir: Path) -> Config:
+    from dataclasses import replace
+
+    return replace(config, model=str(model_dir))

@@ -66,6 +66,11 @@ class ForeignIndexError(ValueError):
     """A directory that is not a rag-kvcache index (or an index of another format version)."""
 
 
+class EmptyIndexError(ValueError):
+    """A question with no chunks to answer from: the index holds none (empty, or every document failed
+    to index), or every hit was removed by another process meanwhile."""
+
+
 @dataclass(frozen=True)
 class ChunkRecord:
     """An indexed chunk: a `Chunk` with its content-derived id."""
