@@ -58,9 +58,6 @@ class FusionConfig:
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
     repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
-    gate_bound: float = setting(
-        0.2, "cacheblend_gate: above this relative K (or V) deviation at the check layer, recompute every token."
-    )
 
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
@@ -75,8 +72,6 @@ class FusionConfig:
             raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ValueError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
-        if self.gate_bound < 0:
-            raise ValueError(f"gate_bound must be >= 0, got {self.gate_bound!r}")
 
 
 @dataclass(frozen=True)

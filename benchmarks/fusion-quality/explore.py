@@ -12,6 +12,8 @@ the planted fact. A variant is (how chunk caches are made, method, FusionConfig 
   last chunks of the corpus, from the last question's passages; that question is not scored).
 
 Usage: python explore.py DATASET OUT.jsonl LIMIT VARIANTS_JSON
+       python explore.py summary OUT.jsonl
+       python explore.py probe DATASET LIMIT   (a quality gate's estimate per question, behind-prefix caches)
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from rag_kvcache.bench.metrics import contains_answer, teacher_forced
 from rag_kvcache.bench.runner import build_index, greedy_answer_ids, place_evidence
 from rag_kvcache.config import Config
 from rag_kvcache.engine.cache import ChunkKV
-from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.ops import kv_deviation
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import Fused
 
@@ -129,8 +132,40 @@ def summary(path: Path) -> None:
               f"compute {np.mean([r['compute_fraction'] for r in mine]):.3f}")
 
 
+def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> float:
+    """||fresh - cached|| / ||fresh|| over K (or V) [H_kv, T, D]: the quality gate's estimate (not kept)."""
+    return float(kv_deviation(fresh, cached).norm() / fresh.to(torch.float32).norm())
+
+
+def probe(dataset: str, limit: int) -> None:
+    """Per question: the relative K deviation of the reusable tokens at the check layer (the gate's estimate)."""
+    torch.set_num_threads(1)
+    config = Config(chunk_tokens=128, top_k=6)
+    adapter = ModelAdapter.load(config)
+    examples = load_dataset(dataset, top_k=config.top_k)[:limit]
+    index, _ = build_index(examples, Path("/tmp/q13/explore-work") / Path(dataset.split(":")[-1]).stem, config, adapter, False)
+    fmt = index.format
+    for ex in examples:
+        hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)
+        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, ex.question))
+        caches = index.open_caches(segments)
+        inp = FusionInput.build(segments, caches.sources, caches.contexts)
+        seen = {}
+
+        def refine(layer, active, fresh_kv, layer_cache):
+            if layer == config.fusion.check_layer:
+                mine = inp.reusable[active]  # [A]
+                seen["d"] = relative_deviation(fresh_kv[0][:, mine], layer_cache[0][:, active[mine]])
+            return None
+
+        selective_prefill(adapter, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], refine)
+        print(json.dumps({"id": ex.id, "deviation": seen["d"]}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "summary":
         summary(Path(sys.argv[2]))
+    elif sys.argv[1] == "probe":
+        probe(sys.argv[2], int(sys.argv[3]))
     else:
         main()

@@ -168,32 +168,3 @@ def cacheblend_repick(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig
         return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
 
     return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
-
-
-def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> float:
-    """How far fresh K (or V) [H_kv, T, D] is from the cache, relative to its own size: ||fresh - cached|| / ||fresh||."""
-    return float(kv_deviation(fresh, cached).norm() / fresh.to(torch.float32).norm().clamp_min(1e-12))
-
-
-@register("cacheblend_gate")
-def cacheblend_gate(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
-    """CacheBlend with a quality gate: at the check layer, the reusable tokens' K (or V) deviation from
-    their caches relative to its size is the prompt's estimated error; above `gate_bound` every token
-    goes on through every layer (a full recompute of the reusable tokens, equal to `full`), below it
-    CacheBlend's HKVD pick at `ratio`."""
-    fresh, reusable = inp.fresh, inp.reusable  # [N]
-    n_reusable = int(reusable.sum())
-    which = 0 if cfg.deviation == "k" else 1
-
-    def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
-        if layer != cfg.check_layer or n_reusable == 0:
-            return None
-        mine = reusable[active]  # [A]
-        if relative_deviation(fresh_kv[which][:, mine], layer_cache[which][:, active[mine]]) > cfg.gate_bound:
-            return None
-        forced = fresh[active]  # [A]
-        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
-        score[forced] = math.inf
-        return select_tokens(score, int(forced.sum()) + round(cfg.ratio * n_reusable))  # [A']
-
-    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
