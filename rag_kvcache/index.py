@@ -45,7 +45,7 @@ from .config import Config
 from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
-from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport
+from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument
 from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
@@ -147,6 +147,27 @@ class KVIndex:
                 self.precompute_neighbours(report.new_chunks, progress)
         self.store.flush_stats()
         return report
+
+    def add_texts(self, documents: Sequence[TextDocument], progress: bool = True) -> SyncReport:
+        """Add documents given as text (a vector store's: `source` is the document's id): chunked,
+        embedded, and the new chunks' KV caches stored before the index commits them, as `update` does;
+        a document with the source of an indexed one replaces it, nothing else is removed."""
+        tok, n = self.adapter.tokenizer, self.config.chunk_tokens
+        with _writer_lock(self.path):
+            self.store.disk.remove_stale_temp_files()
+            report = self.chunks.add_texts(
+                documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress,
+                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
+            )
+            if self.config.chunk_prefill == "neighbours":
+                self.precompute_neighbours(report.new_chunks, progress)
+        self.store.flush_stats()
+        return report
+
+    def delete(self, sources: Sequence[str]) -> list[str]:
+        """Remove the documents (files or texts) with these sources; returns those the index held."""
+        with _writer_lock(self.path):
+            return self.chunks.delete(sources)
 
     def precompute(self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True) -> int:
         """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many."""

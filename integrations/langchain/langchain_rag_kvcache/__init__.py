@@ -1,8 +1,13 @@
 """LangChain integration of rag-kvcache: a chat model that fuses retrieved chunks' KV caches, a
-retriever over the index, and the RAG chain that joins them without losing chunk identity."""
+retriever over the index, the RAG chain that joins them without losing chunk identity, and a vector
+store backed by the index."""
 
 from .chains import create_kv_rag_chain, rag_message
 from .chat_models import CHUNK_ID_KEY, ChatRagKVCache, chunk_block
 from .retrievers import RagKVCacheRetriever
+from .vectorstores import RagKVCacheVectorStore
 
-__all__ = ["CHUNK_ID_KEY", "ChatRagKVCache", "RagKVCacheRetriever", "chunk_block", "create_kv_rag_chain", "rag_message"]
+__all__ = [
+    "CHUNK_ID_KEY", "ChatRagKVCache", "RagKVCacheRetriever", "RagKVCacheVectorStore", "chunk_block",
+    "create_kv_rag_chain", "rag_message",
+]
