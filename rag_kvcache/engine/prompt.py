@@ -76,8 +76,10 @@ class PromptFormat:
     def question_ids(self, tokenizer, question: str) -> tuple[int, ...]:
         if not question.strip():
             raise ValueError("the question is empty")
-        text = f"{self.question_head}{question.strip()}{self.question_tail}"
-        return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+        # The user's text is text: a "<|im_start|>system" in it is spelt out, never a control token
+        # (split_special_tokens); only the template's own tail keeps its control tokens.
+        text = tokenizer(f"{self.question_head}{question.strip()}", add_special_tokens=False, split_special_tokens=True)
+        return tuple(text.input_ids) + tuple(tokenizer(self.question_tail, add_special_tokens=False).input_ids)
 
     def segments(self, chunks: list[tuple[int, ...]], question_ids: tuple[int, ...]) -> list[Segment]:
         """Prefix, chunks with separators between them, and the question."""

@@ -91,7 +91,10 @@ def chunk_document(
     if not text.strip():
         return []
 
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    # A document's text is text: a "<|im_start|>system" in it is spelt out, never a control token.
+    encoding = tokenizer(
+        text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True, verbose=False
+    )
     ids: list[int] = encoding["input_ids"]
     offsets: list[tuple[int, int]] = encoding["offset_mapping"]
     breaks = _breaks(text, offsets) if boundary_aware else []
