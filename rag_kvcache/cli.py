@@ -131,6 +131,8 @@ def index(
     kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
     prune: Annotated[bool, typer.Option(help="Also drop the documents the index holds that are not in DOCS_DIR "
                                              "(deleted files, other folders', added through a store).")] = False,
+    max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
+    max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
 ) -> None:
     """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
 
@@ -156,6 +158,7 @@ def index(
                 _fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
             cfg = _base_config(**given).with_storage(codec=kv_codec.value)
+        cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents)  # per run, not recorded
         idx = KVIndex.create(index_dir, cfg)
         report = idx.update(docs_dir, prune=prune)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from .store.codecs import CODECS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -145,6 +146,12 @@ class Config:
     embedder: str = setting(DEFAULT_EMBEDDER, "sentence-transformers model that embeds the chunks.")
     chunk_tokens: int = setting(512, "Chunk size in LLM tokens (typically 128 or 512).")
     top_k: int = setting(6, "Chunks retrieved per question.")
+    max_file_bytes: int = setting(
+        DEFAULT_MAX_FILE_BYTES, "Largest document file indexed, in bytes; larger files are skipped with a warning."
+    )
+    max_documents: int = setting(
+        DEFAULT_MAX_DOCUMENTS, "Most files one index run reads; a folder with more is refused before any is read."
+    )
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = "behind_prefix"
@@ -165,6 +172,10 @@ class Config:
             raise ValueError(f"chunk_prefill must be 'behind_prefix', 'isolated' or 'neighbours', got {self.chunk_prefill!r}")
         if self.context_chunks < 1:
             raise ValueError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
+        if self.max_documents < 1:
+            raise ValueError(f"max_documents must be >= 1, got {self.max_documents!r}")
 
     def with_fusion(self, **changes: object) -> Config:
         return replace(self, fusion=replace(self.fusion, **changes))

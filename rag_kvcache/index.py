@@ -142,6 +142,7 @@ class KVIndex:
             report = self.chunks.sync(
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress), prune=prune,
+                max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
             )
             if self.config.chunk_prefill == "neighbours":
                 self.precompute_neighbours(report.new_chunks, progress)

@@ -375,3 +375,76 @@ def test_special_tokens_in_a_document_are_text(tokenizer):
     ids = [i for c in chunks for i in c.token_ids]
     assert not set(tokenizer.all_special_ids) & set(ids)
     assert "".join(c.text for c in chunks).count("[CLS]system") == 3  # kept, as text
+
+
+def test_a_file_over_the_size_limit_is_skipped_unread(tmp_path):
+    from rag_kvcache.retrieval.documents import read_documents
+
+    docs = write_docs(tmp_path / "docs", 1)
+    (docs / "huge.txt").write_text("telescope " * 200)
+    files, skipped = read_documents(docs, max_file_bytes=1000)
+    assert "huge.txt" not in {f.source for f in files}
+    assert [(s.source, s.reason) for s in skipped] == [
+        ("huge.txt", "2000 bytes, over the 1000-byte limit (max_file_bytes)")
+    ]
+
+
+def test_a_binary_file_is_recognised_without_reading_it_whole(tmp_path):
+    """A binary file was read whole before the NUL check (a 2 GiB one: 2 GiB of memory)."""
+    import tracemalloc
+
+    from rag_kvcache.retrieval.documents import read_documents
+
+    docs = write_docs(tmp_path / "docs", 1)
+    with (docs / "disk.img").open("wb") as blob:
+        blob.truncate(2 << 30)  # sparse: NUL bytes throughout, no disk used
+    tracemalloc.start()
+    try:
+        _, skipped = read_documents(docs, max_file_bytes=4 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [s.source for s in skipped] == ["disk.img"] and "binary" in skipped[0].reason
+    assert peak < 16 << 20
+
+
+def test_a_folder_over_the_document_limit_is_refused_before_reading(index, tmp_path):
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from rag_kvcache.cli import app
+    from rag_kvcache.retrieval.documents import DocumentLimitError
+
+    docs = write_docs(tmp_path / "docs", 6, seed=2)  # 7 files: the fixture's 4, rewritten, and 3 new
+    n_chunks = len(index.chunks)
+    limited = KVIndex.open(index.path, dataclasses.replace(CFG, max_documents=5), adapter=index.adapter)
+    with pytest.raises(DocumentLimitError, match=r"holds more than 5 files \(max_documents\)"):
+        limited.update(docs, progress=False)
+    assert len(KVIndex.open(index.path, CFG, adapter=index.adapter).chunks) == n_chunks
+    result = CliRunner().invoke(app, ["index", str(docs), "--index", str(tmp_path / "new"), "--max-documents", "5"])
+    assert result.exit_code != 0 and "holds more than 5 files" in " ".join(result.output.split())
+
+
+def test_symlinks_out_of_the_folder_are_not_followed(tmp_path):
+    from rag_kvcache.retrieval.documents import read_documents
+
+    docs = write_docs(tmp_path / "docs", 1)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash")
+    (docs / "passwd.txt").symlink_to(secret)
+    (docs / "alias.txt").symlink_to(docs / "observatory.txt")  # inside the folder: followed
+    files, skipped = read_documents(docs)
+    assert "alias.txt" in {f.source for f in files} and "passwd.txt" not in {f.source for f in files}
+    assert [(s.source, s.reason) for s in skipped] == [
+        ("passwd.txt", f"a symbolic link to {secret.resolve()}, outside the documents folder")
+    ]
+
+
+def test_an_index_inside_its_documents_folder_does_not_index_itself(tiny, tmp_path):
+    docs = write_docs(tmp_path / "docs", 2)
+    index = KVIndex.build(docs, docs / "idx", CFG, adapter=tiny, progress=False)
+    (index.store.root / "stats.json").write_text('{"hits": 1}')  # a text file of the index's own
+    report = index.update(docs, progress=False)
+    assert not report.added and {s.source for s in report.skipped} == {"idx"}
+    assert all(not c.source.startswith("idx/") for c in index.chunks.all_chunks())

@@ -33,7 +33,7 @@ from sentence_transformers import SentenceTransformer
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
-from .documents import Skipped, SourceFile, read_documents
+from .documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES, Skipped, SourceFile, read_documents
 from .vectors import EMBEDDING_DTYPE, IndexType
 
 logger = logging.getLogger(__name__)
@@ -280,6 +280,8 @@ class ChunkIndex:
         progress: bool = True,
         before_commit: Callable[[list[ChunkRecord]], None] | None = None,
         prune: bool = False,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_documents: int = DEFAULT_MAX_DOCUMENTS,
     ) -> SyncReport:
         """Add `docs_dir` to the index: index its new and changed files. Documents the index holds that
         are not in `docs_dir` (another folder's, a store's, or deleted files) are kept, unless `prune`
@@ -289,11 +291,14 @@ class ChunkIndex:
         `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
         `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
         chunks' KV caches there, so a committed chunk always has its cache); if it raises, the index
-        is left as it was.
+        is left as it was. `max_file_bytes` and `max_documents` are `read_documents`' limits; the index
+        folder itself is never read as a document.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        files, skipped = read_documents(docs_dir)
+        files, skipped = read_documents(
+            docs_dir, max_file_bytes=max_file_bytes, max_documents=max_documents, exclude=(self._dir,)
+        )
         indexed = dict(self._conn.execute("SELECT source, sha256 FROM documents"))
         to_index = [f for f in files if indexed.get(f.source) != f.sha256]
         added = [f.source for f in to_index if f.source not in indexed]

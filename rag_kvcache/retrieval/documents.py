@@ -1,16 +1,29 @@
-"""Reading a documents folder: every non-hidden UTF-8 text file, with the reason for each file skipped."""
+"""Reading a documents folder: every non-hidden UTF-8 text file, with the reason for each file skipped.
+
+Limits: a file larger than `max_file_bytes` is skipped before it is read (a 200 MB file once aborted
+the tokenizer), a binary file is recognised from its first bytes without reading the rest, and a
+folder with more than `max_documents` files is refused before any is read. Symbolic links that lead
+out of the folder and the folders in `exclude` (an index kept inside its documents folder) are skipped.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _BINARY_SNIFF_BYTES = 8192
+DEFAULT_MAX_FILE_BYTES = 8 << 20
+DEFAULT_MAX_DOCUMENTS = 100_000
+
+
+class DocumentLimitError(ValueError):
+    """A documents folder over a configured limit (more files than `max_documents`)."""
 
 
 @dataclass(frozen=True)
@@ -30,18 +43,28 @@ class Skipped:
     reason: str
 
 
-def read_documents(docs_dir: Path) -> tuple[list[SourceFile], list[Skipped]]:
+def read_documents(
+    docs_dir: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, max_documents: int = DEFAULT_MAX_DOCUMENTS,
+    exclude: Sequence[Path] = (),
+) -> tuple[list[SourceFile], list[Skipped]]:
     """Read every non-hidden text file under `docs_dir`, recursively and in sorted order.
 
-    Binary, non-UTF-8, unreadable and empty files are skipped with a warning and reported.
+    Binary, non-UTF-8, unreadable, empty and over-`max_file_bytes` files, symbolic links leading out
+    of `docs_dir` and the folders in `exclude` are skipped with a warning and reported. Raises
+    `DocumentLimitError` when `docs_dir` holds more than `max_documents` files, before reading any.
     """
     docs_dir = Path(docs_dir)
+    if max_file_bytes < 1:
+        raise ValueError(f"max_file_bytes must be >= 1, got {max_file_bytes!r}")
+    if max_documents < 1:
+        raise ValueError(f"max_documents must be >= 1, got {max_documents!r}")
     if not docs_dir.exists():
         raise FileNotFoundError(f"documents folder not found: {docs_dir}")
     if not docs_dir.is_dir():
         raise NotADirectoryError(f"documents path is not a folder: {docs_dir}")
+    root = docs_dir.resolve()
+    excluded = {Path(folder).resolve() for folder in exclude}
 
-    files: list[SourceFile] = []
     skipped: list[Skipped] = []
 
     def skip(path: Path, reason: str) -> None:
@@ -52,32 +75,49 @@ def read_documents(docs_dir: Path) -> tuple[list[SourceFile], list[Skipped]]:
     def skip_folder(error: OSError) -> None:
         skip(Path(error.filename), f"unreadable folder ({error.strerror})")
 
+    paths: list[Path] = []
     for folder, subfolders, names in os.walk(docs_dir, onerror=skip_folder):
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            path = Path(folder, name)
-            outcome = _read_source(path, path.relative_to(docs_dir).as_posix())
-            if isinstance(outcome, SourceFile):
-                files.append(outcome)
-            else:
-                skip(path, outcome)
+        for name in sorted(subfolders):
+            if not name.startswith(".") and Path(folder, name).resolve() in excluded:
+                skip(Path(folder, name), "the index itself (kept inside its documents folder)")
+        subfolders[:] = sorted(
+            name for name in subfolders if not name.startswith(".") and Path(folder, name).resolve() not in excluded
+        )
+        paths.extend(Path(folder, name) for name in sorted(names) if not name.startswith("."))
+        if len(paths) > max_documents:
+            raise DocumentLimitError(
+                f"{docs_dir} holds more than {max_documents} files (max_documents); index it in parts or raise the limit"
+            )
+
+    files: list[SourceFile] = []
+    for path in paths:
+        outcome = _read_source(path, path.relative_to(docs_dir).as_posix(), root, max_file_bytes)
+        if isinstance(outcome, SourceFile):
+            files.append(outcome)
+        else:
+            skip(path, outcome)
     if not files:
         raise ValueError(f"no readable text files in {docs_dir} ({len(skipped)} skipped)")
     return files, skipped
 
 
-def _read_source(path: Path, source: str) -> SourceFile | str:
-    """The file as a `SourceFile`, or the reason it cannot be indexed."""
+def _read_source(path: Path, source: str, root: Path, max_file_bytes: int) -> SourceFile | str:
+    """The file as a `SourceFile`, or the reason it cannot be indexed (`root`: the resolved folder)."""
     try:
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            return f"a symbolic link to {path.resolve()}, outside the documents folder"
         if not path.is_file():
             return "not a regular file"
+        if (size := path.stat().st_size) > max_file_bytes:
+            return f"{size} bytes, over the {max_file_bytes}-byte limit (max_file_bytes)"
+        with path.open("rb") as file:
+            if b"\0" in file.read(_BINARY_SNIFF_BYTES):
+                return f"binary (NUL byte in the first {_BINARY_SNIFF_BYTES} bytes)"
         data = path.read_bytes()
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
-    if b"\0" in data[:_BINARY_SNIFF_BYTES]:
-        return f"binary (NUL byte in the first {_BINARY_SNIFF_BYTES} bytes)"
+    if len(data) > max_file_bytes:  # grew since it was measured
+        return f"{len(data)} bytes, over the {max_file_bytes}-byte limit (max_file_bytes)"
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
