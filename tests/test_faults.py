@@ -448,3 +448,12 @@ def test_an_index_inside_its_documents_folder_does_not_index_itself(tiny, tmp_pa
     report = index.update(docs, progress=False)
     assert not report.added and {s.source for s in report.skipped} == {"idx"}
     assert all(not c.source.startswith("idx/") for c in index.chunks.all_chunks())
+
+
+def test_a_lookup_of_300k_chunk_ids_is_batched(index):
+    """300k chunk ids in one lookup gave "too many SQL variables"."""
+    known = [c.id for c in index.chunks.all_chunks()]
+    with pytest.raises(KeyError, match="chunk ids not in index") as missing:
+        index.chunks.get(known + [f"{i:016x}" for i in range(300_000)])
+    assert "too many" not in str(missing.value)
+    assert [c.id for c in index.chunks.get(known * 20_000)][: len(known)] == known

@@ -57,7 +57,7 @@ _SCHEMA = (
 )
 _TEXTS = "texts"  # documents added as text (a vector store's): their whole text and metadata
 _TEXTS_SCHEMA = f"CREATE TABLE IF NOT EXISTS {_TEXTS} (source TEXT PRIMARY KEY, text TEXT NOT NULL, metadata TEXT NOT NULL)"
-_LOOKUP_BATCH = 500  # hashes per SELECT (under SQLite's bound-parameter limit)
+_LOOKUP_BATCH = 500  # hashes or chunk keys per SELECT (under SQLite's bound-parameter limit)
 _RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
 _TOKEN_DTYPE = np.dtype("<i4")
 
@@ -516,12 +516,16 @@ class ChunkIndex:
     def _fetch(
         self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
     ) -> dict[str | int, ChunkRecord]:
-        """Chunks whose `column` is in `keys`, keyed by it."""
-        placeholders = ", ".join("?" * len(keys))
-        rows = self._conn.execute(
-            f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({placeholders})", list(keys)
-        )
-        return {row[0]: _record(row[1:]) for row in rows}
+        """Chunks whose `column` is in `keys`, keyed by it (in batches under SQLite's bound-parameter limit)."""
+        records: dict[str | int, ChunkRecord] = {}
+        for start in range(0, len(keys), _LOOKUP_BATCH):
+            batch = list(keys[start : start + _LOOKUP_BATCH])
+            rows = self._conn.execute(
+                f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({', '.join('?' * len(batch))})",
+                batch,
+            )
+            records.update((row[0], _record(row[1:])) for row in rows)
+        return records
 
 
 def _connect_existing(index_dir: Path) -> sqlite3.Connection:
