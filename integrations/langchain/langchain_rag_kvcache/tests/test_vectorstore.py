@@ -74,12 +74,14 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
     """LangChain's RAG tutorial chain with the store's retriever: `format_docs` into a prompt template."""
     model = ChatRagKVCache(engine=store_engine, max_tokens=24)
     prompt = ChatPromptTemplate.from_messages([
-        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
-                   "context to answer the question. Keep the answer concise.\n\n{context}"),
+        ("system", (
+            "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+            "context to answer the question. Keep the answer concise.\n\n{context}"
+        )),
         ("human", "{question}"),
     ])
     retriever = store.as_retriever(search_kwargs={"k": 3})
-    format_docs = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
+    format_docs = lambda docs: "\n\n".join(d.page_content for d in docs)
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model
     answer = chain.invoke(QUESTION)
     assert "Harrow" in answer.text

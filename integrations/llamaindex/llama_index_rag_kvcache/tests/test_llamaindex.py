@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.instrumentation.events import BaseEvent
-from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCompletionStartEvent
 from llama_index.core.llms import MockLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -22,8 +15,10 @@ from llama_index_rag_kvcache import (
     RagKVCacheRetriever,
     create_kv_query_engine,
 )
-from llama_index_rag_kvcache.llms import _role, _segments, _texts
+from llama_index_rag_kvcache.llms import _segments
 from rag_kvcache import ChatTurn, Engine, GenerationConfig
+
+from .conftest import Prompts
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -137,31 +132,6 @@ def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
         RagKVCacheRetriever(tmp_path / "missing")
 
 
-class _Prompts(BaseEventHandler):
-    """The prompts LlamaIndex sends to LLMs, as chat turns (a completion prompt as one user turn)."""
-
-    turns: list[list[ChatTurn]] = []
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "_Prompts"
-
-    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        if isinstance(event, LLMChatStartEvent):
-            self.turns.append([ChatTurn(_role(m), tuple(_texts(m))) for m in event.messages])
-        elif isinstance(event, LLMCompletionStartEvent):
-            self.turns.append([ChatTurn("user", (event.prompt,))])
-
-
-@pytest.fixture
-def prompts() -> Iterator[_Prompts]:
-    handler = _Prompts(turns=[])
-    dispatcher = get_dispatcher()
-    dispatcher.add_event_handler(handler)
-    yield handler
-    dispatcher.event_handlers.remove(handler)
-
-
 def _matched(llm: RagKVCacheLLM, turns: list[ChatTurn]) -> int:
     """Prompt tokens of `turns` found in the index's chunks (read from their caches)."""
     engine = llm.serving_engine
@@ -175,7 +145,7 @@ def _chunk_tokens(llm: RagKVCacheLLM, ids: list[str]) -> int:
 
 
 def test_default_query_engine_reads_the_chunks_from_cache(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     """LlamaIndex's own synthesizer (default response mode, its own prompt template) with our LLM."""
     engine = RetrieverQueryEngine.from_args(RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3), llm=llm)
@@ -188,7 +158,7 @@ def test_default_query_engine_reads_the_chunks_from_cache(
 
 @pytest.mark.parametrize("mode", ["refine", "tree_summarize"])
 def test_other_response_modes_read_the_chunks_from_cache(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts, mode: str
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts, mode: str
 ) -> None:
     retriever = RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3)
     RetrieverQueryEngine.from_args(retriever, llm=llm, response_mode=mode).query(QUESTION)
@@ -205,7 +175,7 @@ def test_plain_completion_with_chunk_text_is_fused(llm: RagKVCacheLLM, demo_engi
 
 
 def test_synthesizer_over_foreign_node_ids_matches_by_text(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     """Nodes from another store (ids that are no chunk ids) holding indexed text: found by matching."""
     records = demo_engine.run(demo_engine.index.chunks.get, chunk_ids)
@@ -217,7 +187,7 @@ def test_synthesizer_over_foreign_node_ids_matches_by_text(
 
 
 def test_synthesizer_takes_prompt_templates(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: _Prompts
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     first = PromptTemplate("Context:\n{context_str}\n\nQuestion: {query_str}\nAnswer:")
     synthesizer = KVCacheSynthesizer(llm=llm, text_qa_template=first)

@@ -1,0 +1,88 @@
+"""`RagKVCacheVectorStore` under LlamaIndex's own `VectorStoreIndex` and default query engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from llama_index.core import Document, StorageContext, VectorStoreIndex
+from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.vector_stores.types import VectorStoreQuery
+
+from llama_index_rag_kvcache import RagKVCacheLLM, RagKVCacheVectorStore
+from rag_kvcache import Config, Engine, KVIndex
+
+from .conftest import DEMO_DOCS, Prompts
+from .test_llamaindex import _matched
+
+pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
+
+QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+
+
+def _empty_engine(path: Path, demo_engine: Engine) -> Engine:
+    """An empty index at `path` sharing the demo engine's loaded model, opened."""
+    config = Config(chunk_tokens=128)
+    adapter = demo_engine.index.adapter
+    demo_engine.run(lambda: KVIndex.create(path, config, adapter).close())
+    return Engine(path, config, adapter)
+
+
+@pytest.fixture(scope="module")
+def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
+    with _empty_engine(tmp_path_factory.mktemp("li-store") / "index", demo_engine) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def vector_index(store_engine: Engine) -> VectorStoreIndex:
+    documents = [
+        Document(text=f.read_text(), id_=f"demo/{f.name}", metadata={"file": f.name})
+        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name) if f.name.endswith(".md")
+    ]
+    store = RagKVCacheVectorStore(engine=store_engine)
+    return VectorStoreIndex.from_documents(
+        documents, storage_context=StorageContext.from_defaults(vector_store=store),
+        embed_model=MockEmbedding(embed_dim=1),  # the store embeds with the index's embedder
+    )
+
+
+def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
+    vector_index: VectorStoreIndex, store_engine: Engine, prompts: Prompts
+) -> None:
+    llm = RagKVCacheLLM(engine=store_engine, max_new_tokens=24)
+    response = vector_index.as_query_engine(llm=llm, similarity_top_k=3).query(QUESTION)
+    assert "Harrow" in response.response
+    (first, *_) = response.source_nodes
+    assert first.node.ref_doc_id == "demo/observatory.md"
+    assert first.node.metadata == {"file": "observatory.md"}
+    (turns,) = prompts.turns
+    chunk_tokens = sum(len(h.chunk.token_ids) for h in store_engine.search(QUESTION, 3))
+    assert _matched(llm, turns) >= 0.9 * chunk_tokens
+
+
+def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engine: Engine) -> None:
+    index = store_engine.index
+    chunks = store_engine.run(lambda: list(index.chunks.all_chunks()))
+    assert len({c.source for c in chunks}) >= 5
+    assert all(index.key(c.token_ids) in index.store for c in chunks)
+
+
+def test_delete_by_document_and_by_node(demo_engine: Engine, tmp_path: Path) -> None:
+    with _empty_engine(tmp_path / "index", demo_engine) as engine:
+        store = RagKVCacheVectorStore(engine=engine)
+        index = VectorStoreIndex.from_documents(
+            [Document(text="The Harrow telescope has a 2.4 m mirror.", id_="a"),
+             Document(text="Saltmere is a fishing town.", id_="b")],
+            storage_context=StorageContext.from_defaults(vector_store=store), embed_model=MockEmbedding(embed_dim=1),
+        )
+        result = store.query(VectorStoreQuery(query_str="Harrow telescope", similarity_top_k=2))
+        assert [n.ref_doc_id for n in result.nodes] == ["a", "b"]
+        index.delete_ref_doc("a")
+        result = store.query(VectorStoreQuery(query_str="Harrow telescope", similarity_top_k=2))
+        assert [n.ref_doc_id for n in result.nodes] == ["b"]
+        store.delete_nodes([result.ids[0], "never-added"])
+        assert store.query(VectorStoreQuery(query_str="Harrow", similarity_top_k=1)).nodes == []
+        with pytest.raises(ValueError, match="query_embedding"):
+            store.query(VectorStoreQuery(query_str="x", query_embedding=[0.1]))
