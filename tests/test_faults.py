@@ -457,3 +457,25 @@ def test_a_lookup_of_300k_chunk_ids_is_batched(index):
         index.chunks.get(known + [f"{i:016x}" for i in range(300_000)])
     assert "too many" not in str(missing.value)
     assert [c.id for c in index.chunks.get(known * 20_000)][: len(known)] == known
+
+
+def test_a_read_only_index_opens_and_answers(index, tiny, monkeypatch, caplog):
+    """A read-only index (permissions, a read-only mount) was refused with "attempt to write a readonly
+    database": readers open SQLite read-only and never rewrite vectors.faiss (created 0644 for them)."""
+    import sqlite3
+
+    from rag_kvcache.retrieval import chunk_index
+
+    path = index.path / "vectors.faiss"
+    assert path.stat().st_mode & 0o777 == 0o644
+    damaged = bytearray(path.read_bytes())
+    damaged[-5] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    monkeypatch.setattr(chunk_index.os, "access", lambda *args, **kwargs: False)  # as root, chmod is ignored
+    with caplog.at_level(logging.WARNING):
+        reader = KVIndex.open(index.path, CFG, adapter=tiny)
+    assert "read-only" in caplog.text and path.read_bytes() == bytes(damaged)  # left as it is
+    hits = reader.search(QUESTION, 3)
+    assert hits[0].chunk.source == "observatory.txt" and max(h.score for h in hits) <= 1.0 + 1e-5
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.chunks._conn.execute("DELETE FROM chunks")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -230,7 +231,11 @@ class ChunkIndex:
             finally:
                 conn.execute("COMMIT")
             vectors = faiss_file.load(index_dir, expected, dim, recorded)
-            if vectors is None:
+            if vectors is None and not _writable(index_dir):
+                logger.warning("%s is read-only: searching vectors rebuilt in memory, the file left as it is", index_dir)
+                vectors = _vectors_from_db(conn, dim, meta["index_type"])
+                recorded = None
+            elif vectors is None:
                 with _transaction(conn):
                     vectors = _vectors_from_db(conn, dim, meta["index_type"])
                     data = _record_vectors(conn, vectors)
@@ -529,13 +534,19 @@ class ChunkIndex:
 
 
 def _connect_existing(index_dir: Path) -> sqlite3.Connection:
-    """A connection to the SQLite file of an existing index directory (never creates one)."""
+    """A connection to the SQLite file of an existing index directory (never creates one); read-only
+    when this process may not write the index (`_writable`)."""
     if not index_dir.is_dir():
         raise FileNotFoundError(f"index folder not found: {index_dir}")
     db_path = index_dir / _DB_FILE
     if not db_path.is_file():
         raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
-    return _connect(db_path, mode="rw")
+    return _connect(db_path, mode="rw" if _writable(index_dir) else "ro")
+
+
+def _writable(index_dir: Path) -> bool:
+    """Whether this process may write the index in `index_dir` (permissions, a read-only mount)."""
+    return os.access(index_dir / _DB_FILE, os.W_OK) and os.access(index_dir, os.W_OK)
 
 
 def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
@@ -627,7 +638,7 @@ def _faiss_id(chunk: str) -> int:
     return int(chunk, 16) >> 1
 
 
-def _connect(db_path: Path, mode: Literal["rw", "rwc"]) -> sqlite3.Connection:
+def _connect(db_path: Path, mode: Literal["ro", "rw", "rwc"]) -> sqlite3.Connection:
     """A connection in autocommit mode (transactions are explicit, see `_transaction`)."""
     return sqlite3.connect(f"{db_path.resolve().as_uri()}?mode={mode}", uri=True, isolation_level=None)
 
