@@ -24,7 +24,7 @@ DEFAULT_SYSTEM_PROMPT = (
 Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours"]
 Eviction = Literal["lru", "lfu"]
-BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic"  # for help texts; the registry is engine.methods.METHODS
+BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
 def setting(default: Any, help: str) -> Any:
