@@ -479,3 +479,14 @@ def test_a_read_only_index_opens_and_answers(index, tiny, monkeypatch, caplog):
     assert hits[0].chunk.source == "observatory.txt" and max(h.score for h in hits) <= 1.0 + 1e-5
     with pytest.raises(sqlite3.OperationalError, match="readonly"):
         reader.chunks._conn.execute("DELETE FROM chunks")
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_and_named(index, tmp_path):
+    """One non-UTF-8 file name aborted the whole run without naming the file."""
+    docs = tmp_path / "docs"
+    fd = os.open(os.fsencode(docs) + b"/caf\xe9.txt", os.O_CREAT | os.O_WRONLY)
+    os.write(fd, b"The harbour cafe serves caraway bread.")
+    os.close(fd)
+    report = index.update(docs, progress=False)
+    assert [(s.source, s.reason) for s in report.skipped] == [("caf\\udce9.txt", "file name is not valid UTF-8")]
+    assert report.unchanged

@@ -68,7 +68,8 @@ def read_documents(
     skipped: list[Skipped] = []
 
     def skip(path: Path, reason: str) -> None:
-        entry = Skipped(path.relative_to(docs_dir).as_posix(), reason)
+        # a name that is not UTF-8 (undecodable bytes as surrogates) is reported with them escaped
+        entry = Skipped(path.relative_to(docs_dir).as_posix().encode("utf-8", "backslashreplace").decode(), reason)
         logger.warning("skipping %s: %s", entry.source, reason)
         skipped.append(entry)
 
@@ -91,7 +92,13 @@ def read_documents(
 
     files: list[SourceFile] = []
     for path in paths:
-        outcome = _read_source(path, path.relative_to(docs_dir).as_posix(), root, max_file_bytes)
+        source = path.relative_to(docs_dir).as_posix()
+        try:
+            source.encode("utf-8")
+        except UnicodeEncodeError:
+            skip(path, "file name is not valid UTF-8")
+            continue
+        outcome = _read_source(path, source, root, max_file_bytes)
         if isinstance(outcome, SourceFile):
             files.append(outcome)
         else:
