@@ -115,12 +115,14 @@ def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
     return {cfg.check_layer + s: first - s * step for s in range(cfg.filter_steps)}
 
 
-@register("cacheblend")
-def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
-    """CacheBlend selective recompute of the high-KV-deviation tokens."""
+def hkvd_prefill(
+    adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, schedule: dict[int, float], clock=None, reader=None,
+) -> FusionResult:
+    """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
+    fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
+    uncached token; all non-exact tokens are computed up to the first such layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_reusable = int(reusable.sum())
-    schedule = filter_schedule(cfg, adapter.layout.n_layers)
     which = 0 if cfg.deviation == "k" else 1
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
@@ -129,10 +131,15 @@ def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock
         forced = fresh[active]  # [A]
         score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
         score[forced] = math.inf
-        n_keep = int(forced.sum()) + round(schedule[layer] * n_reusable)
-        return select_tokens(score, n_keep)  # [A']
+        return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
 
     return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+
+
+@register("cacheblend")
+def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """CacheBlend selective recompute of the high-KV-deviation tokens."""
+    return hkvd_prefill(adapter, inp, cfg, filter_schedule(cfg, adapter.layout.n_layers), clock, reader)
 
 
 def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
@@ -154,17 +161,4 @@ def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 def cacheblend_repick(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """CacheBlend with re-selection: pick more HKVD tokens at the check layer, then at each re-pick layer
     keep those whose fresh K (or V) still deviates most from the cache there; CacheBlend's budget."""
-    fresh, reusable = inp.fresh, inp.reusable  # [N]
-    n_reusable = int(reusable.sum())
-    schedule = repick_schedule(cfg, adapter.layout.n_layers)
-    which = 0 if cfg.deviation == "k" else 1
-
-    def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
-        if layer not in schedule:
-            return None
-        forced = fresh[active]  # [A]
-        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
-        score[forced] = math.inf
-        return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
-
-    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+    return hkvd_prefill(adapter, inp, cfg, repick_schedule(cfg, adapter.layout.n_layers), clock, reader)
