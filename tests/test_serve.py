@@ -28,7 +28,9 @@ from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
 from rag_kvcache.generator import Answer
 from rag_kvcache.index import KVIndex
-from rag_kvcache.serving import Engine, ServerConfig, create_app
+from rag_kvcache.serving.engine import Engine
+from rag_kvcache.serving.openai_api import create_app
+from rag_kvcache.serving.settings import ServerConfig
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
