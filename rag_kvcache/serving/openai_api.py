@@ -429,27 +429,24 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 "new_chunks": [{"id": c.id, "source": c.source} for c in report.new_chunks],
                 "chunks": len(server.engine.index.chunks)}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def answer(body, request: Request, build_prompt, chat: bool) -> Response:
+        """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not)."""
         server.check_model(body.model)
         ticket = server.admission.admit()
         try:
-            prompt = await server.on_engine(chat_prompt, server.engine.generator, body, config)
+            prompt = await server.on_engine(build_prompt, server.engine.generator, body, config)
         except BaseException:
             ticket.close()
             raise
-        return await _respond(server, ticket, prompt, body, request, chat=True)
+        return await _respond(server, ticket, prompt, body, request, chat=chat)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await answer(body, request, chat_prompt, chat=True)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        server.check_model(body.model)
-        ticket = server.admission.admit()
-        try:
-            prompt = await server.on_engine(completion_prompt, server.engine.generator, body, config)
-        except BaseException:
-            ticket.close()
-            raise
-        return await _respond(server, ticket, prompt, body, request, chat=False)
+        return await answer(body, request, completion_prompt, chat=False)
 
     return app
 
