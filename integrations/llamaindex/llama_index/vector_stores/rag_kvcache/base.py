@@ -32,7 +32,8 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
     ```python
     from llama_index.core import StorageContext, VectorStoreIndex
     from llama_index.core.embeddings import MockEmbedding
-    from llama_index_rag_kvcache import RagKVCacheLLM, RagKVCacheVectorStore
+    from llama_index.llms.rag_kvcache import RagKVCacheLLM
+    from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 
     llm = RagKVCacheLLM(index="demo-index")
     store = RagKVCacheVectorStore(engine=llm.serving_engine)

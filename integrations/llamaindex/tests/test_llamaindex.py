@@ -9,16 +9,12 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from llama_index_rag_kvcache import (
-    KVCacheSynthesizer,
-    RagKVCacheLLM,
-    RagKVCacheRetriever,
-    create_kv_query_engine,
-)
-from llama_index_rag_kvcache.llms import _segments
+from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, create_kv_query_engine
+from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
+
 from rag_kvcache import ChatTurn, Engine, GenerationConfig
 
-from .conftest import Prompts
+from .support import Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -132,13 +128,6 @@ def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
         RagKVCacheRetriever(tmp_path / "missing")
 
 
-def _matched(llm: RagKVCacheLLM, turns: list[ChatTurn]) -> int:
-    """Prompt tokens of `turns` found in the index's chunks (read from their caches)."""
-    engine = llm.serving_engine
-    segments = engine.run(_segments, engine.generator, turns, [], llm.fusion)
-    return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
-
-
 def _chunk_tokens(llm: RagKVCacheLLM, ids: list[str]) -> int:
     engine = llm.serving_engine
     return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, ids))
@@ -153,7 +142,7 @@ def test_default_query_engine_reads_the_chunks_from_cache(
     assert "Harrow" in response.response
     assert [n.node_id for n in response.source_nodes] == chunk_ids
     (turns,) = prompts.turns
-    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    assert matched_tokens(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
 
 
 @pytest.mark.parametrize("mode", ["refine", "tree_summarize"])
@@ -162,13 +151,13 @@ def test_other_response_modes_read_the_chunks_from_cache(
 ) -> None:
     retriever = RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3)
     RetrieverQueryEngine.from_args(retriever, llm=llm, response_mode=mode).query(QUESTION)
-    assert sum(_matched(llm, turns) for turns in prompts.turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    assert sum(matched_tokens(llm, turns) for turns in prompts.turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
 
 
 def test_plain_completion_with_chunk_text_is_fused(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
     texts = [r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids)]
     prompt = "\n\n".join([*texts, QUESTION])
-    assert _matched(llm, [ChatTurn("user", (prompt,))]) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    assert matched_tokens(llm, [ChatTurn("user", (prompt,))]) >= 0.9 * _chunk_tokens(llm, chunk_ids)
     response = llm.complete(prompt)
     assert response.additional_kwargs["cached_tokens"] > 0
     assert response.additional_kwargs["cache_misses"] == 0
@@ -183,7 +172,7 @@ def test_synthesizer_over_foreign_node_ids_matches_by_text(
     response = KVCacheSynthesizer(llm=llm).synthesize(QUESTION, nodes)
     assert "Harrow" in response.response
     (turns,) = prompts.turns
-    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    assert matched_tokens(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
 
 
 def test_synthesizer_takes_prompt_templates(
@@ -203,6 +192,6 @@ def test_synthesizer_takes_prompt_templates(
     (turns,) = prompts.turns
     (user,) = [t for t in turns if t.role == "user"]
     assert user.parts[0].startswith("Read these notes.")
-    assert _matched(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
+    assert matched_tokens(llm, turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
     with pytest.raises(ValueError, match="refine_template"):
         synthesizer.update_prompts({"refine_template": second})

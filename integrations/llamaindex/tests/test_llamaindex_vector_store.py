@@ -10,11 +10,12 @@ from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.vector_stores.types import VectorStoreQuery
 
-from llama_index_rag_kvcache import RagKVCacheLLM, RagKVCacheVectorStore
+from llama_index.llms.rag_kvcache import RagKVCacheLLM
+from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
+
 from rag_kvcache import Config, Engine, KVIndex
 
-from .conftest import DEMO_DOCS, Prompts
-from .test_llamaindex import _matched
+from .support import DEMO_DOCS, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
 
@@ -59,7 +60,7 @@ def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
     assert first.node.metadata == {"file": "observatory.md"}
     (turns,) = prompts.turns
     chunk_tokens = sum(len(h.chunk.token_ids) for h in store_engine.search(QUESTION, 3))
-    assert _matched(llm, turns) >= 0.9 * chunk_tokens
+    assert matched_tokens(llm, turns) >= 0.9 * chunk_tokens
 
 
 def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engine: Engine) -> None:

@@ -15,11 +15,11 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryType
 from llama_index.core.types import RESPONSE_TEXT_TYPE
+from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
 from rag_kvcache import KVIndex
 
-from .llms import RagKVCacheLLM
-from .retrievers import RagKVCacheRetriever
+from .base import RagKVCacheLLM
 
 
 class KVCacheSynthesizer(BaseSynthesizer):

@@ -49,7 +49,8 @@ class RagKVCacheLLM(CustomLLM):
     """LLM over a rag-kvcache index, with the index's model (SmolLM2-135M-Instruct by default).
 
     ```python
-    from llama_index_rag_kvcache import RagKVCacheLLM, RagKVCacheRetriever
+    from llama_index.llms.rag_kvcache import RagKVCacheLLM
+    from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
     llm = RagKVCacheLLM(index="demo-index", max_new_tokens=48)
     nodes = RagKVCacheRetriever(engine=llm.serving_engine, similarity_top_k=4).retrieve("Veldmark telescope")
