@@ -28,7 +28,7 @@ from rich.table import Table
 
 from . import __version__
 from .bench.datasets import FORMATS
-from .config import Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
+from .config import ChunkPrefill, Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
 from .serving.settings import ServerConfig
 from .store.codecs import CODECS
 
@@ -45,6 +45,7 @@ INDEX_HELP = "An index built by `rag-kvcache index`."
 KVCodec = Enum("KVCodec", {name: name for name in CODECS}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
+ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in get_args(ChunkPrefill)}, type=str)
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
 
 
@@ -128,6 +129,9 @@ def index(
     model: Annotated[str, option(Config, "model")] = default(Config, "model"),
     embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
+    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
+        default(Config, "chunk_prefill")),
+    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
     kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
     prune: Annotated[bool, typer.Option(help="Also drop the documents the index holds that are not in DOCS_DIR "
                                              "(deleted files, other folders', added through a store).")] = False,
@@ -145,7 +149,8 @@ def index(
     _quiet_transformers()
     if not docs_dir.is_dir():
         _fail(f"documents folder not found or not a folder: {docs_dir}")
-    given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder)]
+    given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
+                                             ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks)]
              if _given(ctx, name)}
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
@@ -345,10 +350,15 @@ def bench(
     fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
-                                         "must include full.")] = BENCH_METHODS,
+                                         "must include full. METHOD@CACHES runs METHOD on the caches of an index "
+                                         "over the same corpus built with --chunk-prefill CACHES, e.g. "
+                                         "reuse@neighbours.")] = BENCH_METHODS,
     baseline: Annotated[str, typer.Option(help="Method the others' fidelity is compared with, question by question.")] = "cacheblend",
     chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
     top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
+        default(Config, "chunk_prefill")),
+    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
@@ -382,7 +392,8 @@ def bench(
         settings = BenchSettings(
             methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
         )
-        cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model)
+        cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, chunk_prefill=chunk_prefill.value,
+                           context_chunks=context_chunks)
         cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike

@@ -41,11 +41,18 @@ def _params_text(entry: Entry) -> str:
     return " ".join(f"{key}={_format_param(value)}" for key, value in entry["params"].items())
 
 
+def series(entry: Entry) -> str:
+    """A method and the chunk caches it ran on: "reuse", or "reuse@neighbours" for the caches of an index
+    built with another `chunk_prefill` than the run's."""
+    caches = entry.get("caches")
+    return f"{entry['method']}@{caches}" if caches else str(entry["method"])
+
+
 def label(entry: Entry) -> str:
-    """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16", "full kv=bfloat16" (the one
-    place labels are made: `Variant.label` uses it too)."""
+    """Short name of a run, e.g. "full", "cacheblend r=0.15", "epic k=16", "full kv=bfloat16",
+    "cacheblend@neighbours r=0.15" (the one place labels are made: `Variant.label` uses it too)."""
     params = _params_text(entry)
-    return f"{entry['method']} {params}" if params else str(entry["method"])
+    return f"{series(entry)} {params}" if params else series(entry)
 
 
 def _fmt(spec: str, suffix: str = "") -> Callable[[float | None], str]:
@@ -169,10 +176,10 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
                        "up and left is better"))
     fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    methods = list(dict.fromkeys(e["method"] for e in points))  # one colour per method in every panel
+    methods = list(dict.fromkeys(series(e) for e in points))  # one colour per method (and caches) in every panel
     for ax, (key, ylabel, yscale, better) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for i, method in enumerate(methods):
-            sweep = sorted((e for e in points if e["method"] == method and e.get(key) is not None),
+            sweep = sorted((e for e in points if series(e) == method and e.get(key) is not None),
                            key=lambda e: e["ttft_median_s"])
             if not sweep:
                 continue

@@ -32,13 +32,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import Config, FusionConfig, GenerationConfig
+from ..config import ChunkPrefill, Config, FusionConfig, GenerationConfig
 from ..engine.generation import Decoder, sample_token, teacher_forced_logits
 from ..engine.methods import METHODS, filter_schedule
 from ..engine.model import ModelAdapter
@@ -54,6 +54,7 @@ from .report import atomic_write, label, write_report
 log = logging.getLogger(__name__)
 
 REFERENCE = "full"
+CHUNK_PREFILLS = get_args(ChunkPrefill)
 DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
 ALL_METHODS = "all"  # --methods all: every registered method at its defaults
 DEFAULT_BASELINE = "cacheblend"
@@ -67,10 +68,13 @@ OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and firs
 
 @dataclass(frozen=True)
 class Variant:
-    """One method at one parameter setting, e.g. `cacheblend` with r=0.05."""
+    """One method at one parameter setting, e.g. `cacheblend` with r=0.05, on the chunk caches of the
+    run's index or, with `caches`, of an index over the same corpus built with that `chunk_prefill`
+    (written `method@caches` in a methods list, e.g. `reuse@neighbours`)."""
 
     method: str
     params: tuple[tuple[str, float | int], ...] = ()
+    caches: ChunkPrefill | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,10 +82,13 @@ class Variant:
         unknown = [key for key, _ in self.params if key not in PARAM_FIELDS]
         if unknown:
             raise ValueError(f"unknown variant parameters {unknown} for {self.method!r}; known: {sorted(PARAM_FIELDS)}")
+        if self.caches is not None and self.caches not in CHUNK_PREFILLS:
+            raise ValueError(f"unknown chunk caches {self.caches!r} in {self.method}@{self.caches}; "
+                             f"known: {', '.join(CHUNK_PREFILLS)}")
 
     @property
     def label(self) -> str:
-        return label({"method": self.method, "params": dict(self.params)})
+        return label({"method": self.method, "params": dict(self.params), "caches": self.caches})
 
     def fusion(self, base: FusionConfig) -> FusionConfig:
         return replace(base, method=self.method, **{PARAM_FIELDS[key]: value for key, value in self.params})
@@ -121,13 +128,17 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
-def plan(settings: BenchSettings, base: FusionConfig) -> list[Variant]:
-    """The variants to run: each method at `base`'s parameters, then the sweep points not already there."""
+def plan(settings: BenchSettings, base: FusionConfig, chunk_prefill: ChunkPrefill) -> list[Variant]:
+    """The variants to run: each method at `base`'s parameters, then the sweep points not already there.
+    A method written `method@caches` runs on the caches of an index built with that `chunk_prefill`
+    (the run's own, `chunk_prefill`, is the default and is not written)."""
     def at(method: str, value: float | int | None = None) -> Variant:
+        method, _, caches = method.partition("@")
+        caches = None if caches in ("", chunk_prefill) else caches
         key = METHOD_PARAMS.get(method)
         if key is None:
-            return Variant(method)
-        return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),))
+            return Variant(method, caches=caches)
+        return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),), caches)
 
     variants = [at(method) for method in settings.methods]
     if settings.sweep:
@@ -180,16 +191,17 @@ def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int 
 
 
 def build_index(
-    examples: Sequence[QAExample], work_dir: Path, config: Config, adapter: ModelAdapter, progress: bool
+    examples: Sequence[QAExample], work_dir: Path, config: Config, adapter: ModelAdapter, progress: bool,
+    name: str = "index",
 ) -> tuple[KVIndex, IndexingStats]:
-    """Index every passage of `examples` under `work_dir` (incremental if already there) and time it."""
+    """Index every passage of `examples` into `work_dir / name` (incremental if already there) and time it."""
     n_passages = write_corpus(examples, work_dir / "docs")
-    index = KVIndex.create(work_dir / "index", config, adapter)
+    index = KVIndex.create(work_dir / name, config, adapter)
     t0 = time.perf_counter()
     report = index.update(work_dir / "docs", progress=progress)
     seconds = time.perf_counter() - t0
     if report.removed or report.changed:
-        raise ValueError(f"{work_dir / 'index'} holds another corpus ({len(report.removed)} files removed, "
+        raise ValueError(f"{work_dir / name} holds another corpus ({len(report.removed)} files removed, "
                          f"{len(report.changed)} changed): use a new --out")
     stats = IndexingStats(
         passages=n_passages, chunks=len(index.chunks), tokens=sum(len(c.token_ids) for c in report.new_chunks),
@@ -219,7 +231,7 @@ def _record(
     exact = example.task == "exact"
     return {
         "id": example.id, "question": example.question, "gold": list(example.answers),
-        "method": variant.method, "params": dict(variant.params), "label": variant.label, "slot": slot,
+        "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "label": variant.label, "slot": slot,
         "answer": answer.answer, "ttft_s": answer.ttft_s, "retrieval_s": retrieval_s,
         "prompt_tokens": answer.prompt_tokens, "recomputed_tokens": answer.recomputed_tokens,
         "recompute_fraction": answer.recomputed_tokens / answer.prompt_tokens,
@@ -270,11 +282,13 @@ def bfloat16_rounded(fused: Fused, adapter: ModelAdapter, last_token: int) -> tu
 
 
 def fidelity(
-    generator: FusedGenerator, segments: Sequence[Segment], variants: Sequence[Variant], config: Config
+    generators: Mapping[ChunkPrefill | None, FusedGenerator], segments: Sequence[Segment],
+    variants: Sequence[Variant], config: Config,
 ) -> tuple[dict[Variant, dict[str, float | None]], dict[str, float | None]]:
     """Teacher-forced scores of every variant, and of the bfloat16 noise floor, against `full`: full's
     greedy answer forced through each variant's fused cache (`fuse` is deterministic: the cache the
     timed answer used). All None when full answers with no token at all."""
+    generator = generators[None]
     adapter = generator.adapter
     reference = generator.fuse(segments, Variant(REFERENCE).fusion(config.fusion))
     answer_ids = greedy_answer_ids(adapter, reference, config.generation)
@@ -289,16 +303,19 @@ def fidelity(
     ref_logits = forced(ref.keys, ref.values, ref.logits)  # [T, V]
     scores = {}
     for v in variants:
-        fused = reference if v == Variant(REFERENCE) else generator.fuse(segments, v.fusion(config.fusion))
+        fused = reference if v == Variant(REFERENCE) else generators[v.caches].fuse(segments, v.fusion(config.fusion))
         scores[v] = teacher_forced(ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids)
     floor = teacher_forced(ref_logits, forced(*bfloat16_rounded(reference, adapter, segments[-1].ids[-1])), answer_ids)
     return scores, floor
 
 
 def run_question(
-    generator: FusedGenerator, example: QAExample, variants: Sequence[Variant], slot_shift: int
+    generators: Mapping[ChunkPrefill | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
+    slot_shift: int,
 ) -> list[dict[str, Any]]:
-    """Retrieve once, answer with every variant (rotated by `slot_shift`), and score against `full`."""
+    """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
+    (`generators[variant.caches]`; None: the run's index), and score against `full`."""
+    generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
     hits: list[Hit] = generator.index.search(example.question, config.top_k)
@@ -306,12 +323,12 @@ def run_question(
     hits, evidence = place_evidence(hits, example)
     order = rotated(variants, slot_shift)
     answers = {
-        v: generator.ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
+        v: generators[v.caches].ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
         for v in order
     }
     fmt = generator.index.format
     segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question))
-    scores, floor = fidelity(generator, segments, variants, config)
+    scores, floor = fidelity(generators, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
     records = [_record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence) for v in variants]
     records[variants.index(Variant(REFERENCE))]["noise_floor"] = floor
@@ -380,7 +397,7 @@ def summarise(
             continue
         ttft = median_p90([r["ttft_s"] for r in mine])
         summary.append({
-            "method": variant.method, "params": dict(variant.params), "n": ttft["n"],
+            "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "n": ttft["n"],
             "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
             "speedup_vs_full": median_ratio([reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]),
             "baseline": None if base is None else baseline.label,
@@ -489,11 +506,12 @@ def run_benchmark(
     if decision is not None:
         log.info("loading controller: %s", decision.explain())
         controller = {**asdict(decision), "explain": decision.explain()}
-    variants = plan(settings, config.fusion)
+    variants = plan(settings, config.fusion, config.chunk_prefill)
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
         if variant.method == "cacheblend":
             filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
-    baseline = next(v for v in variants if v.method == settings.baseline)  # at its default setting
+    base_method, _, base_caches = settings.baseline.partition("@")
+    baseline = next(v for v in variants if v.method == base_method and v.caches == (base_caches or None))  # default setting
     log.info("benchmarking %d questions x %d variants: %s (baseline %s)", len(examples), len(variants),
              ", ".join(v.label for v in variants), baseline.label)
 
@@ -509,10 +527,16 @@ def run_benchmark(
     done = {r["id"] for r in records}
 
     index, indexing = build_index(examples, out_dir / "work", config, adapter, progress)
-    generator = FusedGenerator(index)
+    generators: dict[ChunkPrefill | None, FusedGenerator] = {None: FusedGenerator(index)}
+    other_indexing = {}
+    for caches in dict.fromkeys(v.caches for v in variants if v.caches is not None):  # same corpus, other caches
+        other, other_indexing[caches] = build_index(
+            examples, out_dir / "work", replace(config, chunk_prefill=caches), adapter, progress, f"index-{caches}")
+        generators[caches] = FusedGenerator(other)
     run_meta = {
         **(meta or {}), **run_plan, "questions": len(examples), "warmup_questions": min(settings.warmup, len(examples)),
         "indexing": indexing.to_dict(), "controller": controller, "started": _now(),
+        **{f"indexing_{caches}": stats.to_dict() for caches, stats in other_indexing.items()},
     }
     if settings.resume:
         log.info("resuming: %d of %d questions already measured in %s", len(done), len(examples), records_path)
@@ -521,7 +545,7 @@ def run_benchmark(
     atomic_write(records_path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
-        run_question(generator, example, variants, 0)
+        run_question(generators, example, variants, 0)
 
     bar = tqdm(total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench",
                disable=not progress)
@@ -529,7 +553,7 @@ def run_benchmark(
         for i, example in enumerate(examples):
             if example.id in done:
                 continue
-            new = run_question(generator, example, variants, i)  # i, not a resumed count: the same rotation
+            new = run_question(generators, example, variants, i)  # i, not a resumed count: the same rotation
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
