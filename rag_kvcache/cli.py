@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional, get_args, get_type_hints
 
 import typer
-from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +44,7 @@ INDEX_HELP = "An index built by `rag-kvcache index`."
 KVCodec = Enum("KVCodec", {name: name for name in CODECS}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
+DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in get_args(ChunkPrefill)}, type=str)
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
 
@@ -63,6 +63,11 @@ def _base_config(**changes: object) -> Config:
     cache_dir = os.environ.get("RAG_KVCACHE_CACHE_DIR")
     cfg = Config(**({"cache_dir": Path(cache_dir)} if cache_dir else {}))
     return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _placed(cfg: Config, device: str | None, dtype: DType | None) -> Config:
+    """`cfg` with the `--device` and `--dtype` given (each left as it is when not given)."""
+    return replace(cfg, **{k: v for k, v in (("device", device), ("dtype", dtype and dtype.value)) if v is not None})
 
 
 def _quiet_transformers() -> None:
@@ -100,7 +105,8 @@ def _fail(message: str) -> None:
 
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option `name` was set by the user rather than left at its default."""
-    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    # By name: typer >= 0.29 runs on its own copy of click, whose ParameterSource is not click's.
+    return ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _ratio(text: str) -> float | str:
@@ -137,6 +143,8 @@ def index(
                                              "(deleted files, other folders', added through a store).")] = False,
     max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
     max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
 ) -> None:
     """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
 
@@ -150,8 +158,8 @@ def index(
     if not docs_dir.is_dir():
         _fail(f"documents folder not found or not a folder: {docs_dir}")
     given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
-                                             ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks)]
-             if _given(ctx, name)}
+                                             ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks),
+                                             ("dtype", dtype.value)] if _given(ctx, name)}
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
         if (index_dir / "index.sqlite").exists():
@@ -163,7 +171,7 @@ def index(
                 _fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
             cfg = _base_config(**given).with_storage(codec=kv_codec.value)
-        cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents)  # per run, not recorded
+        cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
         idx = KVIndex.create(index_dir, cfg)
         report = idx.update(docs_dir, prune=prune)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
@@ -193,6 +201,8 @@ def ask(
     stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
     model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
                                                  "another model misses every cache).")] = None,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
     stream: Annotated[bool, typer.Option(help="Print the text as it is generated; with --json, one JSON line "
                                          "{\"text\": ...} per piece, then the answer object.")] = False,
@@ -210,7 +220,7 @@ def ask(
     try:
         _check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
-        cfg = replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k)
+        cfg = _placed(replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k), device, dtype)
         cfg = cfg.with_fusion(method=method, ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value, epic_k=epic_k)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -277,6 +287,8 @@ def _mib(n: int) -> str:
 def calibrate(
     index_dir: Annotated[Path, typer.Option("--index", help="Measure for this index's model, codec and disk.")],
     tokens: Annotated[int, typer.Option(min=16, help="Tokens per synthetic chunk cache.")] = 512,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
 ) -> None:
     """Measure tier read speeds and recompute time on this machine (once per model).
 
@@ -288,7 +300,7 @@ def calibrate(
 
     _quiet_transformers()
     try:
-        cfg = KVIndex.config_of(index_dir, _base_config())
+        cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype)
         idx = KVIndex.open(index_dir, cfg)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
@@ -312,13 +324,15 @@ def calibrate(
 def demo(
     index_dir: Annotated[Path, typer.Option("--index", help="Where to build the demo index.")] = Path("demo-index"),
     question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
 ) -> None:
     """Index the bundled demo folder, then answer with `cacheblend` and compare its TTFT with `full`."""
     from .generator import FusedGenerator
     from .index import KVIndex
 
     _quiet_transformers()
-    cfg = _base_config(chunk_tokens=128, top_k=4)
+    cfg = _base_config(chunk_tokens=128, top_k=4, device=device, dtype=dtype.value)
     with as_file(files("rag_kvcache") / "demo") as docs:
         out.print(f"[bold]Indexing[/bold] {docs} -> {index_dir}", highlight=False)
         idx = KVIndex.build(docs, index_dir, cfg)
@@ -368,6 +382,8 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers "
                                                 "are compared with full's).")] = 32,
     model: Annotated[str, option(Config, "model")] = default(Config, "model"),
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
@@ -393,7 +409,7 @@ def bench(
             methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
         )
         cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, chunk_prefill=chunk_prefill.value,
-                           context_chunks=context_chunks)
+                           context_chunks=context_chunks, device=device, dtype=dtype.value)
         cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
@@ -412,9 +428,6 @@ def bench(
     out.print((result.out_dir / "results.md").read_text(encoding="utf-8"), markup=False, highlight=False)
 
 
-DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
-
-
 @app.command()
 def serve(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
@@ -426,10 +439,8 @@ def serve(
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
         ServerConfig, "max_prompt_tokens"),
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
-    device: Annotated[Optional[str], typer.Option(help="Torch device of the model: cpu, cuda, cuda:1, mps "
-                                                  "(default: cpu).")] = None,
-    dtype: Annotated[Optional[DType], typer.Option(help="Model dtype (default: the one the index was built with; "
-                                                   "another dtype misses every cache).")] = None,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -444,8 +455,7 @@ def serve(
     try:
         server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
                                   max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
-        cfg = replace(KVIndex.config_of(index_dir, _base_config()), **{
-            k: v for k, v in (("device", device), ("dtype", dtype and dtype.value)) if v is not None})
+        cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype)
         engine = Engine(index_dir, cfg)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))

@@ -160,8 +160,11 @@ class Config:
         "work at 128-token chunks, two caches per chunk, better fidelity at the same query-time cost)."
     )
     context_chunks: int = setting(2, "chunk_prefill=neighbours: how many similar chunks each chunk's cache is computed behind.")
-    device: str = "cpu"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
+    dtype: Literal["float32", "float16", "bfloat16"] = setting(
+        "float32", "Dtype of the model and its KV caches. An index records the one it was built with and is read "
+        "with it unless told otherwise; another dtype misses every cached chunk."
+    )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

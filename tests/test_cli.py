@@ -96,6 +96,31 @@ def test_bad_input_is_a_clear_error(built, tmp_path, args, message):
     assert message in " ".join(result.output.split())  # rich may wrap long lines
 
 
+def test_device_and_dtype_reach_every_model_command(built, model_dir, tmp_path):
+    """--device/--dtype come from Config's fields; an index records its dtype, is read in it, refuses
+    another at re-indexing, and `ask --dtype` in another misses every cached chunk."""
+    group = typer.main.get_command(app)
+    helps = {name: Config.__dataclass_fields__[name].metadata["help"] for name in ("device", "dtype")}
+    for command in ("index", "ask", "bench", "calibrate", "demo", "serve"):
+        params = {p.name: p for p in group.commands[command].params}
+        assert {name: params[name].help for name in helps} == helps, command
+    from rag_kvcache.index import KVIndex
+
+    root, _ = built
+    idx = tmp_path / "bf16"
+    made = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--chunk-tokens", "128", "--model",
+                               str(model_dir), "--dtype", "bfloat16", "--device", "cpu"])
+    assert made.exit_code == 0, made.output
+    assert KVIndex.config_of(idx).dtype == "bfloat16"
+    again = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--dtype", "float32"])
+    assert again.exit_code == 2 and "dtype='bfloat16'" in " ".join(again.output.split())
+    ask = ["ask", "Saltmere?", "--index", str(idx), "--json", "--max-new-tokens", "2", "--top-k", "2"]
+    same, other = runner.invoke(app, ask), runner.invoke(app, [*ask, "--dtype", "float32", "--device", "cpu"])
+    assert same.exit_code == 0 and other.exit_code == 0, other.output
+    assert json.loads(same.stdout)["cache_misses"] == 0
+    assert json.loads(other.stdout)["cache_misses"] == 2  # float32 caches are other entries than bfloat16's
+
+
 def test_foreign_index_is_refused(tmp_path):
     (tmp_path / "index.sqlite").write_text("hello")
     result = runner.invoke(app, ["ask", "q", "--index", str(tmp_path)])
