@@ -24,7 +24,7 @@ from rag_kvcache.bench.runner import (
     summarise,
 )
 from rag_kvcache.cli import app
-from rag_kvcache.config import FusionConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig, StorageConfig
 from rag_kvcache.store.controller import calibrate
 
 
@@ -45,7 +45,7 @@ def bench_out(tiny, tmp_path_factory):
 
 def test_bench_writes_every_record_summary_and_plot(bench_out):
     results = json.loads((bench_out / "results.json").read_text())
-    variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(), "behind_prefix")]
+    variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(), Config())]
     *entries, floor = results["summary"]
     assert [runner.Variant(e["method"], tuple(e["params"].items())).label for e in entries] == variants
     assert (floor["method"], floor["params"], floor["noise_floor"], floor["n"]) == ("full", NOISE_FLOOR, True, 3)
@@ -82,31 +82,34 @@ def test_exact_methods_match_full(bench_out):
 
 
 def test_plan_puts_defaults_first_and_dedupes_the_sweep():
-    labels = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(ratio=0.15, epic_k=16), "behind_prefix")]
+    labels = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(ratio=0.15, epic_k=16), Config())]
     assert labels[:5] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16"]
     assert labels[5:] == ["cacheblend r=0.05", "cacheblend r=0.1", "cacheblend r=0.25", "cacheblend r=0.5",
                           "epic k=0", "epic k=4", "epic k=32"]
     only = BenchSettings(methods=("full", "reuse"), baseline="reuse")
-    assert [v.label for v in plan(only, FusionConfig(), "behind_prefix")] == ["full", "reuse"]
+    assert [v.label for v in plan(only, FusionConfig(), Config())] == ["full", "reuse"]
 
 
 def test_plan_reads_the_caches_a_method_runs_on():
-    """`method@caches` names another index's caches; the run's own chunk_prefill is the default and unwritten."""
+    """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own are the
+    default and unwritten."""
     settings = BenchSettings(methods=("full", "cacheblend", "reuse@neighbours", "cacheblend@behind_prefix",
-                                      "cacheblend@neighbours"), baseline="cacheblend@neighbours")
-    variants = plan(settings, FusionConfig(ratio=0.15), "behind_prefix")
-    assert [v.label for v in variants] == ["full", "cacheblend r=0.15", "reuse@neighbours", "cacheblend@neighbours r=0.15"]
+                                      "cacheblend@neighbours", "cacheblend@none", "cacheblend@int8-channel"),
+                             baseline="cacheblend@neighbours")
+    variants = plan(settings, FusionConfig(ratio=0.15), Config())
+    assert [v.label for v in variants] == ["full", "cacheblend r=0.15", "reuse@neighbours", "cacheblend@neighbours r=0.15",
+                                           "cacheblend@int8-channel r=0.15"]
     assert variants[2] == Variant("reuse", caches="neighbours")
+    assert runner.made_with(Config(), "int8-channel").storage.codec == "int8-channel"
+    assert runner.made_with(Config(), "neighbours").chunk_prefill == "neighbours"
     with pytest.raises(ValueError, match="unknown chunk caches 'nearby'"):
-        plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), "behind_prefix")
+        plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), Config())
 
 
 def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tmp_path):
     """One run, two indexes over one corpus: `reuse@neighbours` answers from the context-aware caches (a
     different cache, so a different fidelity), `full@neighbours` is still exact, and both are paired with
     the default-cache baseline question by question."""
-    from rag_kvcache.config import Config
-
     config = Config(chunk_tokens=24, top_k=3)
     settings = BenchSettings(methods=("full", "reuse", "full@neighbours", "reuse@neighbours"), baseline="reuse", warmup=0)
     result = runner.run_benchmark(synthetic_multihop(2), tmp_path, config, settings, adapter=tiny, progress=False)

@@ -46,6 +46,7 @@ from ..engine.prompt import Segment
 from ..generator import Answer, Fused, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import Hit
+from ..store.codecs import CODECS
 from ..store.controller import machine_id, resolve_ratio, time_prefill
 from .datasets import QAExample
 from .metrics import bootstrap_ci, contains_answer, max_f1, median_p90, median_ratio, rouge_l, teacher_forced
@@ -69,12 +70,13 @@ OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and firs
 @dataclass(frozen=True)
 class Variant:
     """One method at one parameter setting, e.g. `cacheblend` with r=0.05, on the chunk caches of the
-    run's index or, with `caches`, of an index over the same corpus built with that `chunk_prefill`
-    (written `method@caches` in a methods list, e.g. `reuse@neighbours`)."""
+    run's index or, with `caches`, of an index over the same corpus whose caches are made another way:
+    computed with that `chunk_prefill` or stored with that codec (written `method@caches` in a methods
+    list, e.g. `reuse@neighbours`, `cacheblend@int8-channel`)."""
 
     method: str
     params: tuple[tuple[str, float | int], ...] = ()
-    caches: ChunkPrefill | None = None
+    caches: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,9 +84,9 @@ class Variant:
         unknown = [key for key, _ in self.params if key not in PARAM_FIELDS]
         if unknown:
             raise ValueError(f"unknown variant parameters {unknown} for {self.method!r}; known: {sorted(PARAM_FIELDS)}")
-        if self.caches is not None and self.caches not in CHUNK_PREFILLS:
-            raise ValueError(f"unknown chunk caches {self.caches!r} in {self.method}@{self.caches}; "
-                             f"known: {', '.join(CHUNK_PREFILLS)}")
+        if self.caches is not None and self.caches not in (*CHUNK_PREFILLS, *CODECS):
+            raise ValueError(f"unknown chunk caches {self.caches!r} in {self.method}@{self.caches}; known: "
+                             f"{', '.join(CHUNK_PREFILLS)} (chunk_prefill), {', '.join(CODECS)} (codec)")
 
     @property
     def label(self) -> str:
@@ -128,13 +130,13 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
-def plan(settings: BenchSettings, base: FusionConfig, chunk_prefill: ChunkPrefill) -> list[Variant]:
+def plan(settings: BenchSettings, base: FusionConfig, config: Config) -> list[Variant]:
     """The variants to run: each method at `base`'s parameters, then the sweep points not already there.
-    A method written `method@caches` runs on the caches of an index built with that `chunk_prefill`
-    (the run's own, `chunk_prefill`, is the default and is not written)."""
+    A method written `method@caches` runs on the caches of an index built with that `chunk_prefill` or
+    codec (`config`'s own are the default and are not written)."""
     def at(method: str, value: float | int | None = None) -> Variant:
         method, _, caches = method.partition("@")
-        caches = None if caches in ("", chunk_prefill) else caches
+        caches = None if caches in ("", config.chunk_prefill, config.storage.codec) else caches
         key = METHOD_PARAMS.get(method)
         if key is None:
             return Variant(method, caches=caches)
@@ -212,6 +214,13 @@ def build_index(
     return index, stats
 
 
+def made_with(config: Config, caches: str) -> Config:
+    """`config` with its chunk caches made as `caches` names: a `chunk_prefill` or a storage codec."""
+    if caches in CODECS:
+        return config.with_storage(codec=caches)
+    return replace(config, chunk_prefill=caches)
+
+
 # ---- per-question measurement -------------------------------------------------------------------------
 def rotated(variants: Sequence[Variant], i: int) -> list[Variant]:
     """`variants` rotated by `i` places: over len(variants) questions each runs once in every slot."""
@@ -282,7 +291,7 @@ def bfloat16_rounded(fused: Fused, adapter: ModelAdapter, last_token: int) -> tu
 
 
 def fidelity(
-    generators: Mapping[ChunkPrefill | None, FusedGenerator], segments: Sequence[Segment],
+    generators: Mapping[str | None, FusedGenerator], segments: Sequence[Segment],
     variants: Sequence[Variant], config: Config,
 ) -> tuple[dict[Variant, dict[str, float | None]], dict[str, float | None]]:
     """Teacher-forced scores of every variant, and of the bfloat16 noise floor, against `full`: full's
@@ -310,7 +319,7 @@ def fidelity(
 
 
 def run_question(
-    generators: Mapping[ChunkPrefill | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
+    generators: Mapping[str | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
     slot_shift: int,
 ) -> list[dict[str, Any]]:
     """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
@@ -506,7 +515,7 @@ def run_benchmark(
     if decision is not None:
         log.info("loading controller: %s", decision.explain())
         controller = {**asdict(decision), "explain": decision.explain()}
-    variants = plan(settings, config.fusion, config.chunk_prefill)
+    variants = plan(settings, config.fusion, config)
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
         if variant.method == "cacheblend":
             filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
@@ -527,11 +536,11 @@ def run_benchmark(
     done = {r["id"] for r in records}
 
     index, indexing = build_index(examples, out_dir / "work", config, adapter, progress)
-    generators: dict[ChunkPrefill | None, FusedGenerator] = {None: FusedGenerator(index)}
+    generators: dict[str | None, FusedGenerator] = {None: FusedGenerator(index)}
     other_indexing = {}
     for caches in dict.fromkeys(v.caches for v in variants if v.caches is not None):  # same corpus, other caches
         other, other_indexing[caches] = build_index(
-            examples, out_dir / "work", replace(config, chunk_prefill=caches), adapter, progress, f"index-{caches}")
+            examples, out_dir / "work", made_with(config, caches), adapter, progress, f"index-{caches}")
         generators[caches] = FusedGenerator(other)
     run_meta = {
         **(meta or {}), **run_plan, "questions": len(examples), "warmup_questions": min(settings.warmup, len(examples)),
