@@ -18,7 +18,7 @@ import torch
 
 from .config import FusionConfig, GenerationConfig
 from .engine.fusion import DirectReader, FusionInput, FusionResult
-from .engine.generation import Decoder, sample_token
+from .engine.generation import Decoder
 from .engine.methods import get_method
 from .engine.profiling import StageClock
 from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
@@ -190,7 +190,7 @@ class FusedGenerator:
         fused = self.fuse(segments, fusion)
         result = fused.result
         decoder = Decoder(self.adapter, generation)
-        first = sample_token(result.logits, generation, decoder.rng)
+        first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
         n_generated = 0
         for step in decoder.steps(result.keys, result.values, result.logits, first):

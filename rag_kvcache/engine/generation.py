@@ -1,19 +1,30 @@
-"""Decoding that continues from a fused prompt cache: greedy or sampled, stop strings, streaming; and
-teacher forcing, which scores a given answer from such a cache."""
+"""Decoding that continues from a fused prompt cache: greedy or sampled, stop strings, streaming,
+optionally constrained to a JSON Schema; and teacher forcing, which scores a given answer from such a cache."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from ..config import GenerationConfig
 from .model import ModelAdapter
 
+if TYPE_CHECKING:
+    import llguidance
+    from transformers import PreTrainedTokenizerBase
 
-def sample_token(logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generator | None) -> int:
-    """Greedy argmax at temperature 0, else temperature + nucleus (top-p) sampling, of next-token logits [V]."""
+
+def sample_token(
+    logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generator | None, allowed: torch.Tensor | None = None
+) -> int:
+    """Greedy argmax at temperature 0, else temperature + nucleus (top-p) sampling, of next-token logits [V],
+    among the `allowed` tokens (bool [V]) when given."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))  # [V]
     if cfg.temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [V]
@@ -22,6 +33,49 @@ def sample_token(logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generat
     sorted_p = sorted_p * keep
     choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=rng)  # [1]
     return int(order[choice])
+
+
+class JsonSchemaConstraint:
+    """Keeps an answer inside a JSON Schema (grammar-constrained decoding with llguidance): before each
+    token, only the tokens that can continue a document matching the schema may be chosen; once the
+    document is complete, only end of sequence. Compact JSON (no free whitespace between tokens)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int], schema: str) -> None:
+        try:
+            import llguidance
+        except ImportError as e:
+            raise ImportError("answers constrained to a JSON Schema need llguidance: pip install 'rag-kvcache[structured]'") from e
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer, tuple(sorted(eos_token_ids))), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"cannot constrain decoding to JSON Schema {schema[:200]!r}: {self.matcher.get_error()}")
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """The tokens that may come next, bool [vocab_size] (ids the tokenizer does not know are never allowed)."""
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(n / 32)]
+        bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()  # [32 * ceil(n / 32)]
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+        n = min(vocab_size, bits.numel())
+        allowed[:n] = bits[:n]
+        return allowed
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} does not continue the JSON Schema's grammar: {self.matcher.get_error()}")
+
+
+@functools.lru_cache(maxsize=8)
+def _guidance_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast Hugging Face tokenizer (built in ~0.4 s, so kept per tokenizer)."""
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos_token_ids))
+    except ValueError as e:  # e.g. a WordPiece tokenizer, whose decoder puts spaces between tokens
+        raise ValueError(
+            f"answers constrained to a JSON Schema need a byte-level or SentencePiece-style fast tokenizer; "
+            f"{type(tokenizer).__name__} of {tokenizer.name_or_path!r} is not one: {e}"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -34,11 +88,15 @@ class Step:
 
 
 class Decoder:
-    """Generates from a prompt cache: the first token from the fused logits, the rest step by step."""
+    """Generates from a prompt cache: the first token from the fused logits, the rest step by step;
+    every token constrained to `cfg.json_schema` when it names one."""
 
     def __init__(self, adapter: ModelAdapter, cfg: GenerationConfig) -> None:
         self.adapter = adapter
         self.cfg = cfg
+        self.constraint = None
+        if cfg.json_schema is not None:
+            self.constraint = JsonSchemaConstraint(adapter.tokenizer, adapter.eos_token_ids, cfg.json_schema)
         self.rng = None
         if cfg.temperature > 0:
             self.rng = torch.Generator(device=adapter.device)
@@ -47,10 +105,16 @@ class Decoder:
             else:
                 self.rng.seed()
 
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from next-token logits [V], by the sampling rule, among those the constraint allows."""
+        allowed = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])  # [V]
+        return sample_token(logits, self.cfg, self.rng, allowed)
+
     def steps(
         self, keys: list[torch.Tensor], values: list[torch.Tensor], first_logits: torch.Tensor, first_token: int
     ) -> Iterator[Step]:
-        """Yield decoded steps, `first_token` (already sampled from `first_logits`) included.
+        """Yield decoded steps, `first_token` (already sampled from `first_logits`, by `sample` when
+        constrained) included.
 
         Stops at an end-of-sequence token, a stop string (its text is cut), or `max_new_tokens`.
         """
@@ -62,6 +126,8 @@ class Decoder:
         text = emitted = ""
         token = first_token
         while token not in eos:
+            if self.constraint is not None:
+                self.constraint.advance(token)
             ids.append(token)
             text = self.adapter.tokenizer.decode(ids, skip_special_tokens=True)
             cut = min((i for i in (text.find(s) for s in self.cfg.stop) if i >= 0), default=-1)
@@ -76,7 +142,7 @@ class Decoder:
                 break
             logits = self.adapter.decode([token], cache, position)[-1]  # [V]
             position += 1
-            token = sample_token(logits, self.cfg, self.rng)
+            token = self.sample(logits)
         if len(text) > len(emitted):
             yield Step(None, text[len(emitted) :])
 
