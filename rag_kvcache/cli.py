@@ -59,6 +59,9 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
     return typer.Option(*decls, help=cls.__dataclass_fields__[name].metadata["help"], **kwargs)
 
 
+KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
+
+
 def _base_config(**changes: object) -> Config:
     cache_dir = os.environ.get("RAG_KVCACHE_CACHE_DIR")
     cfg = Config(**({"cache_dir": Path(cache_dir)} if cache_dir else {}))
@@ -143,6 +146,7 @@ def index(
                                              "(deleted files, other folders', added through a store).")] = False,
     max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
     max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
+    kv_remote: KVRemote = None,
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
     dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
 ) -> None:
@@ -172,7 +176,7 @@ def index(
         else:
             cfg = _base_config(**given).with_storage(codec=kv_codec.value)
         cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
-        idx = KVIndex.create(index_dir, cfg)
+        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote))
         report = idx.update(docs_dir, prune=prune)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         _fail(str(e))
@@ -201,6 +205,7 @@ def ask(
     stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
     model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
                                                  "another model misses every cache).")] = None,
+    kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
     dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
@@ -225,7 +230,7 @@ def ask(
                               deviation=deviation.value, epic_k=epic_k)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                   stop=tuple(stop or ()))
-        idx = KVIndex.open(index_dir, cfg)
+        idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))
         cfg, decision = resolve_ratio(cfg, idx.adapter)
         if decision is not None:
             err.print(f"[dim]loading controller: {decision.explain()}[/dim]", highlight=False)
@@ -253,22 +258,22 @@ def ask(
 
 
 @app.command()
-def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> None:
+def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], kv_remote: KVRemote = None) -> None:
     """Print the KV store's counters per tier (totals over every process that used it) and its size."""
     from .index import KVIndex
     from .store.kvstore import KVStore
 
     try:
-        cfg = KVIndex.config_of(index_dir, _base_config())
+        cfg = KVIndex.config_of(index_dir, _base_config()).with_storage(remote=kv_remote)
+        store = KVStore(index_dir / "kv", cfg.storage)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    store = KVStore(index_dir / "kv", cfg.storage)
-    table = Table("tier", "hits", "misses", "hit rate", "read", "written", "evictions", "corrupt")
+    table = Table("tier", "hits", "misses", "hit rate", "read", "written", "evictions", "corrupt", "errors")
     for tier, s in store.stats().items():
         rate = f"{s.hits / (s.hits + s.misses):.1%}" if s.hits + s.misses else "-"
         table.add_row(
             tier, str(s.hits), str(s.misses), rate, _mib(s.bytes_read), _mib(s.bytes_written), str(s.evictions),
-            str(s.corrupt),
+            str(s.corrupt), str(s.errors),
         )
     out.print(table)
     sizes = [p.stat().st_size for p in store.disk.files()]
@@ -276,6 +281,25 @@ def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) 
     out.print(
         f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.storage.codec}; "
         f"memory tier budget {_mib(cfg.storage.memory_bytes)} per process, eviction {cfg.storage.eviction}"
+    )
+    if store.remote is not None:
+        _print_remote(store.remote)
+
+
+def _print_remote(remote) -> None:
+    """The remote tier's server figures (its whole database: other indexes' entries count too)."""
+    import redis
+
+    try:
+        info = remote.server_info()
+    except redis.RedisError as e:
+        out.print(f"remote tier {remote.name}: does not answer ({type(e).__name__}: {e})", highlight=False)
+        return
+    limit = _mib(info["maxmemory"]) if info["maxmemory"] else "no limit"
+    out.print(
+        f"remote tier {remote.name}: {info['keys']} keys, {_mib(info['used_memory'])} used of {limit} "
+        f"(maxmemory-policy {info['maxmemory_policy']}), {info['evicted_keys']} keys evicted by the server",
+        highlight=False,
     )
 
 
@@ -385,6 +409,7 @@ def bench(
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
     dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
+    kv_remote: KVRemote = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
                                          "measure the rest (same settings and machine only).")] = False,
@@ -413,6 +438,7 @@ def bench(
         cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
+        cfg = cfg.with_storage(remote=kv_remote)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:
@@ -439,6 +465,7 @@ def serve(
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
         ServerConfig, "max_prompt_tokens"),
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
+    kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
     dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
 ) -> None:
@@ -456,7 +483,7 @@ def serve(
         server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
                                   max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype)
-        engine = Engine(index_dir, cfg)
+        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from .store.codecs import CODECS
@@ -84,10 +85,6 @@ class GenerationConfig:
     top_p: float = setting(0.9, "Nucleus sampling: sample from the smallest set of tokens holding this probability.")
     seed: int | None = setting(None, "Seed for sampling (none: a fresh random seed).")
     stop: tuple[str, ...] = setting((), "Stop string: generation ends before it (repeatable).")
-    json_schema: str | None = setting(
-        None, "A JSON Schema (as JSON text): the answer is decoded constrained to JSON that matches it "
-        "(needs rag-kvcache[structured])."
-    )
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -99,12 +96,12 @@ class GenerationConfig:
 
     def with_options(
         self, *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-        seed: int | None = None, stop: Sequence[str] | None = None, json_schema: str | None = None,
+        seed: int | None = None, stop: Sequence[str] | None = None,
     ) -> GenerationConfig:
         """These settings with a caller's per-request options (a framework's `max_tokens`, `temperature`,
         ...) put over them; None keeps the setting."""
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                 "stop": None if stop is None else tuple(stop), "json_schema": json_schema}
+                 "stop": None if stop is None else tuple(stop)}
         return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
@@ -118,6 +115,10 @@ class StorageConfig:
     an index records it when built. `prefetch_layers` is how many layers the background reader
     may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
     `quality_floor` is the smallest recompute ratio the loading controller will pick.
+    `remote` adds a tier shared by every process and machine that opens the index, below memory and
+    disk: a Redis or Valkey server (`store.redis_tier`). A request to it that takes longer than
+    `remote_timeout` seconds, or fails, counts as a miss; after a failure the tier is skipped for
+    `remote_retry` seconds.
     """
 
     memory_bytes: int = 256 << 20
@@ -126,6 +127,12 @@ class StorageConfig:
     codec: str = setting("none", "How KV caches are stored on disk: as computed, int8 with per-channel or per-token scales, or fp8.")
     prefetch_layers: int = 2
     quality_floor: float = 0.15
+    remote: str | None = setting(
+        None, "Shared KV tier on a Redis or Valkey server, redis://[user:password@]host:port/db (rediss:// for "
+        "TLS, unix:///path.sock): every process that opens the index reads and writes the same entries there.",
+    )
+    remote_timeout: float = 5.0
+    remote_retry: float = 30.0
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0:
@@ -140,6 +147,12 @@ class StorageConfig:
             raise ValueError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
             raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
+        if self.remote is not None and urlsplit(self.remote).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
+        if self.remote_timeout <= 0 or self.remote_retry < 0:
+            raise ValueError(
+                f"remote_timeout must be > 0 and remote_retry >= 0, got {self.remote_timeout!r} and {self.remote_retry!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, Tex
 from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
-from .store.tiers import CorruptEntryError
+from .store.backend import CorruptEntryError
 
 log = logging.getLogger(__name__)
 

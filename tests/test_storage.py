@@ -9,10 +9,11 @@ from test_kvstore import make_kv
 
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.store.backend import Entry
 from rag_kvcache.store.codecs import get_codec
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.loading import LayerFeed
-from rag_kvcache.store.tiers import ChunkKV, DiskEntry, EvictionPolicy
+from rag_kvcache.store.tiers import ChunkKV, EvictionPolicy
 
 KEYS = [f"{i:02x}" * 16 for i in range(6)]
 
@@ -22,7 +23,7 @@ def test_one_layer_is_read_without_the_others(tmp_path):
     kv = make_kv(layers=4, tokens=6)
     store.put(KEYS[0], kv)
     entry = store.open(KEYS[0])
-    assert isinstance(entry, DiskEntry) and (entry.n_layers, entry.n_tokens, entry.position) == (4, 6, 7)
+    assert isinstance(entry, Entry) and (entry.n_layers, entry.n_tokens, entry.position) == (4, 6, 7)
     k, v = entry.layer(2)
     assert torch.equal(k, kv.keys[2]) and torch.equal(v, kv.values[2])
     layer_bytes = kv.keys[2].nbytes + kv.values[2].nbytes

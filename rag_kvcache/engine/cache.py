@@ -40,7 +40,7 @@ class ChunkKV:
 
 
 class LayerSource(Protocol):
-    """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a `DiskEntry`."""
+    """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a stored `Entry`."""
 
     position: int
 

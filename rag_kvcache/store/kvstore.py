@@ -1,10 +1,12 @@
-"""Content-addressed, tiered store of per-chunk KV caches: a memory tier over a disk tier.
+"""Content-addressed, tiered store of per-chunk KV caches: a memory tier over a disk tier, over a
+remote tier shared by every process and machine (`StorageConfig.remote`: Redis or Valkey) if set.
 
 An entry's key hashes everything that decides its contents: the model fingerprint, how chunks are
 prefilled (the cache namespace), the tokens before the chunk when it was computed (its context),
 and the chunk's own token ids. A different model or setting is therefore a miss, never a wrong
-hit. `put` writes to disk; `open` returns a `LayerSource` whose layers are read one at a time (from
-memory, or from the file, verified); an entry read whole from disk is promoted to the memory tier.
+hit. `put` encodes an entry once and writes it to disk and to the remote tier; `open` returns a
+`LayerSource` whose layers are read one at a time (from memory, or from the first backend holding
+it, verified); an entry read whole from a backend is promoted to the memory tier.
 
 Counters (hits, misses, bytes read and written, evictions, corrupt entries) are kept per tier in
 process and added to `stats.json` in the store folder by `flush_stats` (under a file lock, so
@@ -17,7 +19,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,8 +28,9 @@ from filelock import FileLock
 
 from ..config import StorageConfig
 from ..engine.cache import ChunkKV, LayerSource
+from .backend import Backend, CorruptEntryError, TierStats, encode_entry
 from .codecs import get_codec
-from .tiers import CorruptEntryError, DiskTier, MemoryTier, TierStats
+from .tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +50,43 @@ def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) ->
 
 
 class KVStore:
-    """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front."""
+    """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front and a
+    remote tier behind."""
 
     def __init__(self, root: Path, config: StorageConfig = StorageConfig()) -> None:
         self.root = Path(root)
         self.config = config
+        self.codec = get_codec(config.codec)
         self.memory = MemoryTier(config.memory_bytes, config.eviction)
-        self.disk = DiskTier(
-            self.root, get_codec(config.codec), config.disk_bytes, config.eviction,
-            on_loaded=self.memory.put if config.memory_bytes > 0 else None,
-        )
+        promote = self.memory.put if config.memory_bytes > 0 else None
+        self.disk = DiskTier(self.root, self.codec, config.disk_bytes, config.eviction, on_loaded=promote)
+        self.remote = _remote_tier(config, promote) if config.remote is not None else None
+        self.backends: list[Backend] = [self.disk] + ([self.remote] if self.remote is not None else [])
 
     def path(self, key: str) -> Path:
         return self.disk.path(key)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.disk
+        return any(key in backend for backend in self.backends)
 
     def put(self, key: str, kv: ChunkKV) -> None:
-        """Write `kv` to disk, atomically. Raises `StorageFullError`. The memory tier is a read cache:
-        entries enter it when read whole, so indexing a corpus does not churn it."""
-        self.disk.write(key, kv)
+        """Write `kv` to every backend, atomically in each (the remote tier keeps an entry another process
+        stored first, and skips the write when its server does not answer). Raises `StorageFullError`.
+        The memory tier is a read cache: entries enter it when read whole, so indexing does not churn it."""
+        data = encode_entry(kv, self.codec)
+        for backend in self.backends:
+            backend.write(key, data)
 
     def open(self, key: str) -> LayerSource | None:
-        """The entry, layers read on demand, or None when missing or corrupt (then it is removed)."""
+        """The entry, layers read on demand, or None when missing or corrupt in every tier (a corrupt
+        entry is removed)."""
         kv = self.memory.get(key)
-        return kv if kv is not None else self.disk.open(key)
+        if kv is not None:
+            return kv
+        for backend in self.backends:
+            if (entry := backend.open(key)) is not None:
+                return entry
+        return None
 
     def get(self, key: str, device: torch.device | str = "cpu") -> ChunkKV | None:
         """The whole entry, or None when missing or corrupt (then it is removed)."""
@@ -88,25 +102,28 @@ class KVStore:
     def discard(self, key: str) -> None:
         """Forget an entry in every tier."""
         self.memory.remove(key)
-        self.disk.remove(key)
+        for backend in self.backends:
+            backend.remove(key)
 
     # ---- counters -----------------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:
-        """Per tier: the persisted counters plus those of this process not yet flushed."""
-        saved = self._read_stats()
-        return {name: saved.get(name, TierStats()) + tier.stats for name, tier in self._tiers().items()}
+        """Per tier: the persisted counters plus those of this process not yet flushed (a tier this
+        store does not open now, such as a remote tier other runs used, with its persisted counters)."""
+        saved, tiers = self._read_stats(), self._tiers()
+        return {name: saved.get(name, TierStats()) + tiers[name].stats if name in tiers else saved[name]
+                for name in {**tiers, **saved}}
 
     def flush_stats(self) -> None:
         """Add this process's counters to `stats.json` and reset them."""
         with FileLock(self.root / f".{_STATS_FILE}.lock"):
             saved = self._read_stats()
-            totals = {name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()}
+            totals = saved | {name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()}
             tmp = self.root / f".{_STATS_FILE}.{os.getpid()}"
             tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))
             os.replace(tmp, self.root / _STATS_FILE)
 
-    def _tiers(self) -> dict[str, MemoryTier | DiskTier]:
-        return {"memory": self.memory, "disk": self.disk}
+    def _tiers(self) -> dict[str, MemoryTier | Backend]:
+        return {"memory": self.memory, "disk": self.disk} | ({"remote": self.remote} if self.remote is not None else {})
 
     def _read_stats(self) -> dict[str, TierStats]:
         path = self.root / _STATS_FILE
@@ -117,3 +134,14 @@ class KVStore:
         except (ValueError, TypeError) as err:
             log.warning("ignoring unreadable store counters %s: %s", path, err)
             return {}
+
+
+def _remote_tier(config: StorageConfig, on_loaded: Callable[[str, ChunkKV], None] | None) -> Backend:
+    """The remote tier `config.remote` names (redis-py is an optional dependency)."""
+    try:
+        from .redis_tier import RedisTier
+    except ImportError as err:
+        raise ValueError(
+            f"a remote KV tier (StorageConfig.remote) needs redis-py: pip install 'rag-kvcache[redis]' ({err})"
+        ) from err
+    return RedisTier(config, on_loaded)

@@ -1,0 +1,304 @@
+"""The storage backend interface: what a tier below the memory tier is, and the entry format every
+such tier stores, so that each one verifies its entries the same way.
+
+A backend holds content-addressed entries: `write` (all-or-nothing, once per key), `blob` (the
+stored bytes, read by ranges), `__contains__`, `remove`. Everything else is shared here: `put`
+encodes a `ChunkKV` (`encode_entry`), `open` returns an `Entry` whose header is verified at once and
+whose layers are read and verified one at a time. A new backend is one module implementing those four
+methods (`tiers.DiskTier`: files; `redis_tier.RedisTier`: a Redis or Valkey server).
+
+The format is a safetensors file: one tensor per layer, K/V and codec part (`k.3`, `v.3.scale`),
+so a layer is a few byte ranges; its metadata carries an xxh3 checksum of every tensor, verified when
+its layer is read, and a checksum of the header itself, verified before any of its fields is used.
+A failure raises `CorruptEntryError`, after the backend has dropped the entry, so the caller can
+recompute it; a miss is `None`, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
+
+import numpy as np
+import torch
+import xxhash
+from safetensors.torch import save
+
+from ..engine.cache import ChunkKV
+from .codecs import Codec, get_codec
+
+log = logging.getLogger(__name__)
+
+FORMAT = "rag-kvcache-kv-v2"  # v2: the header carries a checksum of itself
+_HEADER_CHECKSUM = "header_xxh3"
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+}
+_DTYPE_NAMES = {str(d).removeprefix("torch."): name for name, d in _SAFETENSORS_DTYPES.items()}
+
+
+class KVStoreError(Exception):
+    """A problem with a stored cache entry."""
+
+
+class CorruptEntryError(KVStoreError):
+    """An entry could not be read whole and intact (it failed its integrity check, or its backend lost it
+    mid-read): recompute it. A corrupt entry has been removed."""
+
+
+class UnreachableEntryError(CorruptEntryError):
+    """The backend holding an entry stopped answering while it was read (nothing was removed)."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier (since the counters were last persisted, or in total)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    errors: int = 0  # requests to a remote tier that failed (server down, refused, timed out)
+
+    def __add__(self, other: TierStats) -> TierStats:
+        return TierStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Counted:
+    """A tier's counters, changed and read under their own lock: the fusion's background reader
+    counts too."""
+
+    def __init__(self) -> None:
+        self._stats_lock = threading.Lock()
+        self._stats = TierStats()
+
+    def count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    @property
+    def stats(self) -> TierStats:
+        """A snapshot of this process's counters."""
+        with self._stats_lock:
+            return TierStats(**self._stats.as_dict())
+
+    def take_stats(self) -> TierStats:
+        """The counters, reset to zero in the same step."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, TierStats()
+        return stats
+
+
+class Blob(Protocol):
+    """The stored bytes of one entry, read by byte ranges."""
+
+    size: int
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to `n` bytes from `offset` (fewer if the blob is shorter)."""
+        ...
+
+    def read_into(self, ranges: list[tuple[np.ndarray, int]]) -> list[int]:
+        """Fill each uint8 buffer with the bytes from its offset (one request where the backend can);
+        returns how many bytes each got."""
+        ...
+
+
+class Backend(Counted, ABC):
+    """A tier of entries in the store's format. `on_loaded(key, kv)` is called when every layer of an
+    entry has been read (the store promotes it to the memory tier)."""
+
+    def __init__(self, codec: Codec, on_loaded: Callable[[str, ChunkKV], None] | None = None) -> None:
+        super().__init__()
+        self.codec = codec
+        self.on_loaded = on_loaded
+
+    # ---- what a backend implements ------------------------------------------------------------
+    @abstractmethod
+    def write(self, key: str, data: bytes) -> int:
+        """Store `data` (an encoded entry) under `key`, all or nothing; returns the bytes written."""
+
+    @abstractmethod
+    def blob(self, key: str) -> Blob | None:
+        """The stored bytes of `key`, or None when it is not stored."""
+
+    @abstractmethod
+    def __contains__(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def remove(self, key: str) -> None:
+        """Delete the entry (nothing if it is not there)."""
+
+    @abstractmethod
+    def where(self, key: str) -> str:
+        """Where the entry lives, for messages."""
+
+    def opened(self, key: str) -> None:
+        """Called when an entry is opened intact (a tier that tracks use refreshes it)."""
+
+    # ---- shared ---------------------------------------------------------------------------------
+    def put(self, key: str, kv: ChunkKV) -> int:
+        """Encode `kv` with this tier's codec and store it under `key`; returns the bytes written."""
+        return self.write(key, encode_entry(kv, self.codec))
+
+    def open(self, key: str) -> Entry | None:
+        """The entry with its header checked, or None when missing or corrupt (then it is removed)."""
+        try:
+            blob = self.blob(key)
+            if blob is None:
+                self.count(misses=1)
+                return None
+            entry = Entry(self, key, blob)
+        except (OSError, ValueError, KeyError) as err:
+            self.drop(key, err)
+            self.count(misses=1)
+            return None
+        self.count(hits=1)
+        self.opened(key)
+        return entry
+
+    def drop(self, key: str, reason: Exception | str) -> None:
+        log.warning("dropping corrupt KV cache entry %s: %s", self.where(key), reason)
+        self.count(corrupt=1)
+        self.remove(key)
+
+
+def encode_entry(kv: ChunkKV, codec: Codec) -> bytes:
+    """`kv` in the store's format: a safetensors file with checksummed tensors and a sealed header."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(kv.n_layers):
+        for kind, t in zip("kv", kv.layer(layer)):
+            for suffix, part in codec.encode(t.detach().to("cpu")).items():
+                tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
+    meta = {name: _checksum(t) for name, t in tensors.items()}
+    meta |= {
+        "format": FORMAT, "position": str(kv.position), "layers": str(kv.n_layers), "codec": codec.name,
+        "dtype": str(kv.keys[0].dtype).removeprefix("torch."),
+    }
+    return _seal_header(save(tensors, metadata=meta))
+
+
+class Entry:
+    """An opened entry: header checked; layers read and verified on demand. It reads through its blob
+    (a disk tier's keeps the file open, so a writer replacing or evicting it does not disturb this
+    reader)."""
+
+    def __init__(self, tier: Backend, key: str, blob: Blob) -> None:
+        self._tier, self.key, self._blob = tier, key, blob
+        self._parse_header()
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _parse_header(self) -> None:
+        """Read and verify the header: its own checksum first (so no field of it, position, dtype or a
+        tensor's shape, is used unverified), then its shape against the blob. Any malformation is a
+        `ValueError`, which makes the entry a corrupt miss (recomputed), never a crash."""
+        size = self._blob.size
+        if size < 8:
+            raise ValueError(f"{size}-byte entry is too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", self._blob.read(0, 8))
+        if 8 + header_len > size:
+            raise ValueError(f"header of {header_len} bytes in a {size}-byte entry (truncated)")
+        header = _verified_header(self._blob.read(8, header_len))
+        try:
+            self._meta: dict[str, str] = header.pop("__metadata__")
+            self._tensors: dict[str, dict] = header
+            self._base = 8 + header_len
+            end = max(t["data_offsets"][1] for t in header.values())
+            if self._base + end != size:
+                raise ValueError(f"{size}-byte entry, header describes {self._base + end} bytes (truncated)")
+            self.position = int(self._meta["position"])
+            self.n_layers = int(self._meta["layers"])
+            self.codec = get_codec(self._meta["codec"])
+            self.dtype = _SAFETENSORS_DTYPES[_DTYPE_NAMES[self._meta["dtype"]]]
+            self.n_tokens = int(header["k.0"]["shape"][1])
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed header ({type(err).__name__}: {err})") from err
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, read in one request to the blob and each checked against its checksum."""
+        out = {}
+        for name in names:
+            info = self._tensors[name]
+            out[name] = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])  # e.g. [H_kv, T, D]
+        got = self._blob.read_into(
+            [(out[n].view(-1).view(torch.uint8).numpy(), self._base + self._tensors[n]["data_offsets"][0]) for n in names]
+        )
+        for name, n_read in zip(names, got):
+            start, end = self._tensors[name]["data_offsets"]
+            if n_read != end - start:
+                raise CorruptEntryError(f"tensor {name} of {self._tier.where(self.key)}: read {n_read} of {end - start} bytes")
+            if _checksum(out[name]) != self._meta[name]:
+                raise CorruptEntryError(f"checksum mismatch in tensor {name} of {self._tier.where(self.key)}")
+            self._tier.count(bytes_read=end - start)
+        return out
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [H_kv, T, D] of layer `i`, decoded to the dtype they were computed in."""
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} of a {self.n_layers}-layer entry")
+        parts = {kind: {s: n for s, n in (("", f"{kind}.{i}"), ("scale", f"{kind}.{i}.scale")) if n in self._tensors}
+                 for kind in "kv"}
+        try:
+            read = self._read([n for names in parts.values() for n in names.values()])
+        except UnreachableEntryError:
+            raise
+        except CorruptEntryError as err:
+            self._tier.drop(self.key, err)
+            raise
+        kv = tuple(self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv")
+        if self._tier.on_loaded is None:
+            return kv
+        self._loaded[i] = kv
+        if len(self._loaded) == self.n_layers:
+            keys, values = zip(*(self._loaded[j] for j in range(self.n_layers)))
+            self._tier.on_loaded(self.key, ChunkKV(list(keys), list(values), self.position))
+        return kv
+
+
+def _checksum(t: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _header_checksum(header: dict) -> str:
+    """xxh3 of a header (metadata and every tensor's dtype, shape and offsets) without its own checksum."""
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != _HEADER_CHECKSUM}
+    canonical = {**header, "__metadata__": meta}
+    return xxhash.xxh3_128_hexdigest(json.dumps(canonical, sort_keys=True).encode())
+
+
+def _seal_header(data: bytes) -> bytes:
+    """A safetensors file with its header's checksum added to the header metadata. Data offsets are
+    relative to the end of the header, so a longer header leaves them valid."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"][_HEADER_CHECKSUM] = _header_checksum(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+
+def _verified_header(raw: bytes) -> dict:
+    """The parsed header, or `ValueError` if it is not a JSON object carrying its own correct checksum."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"header is not JSON ({err})") from err
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"no {FORMAT!r} header (format marker {meta and meta.get('format')!r})")
+    if meta.get(_HEADER_CHECKSUM) != _header_checksum(header):
+        raise ValueError("header checksum mismatch: its metadata or tensor layout was altered")
+    return header

@@ -1,0 +1,175 @@
+"""A tier shared by every process and machine that opens the index: a Redis or Valkey server.
+
+Each entry is one string value holding the entry in the store's format (`backend.encode_entry`, the
+bytes a disk tier's file holds), under `<format>:<codec>:<key>`: an index that stores caches with
+another codec, or a later format, never reads it. Layer-wise reads are `GETRANGE`s of the layer's
+byte ranges, one pipelined request per layer, so the pipelined loader (`loading.LayerFeed`) reads
+layer i+1 over the network while layer i is fused; the header is checked when an entry is opened and
+each layer against its checksums when read, as on disk.
+
+- Written once: `SET ... NX`, so the first process to compute an entry stores it and later writers
+  of the same key leave it; a `SET` is all-or-nothing (a writer that dies mid-command stores nothing).
+- Evicted by the server (`maxmemory` with an `allkeys-*` policy, see docs/scaling.md). One value per
+  entry, so eviction takes an entry whole; an entry evicted, or replaced, between its opening and the
+  reading of a layer reads short or fails its checksum: a corrupt entry, recomputed, never a wrong hit.
+- The server going away never fails an answer: a request that fails or times out is a miss (an entry
+  being read raises `UnreachableEntryError`, which the index recomputes), counted in `errors`, logged
+  once; the tier is then skipped for `remote_retry` seconds before it is tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..config import StorageConfig
+from ..engine.cache import ChunkKV
+from .backend import FORMAT, Backend, Entry, UnreachableEntryError
+from .codecs import get_codec
+
+log = logging.getLogger(__name__)
+
+_DOWN = (redis.ConnectionError, redis.TimeoutError)  # the server is unreachable: skip it for a while
+
+
+class RedisTier(Backend):
+    """Entries on the Redis or Valkey server at `config.remote`."""
+
+    def __init__(self, config: StorageConfig, on_loaded: Callable[[str, ChunkKV], None] | None = None) -> None:
+        if config.remote is None:
+            raise ValueError("a RedisTier needs StorageConfig.remote, a redis:// URL; got None")
+        super().__init__(get_codec(config.codec), on_loaded)
+        url = urlsplit(config.remote)
+        self.name = f"{url.scheme}://{url.hostname or ''}{f':{url.port}' if url.port else ''}{url.path}"  # no password
+        self.client = redis.Redis.from_url(  # one immediate retry: a pooled connection the server closed
+            config.remote, socket_timeout=config.remote_timeout, socket_connect_timeout=config.remote_timeout,
+            retry=Retry(NoBackoff(), 1),
+        )
+        self.retry = config.remote_retry
+        self._prefix = f"{FORMAT}:{config.codec}:"
+        self._lock = threading.Lock()
+        self._down_until: float | None = None  # monotonic time; None while the server answers
+        self._logged: set[str] = set()
+
+    def redis_key(self, key: str) -> str:
+        return self._prefix + key
+
+    def where(self, key: str) -> str:
+        return f"{self.name} {self.redis_key(key)}"
+
+    # ---- the backend ------------------------------------------------------------------------------
+    def write(self, key: str, data: bytes) -> int:
+        """Store `data` unless the key is already there (another process computed it first); returns
+        the bytes written, 0 when it was there or the server did not take it."""
+        written = self._request(lambda: self.client.set(self.redis_key(key), data, nx=True), None)
+        if not written:
+            return 0
+        self.count(bytes_written=len(data))
+        return len(data)
+
+    def blob(self, key: str) -> RedisBlob | None:
+        size = self.client.strlen(self.redis_key(key))
+        return RedisBlob(self, self.redis_key(key), size) if size else None
+
+    def __contains__(self, key: str) -> bool:
+        return bool(self._request(lambda: self.client.exists(self.redis_key(key)), 0))
+
+    def remove(self, key: str) -> None:
+        self._request(lambda: self.client.delete(self.redis_key(key)), None)
+
+    def open(self, key: str) -> Entry | None:
+        """The entry, or None when missing, corrupt (then removed) or the server does not answer."""
+        if not self._available():
+            self.count(misses=1)
+            return None
+        try:
+            entry = super().open(key)
+        except redis.RedisError as err:
+            self._failed(err)
+            self.count(misses=1)
+            return None
+        self._answered()
+        return entry
+
+    # ---- the server's health --------------------------------------------------------------------
+    def _request(self, call: Callable[[], object], default: object) -> object:
+        """`call()` on the server, or `default` when it is skipped as down or the request fails."""
+        if not self._available():
+            return default
+        try:
+            result = call()
+        except redis.RedisError as err:
+            self._failed(err)
+            return default
+        self._answered()
+        return result
+
+    def _available(self) -> bool:
+        with self._lock:
+            return self._down_until is None or time.monotonic() >= self._down_until
+
+    def _answered(self) -> None:
+        if self._down_until is not None:
+            with self._lock:
+                self._down_until = None
+                self._logged.clear()
+            log.info("the KV remote tier %s answers again", self.name)
+
+    def _failed(self, err: redis.RedisError) -> None:
+        """Count a failed request and log it once per outage; an unreachable server is skipped for
+        `retry` seconds."""
+        self.count(errors=1)
+        down = isinstance(err, _DOWN)
+        with self._lock:
+            if down:
+                self._down_until = time.monotonic() + self.retry
+            first = type(err).__name__ not in self._logged
+            self._logged.add(type(err).__name__)
+        if first and down:
+            log.warning(
+                "the KV remote tier %s does not answer (%s: %s): its entries are read from the lower tiers or "
+                "recomputed; retrying in %g s", self.name, type(err).__name__, err, self.retry,
+            )
+        elif first:
+            log.warning("the KV remote tier %s refused a request (%s: %s)", self.name, type(err).__name__, err)
+
+    def server_info(self) -> dict[str, int | str]:
+        """The server's own figures (for the whole database, not only this index's entries): keys,
+        memory used, its limit and policy, keys it evicted. Raises `redis.RedisError`."""
+        memory, stats = self.client.info("memory"), self.client.info("stats")
+        return {
+            "keys": self.client.dbsize(), "used_memory": memory["used_memory"], "maxmemory": memory["maxmemory"],
+            "maxmemory_policy": memory["maxmemory_policy"], "evicted_keys": stats["evicted_keys"],
+        }
+
+
+class RedisBlob:
+    """An entry's value on the server, read by `GETRANGE`."""
+
+    def __init__(self, tier: RedisTier, name: str, size: int) -> None:
+        self._tier, self._name, self.size = tier, name, size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self._tier.client.getrange(self._name, offset, offset + n - 1) if n > 0 else b""
+
+    def read_into(self, ranges: list[tuple[np.ndarray, int]]) -> list[int]:
+        pipe = self._tier.client.pipeline(transaction=False)
+        for buf, offset in ranges:
+            pipe.getrange(self._name, offset, offset + len(buf) - 1)
+        try:
+            values = pipe.execute()
+        except redis.RedisError as err:
+            self._tier._failed(err)
+            raise UnreachableEntryError(f"{self._tier.name} {self._name}: {type(err).__name__}: {err}") from err
+        for (buf, _), value in zip(ranges, values):
+            n = min(len(value), len(buf))
+            buf[:n] = np.frombuffer(value, dtype=np.uint8, count=n)
+        return [len(value) for value in values]

@@ -1,0 +1,260 @@
+"""The shared KV tier on a real Redis server (`redis-server`, started on a free loopback port by each
+test and stopped by it): layer-wise reads, entries shared by two indexes, written once, corruption
+detected and repaired, eviction by the server making misses (never wrong hits), and the server
+killed mid-query leaving the answer as it is without the remote tier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from test_faults import CFG, QUESTION, write_docs
+from test_kvstore import make_kv
+from typer.testing import CliRunner
+
+from rag_kvcache.cli import app
+from rag_kvcache.config import StorageConfig
+from rag_kvcache.engine.cache import ChunkKV
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError
+from rag_kvcache.store.kvstore import KVStore
+from rag_kvcache.store.redis_tier import RedisTier
+
+REDIS_SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server not found: install the Debian package redis-server (scripts/setup.sh does)"
+)
+
+
+class RedisServer:
+    """A redis-server process on a free 127.0.0.1 port, its files in `root`, persistence off."""
+
+    def __init__(self, root: Path, maxmemory: str = "0") -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):  # another process may take the free port before the server binds it
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(root), "--save", "",
+                 "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._wait_ready():
+                return
+            self.stop()
+        raise RuntimeError("redis-server did not start on a free port in 5 tries")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                return self.client().ping()
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        return False
+
+    def kill(self) -> None:
+        """`kill -9`: the server goes away mid-whatever, as a crashed or partitioned one would."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture()
+def server(tmp_path):
+    srv = RedisServer(tmp_path / "redis")
+    yield srv
+    srv.stop()
+
+
+def remote_cfg(url: str, **storage) -> StorageConfig:
+    return replace(CFG.storage, remote=url, **storage)
+
+
+def build_shared(tiny, tmp_path: Path, url: str) -> tuple[KVIndex, KVIndex]:
+    """Index A, built with the remote tier, and index B: A's chunks and vectors without its disk caches
+    (another machine that opened the same index), reading caches from the remote tier."""
+    a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", replace(CFG, storage=remote_cfg(url)),
+                      adapter=tiny, progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=lambda d, names: ["kv"] if d == str(tmp_path / "a") else [])
+    return a, KVIndex.open(tmp_path / "b", replace(CFG, storage=remote_cfg(url)), adapter=tiny)
+
+
+def reference_answer(tiny, tmp_path: Path):
+    """A's answer from its own disk caches, the remote tier not configured."""
+    a = KVIndex.open(tmp_path / "a", CFG, adapter=tiny)
+    return FusedGenerator(a).ask(QUESTION, a.search(QUESTION, 3))
+
+
+def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
+    """The remote key and stored value of the top chunk's cache."""
+    key = index.store.remote.redis_key(index.key(index.search(QUESTION, 1)[0].chunk.token_ids))
+    return key, server.client().get(key)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8-channel"])
+def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
+    tier = RedisTier(StorageConfig(remote=server.url, codec=codec))
+    kv = make_kv(layers=4, tokens=6)
+    assert tier.open("k1") is None and "k1" not in tier
+    assert tier.put("k1", kv) > 0 and "k1" in tier
+    entry = tier.open("k1")
+    k, v = entry.layer(2)
+    torch.testing.assert_close(k, kv.keys[2], atol=0.05 if codec != "none" else 0, rtol=0)
+    torch.testing.assert_close(v, kv.values[2], atol=0.05 if codec != "none" else 0, rtol=0)
+    layer_bytes = {"none": kv.keys[2].nbytes + kv.values[2].nbytes, "int8-channel": 2 * (2 * 6 * 8 + 2 * 8 * 4)}[codec]
+    assert tier.stats.bytes_read == layer_bytes  # one layer's bytes crossed the network, not the entry's
+    other = RedisTier(StorageConfig(remote=server.url, codec="int8-token" if codec == "none" else "none"))
+    assert other.open("k1") is None  # stored with another codec: a miss, never read as this codec
+    tier.remove("k1")
+    assert tier.open("k1") is None and (tier.stats.hits, tier.stats.misses, tier.stats.errors) == (1, 2, 0)
+
+
+def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
+    first, second = (KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url)) for name in "ab")
+    mine, theirs = make_kv(), make_kv(position=3)
+    first.put("k1", mine)
+    second.put("k1", theirs)  # computed too, later: the remote keeps the first
+    assert second.remote.stats.bytes_written == 0 and first.remote.stats.bytes_written > 0
+    assert second.remote.open("k1").position == mine.position
+    assert second.get("k1").position == theirs.position  # its own disk tier comes first
+
+
+def test_two_indexes_share_entries_through_the_remote_tier(tiny, tmp_path, server):
+    a, b = build_shared(tiny, tmp_path, server.url)
+    assert not list((tmp_path / "b" / "kv").rglob("*.safetensors"))
+    before = reference_answer(tiny, tmp_path)
+    got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
+    assert got.cache_misses == 0 and got.answer == before.answer
+    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-5, rtol=0)
+    stats = b.store.stats()
+    assert stats["remote"].hits == 4 and stats["disk"].hits == 0  # the prefix and 3 chunks, all remote hits
+    assert stats["remote"].bytes_read > 0 and stats["remote"].errors == 0
+
+
+@pytest.mark.parametrize("where", ["last_layer", "header"])
+def test_a_corrupt_remote_value_is_detected_and_repaired(tiny, tmp_path, server, where, caplog):
+    a, b = build_shared(tiny, tmp_path, server.url)
+    before = reference_answer(tiny, tmp_path)
+    key, value = remote_value(b, server)
+    at = len(value) - 10 if where == "last_layer" else 40
+    server.client().setrange(key, at, bytes([value[at] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING):
+        got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
+    assert "dropping corrupt KV cache entry" in caplog.text and "recomputed and rewrote" in caplog.text
+    assert got.cache_misses == 1 and got.answer == before.answer
+    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
+    assert b.store.stats()["remote"].corrupt == 1
+    assert server.client().get(key) not in (None, value[:at] + bytes([value[at] ^ 0xFF]) + value[at + 1 :])
+    entry = b.store.remote.open(key.rsplit(":", 1)[1])
+    assert all(entry.layer(i) for i in range(entry.n_layers))  # rewritten, intact in every layer
+
+
+def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
+    server = RedisServer(tmp_path / "redis", maxmemory="3mb")
+    try:
+        tier = RedisTier(StorageConfig(remote=server.url))
+        kvs = {f"k{i}": make_kv(layers=4, tokens=512, position=i) for i in range(24)}  # 256 KiB each
+        for key, kv in kvs.items():
+            tier.put(key, kv)
+        info = tier.server_info()
+        assert info["evicted_keys"] > 0 and info["maxmemory"] == 3 << 20
+        kept = 0
+        for key, kv in kvs.items():
+            entry = tier.open(key)
+            if entry is not None:
+                kept += 1
+                for i in range(4):
+                    assert all(torch.equal(x, y) for x, y in zip(entry.layer(i), kv.layer(i)))
+        assert 0 < kept < len(kvs)
+        # Evicted (or replaced by another value) after it was opened, before a layer is read: corrupt, not served.
+        tier.put("late", kvs["k0"])
+        entry, other = tier.open("late"), tier.open("late")
+        server.client().delete(tier.redis_key("late"))
+        with pytest.raises(CorruptEntryError, match="read 0 of"):
+            entry.layer(0)
+        k0 = kvs["k0"]
+        tier.put("late", ChunkKV([-k for k in k0.keys], [-v for v in k0.values], k0.position))  # same layout
+        with pytest.raises(CorruptEntryError, match="checksum mismatch"):
+            other.layer(1)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("when", ["mid_query", "before_query"])
+def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(tiny, tmp_path, server, when, caplog):
+    a, b = build_shared(tiny, tmp_path, server.url)
+    before = reference_answer(tiny, tmp_path)
+    open_caches = b.open_caches
+
+    def kill_after_opening(segments):  # every entry's header was read from the server; no layer yet
+        caches = open_caches(segments)
+        server.kill()
+        return caches
+
+    if when == "mid_query":
+        b.open_caches = kill_after_opening
+    else:
+        server.kill()
+    with caplog.at_level(logging.WARNING):
+        got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
+    assert got.answer == before.answer
+    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
+    assert caplog.text.count("does not answer") == 1  # logged once, however many requests failed
+    stats = b.store.stats()["remote"]
+    assert stats.errors >= 1 and stats.corrupt == 0
+    # Nothing corrupted: the recomputed caches went to the local disk, intact; the next query reads them.
+    for key in (b.key(h.chunk.token_ids) for h in b.search(QUESTION, 3)):
+        entry = b.store.disk.open(key)
+        assert all(entry.layer(i) for i in range(entry.n_layers))
+    b.open_caches = open_caches
+    assert FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3)).cache_misses == 0
+
+
+def test_an_entry_lost_mid_read_is_not_dropped(server):
+    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60))
+    tier.put("k1", make_kv())
+    entry = tier.open("k1")
+    server.kill()
+    with pytest.raises(UnreachableEntryError):
+        entry.layer(0)
+    assert tier.open("k1") is None and "k1" not in tier  # skipped while down: no request, no wait
+    assert (tier.stats.errors, tier.stats.corrupt) == (1, 0)
+
+
+def test_stats_reports_the_remote_tier(tiny, tmp_path, server):
+    a, b = build_shared(tiny, tmp_path, server.url)
+    FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
+    result = CliRunner().invoke(app, ["stats", "--index", str(tmp_path / "b"), "--kv-remote", server.url])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith("remote"))
+    assert row.split("│")[2].strip() == "4"  # hits
+    assert f"remote tier redis://127.0.0.1:{server.port}/0: {server.client().dbsize()} keys" in result.output
+
+
+def test_a_remote_that_is_not_a_redis_url_is_refused():
+    with pytest.raises(ValueError, match="'http://cache:6379'"):
+        StorageConfig(remote="http://cache:6379")
