@@ -34,13 +34,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import xxhash
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
+from .build.precompute import WriteBehind, compute_caches
 from .config import Config
 from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
@@ -50,6 +51,9 @@ from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
 from .store.backend import CorruptEntryError
+
+if TYPE_CHECKING:
+    from .build.cluster import RayWorkers
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +136,20 @@ class KVIndex:
         adapter = adapter or ModelAdapter.load(config)
         return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device)), adapter)
 
-    def update(self, docs_dir: Path, progress: bool = True, prune: bool = False) -> SyncReport:
+    def update(
+        self, docs_dir: Path, progress: bool = True, prune: bool = False, workers: RayWorkers | None = None
+    ) -> SyncReport:
         """Add `docs_dir`: index its new and changed files, storing the new chunks' KV caches before the
-        index commits them; other documents stay unless `prune` drops those not in `docs_dir`.
+        index commits them; other documents stay unless `prune` drops those not in `docs_dir`. With
+        `workers` (`build.cluster.RayWorkers`) the caches are computed on a Ray cluster.
         Raises `StorageFullError` (index unchanged) when the disk fills."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             self.store.disk.remove_stale_temp_files()
             report = self.chunks.sync(
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
-                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress), prune=prune,
+                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress, workers=workers),
+                prune=prune,
                 max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
             )
             if self.config.chunk_prefill == "neighbours":
@@ -170,16 +178,30 @@ class KVIndex:
         with _writer_lock(self.path):
             return self.chunks.delete(sources)
 
-    def precompute(self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True) -> int:
-        """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many."""
+    def precompute(
+        self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True,
+        workers: RayWorkers | None = None,
+    ) -> int:
+        """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many.
+        The writes run behind the compute (`WriteBehind`); with `workers`, the chunks' caches are computed
+        on a Ray cluster, and each is checked to be in this index's store before this returns."""
         prefix = self.format.prefix_ids
         if self.key(prefix, ()) not in self.store:
             self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
         todo = list({ids for ids in chunks if self.key(ids) not in self.store})
+        if workers is not None:
+            workers.store(todo, self.chunk_context, batch_size, progress)
+            if lost := [ids for ids in todo if self.key(ids) not in self.store]:
+                raise RuntimeError(
+                    f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
+                    f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
+                )
+            return len(todo)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
-        for i, kv in self.compute(todo, self.chunk_context, batch_size):
-            self.store.put(self.key(todo[i]), kv)
-            bar.update(len(todo[i]))
+        with WriteBehind(self.store) as writer:
+            for i, kv in self.compute(todo, self.chunk_context, batch_size):
+                writer.put(self.key(todo[i]), kv)
+                bar.update(len(todo[i]))
         bar.close()
         return len(todo)
 
@@ -208,21 +230,9 @@ class KVIndex:
     def compute(
         self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int = 4
     ) -> Iterator[tuple[int, ChunkKV]]:
-        """Prefill each chunk behind `context` (batched by length); yields (index in `chunks`, cache)."""
-        if not chunks:
-            return
-        past = self.adapter.prefill(torch.tensor([context]))[:2] if context else None
-        by_length: dict[int, list[int]] = {}
-        for i, ids in enumerate(chunks):
-            by_length.setdefault(len(ids), []).append(i)
-        for group in by_length.values():
-            for start in range(0, len(group), batch_size):
-                batch = group[start : start + batch_size]
-                ids = torch.tensor([chunks[i] for i in batch])  # [B, T]
-                batch_past = None if past is None else tuple([t.expand(len(batch), -1, -1, -1) for t in p] for p in past)
-                keys, values, _ = self.adapter.prefill(ids, batch_past)  # L x [B, H_kv, T, D]
-                for j, i in enumerate(batch):
-                    yield i, ChunkKV([k[j] for k in keys], [v[j] for v in values], len(context))
+        """Prefill each chunk behind `context` (`compute_caches`: batched by length); yields (index in
+        `chunks`, cache)."""
+        return compute_caches(self.adapter, chunks, context, batch_size)
 
     # ---- cache addressing and opening --------------------------------------------------------------
     @property
