@@ -85,6 +85,10 @@ class GenerationConfig:
     top_p: float = setting(0.9, "Nucleus sampling: sample from the smallest set of tokens holding this probability.")
     seed: int | None = setting(None, "Seed for sampling (none: a fresh random seed).")
     stop: tuple[str, ...] = setting((), "Stop string: generation ends before it (repeatable).")
+    json_schema: str | None = setting(
+        None, "A JSON Schema (as JSON text): the answer is decoded constrained to JSON that matches it "
+        "(needs rag-kvcache[structured])."
+    )
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -96,12 +100,12 @@ class GenerationConfig:
 
     def with_options(
         self, *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-        seed: int | None = None, stop: Sequence[str] | None = None,
+        seed: int | None = None, stop: Sequence[str] | None = None, json_schema: str | None = None,
     ) -> GenerationConfig:
         """These settings with a caller's per-request options (a framework's `max_tokens`, `temperature`,
         ...) put over them; None keeps the setting."""
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                 "stop": None if stop is None else tuple(stop)}
+                 "stop": None if stop is None else tuple(stop), "json_schema": json_schema}
         return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
