@@ -6,7 +6,6 @@ killed mid-query leaving the answer as it is without the remote tier."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -25,7 +24,7 @@ from typer.testing import CliRunner
 from rag_kvcache.cli import app
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.cache import ChunkKV
-from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.generator import Answer, FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError
 from rag_kvcache.store.kvstore import KVStore
@@ -90,23 +89,36 @@ def server(tmp_path):
     srv.stop()
 
 
-def remote_cfg(url: str, **storage) -> StorageConfig:
-    return replace(CFG.storage, remote=url, **storage)
+def remote_cfg(url: str) -> StorageConfig:
+    return replace(CFG.storage, remote=url)
 
 
-def build_shared(tiny, tmp_path: Path, url: str) -> tuple[KVIndex, KVIndex]:
-    """Index A, built with the remote tier, and index B: A's chunks and vectors without its disk caches
-    (another machine that opened the same index), reading caches from the remote tier."""
-    a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", replace(CFG, storage=remote_cfg(url)),
-                      adapter=tiny, progress=False)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=lambda d, names: ["kv"] if d == str(tmp_path / "a") else [])
-    return a, KVIndex.open(tmp_path / "b", replace(CFG, storage=remote_cfg(url)), adapter=tiny)
+def copy_without_caches(index_dir: Path, to: Path) -> Path:
+    """An index's chunks and vectors without its disk caches: another machine that opened the same index."""
+    shutil.copytree(index_dir, to, ignore=lambda d, names: ["kv"] if Path(d) == index_dir else [])
+    return to
 
 
-def reference_answer(tiny, tmp_path: Path):
-    """A's answer from its own disk caches, the remote tier not configured."""
-    a = KVIndex.open(tmp_path / "a", CFG, adapter=tiny)
-    return FusedGenerator(a).ask(QUESTION, a.search(QUESTION, 3))
+def ask(index: KVIndex) -> Answer:
+    return FusedGenerator(index).ask(QUESTION, index.search(QUESTION, 3))
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny, tmp_path_factory) -> tuple[Path, Answer]:
+    """An index with its caches on disk, no remote tier, and its answer to QUESTION: the reference."""
+    root = tmp_path_factory.mktemp("corpus")
+    a = KVIndex.build(write_docs(root / "docs", 3), root / "a", CFG, adapter=tiny, progress=False)
+    return root / "a", ask(a)
+
+
+@pytest.fixture()
+def shared(tiny, corpus, server, tmp_path) -> KVIndex:
+    """The corpus's index on another machine: no disk caches; every cache in the remote tier."""
+    tier = RedisTier(remote_cfg(server.url))
+    for path in (corpus[0] / "kv").rglob("*.safetensors"):
+        tier.write(path.stem, path.read_bytes())
+    return KVIndex.open(copy_without_caches(corpus[0], tmp_path / "b"), replace(CFG, storage=remote_cfg(server.url)),
+                        adapter=tiny)
 
 
 def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
@@ -143,33 +155,33 @@ def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
     assert second.get("k1").position == theirs.position  # its own disk tier comes first
 
 
-def test_two_indexes_share_entries_through_the_remote_tier(tiny, tmp_path, server):
-    a, b = build_shared(tiny, tmp_path, server.url)
-    assert not list((tmp_path / "b" / "kv").rglob("*.safetensors"))
-    before = reference_answer(tiny, tmp_path)
-    got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
-    assert got.cache_misses == 0 and got.answer == before.answer
-    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-5, rtol=0)
+def test_two_indexes_share_entries_through_the_remote_tier(tiny, tmp_path, server, corpus):
+    cfg = replace(CFG, storage=remote_cfg(server.url))
+    a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", cfg, adapter=tiny, progress=False)
+    assert a.store.stats()["remote"].bytes_written > 0  # indexing wrote every cache to the remote tier too
+    b = KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), cfg, adapter=tiny)
+    got = ask(b)
+    assert got.cache_misses == 0 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
     stats = b.store.stats()
     assert stats["remote"].hits == 4 and stats["disk"].hits == 0  # the prefix and 3 chunks, all remote hits
     assert stats["remote"].bytes_read > 0 and stats["remote"].errors == 0
+    assert not list((tmp_path / "b" / "kv").rglob("*.safetensors"))
 
 
 @pytest.mark.parametrize("where", ["last_layer", "header"])
-def test_a_corrupt_remote_value_is_detected_and_repaired(tiny, tmp_path, server, where, caplog):
-    a, b = build_shared(tiny, tmp_path, server.url)
-    before = reference_answer(tiny, tmp_path)
-    key, value = remote_value(b, server)
+def test_a_corrupt_remote_value_is_detected_and_repaired(shared, corpus, server, where, caplog):
+    key, value = remote_value(shared, server)
     at = len(value) - 10 if where == "last_layer" else 40
     server.client().setrange(key, at, bytes([value[at] ^ 0xFF]))
     with caplog.at_level(logging.WARNING):
-        got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
+        got = ask(shared)
     assert "dropping corrupt KV cache entry" in caplog.text and "recomputed and rewrote" in caplog.text
-    assert got.cache_misses == 1 and got.answer == before.answer
-    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
-    assert b.store.stats()["remote"].corrupt == 1
+    assert got.cache_misses == 1 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-4, rtol=0)
+    assert shared.store.stats()["remote"].corrupt == 1
     assert server.client().get(key) not in (None, value[:at] + bytes([value[at] ^ 0xFF]) + value[at + 1 :])
-    entry = b.store.remote.open(key.rsplit(":", 1)[1])
+    entry = shared.store.remote.open(key.rsplit(":", 1)[1])
     assert all(entry.layer(i) for i in range(entry.n_layers))  # rewritten, intact in every layer
 
 
@@ -205,10 +217,8 @@ def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
 
 
 @pytest.mark.parametrize("when", ["mid_query", "before_query"])
-def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(tiny, tmp_path, server, when, caplog):
-    a, b = build_shared(tiny, tmp_path, server.url)
-    before = reference_answer(tiny, tmp_path)
-    open_caches = b.open_caches
+def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, corpus, server, when, caplog):
+    open_caches = shared.open_caches
 
     def kill_after_opening(segments):  # every entry's header was read from the server; no layer yet
         caches = open_caches(segments)
@@ -216,22 +226,22 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(tiny, tm
         return caches
 
     if when == "mid_query":
-        b.open_caches = kill_after_opening
+        shared.open_caches = kill_after_opening
     else:
         server.kill()
     with caplog.at_level(logging.WARNING):
-        got = FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
-    assert got.answer == before.answer
-    torch.testing.assert_close(got.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
+        got = ask(shared)
+    assert got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-4, rtol=0)
     assert caplog.text.count("does not answer") == 1  # logged once, however many requests failed
-    stats = b.store.stats()["remote"]
+    stats = shared.store.stats()["remote"]
     assert stats.errors >= 1 and stats.corrupt == 0
     # Nothing corrupted: the recomputed caches went to the local disk, intact; the next query reads them.
-    for key in (b.key(h.chunk.token_ids) for h in b.search(QUESTION, 3)):
-        entry = b.store.disk.open(key)
+    for key in (shared.key(h.chunk.token_ids) for h in shared.search(QUESTION, 3)):
+        entry = shared.store.disk.open(key)
         assert all(entry.layer(i) for i in range(entry.n_layers))
-    b.open_caches = open_caches
-    assert FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3)).cache_misses == 0
+    shared.open_caches = open_caches
+    assert ask(shared).cache_misses == 0
 
 
 def test_an_entry_lost_mid_read_is_not_dropped(server):
@@ -245,10 +255,9 @@ def test_an_entry_lost_mid_read_is_not_dropped(server):
     assert (tier.stats.errors, tier.stats.corrupt) == (1, 0)
 
 
-def test_stats_reports_the_remote_tier(tiny, tmp_path, server):
-    a, b = build_shared(tiny, tmp_path, server.url)
-    FusedGenerator(b).ask(QUESTION, b.search(QUESTION, 3))
-    result = CliRunner().invoke(app, ["stats", "--index", str(tmp_path / "b"), "--kv-remote", server.url])
+def test_stats_reports_the_remote_tier(shared, server):
+    ask(shared)
+    result = CliRunner().invoke(app, ["stats", "--index", str(shared.path), "--kv-remote", server.url])
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith("remote"))
     assert row.split("│")[2].strip() == "4"  # hits
