@@ -240,7 +240,7 @@ def ask(
                 lambda t: out.print(t, end="", highlight=False, markup=False))
         answer = FusedGenerator(idx).ask(question, top_k=top_k, fusion=cfg.fusion, generation=cfg.generation,
                                          on_text=on_text)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: a read-only or full index that cannot be read (named)
         _fail(str(e))
     if as_json:
         result = answer.to_dict() | ({"controller": asdict(decision)} if decision is not None else {})
@@ -300,6 +300,55 @@ def _print_remote(remote) -> None:
         f"remote tier {remote.name}: {info['keys']} keys, {_mib(info['used_memory'])} used of {limit} "
         f"(maxmemory-policy {info['maxmemory_policy']}), {info['evicted_keys']} keys evicted by the server",
         highlight=False,
+    )
+
+
+@app.command()
+def check(
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    repair: Annotated[bool, typer.Option(help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
+                                         "damaged embeddings by re-embedding, missing or corrupt KV caches by "
+                                         "recomputing; collect orphans. What is intact is not recomputed.")] = False,
+) -> None:
+    """Verify every file of an index: SQLite (integrity and every chunk row), vectors.faiss (checksum and ids)
+    and every KV cache (every tensor's checksum). Exits 1 when something is wrong and not repaired."""
+    from .index import KVIndex
+    from .maintenance import check as check_index
+
+    _quiet_transformers()
+    try:
+        report = check_index(KVIndex.open(index_dir, KVIndex.config_of(index_dir, _base_config())), repair=repair)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    for problem in report.problems:
+        out.print(f"[red]found:[/red] {problem}", highlight=False)
+    for done in report.repaired:
+        out.print(f"[green]repaired:[/green] {done}", highlight=False)
+    for left in report.unrepaired:
+        out.print(f"[red]not repaired:[/red] {left}", highlight=False)
+    out.print(
+        f"{index_dir}: {'ok' if report.ok else 'damaged'}; {report.caches_checked} KV caches checked, "
+        f"{report.reembedded} chunks re-embedded, {report.recomputed} KV caches recomputed", highlight=False,
+    )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def gc(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> None:
+    """Delete the KV caches no indexed chunk uses (of edited or deleted documents, of another model) and the
+    temporary files of killed runs. `index` does this after every run too."""
+    from .index import KVIndex
+    from .maintenance import gc as collect
+
+    _quiet_transformers()
+    try:
+        collected = collect(KVIndex.open(index_dir, KVIndex.config_of(index_dir, _base_config())))
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    out.print(
+        f"{index_dir}: deleted {collected.orphans} orphan KV caches ({_mib(collected.orphan_bytes)}) and "
+        f"{collected.temp_files} temporary files", highlight=False,
     )
 
 

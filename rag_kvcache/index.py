@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -46,7 +46,8 @@ from .config import Config
 from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
-from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument
+from .retrieval import vectors as faiss_file
+from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument, exists
 from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
@@ -74,10 +75,11 @@ class KVIndex:
         self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
-        if built_with != adapter.fingerprint:
+        self.foreign = built_with != adapter.fingerprint  # then caches computed at query time are not stored
+        if self.foreign:
             log.warning(
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
-                "chunk and prefill it at query time", path, chunks.meta.get("model"), built_with, config.model,
+                "chunk and prefill it at query time, without storing it in the index", path, chunks.meta.get("model"), built_with, config.model,
                 adapter.fingerprint,
             )
         if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:
@@ -100,7 +102,7 @@ class KVIndex:
         embedder = load_embedder(config.embedder, device=config.device)
         path.mkdir(parents=True, exist_ok=True)
         with _writer_lock(path):
-            if (path / "index.sqlite").exists():
+            if exists(path):
                 return cls(path, config, ChunkIndex.open(path, embedder), adapter)
             meta = {k: str(getattr(config, k)) for k in _INDEX_CONFIG_KEYS}
             meta |= {
@@ -145,7 +147,6 @@ class KVIndex:
         Raises `StorageFullError` (index unchanged) when the disk fills."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
-            self.store.disk.remove_stale_temp_files()
             report = self.chunks.sync(
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress, workers=workers),
@@ -154,7 +155,8 @@ class KVIndex:
             )
             if self.config.chunk_prefill == "neighbours":
                 self.precompute_neighbours(report.new_chunks, progress)
-        self.store.flush_stats()
+            self.collect()
+        self.flush_stats()
         return report
 
     def add_texts(self, documents: Sequence[TextDocument], progress: bool = True) -> SyncReport:
@@ -163,20 +165,68 @@ class KVIndex:
         a document with the source of an indexed one replaces it, nothing else is removed."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
-            self.store.disk.remove_stale_temp_files()
             report = self.chunks.add_texts(
                 documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
             )
             if self.config.chunk_prefill == "neighbours":
                 self.precompute_neighbours(report.new_chunks, progress)
-        self.store.flush_stats()
+            self.collect()
+        self.flush_stats()
         return report
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
         with _writer_lock(self.path):
-            return self.chunks.delete(sources)
+            removed = self.chunks.delete(sources)
+            self.collect()
+        return removed
+
+    def live_keys(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every cache the index uses, as store key -> (token ids, context): the prefix's, each chunk's
+        behind its context and, with `chunk_prefill="neighbours"`, behind its recorded neighbours."""
+        prefix = self.format.prefix_ids
+        live = {self.key(prefix, ()): (prefix, ())}
+        for ids in self.chunks.token_ids():
+            live[self.key(ids)] = (ids, self.chunk_context)
+            if (near := self._neighbours.get(self._neighbour_key(ids))) is not None:
+                context = self._neighbour_context(near)
+                live[self.key(ids, context)] = (ids, context)
+        return live
+
+    def orphans(self) -> list[Path]:
+        """The disk caches no indexed chunk uses (not in `live_keys`)."""
+        live = self.live_keys()
+        return [path for path in self.store.disk.files() if path.stem not in live]
+
+    def writer_lock(self) -> AbstractContextManager[None]:
+        """The lock `update` holds while it changes the index, for other writers (`maintenance`)."""
+        return _writer_lock(self.path)
+
+    def collect(self) -> Collected:
+        """Garbage collection (the caller holds the writer lock; `update`, `add_texts` and `delete` run
+        it): delete the disk caches no indexed chunk uses (of edited or deleted chunks, of a foreign
+        model) and the temporary files of killed writers (`kv/??/.tmp-*` of dead processes,
+        `.vectors.faiss.*`). Files of names this package does not make are left alone."""
+        orphans = self.orphans()
+        freed = 0
+        for path in orphans:
+            freed += path.stat().st_size
+            self.store.memory.remove(path.stem)
+            self.store.disk.remove(path.stem)
+        temp = self.store.disk.remove_stale_temp_files() + len(faiss_file.remove_temp_files(self.path))
+        if orphans or temp:
+            log.info("collected %d orphan KV caches (%.1f MiB) and %d temporary files in %s",
+                     len(orphans), freed / 2**20, temp, self.path)
+        return Collected(len(orphans), freed, temp)
+
+    def flush_stats(self) -> None:
+        """Add the store's counters to its `stats.json`; a failure (a full disk, a read-only index) is
+        logged, never raised: no answer or index run is lost for its counters."""
+        try:
+            self.store.flush_stats()
+        except OSError as err:
+            log.warning("could not write the KV store counters of %s: %s", self.path, err)
 
     def precompute(
         self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True,
@@ -313,6 +363,8 @@ class KVIndex:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
         the recomputed cache serves the query that found the fault)."""
         kv = next(self.compute([ids], context))[1]
+        if self.foreign:
+            return kv  # another model's cache is not the index's: gc would only have to remove it
         try:
             self.store.put(key, kv)
         except OSError as err:
@@ -346,6 +398,15 @@ def _writer_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What `KVIndex.collect` deleted."""
+
+    orphans: int  # cache entries no indexed chunk uses
+    orphan_bytes: int
+    temp_files: int  # of killed writers
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@
 An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
 and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
 in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
-from it). A sync commits SQLite
-in one transaction (with the sha256 of the FAISS file it is about to write), then replaces
-`vectors.faiss` atomically; a FAISS file whose bytes do not match that checksum or that does not hold
-exactly the chunks in SQLite (a crash between the two, a deleted, damaged or edited file) is rebuilt
-from SQLite's embeddings on open. A writer whose FAISS snapshot is not the one SQLite records
+from it). A sync writes and fsyncs the new FAISS file under a temporary name, commits SQLite in one
+transaction (with that file's sha256), then renames the file into place; a failure before the
+commit (a full disk: `StorageFullError`, naming the file and what was being written) leaves both as
+they were. A FAISS file whose bytes do not match the checksum or that does not hold exactly the
+chunks in SQLite (a kill between commit and rename, a deleted, damaged or edited file) is rebuilt
+from SQLite's embeddings on open: in memory for a reader, which writes nothing (SQLite opened
+read-only; immutable when even that is impossible, e.g. on a full disk), and rewritten by a writer. A writer whose FAISS snapshot is not the one SQLite records
 (another process synced since it opened) rebuilds from SQLite instead of extending its snapshot.
 SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
 opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
@@ -16,6 +18,7 @@ Writers are serialised by the caller (the pipeline holds a lock file for a whole
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -31,6 +34,7 @@ import faiss
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
+from ..store.tiers import StorageFullError
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
@@ -119,6 +123,25 @@ class SyncReport:
 
 
 @dataclass(frozen=True)
+class BadRow:
+    """A chunk or document row of `index.sqlite` that is not what it was derived from (`ChunkIndex.verify`)."""
+
+    source: str
+    chunk: str | None  # None: the document's row
+    reason: str
+    embedding_only: bool  # the row is intact but its embedding: re-embedding its text repairs it
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What `ChunkIndex.verify` found wrong (nothing: every list empty and `vectors` None)."""
+
+    integrity: list[str]  # SQLite's integrity_check messages
+    bad_rows: list[BadRow]
+    vectors: str | None  # what is wrong with vectors.faiss
+
+
+@dataclass(frozen=True)
 class TextDocument:
     """A document given as text rather than as a file (a vector store's), with its JSON-able metadata;
     its `source` is its id in the index."""
@@ -148,10 +171,12 @@ class ChunkIndex:
         vectors: faiss.Index,
         embedder: SentenceTransformer,
         meta: dict[str, str],
-        vectors_sha256: str,
+        vectors_sha256: str | None,
+        writing: bool,
     ) -> None:
         self._dir = index_dir
         self._conn = conn
+        self._writing = writing  # whether `conn` was opened for writing
         self._vectors = vectors
         self._vectors_sha256 = vectors_sha256
         self._embedder = embedder
@@ -189,30 +214,39 @@ class ChunkIndex:
         if clash := {key: meta[key] for key in own_meta.keys() & meta.keys() if meta[key] != own_meta[key]}:
             raise ValueError(f"meta {clash!r} contradicts what the index records itself: {own_meta!r}")
         db_path = index_dir / _DB_FILE
-        if db_path.exists():
+        if exists(index_dir):
             raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
+        for path in _db_files(db_path):  # a creation killed before its schema committed left an empty file
+            if path.exists():
+                logger.warning("removing %s, left without tables by an interrupted index creation", path)
+                path.unlink()
 
         index_dir.mkdir(parents=True, exist_ok=True)
         full_meta = {**meta, **own_meta}
         conn = _connect(db_path, mode="rwc")
+
+        def schema() -> faiss.Index:
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
+            return _vectors_from_db(conn, dim, index_type)
+
         try:
             conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a sync's commit
-            with _transaction(conn):
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
-                vectors = _vectors_from_db(conn, dim, index_type)
-                data = _record_vectors(conn, vectors)
-            faiss_file.write(index_dir, data)
+            vectors, recorded = _commit(conn, index_dir, "creating the index", schema)
         except BaseException:
             conn.close()
             raise
         logger.info("created %s index at %s (embedder %s, dim %d)", index_type, index_dir, embedder_name, dim)
-        return cls(index_dir, conn, vectors, embedder, full_meta, faiss_file.checksum(data))
+        return cls(index_dir, conn, vectors, embedder, full_meta, recorded, writing=True)
 
     @classmethod
     def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
-        """Open an existing index; `embedder` must produce vectors of the index's dimension."""
+        """Open an existing index; `embedder` must produce vectors of the index's dimension.
+
+        SQLite is opened read-only (a first write reopens it, `_writable_conn`). A `vectors.faiss` that
+        fails its check is rebuilt from SQLite and rewritten where this process may write the index
+        and the disk has room; otherwise it is rebuilt in memory only and the file left as it is."""
         index_dir = Path(index_dir)
         conn = _connect_existing(index_dir)
         try:
@@ -231,17 +265,9 @@ class ChunkIndex:
             finally:
                 conn.execute("COMMIT")
             vectors = faiss_file.load(index_dir, expected, dim, recorded)
-            if vectors is None and not _writable(index_dir):
-                logger.warning("%s is read-only: searching vectors rebuilt in memory, the file left as it is", index_dir)
-                vectors = _vectors_from_db(conn, dim, meta["index_type"])
-                recorded = None
-            elif vectors is None:
-                with _transaction(conn):
-                    vectors = _vectors_from_db(conn, dim, meta["index_type"])
-                    data = _record_vectors(conn, vectors)
-                faiss_file.write(index_dir, data)
-                recorded = faiss_file.checksum(data)
-            return cls(index_dir, conn, vectors, embedder, meta, recorded)
+            if vectors is None:
+                vectors, recorded = _rebuild_vectors(conn, index_dir, dim, meta["index_type"])
+            return cls(index_dir, conn, vectors, embedder, meta, recorded, writing=False)
         except BaseException:
             conn.close()
             raise
@@ -434,6 +460,60 @@ class ChunkIndex:
         rows = self._conn.execute(f"SELECT {_RECORD_COLUMNS} FROM chunks ORDER BY source, ordinal")
         return (_record(row) for row in rows)
 
+    def token_ids(self) -> Iterator[tuple[int, ...]]:
+        """Every chunk's token ids, in no particular order."""
+        rows = self._conn.execute("SELECT token_ids FROM chunks")
+        return (tuple(np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for (blob,) in rows)
+
+    def verify(self) -> Verified:
+        """Check every file of the index but the KV caches: SQLite's own `integrity_check`, every chunk row
+        against what it was derived from (its id from its source, ordinal and token ids; its FAISS id
+        from its id; its embedding a finite unit vector of the index's dimension; its document row and
+        chunk count), and `vectors.faiss` against the recorded checksum and SQLite's chunk ids."""
+        integrity = [msg for (msg,) in self._conn.execute("PRAGMA integrity_check")]
+        bad_rows: list[BadRow] = []
+        counts: dict[str, int] = {}
+        rows = self._conn.execute(
+            "SELECT id, faiss_id, source, ordinal, token_ids, char_start, char_end, embedding FROM chunks"
+        )
+        for chunk, fid, source, ordinal, token_blob, char_start, char_end, blob in rows:
+            counts[source] = counts.get(source, 0) + 1
+            if reason := _row_problem(chunk, fid, source, ordinal, token_blob, char_start, char_end):
+                bad_rows.append(BadRow(source, chunk, reason, embedding_only=False))
+            elif reason := _embedding_problem(blob, self._dim):
+                bad_rows.append(BadRow(source, chunk, reason, embedding_only=True))
+        for source, n_chunks in self._conn.execute("SELECT source, n_chunks FROM documents"):
+            if counts.pop(source, 0) != n_chunks:
+                bad_rows.append(BadRow(source, None, f"document row records {n_chunks} chunks", embedding_only=False))
+        bad_rows += [BadRow(s, None, "chunks of a document the index does not list", False) for s in counts]
+        expected = np.fromiter((fid for (fid,) in self._conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
+        _, vectors_problem = faiss_file.check(self._dir, expected, self._dim, _recorded_vectors_sha256(self._conn))
+        return Verified([] if integrity == ["ok"] else integrity, bad_rows, vectors_problem)
+
+    def reembed(self, chunk_ids: Sequence[str], batch_size: int = 64) -> int:
+        """Recompute the stored embeddings of these chunks from their texts and rewrite `vectors.faiss`
+        from SQLite (the repair of embeddings that `verify` found damaged); returns how many."""
+        records = self._fetch("id", list(dict.fromkeys(chunk_ids)))
+        embeddings = self._embed([r.text for r in records.values()], batch_size, progress=False)
+        conn = self._writable_conn(f"rewriting {len(records)} embeddings")
+
+        def change() -> faiss.Index:
+            conn.executemany(
+                "UPDATE chunks SET embedding = ? WHERE id = ?",
+                ((e.astype(EMBEDDING_DTYPE).tobytes(), chunk) for chunk, e in zip(records, embeddings, strict=True)),
+            )
+            return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+
+        self._vectors, self._vectors_sha256 = _commit(conn, self._dir, "rewriting embeddings", change)
+        return len(records)
+
+    def rewrite_vectors(self) -> None:
+        """Rebuild `vectors.faiss` from SQLite's stored embeddings (no re-embedding) and write it."""
+        conn = self._writable_conn("rewriting vectors.faiss")
+        self._vectors, self._vectors_sha256 = _commit(
+            conn, self._dir, "rewriting vectors.faiss", lambda: _vectors_from_db(conn, self._dim, self._meta["index_type"])
+        )
+
     def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
         """L2-normalised float32 embeddings, one row per text (a tqdm bar over batches if `progress`)."""
         if not texts:
@@ -458,30 +538,34 @@ class ChunkIndex:
         """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`, and
         `texts` (source, text, metadata JSON) of documents added as text.
 
-        SQLite changes in one transaction; FAISS is updated on a copy, swapped in and written after.
+        SQLite changes in one transaction; FAISS is updated on a copy, written, and swapped in after
+        the commit (`_commit`).
         """
         new_faiss_ids = np.array([_faiss_id(record.id) for record in new_chunks], dtype=np.int64)
-        with _transaction(self._conn):
+        what = f"committing {len(new_chunks)} new chunks and dropping {len(stale_sources)} documents"
+        conn = self._writable_conn(what)
+
+        def change() -> faiss.Index:
             old_faiss_ids = np.array(
                 [
                     faiss_id
                     for source in stale_sources
-                    for (faiss_id,) in self._conn.execute(
+                    for (faiss_id,) in conn.execute(
                         "SELECT faiss_id FROM chunks WHERE source = ?", (source,)
                     )
                 ],
                 dtype=np.int64,
             )
-            self._conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
-            self._conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
-            self._conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
-            self._conn.execute(_TEXTS_SCHEMA)
-            self._conn.executemany(f"DELETE FROM {_TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
-            self._conn.executemany(f"INSERT INTO {_TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
-            self._conn.executemany(
+            conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
+            conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
+            conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
+            conn.execute(_TEXTS_SCHEMA)
+            conn.executemany(f"DELETE FROM {_TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
+            conn.executemany(f"INSERT INTO {_TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
+            conn.executemany(
                 "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
             )
-            self._conn.executemany(
+            conn.executemany(
                 "INSERT INTO chunks (id, faiss_id, source, ordinal, token_ids, char_start, char_end, text,"
                 " embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -499,24 +583,36 @@ class ChunkIndex:
                     for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
                 ),
             )
-            _insert_ngrams(self._conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
-            if (recorded := _recorded_vectors_sha256(self._conn)) != self._vectors_sha256:
+            _insert_ngrams(conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
+            if (recorded := _recorded_vectors_sha256(conn)) != self._vectors_sha256:
                 logger.warning(
                     "%s was synced by another process since it was opened (vectors sha256 %s, this process has "
                     "%s); rebuilding the vectors from the stored embeddings", self._dir, recorded, self._vectors_sha256,
                 )
-                vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
-            elif len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
+                return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+            if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
-                vectors = _vectors_from_db(self._conn, self._dim, self._meta["index_type"])
-            else:
-                vectors = faiss.clone_index(self._vectors)
-                if len(old_faiss_ids):
-                    vectors.remove_ids(old_faiss_ids)
-                vectors.add_with_ids(embeddings, new_faiss_ids)
-            data = _record_vectors(self._conn, vectors)
-        self._vectors, self._vectors_sha256 = vectors, faiss_file.checksum(data)
-        faiss_file.write(self._dir, data)
+                return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+            vectors = faiss.clone_index(self._vectors)
+            if len(old_faiss_ids):
+                vectors.remove_ids(old_faiss_ids)
+            vectors.add_with_ids(embeddings, new_faiss_ids)
+            return vectors
+
+        self._vectors, self._vectors_sha256 = _commit(conn, self._dir, what, change)
+
+    def _writable_conn(self, what: str) -> sqlite3.Connection:
+        """The connection, reopened for writing if it was opened read-only (a reader that now writes,
+        e.g. a vector store's engine adding documents). Raises `PermissionError` naming `what` when this
+        process may not write the index."""
+        if not self._writing:
+            if not _writable(self._dir):
+                raise PermissionError(
+                    errno.EACCES, f"index {self._dir} is read-only for this process: cannot go on {what}", str(self._dir)
+                )
+            self._conn.close()
+            self._conn, self._writing = _connect_existing(self._dir, write=True), True
+        return self._conn
 
     def _fetch(
         self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
@@ -533,15 +629,51 @@ class ChunkIndex:
         return records
 
 
-def _connect_existing(index_dir: Path) -> sqlite3.Connection:
-    """A connection to the SQLite file of an existing index directory (never creates one); read-only
-    when this process may not write the index (`_writable`)."""
+def exists(index_dir: Path) -> bool:
+    """Whether `index_dir` holds an index: an `index.sqlite` with tables (a creation killed before its
+    schema committed leaves one without, which `ChunkIndex.create` replaces)."""
+    db_path = Path(index_dir) / _DB_FILE
+    if not db_path.is_file():
+        return False
+    if db_path.stat().st_size == 0:
+        return False
+    conn = _connect(db_path, mode="ro")
+    try:
+        return conn.execute("SELECT 1 FROM sqlite_master").fetchone() is not None
+    except sqlite3.DatabaseError:
+        return True  # there, but unreadable (a full disk, not a database): opening it says why
+    finally:
+        conn.close()
+
+
+def _connect_existing(index_dir: Path, write: bool = False) -> sqlite3.Connection:
+    """A connection to the SQLite file of an existing index directory (never creates one): for writing,
+    or read-only. A reader that cannot open it the ordinary way (WAL needs its shared-memory file,
+    which a full disk or a read-only folder cannot hold) opens it immutable, provided its write-ahead
+    log holds no commits the file lacks; a writer gets `StorageFullError` (or the `OSError`)."""
     if not index_dir.is_dir():
         raise FileNotFoundError(f"index folder not found: {index_dir}")
     db_path = index_dir / _DB_FILE
-    if not db_path.is_file():
-        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})")
-    return _connect(db_path, mode="rw" if _writable(index_dir) else "ro")
+    if not exists(index_dir):
+        raise ForeignIndexError(
+            f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})" if not db_path.exists() else
+            f"{index_dir} holds an {_DB_FILE} without tables (its creation was interrupted): run `rag-kvcache "
+            "index` into it again to create it"
+        )
+    conn = _connect(db_path, mode="rw" if write else "ro")
+    try:
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()  # opens the WAL's shared memory
+        return conn
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        wal = db_path.with_name(f"{_DB_FILE}-wal")
+        if write or (wal.exists() and wal.stat().st_size > 0):
+            raise _io_error(exc, index_dir, "opening the index" + (" for writing" if write else "")) from exc
+        logger.warning("%s cannot be opened the ordinary way (%s); reading it as an immutable file", db_path, exc)
+        return _connect(db_path, mode="ro", immutable=True)
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
 
 
 def _writable(index_dir: Path) -> bool:
@@ -589,17 +721,45 @@ def _insert_ngrams(conn: sqlite3.Connection, chunks: Iterable[tuple[int, Sequenc
 
 def _ensure_ngrams(conn: sqlite3.Connection, index_dir: Path) -> None:
     """Build the n-gram table from the chunks when the index has none (it is derived from them, like
-    the FAISS file; indexes made before it existed get it on first open)."""
+    the FAISS file; indexes made before it existed get it on first open, through a connection of its
+    own when `conn` is a reader's)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
         return
-    with _transaction(conn):
-        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
-            return  # another process built it meanwhile
-        for statement in _NGRAM_SCHEMA:
-            conn.execute(statement)
-        rows = conn.execute("SELECT faiss_id, token_ids FROM chunks").fetchall()
-        _insert_ngrams(conn, ((fid, np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for fid, blob in rows))
+    if not _writable(index_dir):
+        logger.warning("%s has no chunk n-gram table and is read-only: prompts are matched against no chunk", index_dir)
+        return
+    writer = _connect_existing(index_dir, write=True)
+    try:
+        with _transaction(writer, index_dir, "building the chunk n-gram table"):
+            if writer.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
+                return  # another process built it meanwhile
+            for statement in _NGRAM_SCHEMA:
+                writer.execute(statement)
+            rows = writer.execute("SELECT faiss_id, token_ids FROM chunks").fetchall()
+            _insert_ngrams(writer, ((fid, np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for fid, blob in rows))
+    finally:
+        writer.close()
     logger.info("built the chunk n-gram table of %s (%d chunks)", index_dir, len(rows))
+
+
+def _rebuild_vectors(
+    conn: sqlite3.Connection, index_dir: Path, dim: int, index_type: IndexType
+) -> tuple[faiss.Index, str | None]:
+    """The vectors rebuilt from SQLite's embeddings, and `vectors.faiss` rewritten with them (through a
+    connection of its own) when the index is writable; where it is not (permissions, a read-only mount,
+    a full disk), they serve from memory and the file is left as it is (checksum None)."""
+    if _writable(index_dir):
+        try:
+            writer = _connect_existing(index_dir, write=True)
+            try:
+                return _commit(writer, index_dir, "rewriting vectors.faiss", lambda: _vectors_from_db(writer, dim, index_type))
+            finally:
+                writer.close()
+        except OSError as exc:  # a full disk: serve all the same
+            logger.warning("could not rewrite %s (%s): searching vectors rebuilt in memory", index_dir / faiss_file.VECTORS_FILE, exc)
+    else:
+        logger.warning("%s is read-only for this process: searching vectors rebuilt in memory", index_dir)
+    return _vectors_from_db(conn, dim, index_type), None
 
 
 def _vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
@@ -616,6 +776,31 @@ def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list
     if wrong := sorted({r.source for r in records} - {file.source}):
         raise ValueError(f"chunker returned chunks of sources {wrong} for document {file.source!r}")
     return records
+
+
+def _row_problem(
+    chunk: str, fid: int, source: str, ordinal: int, token_blob: bytes, char_start: int, char_end: int
+) -> str | None:
+    """What is wrong with a chunk row's derived columns, or None."""
+    if not isinstance(token_blob, bytes) or len(token_blob) % _TOKEN_DTYPE.itemsize or not token_blob:
+        return f"token ids are not a non-empty int32 array ({type(token_blob).__name__} of {len(token_blob or b'')} bytes)"
+    if chunk != chunk_id(source, ordinal, np.frombuffer(token_blob, dtype=_TOKEN_DTYPE).tolist()):
+        return "its id does not match its source, ordinal and token ids"
+    if fid != _faiss_id(chunk):
+        return f"its FAISS id {fid} is not the one its id gives ({_faiss_id(chunk)})"
+    if not 0 <= char_start <= char_end:
+        return f"character range {char_start}..{char_end}"
+    return None
+
+
+def _embedding_problem(blob: bytes, dim: int) -> str | None:
+    """What is wrong with a stored embedding (it must be a finite unit vector of `dim` floats), or None."""
+    if not isinstance(blob, bytes) or len(blob) != dim * EMBEDDING_DTYPE.itemsize:
+        return f"embedding of {len(blob or b'')} bytes, not {dim} float32"
+    vector = np.frombuffer(blob, dtype=EMBEDDING_DTYPE)
+    if not np.isfinite(vector).all() or abs(float(np.linalg.norm(vector)) - 1.0) > 1e-3:
+        return "embedding is not a finite unit vector"
+    return None
 
 
 def _record(row: Sequence) -> ChunkRecord:
@@ -638,18 +823,66 @@ def _faiss_id(chunk: str) -> int:
     return int(chunk, 16) >> 1
 
 
-def _connect(db_path: Path, mode: Literal["ro", "rw", "rwc"]) -> sqlite3.Connection:
+def _connect(db_path: Path, mode: Literal["ro", "rw", "rwc"], immutable: bool = False) -> sqlite3.Connection:
     """A connection in autocommit mode (transactions are explicit, see `_transaction`)."""
-    return sqlite3.connect(f"{db_path.resolve().as_uri()}?mode={mode}", uri=True, isolation_level=None)
+    uri = f"{db_path.resolve().as_uri()}?mode={mode}" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(uri, uri=True, isolation_level=None)
+
+
+def _db_files(db_path: Path) -> tuple[Path, ...]:
+    """The SQLite file and its write-ahead log and shared-memory files."""
+    return db_path, db_path.with_name(f"{db_path.name}-wal"), db_path.with_name(f"{db_path.name}-shm")
+
+
+def _io_error(exc: sqlite3.Error, index_dir: Path, what: str) -> OSError:
+    """The typed error for SQLite failing to write (or open) the index in `index_dir` while `what`:
+    `StorageFullError` when the disk is full, else an `OSError` with SQLite's reason."""
+    db_path = str(index_dir / _DB_FILE)
+    stats = os.statvfs(index_dir)
+    if exc.sqlite_errorcode == sqlite3.SQLITE_FULL or stats.f_bavail * stats.f_frsize < 1 << 20:
+        return StorageFullError(
+            errno.ENOSPC, f"no space left on the device of {index_dir} while {what} ({exc}); the index is "
+            "unchanged: free space and run the command again", db_path,
+        )
+    return OSError(errno.EIO, f"{exc} ({exc.sqlite_errorname}) while {what}", db_path)
+
+
+def _commit(
+    conn: sqlite3.Connection, index_dir: Path, what: str, change: Callable[[], faiss.Index]
+) -> tuple[faiss.Index, str]:
+    """Run `change` (SQLite writes that return the FAISS index they leave) in one transaction that also
+    records that index's checksum, and write its `vectors.faiss`: staged (written, fsynced) before the
+    commit, renamed into place after it. A failure before the commit, a full disk included, leaves
+    SQLite and the file as they were; a kill between commit and rename leaves a file that does not
+    match the recorded checksum, rebuilt on open. Returns the index and the checksum."""
+    staged: Path | None = None
+    try:
+        with _transaction(conn, index_dir, what):
+            vectors = change()
+            data = _record_vectors(conn, vectors)
+            staged = faiss_file.stage(index_dir, data)
+    except BaseException:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+        raise
+    faiss_file.publish(staged, index_dir)
+    return vectors, faiss_file.checksum(data)
 
 
 @contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction: committed if the block succeeds, rolled back if it raises."""
-    conn.execute("BEGIN IMMEDIATE")
+def _transaction(conn: sqlite3.Connection, index_dir: Path, what: str) -> Iterator[None]:
+    """One write transaction: committed if the block succeeds, rolled back if it or the commit fails.
+    SQLite failing to write (a full disk) is `_io_error`'s typed error naming `what`."""
     try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    except sqlite3.DatabaseError as exc:
+        if exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
+            raise _io_error(exc, index_dir, what) from exc
         raise
-    conn.execute("COMMIT")

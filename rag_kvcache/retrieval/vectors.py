@@ -3,20 +3,25 @@
 `vectors.faiss` is derived from SQLite (the source of truth): every write records the file's sha256
 in SQLite's meta table (in the transaction that commits the chunks it holds), and a file whose bytes
 do not match that checksum, or that does not hold exactly the indexed chunks, is rebuilt from the
-stored embeddings. It is replaced atomically.
+stored embeddings. It is replaced atomically in two steps, so the caller can commit SQLite in
+between: `stage` writes and fsyncs a temporary file (created like any file, with the umask's mode),
+`publish` renames it over. A full disk is a `StorageFullError` naming the file.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Literal
 
 import faiss
 import numpy as np
+
+from ..store.tiers import StorageFullError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,7 @@ IndexType = Literal["flat", "hnsw"]
 VECTORS_FILE = "vectors.faiss"
 EMBEDDING_DTYPE = np.dtype("<f4")
 _HNSW_NEIGHBOURS = 32
+_TEMP_PREFIX = f".{VECTORS_FILE}."  # temporary files of `stage`: .vectors.faiss.<pid>-<random>
 
 
 def serialize(vectors: faiss.Index) -> bytes:
@@ -38,37 +44,35 @@ def checksum(data: bytes) -> str:
 
 
 def load(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | None) -> faiss.Index | None:
-    """Read `vectors.faiss`, or None (with the reason logged) when it must be rebuilt: it is missing,
-    its bytes do not match the `recorded` checksum (None: none recorded), it is unreadable, or it does
-    not hold exactly `expected_ids`."""
+    """Read `vectors.faiss`, or None (with the reason logged) when it must be rebuilt (`check`)."""
+    vectors, problem = check(index_dir, expected_ids, dim, recorded)
+    if problem is not None:
+        logger.warning("%s %s; rebuilding it from the stored embeddings", index_dir / VECTORS_FILE, problem)
+    return vectors
+
+
+def check(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | None) -> tuple[faiss.Index | None, str | None]:
+    """`vectors.faiss` read and verified: (the index, None), or (None, what is wrong with it): it is
+    missing, its bytes do not match the `recorded` checksum (None: none recorded), it is unreadable,
+    or it does not hold exactly `expected_ids`."""
     path = index_dir / VECTORS_FILE
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        logger.warning("%s is missing; rebuilding it from the stored embeddings", path)
-        return None
+        return None, "is missing"
     if (found := checksum(data)) != recorded:
-        logger.warning(
-            "%s does not match the checksum recorded in the index (sha256 %s, recorded %s); rebuilding it "
-            "from the stored embeddings", path, found, recorded,
-        )
-        return None
+        return None, f"does not match the checksum recorded in the index (sha256 {found}, recorded {recorded})"
     try:
         vectors = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
     except RuntimeError as exc:
-        logger.warning("%s is unreadable (%s); rebuilding it from the stored embeddings", path, exc)
-        return None
+        return None, f"is unreadable ({exc})"
     if (
         isinstance(vectors, faiss.IndexIDMap2)
         and vectors.d == dim
         and np.array_equal(np.sort(faiss.vector_to_array(vectors.id_map)), np.sort(expected_ids))
     ):
-        return vectors
-    logger.warning(
-        "%s is stale (%d vectors for %d chunks); rebuilding it from the stored embeddings",
-        path, vectors.ntotal, len(expected_ids),
-    )
-    return None
+        return vectors, None
+    return None, f"is stale ({vectors.ntotal} vectors for {len(expected_ids)} chunks)"
 
 
 def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexType) -> faiss.Index:
@@ -83,16 +87,38 @@ def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexTy
     return vectors
 
 
-def write(index_dir: Path, data: bytes) -> None:
-    """Durably replace `vectors.faiss` by `data` (`serialize`): write and fsync a temporary file, then
-    rename it over."""
-    with tempfile.NamedTemporaryFile(dir=index_dir, prefix=f".{VECTORS_FILE}.", delete=False) as tmp:
+def stage(index_dir: Path, data: bytes) -> Path:
+    """Write `data` (`serialize`) to a new temporary file beside `vectors.faiss` and fsync it; returns
+    its path, for `publish`. Raises `StorageFullError` (nothing left behind) when the disk is full."""
+    tmp = index_dir / f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for any file
         try:
-            tmp.write(data)
-            os.fchmod(tmp.fileno(), 0o644)  # readers of the index need not be its writer
-            tmp.flush()
-            os.fsync(tmp.fileno())
+            with os.fdopen(fd, "wb", buffering=0) as file:
+                file.write(data)
+                os.fsync(file.fileno())
         except BaseException:
-            os.unlink(tmp.name)
+            tmp.unlink(missing_ok=True)
             raise
-    os.replace(tmp.name, index_dir / VECTORS_FILE)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(
+                err.errno, f"no space left on the device of {index_dir} while writing the {len(data)}-byte "
+                f"{VECTORS_FILE}; the index is unchanged: free space and run the command again", str(tmp),
+            ) from err
+        raise
+    return tmp
+
+
+def publish(staged: Path, index_dir: Path) -> None:
+    """Rename a `stage`d file over `vectors.faiss` (atomic: readers see the old file or the new one)."""
+    os.replace(staged, index_dir / VECTORS_FILE)
+
+
+def remove_temp_files(index_dir: Path) -> list[Path]:
+    """Delete the temporary files of writes that never reached `publish` (a killed writer's); the
+    caller holds the index's writer lock, so none of them is being written. Returns those removed."""
+    removed = [tmp for tmp in index_dir.glob(f"{_TEMP_PREFIX}*") if tmp.is_file()]
+    for tmp in removed:
+        tmp.unlink(missing_ok=True)
+    return removed

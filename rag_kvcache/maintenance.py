@@ -1,0 +1,148 @@
+"""`rag-kvcache check` and `gc`: verify every file of an index, and rebuild what can be rebuilt.
+
+`check` reads everything an index holds: SQLite (its own `integrity_check`, then every chunk row
+against what it was derived from), `vectors.faiss` (its recorded checksum and its id set), and every
+KV cache the index uses (each tensor's checksum, by reading it whole), and counts the orphan caches
+and temporary files `gc` would delete. With `repair` it fixes what it found, and only that: a chunk
+row whose embedding alone is damaged is re-embedded from its text; a row that is not what its id
+says is dropped with its document (the next `index` run of its folder reads it again); `vectors.faiss`
+is rebuilt from SQLite's stored embeddings (no re-embedding); a missing or corrupt cache is recomputed;
+orphans and temporary files are collected. SQLite's own corruption (a failed `integrity_check`)
+cannot be repaired here: the report says to re-index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from .index import Collected, KVIndex
+from .retrieval import vectors as faiss_file
+from .store.backend import CorruptEntryError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckReport:
+    """What `check` found (`problems`), what it repaired, and what it could not."""
+
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    unrepaired: list[str] = field(default_factory=list)
+    caches_checked: int = 0
+    reembedded: int = 0  # chunk embeddings recomputed
+    recomputed: int = 0  # KV caches recomputed
+    collected: Collected | None = None
+
+    repair: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether the index is sound now: nothing found, or (`repair`) all of it repaired."""
+        return not self.unrepaired and (self.repair or not self.problems)
+
+
+def check(index: KVIndex, repair: bool = False, progress: bool = True) -> CheckReport:
+    """Verify every file of `index`; with `repair`, fix what was found (holding its writer lock)."""
+    report = CheckReport(repair=repair)
+    if not repair:
+        _check(index, report, repair, progress)
+        return report
+    with index.writer_lock():
+        _check(index, report, repair, progress)
+        report.collected = collected = index.collect()
+    if collected.orphans or collected.temp_files:
+        report.repaired.append(
+            f"deleted {collected.orphans} orphan KV caches ({collected.orphan_bytes / 2**20:.1f} MiB) and "
+            f"{collected.temp_files} temporary files"
+        )
+    return report
+
+
+def gc(index: KVIndex) -> Collected:
+    """Delete the orphan caches and the temporary files of killed writers (`KVIndex.collect`)."""
+    with index.writer_lock():
+        return index.collect()
+
+
+def _check(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:
+    verified = index.chunks.verify()
+    for message in verified.integrity:
+        report.problems.append(f"index.sqlite: {message}")
+    if verified.integrity:
+        report.unrepaired.append(
+            "index.sqlite fails SQLite's integrity check: build a new index from the documents (`rag-kvcache index`)"
+        )
+    for row in verified.bad_rows:
+        report.problems.append(f"index.sqlite: {row.source}" + (f" chunk {row.chunk}" if row.chunk else "") + f": {row.reason}")
+    if verified.vectors is not None:
+        report.problems.append(f"{faiss_file.VECTORS_FILE} {verified.vectors}")
+    if repair and not verified.integrity:
+        _repair_rows(index, verified.bad_rows, report)
+        if verified.vectors is not None and not verified.bad_rows:  # the row repairs rewrote it already
+            index.chunks.rewrite_vectors()
+            report.repaired.append(f"rebuilt {faiss_file.VECTORS_FILE} from the stored embeddings (no re-embedding)")
+    _check_caches(index, report, repair, progress)
+    _count_garbage(index, report)
+
+
+def _repair_rows(index: KVIndex, bad_rows, report: CheckReport) -> None:
+    reembed = [row.chunk for row in bad_rows if row.embedding_only]
+    dropped = sorted({row.source for row in bad_rows if not row.embedding_only})
+    if reembed:
+        report.reembedded = index.chunks.reembed(reembed)
+        report.repaired.append(f"re-embedded {report.reembedded} chunks whose stored embedding was damaged")
+    if dropped:
+        index.chunks.delete(dropped)
+        report.repaired.append(
+            f"dropped {len(dropped)} damaged documents ({', '.join(dropped)}): run `rag-kvcache index` on their "
+            "folder to index them again"
+        )
+
+
+def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:
+    """Read every cache the index uses whole (each tensor's checksum verified); a corrupt one is removed
+    by the store as it is found; with `repair`, the missing and corrupt ones are recomputed."""
+    live = index.live_keys()
+    bad: dict[tuple[int, ...], list[tuple[str, tuple[int, ...]]]] = defaultdict(list)  # by context
+    for key, (ids, context) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
+        if (problem := _cache_problem(index, key)) is not None:
+            report.problems.append(f"KV cache {key} ({len(ids)} tokens): {problem}")
+            bad[context].append((key, ids))
+    report.caches_checked = len(live)
+    if not repair:
+        return
+    for context, entries in bad.items():
+        for i, kv in index.compute([ids for _, ids in entries], context):
+            index.store.put(entries[i][0], kv)
+            report.recomputed += 1
+    if report.recomputed:
+        report.repaired.append(f"recomputed {report.recomputed} missing or corrupt KV caches")
+
+
+def _cache_problem(index: KVIndex, key: str) -> str | None:
+    """What is wrong with the disk cache `key`, or None: every layer read and verified."""
+    if key not in index.store.disk:
+        return "missing"
+    entry = index.store.disk.open(key)  # None: the header failed its check (the entry is removed)
+    if entry is None:
+        return "corrupt header (removed)"
+    try:
+        for layer in range(entry.n_layers):
+            entry.layer(layer)
+    except CorruptEntryError as err:
+        return f"corrupt ({err}; removed)"
+    return None
+
+
+def _count_garbage(index: KVIndex, report: CheckReport) -> None:
+    """Report the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes."""
+    if orphans := index.orphans():
+        size = sum(path.stat().st_size for path in orphans) / 2**20
+        report.problems.append(f"{len(orphans)} orphan KV caches ({size:.1f} MiB) that no indexed chunk uses")
+    if temp := [path.name for path in index.path.glob(f".{faiss_file.VECTORS_FILE}.*")]:
+        report.problems.append(f"{len(temp)} temporary files of killed writers: {', '.join(temp)}")
