@@ -147,6 +147,8 @@ def index(
     max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
     max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
     kv_remote: KVRemote = None,
+    ray: Annotated[Optional[str], option(Config, "ray")] = None,
+    ray_workers: Annotated[int, option(Config, "ray_workers", min=0)] = default(Config, "ray_workers"),
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
     dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
 ) -> None:
@@ -176,8 +178,14 @@ def index(
         else:
             cfg = _base_config(**given).with_storage(codec=kv_codec.value)
         cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
-        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote))
-        report = idx.update(docs_dir, prune=prune)
+        idx = KVIndex.create(index_dir, replace(cfg, ray=ray, ray_workers=ray_workers).with_storage(remote=kv_remote))
+        if ray is None:
+            report = idx.update(docs_dir, prune=prune)
+        else:
+            from .build.cluster import RayWorkers
+
+            with RayWorkers(idx) as workers:
+                report = idx.update(docs_dir, prune=prune, workers=workers)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         _fail(str(e))
     out.print(

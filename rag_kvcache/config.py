@@ -187,6 +187,11 @@ class Config:
         "with it unless told otherwise; another dtype misses every cached chunk."
     )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
+    ray: str | None = setting(
+        None, "Compute the KV caches on a Ray cluster (needs rag-kvcache[ray]): its address (auto, ray://host:10001), "
+        "or local to start one on this machine."
+    )
+    ray_workers: int = setting(0, "Ray actors computing KV caches, each with a loaded model (0: one per free CPU).")
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
@@ -204,6 +209,8 @@ class Config:
             raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
             raise ValueError(f"max_documents must be >= 1, got {self.max_documents!r}")
+        if self.ray_workers < 0:
+            raise ValueError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
 
     def with_fusion(self, **changes: object) -> Config:
         return replace(self, fusion=replace(self.fusion, **changes))

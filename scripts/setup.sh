@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test,bench,serve,structured]"
+# Indexing on a Ray cluster (the [ray] extra), for tests/test_ray_indexing.py (a local cluster).
+.venv/bin/python -m pip install -q -e ".[ray]"
 # The shared KV tier's client (the [redis] extra) and a real server for its tests (tests/test_redis_tier.py),
 # from Debian's package when there is none: as root, or through sudo where there is one.
 .venv/bin/python -m pip install -q -e ".[redis]"

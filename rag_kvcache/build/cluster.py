@@ -1,0 +1,118 @@
+"""Indexing on a Ray cluster: chunk caches computed by a pool of Ray actors, each holding a loaded
+model, and written by them straight into the store the index is configured with; the driver
+(`KVIndex.update(workers=...)`) reads, chunks and embeds the documents, checks that every new chunk's
+cache is in its store, and commits the index once at the end, as a local run does.
+
+Actors rather than Ray Data: the work is "run this loaded model over these token ids and store what
+comes out", a side effect with nothing to collect. An actor pool (`ray.util.ActorPool`) says that
+directly, with the model loaded once per actor and the actor's writer thread overlapping its next
+batch; Ray Data would wrap the same actors in a streaming executor and turn each batch of token ids
+into Arrow/NumPy blocks for output we would throw away. A failed actor surfaces as its task's
+exception on the driver, which leaves the index uncommitted.
+
+Work is dealt out as batches of equal-length chunks (`equal_length_batches`): a chunk's cache is then
+bit for bit the one a local run computes, whichever actor computes it beside whichever chunks. Caches
+are content-addressed, so a job killed mid-way is resumed by running it again: the chunks whose
+caches were stored are not sent out again. Each actor checks that its model's fingerprint is the
+driver's: another model's caches would be stored under keys that name this one.
+
+Where caches go: the index's disk tier (`<index>/kv`: on one machine, or a folder every machine
+mounts; writes are atomic renames) and, with `StorageConfig.remote`, the shared Redis tier, which is
+what actors on other machines need. The driver refuses to commit chunks whose caches it cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from ..config import Config
+from ..engine.model import ModelAdapter
+from ..store.kvstore import KVStore, cache_key
+from .precompute import WriteBehind, compute_caches, equal_length_batches
+
+if TYPE_CHECKING:
+    from ..index import KVIndex
+
+
+class CacheWorker:
+    """What one Ray actor runs: a loaded model whose chunk caches are written behind its compute."""
+
+    def __init__(self, config: Config, store_root: str, namespace: str, fingerprint: str) -> None:
+        self.adapter = ModelAdapter.load(config)
+        if self.adapter.fingerprint != fingerprint:
+            raise ValueError(
+                f"the Ray worker loaded {config.model!r} with fingerprint {self.adapter.fingerprint}, not the "
+                f"driver's {fingerprint}: every worker must load the same weights and dtype"
+            )
+        self.namespace = namespace
+        self.writer = WriteBehind(KVStore(Path(store_root), config.storage))
+
+    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int) -> int:
+        """Compute the caches of `chunks` behind `context` and queue their writes; returns their tokens."""
+        for i, kv in compute_caches(self.adapter, chunks, context, batch_size):
+            self.writer.put(cache_key(self.namespace, context, chunks[i]), kv)
+        return sum(map(len, chunks))
+
+    def flush(self) -> None:
+        """Wait for every queued write (raises the first write error)."""
+        self.writer.flush()
+
+
+class RayWorkers:
+    """A pool of Ray actors computing chunk caches into `index`'s store, for `KVIndex.update(workers=...)`.
+
+    Connects to the cluster `index.config.ray` names (`ray.init(address=...)`: 'auto', 'ray://host:port',
+    or 'local' to start one on this machine), unless this process is connected already, and starts
+    `index.config.ray_workers` actors (0: one per CPU the cluster has free), each holding one CPU, or one
+    GPU when the index's device is CUDA. `close()` (or leaving the `with` block) stops them.
+    """
+
+    def __init__(self, index: KVIndex) -> None:
+        try:
+            import ray
+        except ImportError as err:
+            raise ValueError(f"indexing on Ray needs ray: pip install 'rag-kvcache[ray]' ({err})") from err
+        from ray.util import ActorPool
+
+        self._ray, self._pool_of = ray, ActorPool
+        config = index.config
+        if not ray.is_initialized():
+            ray.init(address=config.ray, include_dashboard=False)
+        n = config.ray_workers or max(1, int(ray.available_resources().get("CPU", 1)))
+        gpus = 1 if config.device.startswith("cuda") else 0
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(CacheWorker)
+        self.actors = [
+            actor.remote(config, str(index.store.root), index.namespace, index.adapter.fingerprint) for _ in range(n)
+        ]
+
+    def store(
+        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int, progress: bool = True
+    ) -> None:
+        """Compute and store the caches of `chunks` behind `context`, batches dealt out to the actors as
+        they come free; returns when every cache is written."""
+        batches = [[chunks[i] for i in batch] for batch in equal_length_batches(chunks, batch_size)]
+        bar = tqdm(total=sum(map(len, chunks)), unit="tok", disable=not progress,
+                   desc=f"KV precompute on {len(self.actors)} Ray workers")
+        pool = self._pool_of(self.actors)
+        for n_tokens in pool.map_unordered(lambda actor, batch: actor.store.remote(batch, context, batch_size), batches):
+            bar.update(n_tokens)
+        self._ray.get([actor.flush.remote() for actor in self.actors])
+        bar.close()
+
+    def close(self, drain_s: float = 60.0) -> None:
+        """Let the actors finish the writes they queued (for up to `drain_s` seconds: after an interrupted
+        job, every cache stored is one the next run reuses), then kill them."""
+        self._ray.wait([actor.flush.remote() for actor in self.actors], num_returns=len(self.actors), timeout=drain_s)
+        for actor in self.actors:
+            self._ray.kill(actor)
+
+    def __enter__(self) -> RayWorkers:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

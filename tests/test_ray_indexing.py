@@ -1,0 +1,109 @@
+"""Indexing on Ray (`RayWorkers`): on a local Ray cluster started here, with the tiny random-weight
+model saved to a folder the actors load it from. A Ray-built index equals a locally built one (same
+chunk ids, same caches bit for bit, same answers); a job interrupted mid-way, run again, reuses the
+caches its workers stored and commits the index once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+ray = pytest.importorskip("ray")
+
+from rag_kvcache.build import cluster  # noqa: E402
+from rag_kvcache.build.cluster import RayWorkers  # noqa: E402
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
+from rag_kvcache.generator import FusedGenerator  # noqa: E402
+from rag_kvcache.index import KVIndex  # noqa: E402
+
+WORDS = "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()
+DOCS = {f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, tokenizer) -> Config:
+    """The tiny Llama as a model folder, which the driver and every actor load (`ModelAdapter.load`)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Config(model=str(folder), chunk_tokens=24, top_k=3, ray_workers=2,
+                  generation=GenerationConfig(max_new_tokens=6))
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    for name, text in DOCS.items():
+        (root / name).write_text(text)
+    return root
+
+
+def _on_ray(docs, path, config) -> KVIndex:
+    index = KVIndex.create(path, config)
+    with RayWorkers(index) as workers:
+        index.update(docs, progress=False, workers=workers)
+    return index
+
+
+@pytest.fixture()
+def one_thread():
+    """Torch on one thread, as in each actor (Ray gives it one CPU): BLAS may pick other kernels for
+    another thread count on tiny shapes (a 3-token chunk's cache differed by 7e-8 at 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_ray_built_index_equals_local_one(local_ray, config, docs, tmp_path, one_thread):
+    local = KVIndex.build(docs, tmp_path / "local", config, progress=False)
+    on_ray = _on_ray(docs, tmp_path / "ray", config)
+    chunks = sorted(local.chunks.all_chunks(), key=lambda c: c.id)
+    assert [c.id for c in chunks] == sorted(c.id for c in on_ray.chunks.all_chunks())
+    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several batches for two actors
+    for chunk in chunks:
+        want, got = local.store.get(local.key(chunk.token_ids)), on_ray.store.get(on_ray.key(chunk.token_ids))
+        assert got.position == want.position
+        assert all(torch.equal(g, w) for g, w in zip(got.keys + got.values, want.keys + want.values))
+    question = "Which crates left the harbour at dawn?"
+    answers = [FusedGenerator(index).ask(question, fusion=FusionConfig(method="cacheblend")) for index in (local, on_ray)]
+    assert answers[0].answer == answers[1].answer and answers[1].cache_misses == 0
+    assert [c.id for c in answers[0].chunks] == [c.id for c in answers[1].chunks]
+
+
+class _InterruptedBar:
+    """A progress bar whose first update is a Ctrl-C: the job stops after its first batch came back."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        raise KeyboardInterrupt
+
+
+def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, tmp_path, monkeypatch):
+    index = KVIndex.create(tmp_path / "idx", config)
+    with monkeypatch.context() as patch:
+        patch.setattr(cluster, "tqdm", _InterruptedBar)
+        with pytest.raises(KeyboardInterrupt), RayWorkers(index) as workers:
+            index.update(docs, progress=False, workers=workers)
+    assert len(index.chunks) == 0  # nothing committed
+    stored = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in index.store.disk.files()}
+    prefix = index.key(index.format.prefix_ids, ())
+    assert len([p for p in stored if p.stem != prefix]) >= 1  # the first batch's caches (the driver stores the prefix's)
+
+    with RayWorkers(index) as workers:
+        report = index.update(docs, progress=False, workers=workers)
+    chunks = list(index.chunks.all_chunks())
+    assert len(chunks) == len(report.new_chunks) > len(stored) - 1  # the rest was computed by the re-run
+    assert all(index.key(c.token_ids) in index.store for c in chunks)
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stored} == stored  # reused, not rewritten
