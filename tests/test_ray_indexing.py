@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
 
 from rag_kvcache.build import cluster  # noqa: E402
 from rag_kvcache.build.cluster import RayWorkers  # noqa: E402
+from rag_kvcache.cli import app  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
@@ -47,13 +49,6 @@ def docs(tmp_path):
     return root
 
 
-def _on_ray(docs, path, config) -> KVIndex:
-    index = KVIndex.create(path, config)
-    with RayWorkers(index) as workers:
-        index.update(docs, progress=False, workers=workers)
-    return index
-
-
 @pytest.fixture()
 def one_thread():
     """Torch on one thread, as in each actor (Ray gives it one CPU): BLAS may pick other kernels for
@@ -64,9 +59,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_ray_built_index_equals_local_one(local_ray, config, docs, tmp_path, one_thread):
+def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs, tmp_path, one_thread):
     local = KVIndex.build(docs, tmp_path / "local", config, progress=False)
-    on_ray = _on_ray(docs, tmp_path / "ray", config)
+    result = CliRunner().invoke(app, ["index", str(docs), "--index", str(tmp_path / "ray"), "--model", config.model,
+                                      "--chunk-tokens", "24", "--ray", "local", "--ray-workers", "2"])
+    assert result.exit_code == 0, result.output
+    on_ray = KVIndex.open(tmp_path / "ray", config)
     chunks = sorted(local.chunks.all_chunks(), key=lambda c: c.id)
     assert [c.id for c in chunks] == sorted(c.id for c in on_ray.chunks.all_chunks())
     assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several batches for two actors

@@ -11,7 +11,8 @@ into Arrow/NumPy blocks for output we would throw away. A failed actor surfaces 
 exception on the driver, which leaves the index uncommitted.
 
 Work is dealt out as batches of equal-length chunks (`equal_length_batches`): a chunk's cache is then
-bit for bit the one a local run computes, whichever actor computes it beside whichever chunks. Caches
+bit for bit the one a local run computes, whichever actor computes it beside whichever chunks (at
+the same torch thread count: an actor has one CPU, so one thread). Caches
 are content-addressed, so a job killed mid-way is resumed by running it again: the chunks whose
 caches were stored are not sent out again. Each actor checks that its model's fingerprint is the
 driver's: another model's caches would be stored under keys that name this one.

@@ -4,7 +4,9 @@ cache handed to a writer thread so the next batch's compute does not wait for th
 Batches hold chunks of one length only: a batch needs no padding and no attention mask, and a
 chunk's cache comes out bit for bit the same whatever other chunks share its batch (the rows of a
 batched matmul are computed independently), so an index built on one process or spread over a
-cluster stores identical caches. The writer keeps at most `depth` caches waiting (memory stays
+cluster stores identical caches, given the same torch thread count (for another, BLAS may pick other
+kernels on small shapes: a 3-token chunk's cache differed by 7e-8 between 1 and 2 threads). Padding
+chunks of other lengths into one batch would differ from the unpadded cache by ~3e-5. The writer keeps at most `depth` caches waiting (memory stays
 bounded); a failed write (`StorageFullError`) is raised to the caller at the next `put` or at `flush`.
 """
 
