@@ -6,8 +6,9 @@ chunk's cache comes out bit for bit the same whatever other chunks share its bat
 batched matmul are computed independently), so an index built on one process or spread over a
 cluster stores identical caches, given the same torch thread count (for another, BLAS may pick other
 kernels on small shapes: a 3-token chunk's cache differed by 7e-8 between 1 and 2 threads). Padding
-chunks of other lengths into one batch would differ from the unpadded cache by ~3e-5. The writer keeps at most `depth` caches waiting (memory stays
-bounded); a failed write (`StorageFullError`) is raised to the caller at the next `put` or at `flush`.
+chunks of other lengths into one batch would change them (by ~3e-5 on SmolLM2-135M). The writer
+keeps at most `depth` caches waiting (memory stays bounded); a failed write (`StorageFullError`) is
+raised to the caller at the next `put` or at `flush`.
 """
 
 from __future__ import annotations
