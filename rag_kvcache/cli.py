@@ -27,6 +27,7 @@ from rich.table import Table
 
 from . import __version__
 from .bench.datasets import FORMATS
+from .bench.prompts import PROMPT_STYLES
 from .config import ChunkPrefill, Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
 from .serving.settings import ServerConfig
 from .store.codecs import CODECS
@@ -44,6 +45,7 @@ INDEX_HELP = "An index built by `rag-kvcache index`."
 KVCodec = Enum("KVCodec", {name: name for name in CODECS}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
+PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
 DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in get_args(ChunkPrefill)}, type=str)
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
@@ -470,6 +472,10 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
                                          "measure the rest (same settings and machine only).")] = False,
+    prompt_style: Annotated[PromptStyle, typer.Option(help="Prompt layout: native (our segments), langchain (the "
+                                                      "RAG tutorial chain's prompt) or llamaindex (the default "
+                                                      "text-QA template); chunks are found in it by their ids.")]
+    = PromptStyle.native,
 ) -> None:
     """Compare fusion methods on a QA set: TTFT, speedup over full prefill, fidelity to full, F1.
 
@@ -489,6 +495,7 @@ def bench(
         examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k)[:limit]
         settings = BenchSettings(
             methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
+            prompt_style=prompt_style.value,
         )
         cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, chunk_prefill=chunk_prefill.value,
                            context_chunks=context_chunks, device=device, dtype=dtype.value)

@@ -24,6 +24,7 @@ from .engine.profiling import StageClock
 from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
 from .index import KVIndex
 from .retrieval.chunk_index import EmptyIndexError, Hit
+from .retrieval.matching import MIN_SPAN
 from .store.controller import resolve_ratio
 from .store.loading import LayerFeed
 
@@ -96,6 +97,38 @@ class Fused:
     cache_misses: int
 
 
+def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
+    """The `Answer` that ends `FusedGenerator.stream`'s `steps`, with the streamed text as its answer;
+    `on_text` receives each piece of text as it comes."""
+    pieces: list[str] = []
+    for step in steps:
+        if isinstance(step, Answer):
+            return replace(step, answer="".join(pieces).strip())
+        pieces.append(step)
+        if on_text is not None and step:
+            on_text(step)
+    raise AssertionError("stream() always ends with an Answer")
+
+
+def cached_head(segments: Sequence[Segment], min_tokens: int = MIN_SPAN) -> list[Segment]:
+    """`segments` with the prompt's head (every token before its first chunk) one cacheable segment
+    at position 0, when some of it would be computed and it has at least `min_tokens` tokens.
+
+    A pipeline's own instructions (a prompt template's system message, e.g. LangChain's tutorial
+    chain's) head every prompt it sends and are no indexed text. Their cache at position 0 is
+    exact, as the system prefix's is: the index computes and stores it the first time (a cacheable
+    segment at position 0 has no context), and every later prompt with the same head reads it, as
+    prefix caching does. A prompt without a chunk is left as it is (it is answered as `full`).
+    """
+    first = next((i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix"), None)
+    if not first or all(seg.cacheable for seg in segments[:first]):
+        return list(segments)
+    head = tuple(t for seg in segments[:first] for t in seg.ids)
+    if len(head) < min_tokens:
+        return list(segments)
+    return [Segment(head, True, "prefix"), *segments[first:]]
+
+
 class FusedGenerator:
     """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
 
@@ -123,30 +156,22 @@ class FusedGenerator:
                 + ("" if len(self.index.chunks) else "; index documents into it first")
             )
         segments = fmt.segments([h.chunk.token_ids for h in hits], question_ids)
-        pieces: list[str] = []
-        for step in self.stream(segments, fusion, generation):
-            if isinstance(step, Answer):
-                chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
-                return replace(step, answer="".join(pieces).strip(), retrieval_s=retrieval_s, chunks=chunks)
-            pieces.append(step)
-            if on_text is not None and step:
-                on_text(step)
-        raise AssertionError("stream() always ends with an Answer")
+        answer = _collected(self.stream(segments, fusion, generation), on_text)
+        chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
+        return replace(answer, retrieval_s=retrieval_s, chunks=chunks)
 
     def complete(
         self, prompt: str | Sequence[Mapping[str, str]], *, fusion: FusionConfig | None = None,
         generation: GenerationConfig | None = None, on_text: Callable[[str], None] | None = None,
     ) -> Answer:
         """Answer any prompt, a string or chat messages (`render_prompt`), reading from the cache every
-        indexed chunk found in it (`prompt_segments`); `on_text` receives the text as it streams."""
-        pieces: list[str] = []
-        for step in self.stream(self.prompt_segments(prompt, fusion), fusion, generation):
-            if isinstance(step, Answer):
-                return replace(step, answer="".join(pieces).strip())
-            pieces.append(step)
-            if on_text is not None and step:
-                on_text(step)
-        raise AssertionError("stream() always ends with an Answer")
+        indexed chunk found in it (`prompt_segments`); `on_text` receives the text as it streams.
+        Rendering, tokenising and matching the prompt is part of the TTFT (stage `match`)."""
+        t0 = time.perf_counter()
+        segments = self.prompt_segments(prompt, fusion)
+        match_s = time.perf_counter() - t0
+        answer = _collected(self.stream(segments, fusion, generation), on_text)
+        return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
 
     def prompt_segments(
         self, prompt: str | Sequence[Mapping[str, str]], fusion: FusionConfig | None = None
@@ -158,12 +183,13 @@ class FusedGenerator:
 
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
         """`segments` with every run of an indexed chunk's ids inside their computed text made a slice
-        of that chunk's cache (`ChunkIndex.match`). Logs a warning when a method that reads caches
-        (`fusion`, default the index's) finds no chunk in the prompt."""
+        of that chunk's cache (`ChunkIndex.match`), and the prompt's head before the first chunk made
+        cacheable (`cached_head`). Logs a warning when a method that reads caches (`fusion`, default
+        the index's) finds no chunk in the prompt."""
         ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
-        out = with_runs(segments, runs)
+        out = cached_head(with_runs(segments, runs))
         method = (fusion or self.index.config.fusion).method
         if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in out):
             log.warning(

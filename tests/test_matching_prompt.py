@@ -102,3 +102,35 @@ def test_a_slice_at_its_own_place_is_exact(index, tiny):
 def test_segment_refuses_ids_that_are_not_a_run_of_whole():
     with pytest.raises(ValueError, match="not a cacheable run"):
         Segment((1, 2), True, "x", whole=(1, 3, 2), offset=0)
+
+
+INSTRUCTIONS = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+                "to answer the question. If you don't know the answer, say that you don't know.\n\n")
+
+
+def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
+    """A pipeline's instructions before the quoted chunks (no indexed text) are cached at position 0
+    on the first prompt and read by the next ones: only the text between and after chunks is computed."""
+    context = "\n\n".join(c.text for c in chunk_texts(index))
+    prompts = [f"{INSTRUCTIONS}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
+    generator = FusedGenerator(index)
+    head, *rest = generator.prompt_segments(prompts[0])
+    assert head.cacheable and head.label == "prefix" and len(head.ids) >= len(tiny.tokenizer(INSTRUCTIONS).input_ids) - 2
+    assert rest[0].label.startswith("chunk:")
+    key = index.key(head.ids, ())
+    assert key not in index.store
+    ask(index, prompts[0], "reuse")
+    assert key in index.store  # computed and stored by the first prompt that had it
+    segments = generator.prompt_segments(prompts[1])
+    assert segments[0].ids == head.ids
+    second = ask(index, prompts[1], "reuse")
+    assert second.recomputed_tokens == sum(len(s.ids) for s in segments if not s.cacheable)
+    assert second.cache_misses == 0
+    exact, full = ask(index, prompts[1], "cacheblend", ratio=1.0), ask(index, prompts[1], "full")
+    torch.testing.assert_close(exact.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_short_head_stays_computed(index):
+    context = chunk_texts(index)[0].text
+    segments = FusedGenerator(index).prompt_segments(f"Notes: {context}\n\nQuestion: when?\nAnswer:")
+    assert not segments[0].cacheable and segments[1].label.startswith("chunk:")

@@ -82,6 +82,7 @@ _COLUMNS: tuple[tuple[str, str, Callable[[Entry, str], str]], ...] = (
     ("ttft_median_s", "TTFT median (s)", _plain(_fmt_sig3)),
     ("speedup_vs_full", "Speedup", _plain(_fmt(".1f", "x"))),
     ("compute_fraction", "Compute frac", _plain(_fmt(".3f"))),
+    ("chunk_tokens_matched", "Chunk tokens matched", _plain(_fmt(".3f"))),
     ("tf_kl", "TF KL [95% CI]", _with_ci(_fmt_sig3)),
     ("tf_kl_diff", "TF KL - baseline [95% CI]", _with_ci(_fmt_signed)),
     ("tf_top1", "TF top-1", _with_ci(_fmt(".3f"))),
@@ -105,7 +106,7 @@ def markdown_table(summary: Sequence[Entry]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
-STAGE_ORDER = ("kv_load", "kv_wait", "assemble_kv", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
+STAGE_ORDER = ("match", "kv_load", "kv_wait", "assemble_kv", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
 
 
 def stage_table(summary: Sequence[Entry]) -> str:

@@ -50,6 +50,7 @@ from ..store.codecs import CODECS
 from ..store.controller import machine_id, resolve_ratio, time_prefill
 from .datasets import QAExample
 from .metrics import bootstrap_ci, contains_answer, max_f1, median_p90, median_ratio, rouge_l, teacher_forced
+from .prompts import NATIVE, PROMPT_STYLES, style_messages
 from .report import atomic_write, label, write_report
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,11 @@ class BenchSettings:
     warmup: int = 1
     threads: int = 2
     resume: bool = False  # keep the questions an interrupted run in the same --out finished
+    prompt_style: str = NATIVE  # the prompt layout every question is asked in (`bench.prompts`)
 
     def __post_init__(self) -> None:
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"unknown prompt style {self.prompt_style!r}; styles: {', '.join(PROMPT_STYLES)}")
         if REFERENCE not in self.methods:
             raise ValueError(f"methods must include {REFERENCE!r}, the reference of every metric; got {self.methods}")
         if len(set(self.methods)) != len(self.methods):
@@ -320,10 +324,11 @@ def fidelity(
 
 def run_question(
     generators: Mapping[str | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
-    slot_shift: int,
+    slot_shift: int, prompt_style: str = NATIVE,
 ) -> list[dict[str, Any]]:
     """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
-    (`generators[variant.caches]`; None: the run's index), and score against `full`."""
+    (`generators[variant.caches]`; None: the run's index) in the `prompt_style` layout, and score
+    against `full` on the same prompt."""
     generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
@@ -331,17 +336,35 @@ def run_question(
     retrieval_s = time.perf_counter() - t0
     hits, evidence = place_evidence(hits, example)
     order = rotated(variants, slot_shift)
-    answers = {
-        v: generators[v.caches].ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
-        for v in order
-    }
-    fmt = generator.index.format
-    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question))
+    if prompt_style == NATIVE:
+        answers = {
+            v: generators[v.caches].ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
+            for v in order
+        }
+        fmt = generator.index.format
+        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question))
+    else:  # the prompt a pipeline of this style sends, the chunks found in it (matching timed in the TTFT)
+        prompt = style_messages(prompt_style, [h.chunk.text for h in hits], example.question)
+        answers = {
+            v: generators[v.caches].complete(prompt, fusion=v.fusion(config.fusion), generation=config.generation)
+            for v in order
+        }
+        segments = generator.prompt_segments(prompt)
     scores, floor = fidelity(generators, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
     records = [_record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence) for v in variants]
     records[variants.index(Variant(REFERENCE))]["noise_floor"] = floor
+    matched = chunk_tokens_matched(segments, hits)
+    for r in records:
+        r |= {"chunks": [h.chunk.id for h in hits], "chunk_tokens_matched": matched}
     return records
+
+
+def chunk_tokens_matched(segments: Sequence[Segment], hits: Sequence[Hit]) -> float:
+    """The fraction of the retrieved chunks' tokens that the prompt's segments read from a chunk cache
+    (1.0 in the native layout; less where a prompt's text around a chunk re-tokenises its edges)."""
+    matched = sum(len(s.ids) for s in segments if s.cacheable and s.label != "prefix")
+    return matched / sum(len(h.chunk.token_ids) for h in hits)
 
 
 # ---- summary ------------------------------------------------------------------------------------------
@@ -416,6 +439,7 @@ def summarise(
             "rouge_l_gold": _mean([r["rouge_l_gold"] for r in mine]),
             "f1_vs_full": _mean([r["f1_vs_full"] for r in mine]),
             "recompute_fraction": _mean([r["recompute_fraction"] for r in mine]),
+            "chunk_tokens_matched": _mean([r.get("chunk_tokens_matched") for r in mine]),
             "compute_fraction": _mean([r["compute_fraction"] for r in mine]),
             "retrieval_median_s": float(np.median([r["retrieval_s"] for r in mine])),
             "prompt_tokens_median": float(np.median([r["prompt_tokens"] for r in mine])),
@@ -530,6 +554,7 @@ def run_benchmark(
         "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
         "max_new_tokens": config.generation.max_new_tokens, "variants": [v.label for v in variants],
         "machine": machine_id(adapter.device), "torch": torch.__version__, "threads": settings.threads,
+        "prompt_style": settings.prompt_style,
     }
     records_path = out_dir / "records.jsonl"  # read before indexing: a refused resume leaves --out as it was
     records = finished_records(records_path, run_plan, examples, variants) if settings.resume else []
@@ -554,7 +579,7 @@ def run_benchmark(
     atomic_write(records_path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
-        run_question(generators, example, variants, 0)
+        run_question(generators, example, variants, 0, settings.prompt_style)
 
     bar = tqdm(total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench",
                disable=not progress)
@@ -562,7 +587,7 @@ def run_benchmark(
         for i, example in enumerate(examples):
             if example.id in done:
                 continue
-            new = run_question(generators, example, variants, i)  # i, not a resumed count: the same rotation
+            new = run_question(generators, example, variants, i, settings.prompt_style)  # i: the same rotation when resumed
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
