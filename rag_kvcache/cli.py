@@ -161,6 +161,7 @@ def index(
     Re-indexing into an existing index keeps the settings it was built with.
     """
     from .index import KVIndex
+    from .retrieval import chunk_index
 
     _quiet_transformers()
     if not docs_dir.is_dir():
@@ -170,7 +171,7 @@ def index(
                                              ("dtype", dtype.value)] if _given(ctx, name)}
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
-        if (index_dir / "index.sqlite").exists():
+        if chunk_index.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
             cfg = KVIndex.config_of(index_dir, _base_config())
             for key, value in given.items():
                 if value != getattr(cfg, key):

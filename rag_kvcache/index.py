@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -147,6 +147,7 @@ class KVIndex:
         Raises `StorageFullError` (index unchanged) when the disk fills."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
+            used = self.live_keys()
             report = self.chunks.sync(
                 Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress, workers=workers),
@@ -155,7 +156,7 @@ class KVIndex:
             )
             if self.config.chunk_prefill == "neighbours":
                 self.precompute_neighbours(report.new_chunks, progress)
-            self.collect()
+            self.collect(used)
         self.flush_stats()
         return report
 
@@ -165,21 +166,23 @@ class KVIndex:
         a document with the source of an indexed one replaces it, nothing else is removed."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
+            used = self.live_keys()
             report = self.chunks.add_texts(
                 documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
             )
             if self.config.chunk_prefill == "neighbours":
                 self.precompute_neighbours(report.new_chunks, progress)
-            self.collect()
+            self.collect(used)
         self.flush_stats()
         return report
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
         with _writer_lock(self.path):
+            used = self.live_keys()
             removed = self.chunks.delete(sources)
-            self.collect()
+            self.collect(used)
         return removed
 
     def live_keys(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -194,21 +197,29 @@ class KVIndex:
                 live[self.key(ids, context)] = (ids, context)
         return live
 
-    def orphans(self) -> list[Path]:
-        """The disk caches no indexed chunk uses (not in `live_keys`)."""
+    def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
+        """The disk caches no indexed chunk uses (not in `live_keys`): all of them, or those among the
+        keys `candidates`."""
         live = self.live_keys()
-        return [path for path in self.store.disk.files() if path.stem not in live]
+        if candidates is None:
+            return [path for path in self.store.disk.files() if path.stem not in live]
+        return [self.store.disk.path(key) for key in candidates if key not in live and key in self.store.disk]
 
     def writer_lock(self) -> AbstractContextManager[None]:
         """The lock `update` holds while it changes the index, for other writers (`maintenance`)."""
         return _writer_lock(self.path)
 
-    def collect(self) -> Collected:
-        """Garbage collection (the caller holds the writer lock; `update`, `add_texts` and `delete` run
-        it): delete the disk caches no indexed chunk uses (of edited or deleted chunks, of a foreign
-        model) and the temporary files of killed writers (`kv/??/.tmp-*` of dead processes,
-        `.vectors.faiss.*`). Files of names this package does not make are left alone."""
-        orphans = self.orphans()
+    def collect(self, used: Iterable[str] | None = None) -> Collected:
+        """Garbage collection (the caller holds the writer lock): delete the disk caches no indexed chunk
+        uses and the temporary files of killed writers (`kv/??/.tmp-*` of dead processes,
+        `.vectors.faiss.*`). `update`, `add_texts` and `delete` pass the keys the index `used` before
+        they changed it, so only the caches of the chunks they removed go (of edited or deleted
+        documents); without `used` (`rag-kvcache gc`), every cache that is not an indexed chunk's goes
+        too (another model's, a prompt head cached at query time: recomputed when next needed).
+        Files of names this package does not make are left alone. Opened with a model the index was
+        not built with (`foreign`), it collects temporary files only: that model addresses none of the
+        index's caches, so all of them would look orphaned."""
+        orphans = [] if self.foreign else self.orphans(used)
         freed = 0
         for path in orphans:
             freed += path.stat().st_size

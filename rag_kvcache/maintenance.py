@@ -48,6 +48,11 @@ class CheckReport:
 
 def check(index: KVIndex, repair: bool = False, progress: bool = True) -> CheckReport:
     """Verify every file of `index`; with `repair`, fix what was found (holding its writer lock)."""
+    if index.foreign:
+        raise ValueError(
+            f"{index.path} was built with model {index.chunks.meta.get('model')!r}, not {index.config.model!r}: check "
+            "it with its own model (KVIndex.open without a config), which addresses its caches"
+        )
     report = CheckReport(repair=repair)
     if not repair:
         _check(index, report, repair, progress)

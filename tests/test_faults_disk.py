@@ -206,7 +206,7 @@ def test_vectors_faiss_is_created_with_the_umask_mode(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("state", ["empty_file", "no_tables"])
-def test_a_kill_inside_index_creation_is_recovered(tiny, tmp_path, state):
+def test_a_kill_inside_index_creation_is_recovered(tiny, tiny_model_dir, tmp_path, state):  # noqa: F811
     """A kill inside index creation left an index.sqlite without tables that every later run refused
     ("no such table: meta"): readers are told what happened, and the next index run creates the index."""
     idx = tmp_path / "idx"
@@ -219,9 +219,20 @@ def test_a_kill_inside_index_creation_is_recovered(tiny, tmp_path, state):
         conn.close()
     with pytest.raises(ForeignIndexError, match="without tables .* creation was interrupted"):
         KVIndex.open(idx, CFG, adapter=tiny)
-    index = KVIndex.build(write_docs(tmp_path / "docs", 2), idx, CFG, adapter=tiny, progress=False)
-    assert index.search(QUESTION, 1)[0].chunk.source == "observatory.txt"
-    assert_consistent(idx, tiny)
+    docs = write_docs(tmp_path / "docs", 2)
+    if state == "empty_file":
+        index = KVIndex.build(docs, idx, CFG, adapter=tiny, progress=False)
+        assert index.search(QUESTION, 1)[0].chunk.source == "observatory.txt"
+        assert_consistent(idx, tiny)
+    else:  # the command a user re-runs
+        from typer.testing import CliRunner
+
+        from rag_kvcache.cli import app
+
+        result = CliRunner().invoke(app, ["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir),
+                                          "--chunk-tokens", "24"])
+        assert result.exit_code == 0 and "3 added" in " ".join(result.output.split()), result.output
+        assert KVIndex.open(idx).search(QUESTION, 1)[0].chunk.source == "observatory.txt"
 
 
 def test_temp_files_of_killed_runs_are_collected_at_sync(index, tmp_path):
@@ -239,7 +250,8 @@ def test_temp_files_of_killed_runs_are_collected_at_sync(index, tmp_path):
 
 
 def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp_path):  # noqa: F811
-    """5 edits and 5 deletions left 15 orphan caches (71.5 MiB for 3 live chunks)."""
+    """5 edits and 5 deletions left 15 orphan caches (71.5 MiB for 3 live chunks): a sync deletes the caches
+    of the chunks it removes; `gc` every cache that is not an indexed chunk's."""
     from typer.testing import CliRunner
 
     from rag_kvcache.cli import app
@@ -259,7 +271,9 @@ def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp
     live = next(iter(index.live_keys()))
     orphan = index.store.path("ff" + live[2:])
     orphan.parent.mkdir(exist_ok=True)
-    shutil.copy(index.store.path(live), orphan)  # e.g. left by an older version, or another model
+    shutil.copy(index.store.path(live), orphan)  # not a chunk's: another model's, or a prompt head cached by a query
+    index.update(docs, progress=False)
+    assert orphan.exists()  # a sync collects only the caches of the chunks it removed
     result = CliRunner().invoke(app, ["gc", "--index", str(index.path)])
     assert result.exit_code == 0, result.output
     assert "deleted 1 orphan KV caches" in " ".join(result.output.split()) and not orphan.exists()
@@ -277,3 +291,4 @@ def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     answer = FusedGenerator(foreign).ask(QUESTION)
     assert answer.cache_misses == CFG.top_k and answer.answer
     assert {p.name for p in index.store.disk.files()} == before
+    assert foreign.collect().orphans == 0 and {p.name for p in index.store.disk.files()} == before  # none its own
