@@ -333,6 +333,8 @@ def check(
         _fail(str(e))
     for problem in report.problems:
         out.print(f"[red]found:[/red] {problem}", highlight=False)
+    for garbage in report.garbage:
+        out.print(f"[yellow]garbage:[/yellow] {garbage} (`rag-kvcache gc` deletes it)", highlight=False)
     for done in report.repaired:
         out.print(f"[green]repaired:[/green] {done}", highlight=False)
     for left in report.unrepaired:

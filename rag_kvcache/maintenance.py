@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CheckReport:
-    """What `check` found (`problems`), what it repaired, and what it could not."""
+    """What `check` found (`problems`, and `garbage`), what it repaired, and what it could not."""
 
     problems: list[str] = field(default_factory=list)
+    garbage: list[str] = field(default_factory=list)  # orphan caches and temp files: no damage, `gc` deletes them
     repaired: list[str] = field(default_factory=list)
     unrepaired: list[str] = field(default_factory=list)
     caches_checked: int = 0
@@ -145,9 +146,10 @@ def _cache_problem(index: KVIndex, key: str) -> str | None:
 
 
 def _count_garbage(index: KVIndex, report: CheckReport) -> None:
-    """Report the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes."""
+    """List the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes:
+    garbage, not damage (a prompt head cached at query time is an orphan too)."""
     if orphans := index.orphans():
         size = sum(path.stat().st_size for path in orphans) / 2**20
-        report.problems.append(f"{len(orphans)} orphan KV caches ({size:.1f} MiB) that no indexed chunk uses")
+        report.garbage.append(f"{len(orphans)} orphan KV caches ({size:.1f} MiB) that no indexed chunk uses")
     if temp := [path.name for path in index.path.glob(f".{faiss_file.VECTORS_FILE}.*")]:
-        report.problems.append(f"{len(temp)} temporary files of killed writers: {', '.join(temp)}")
+        report.garbage.append(f"{len(temp)} temporary files of killed writers: {', '.join(temp)}")
