@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import httpx
@@ -410,3 +411,40 @@ def test_streamed_events_are_sse_with_usage_last(running):
     assert chunks[-2]["choices"][0]["finish_reason"] in ("length", "stop")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 4
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+@pytest.mark.smollm2
+def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp_path) -> None:
+    """The real SmolLM2 on two demo documents, through the official client: chunks named by id answer
+    exactly as `ask` over them, and a prompt that quotes the chunks as text (any pipeline's) is read
+    from the cache and answers as `complete` does."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("observatory.md", "saltmere.md"):
+        (docs / name).write_text((files("rag_kvcache") / "demo" / name).read_text(encoding="utf-8"), encoding="utf-8")
+    cfg = Config(chunk_tokens=128, top_k=3, generation=GenerationConfig(max_new_tokens=12))
+    KVIndex.build(docs, tmp_path / "idx", cfg, adapter=smollm2, progress=False).close()
+    question = "What is the name of the main telescope of the Veldmark Observatory?"
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=12)
+    with Engine(tmp_path / "idx", cfg, smollm2) as engine:
+        hits = engine.search(question, 3)
+        context = "\n\n".join(h.chunk.text for h in hits)
+        quoted = [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
+        want = engine.run(lambda: engine.generator.ask(question, hits, fusion=fusion, generation=generation))
+        want_quoted = engine.run(lambda: engine.generator.complete(quoted, fusion=fusion, generation=generation))
+        server, thread, url = start_server(create_app(engine, ServerConfig()))
+        try:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            named = client.chat.completions.create(
+                model=cfg.model, messages=[{"role": "user", "content": question}], max_tokens=12,
+                extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits], "method": "cacheblend"}})
+            found = client.chat.completions.create(model=cfg.model, messages=quoted, max_tokens=12,
+                                                   extra_body={"rag_kvcache": {"method": "cacheblend"}})
+        finally:
+            stop_server(server, thread)
+    assert "Harrow" in want.answer, want.answer
+    assert named.choices[0].message.content.strip() == want.answer
+    assert named.usage.prompt_tokens_details.cached_tokens == want.cached_tokens > 0
+    assert found.choices[0].message.content.strip() == want_quoted.answer
+    chunk_tokens = sum(len(h.chunk.token_ids) for h in hits)
+    assert found.usage.prompt_tokens_details.cached_tokens == want_quoted.cached_tokens >= 0.8 * chunk_tokens
