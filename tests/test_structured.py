@@ -9,21 +9,19 @@ from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from conftest import tiny_llama
+from pydantic import BaseModel, Field, ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import tiny_llama
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.engine.generation import Decoder
+from rag_kvcache.engine.generation import Decoder, _closed
 from rag_kvcache.engine.model import ModelAdapter
 
 pytest.importorskip("llguidance")
 
 
 class Reading(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # no other keys: without it, any key may follow, of any length
-
     station: str = Field(max_length=12)
     kind: Literal["rain", "wind", "snow"]
     value: int = Field(ge=-50, le=500)
@@ -68,6 +66,7 @@ def test_random_weights_decode_only_json_that_matches_the_schema(bpe_tiny: Model
         text, n = decode(bpe_tiny, cfg, seed)
         assert n < cfg.max_new_tokens  # it ended on end of sequence, the document complete
         Reading.model_validate_json(text)  # raises unless valid against the schema
+        assert json.loads(text).keys() <= Reading.model_fields.keys()  # no key the schema does not list
 
 
 def test_unconstrained_random_weights_produce_no_such_json(bpe_tiny: ModelAdapter) -> None:
@@ -97,6 +96,20 @@ def test_a_wordpiece_tokenizer_is_refused_clearly(tiny: ModelAdapter) -> None:
 def test_a_schema_that_is_not_one_is_refused(bpe_tiny: ModelAdapter) -> None:
     with pytest.raises(ValueError, match="cannot constrain decoding to JSON Schema"):
         Decoder(bpe_tiny, GenerationConfig(json_schema='{"type": "no-such-type"}'))
+    with pytest.raises(ValueError, match="json_schema is not JSON"):
+        Decoder(bpe_tiny, GenerationConfig(json_schema="{'type': 'object'}"))
+
+
+def test_objects_are_closed_unless_the_schema_says_otherwise() -> None:
+    schema = {
+        "type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}, "free": {"type": "object"}},
+        "$defs": {"Inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                  "Open": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}},
+    }
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False and closed["$defs"]["Inner"]["additionalProperties"] is False
+    assert closed["$defs"]["Open"]["additionalProperties"] == {"type": "integer"}  # what the schema says is kept
+    assert "additionalProperties" not in closed["properties"]["free"]  # no properties listed: any object
 
 
 class City(BaseModel):

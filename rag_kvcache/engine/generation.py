@@ -4,6 +4,7 @@ optionally constrained to a JSON Schema; and teacher forcing, which scores a giv
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -38,14 +39,20 @@ def sample_token(
 class JsonSchemaConstraint:
     """Keeps an answer inside a JSON Schema (grammar-constrained decoding with llguidance): before each
     token, only the tokens that can continue a document matching the schema may be chosen; once the
-    document is complete, only end of sequence. Compact JSON (no free whitespace between tokens)."""
+    document is complete, only end of sequence. Compact JSON (no free whitespace between tokens), and
+    strict as OpenAI's structured outputs are: an object schema with `properties` that does not say
+    `additionalProperties` gets none (else any key of any length may follow the listed ones)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int], schema: str) -> None:
         try:
             import llguidance
         except ImportError as e:
             raise ImportError("answers constrained to a JSON Schema need llguidance: pip install 'rag-kvcache[structured]'") from e
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        try:
+            document = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not JSON: {e}: {schema[:200]!r}") from e
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_closed(document), defaults={"whitespace_flexible": False})
         self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer, tuple(sorted(eos_token_ids))), grammar, log_level=0)
         if self.matcher.is_error():
             raise ValueError(f"cannot constrain decoding to JSON Schema {schema[:200]!r}: {self.matcher.get_error()}")
@@ -62,6 +69,19 @@ class JsonSchemaConstraint:
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise ValueError(f"token {token} does not continue the JSON Schema's grammar: {self.matcher.get_error()}")
+
+
+def _closed(schema: object) -> object:
+    """`schema` with `"additionalProperties": false` in every object schema that lists `properties` and
+    says nothing about other keys (nested ones, `$defs`, `items`, `anyOf`, ... included)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,10 +9,12 @@ object: open one per index and hand it to every model and retriever that should 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args, get_type_hints
 
 from ..config import Config, FusionConfig, GenerationConfig
 from ..engine.model import ModelAdapter
@@ -55,11 +57,16 @@ class Engine:
 
     def stream(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None,
+        generation: GenerationConfig | None = None, timeout: float | None = None,
     ) -> Iterator[str | Answer]:
-        """`FusedGenerator.stream`, each step computed on the worker thread."""
+        """`FusedGenerator.stream`, each step computed on the worker thread. Past `timeout` seconds
+        (checked after each step: the fused prefill is one step, not interrupted) it raises `TimeoutError`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         steps = self.generator.stream(segments, fusion, generation)
         while (step := self.run(next, steps, None)) is not None:
+            if deadline is not None and time.monotonic() > deadline:
+                self.run(steps.close)
+                raise TimeoutError(f"generation over index {self.path} took longer than timeout={timeout} s")
             yield step
 
     def close(self) -> None:
@@ -73,23 +80,32 @@ class Engine:
 class EngineHandle:
     """The engine an integration object (chat model, LLM, retriever) serves from: the `engine` it
     was given, shared with others, or else one it opens itself for `index` on first use and closes
-    with `close()`. Exactly one of the two must be given; `index` must be an index folder."""
+    with `close()`. Exactly one of the two must be given; `index` must be an index folder. `device`
+    and `dtype` (None: the index's settings) are how an engine opened for `index` loads the model."""
 
-    def __init__(self, engine: Engine | None, index: str | Path | None) -> None:
+    def __init__(
+        self, engine: Engine | None, index: str | Path | None, device: str | None = None, dtype: str | None = None
+    ) -> None:
         if (engine is None) == (index is None):
             raise ValueError("give either engine= (an opened Engine, to share) or index= (an index folder), not "
                              f"{'both' if engine is not None else 'neither'}")
+        if dtype is not None and dtype not in (dtypes := get_args(get_type_hints(Config)["dtype"])):
+            raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+        if engine is not None and (device, dtype) != (None, None):
+            raise ValueError(f"device={device!r} and dtype={dtype!r} apply to an engine opened for index=; the given "
+                             f"engine= of {engine.path} is already loaded on {engine.index.config.device}")
         self._given = engine
         self._own: Engine | None = None
         self.index_path = engine.path if engine is not None else Path(index).expanduser().resolve()
         config = engine.index.config if engine is not None else KVIndex.config_of(self.index_path)  # refuses a non-index
+        self._config = replace(config, **{k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
         self.model_name = config.model
 
     def get(self) -> Engine:
         if self._given is not None:
             return self._given
         if self._own is None:
-            self._own = Engine(self.index_path)
+            self._own = Engine(self.index_path, self._config)
         return self._own
 
     def close(self) -> None:

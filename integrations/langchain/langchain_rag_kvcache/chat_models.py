@@ -6,22 +6,32 @@ of an indexed chunk's token ids found in them (a retrieved document joined by `f
 prefilled at query time. Retrieved chunks may also travel as standard `text-plain` content blocks
 whose `extras` carry the chunk id (`chunk_block` makes one from a retriever's `Document`): their
 stored token ids are spliced into the prompt as they are, never re-tokenised.
+
+`with_structured_output(schema)` decodes under the schema (grammar-constrained, through the
+`response_format` call option) and returns validated objects; `get_num_tokens*` count with the
+index's own tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import generate_from_stream
-from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage, HumanMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.content import PlainTextContentBlock, create_plaintext_block
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
 from rag_kvcache import (
@@ -41,7 +51,7 @@ CHUNK_ID_KEY = "chunk_id"
 """The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
-_CALL_OPTIONS = frozenset({"temperature", "max_tokens", "top_p", "seed", "fusion", "model"})
+_CALL_OPTIONS = frozenset({"temperature", "max_tokens", "top_p", "seed", "fusion", "model", "response_format"})
 
 
 def chunk_block(document: Document) -> PlainTextContentBlock:
@@ -70,9 +80,12 @@ class ChatRagKVCache(BaseChatModel):
 
     Messages of one role in a row are merged. A conversation without a system message gets the
     index's system prompt, the one its chunk caches were computed behind. `temperature` 0 or
-    unset decodes greedily. `response_metadata` reports the fusion (`ttft_s`, `recomputed_tokens`,
-    `cache_misses`, ...) and `usage_metadata["input_token_details"]["cache_read"]` the prompt
-    tokens whose KV came from the cache.
+    unset decodes greedily. `temperature`, `max_tokens`, `top_p`, `seed`, `stop`, `fusion` and
+    `response_format` (OpenAI's `{"type": "json_schema", "json_schema": {"schema": ...}}` or
+    `{"type": "json_object"}`: the answer is decoded constrained to it) may also be given per call
+    (`invoke(..., temperature=0.5)`, `bind(...)`). `response_metadata` reports the fusion (`ttft_s`,
+    `recomputed_tokens`, `cache_misses`, ...) and `usage_metadata["input_token_details"]["cache_read"]`
+    the prompt tokens whose KV came from the cache.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -88,12 +101,23 @@ class ChatRagKVCache(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     streaming: bool = False
+    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
+    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds a call may take; checked after each generated token (the fused "
+        "prefill is not interrupted), past it the call raises TimeoutError.",
+    )
+    max_retries: int = Field(
+        default=0, ge=0, description="Accepted as the standard chat-model parameter; the model runs in this "
+        "process, with no request that could fail transiently, so no call is ever retried.",
+    )
 
     _handle: EngineHandle = PrivateAttr()
 
     @model_validator(mode="after")
     def _open_handle(self) -> Self:
-        self._handle = EngineHandle(self.engine, self.index)  # fails here for a folder that is no index
+        # fails here for a folder that is no index, or device/dtype beside an engine already loaded
+        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)
         return self
 
     @property
@@ -112,6 +136,50 @@ class ChatRagKVCache(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"index": str(self._handle.index_path), "model_name": self.model_name, "fusion": self.fusion}
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """`text`'s token ids by the index's own tokenizer (loaded with its model, offline)."""
+        return self._handle.get().index.adapter.tokenizer.encode(text, add_special_tokens=False)
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """The prompt tokens `messages` make, as the model would be sent them (chat template, system prompt)."""
+        if tools:
+            raise ValueError("ChatRagKVCache has no tool calling, so tools take no prompt tokens; got tools")
+        engine = self._handle.get()
+        return sum(len(segment.ids) for segment in engine.run(_segments, engine.generator, messages, self.fusion))
+
+    def with_structured_output(
+        self, schema: Mapping[str, Any] | type, *, method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False, strict: bool | None = None, **kwargs: Any,
+    ) -> Runnable[Any, Any]:
+        """The model answering JSON decoded under `schema` (a Pydantic model, a TypedDict or a JSON Schema),
+        parsed and validated: a Pydantic instance for a Pydantic model, a dict otherwise.
+
+        The schema is also appended to the last user message, so that the model knows what to fill in.
+        Every `method` decodes constrained to the schema, so the answer always has its shape: `json_mode`
+        too (the schema is known), and `function_calling`, as the model has no tool calling, gets the same
+        JSON answer. `strict` is accepted and changes nothing: the constraint is always strict. With
+        `include_raw`, a dict of the `raw` message, the `parsed` value and any `parsing_error`.
+        """
+        if kwargs:
+            raise TypeError(f"with_structured_output got unexpected arguments {sorted(kwargs)!r}")
+        if method not in ("json_schema", "json_mode", "function_calling"):
+            raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}")
+        json_schema = convert_to_json_schema(schema)
+        model = self.bind(
+            response_format={"type": "json_schema", "json_schema": {"name": json_schema.get("title", "answer"), "schema": json_schema}},
+            ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": json_schema},
+        )
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        if not include_raw:
+            return model | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        return RunnableMap(raw=model) | parsed.with_fallbacks(
+            [RunnablePassthrough.assign(parsed=lambda _: None)], exception_key="parsing_error"
+        )
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
@@ -142,13 +210,17 @@ class ChatRagKVCache(BaseChatModel):
                 "its own index"
             )
         engine = self._handle.get()
+        json_schema = _json_schema(kwargs.get("response_format"))
         generation = engine.index.config.generation.with_options(
             max_new_tokens=kwargs.get("max_tokens", self.max_tokens), temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed), stop=stop or self.stop,
+            json_schema=json_schema,
         )
+        if json_schema is not None:  # the constraint keeps the shape; the model still needs to know what to fill in
+            messages = [*messages, HumanMessage(f"Answer with JSON matching this JSON Schema: {json_schema}")]
         fusion = kwargs.get("fusion", self.fusion)
         segments = engine.run(_segments, engine.generator, messages, fusion)
-        for step in engine.stream(segments, fusion, generation):
+        for step in engine.stream(segments, fusion, generation, self.timeout):
             if isinstance(step, Answer):
                 yield self._last_chunk(step)
             elif step:
@@ -172,6 +244,22 @@ class ChatRagKVCache(BaseChatModel):
             content="", usage_metadata=usage_metadata, response_metadata=metadata, chunk_position="last"
         )
         return ChatGenerationChunk(message=message)
+
+
+def _json_schema(response_format: Mapping[str, Any] | type[BaseModel] | None) -> str | None:
+    """The JSON Schema, as text, that an OpenAI-style `response_format` (or a Pydantic model) asks for."""
+    if response_format is None:
+        return None
+    if isinstance(response_format, type) and is_basemodel_subclass(response_format):
+        return json.dumps(response_format.model_json_schema())
+    if response_format.get("type") == "json_object":
+        return json.dumps({"type": "object"})
+    if response_format.get("type") == "json_schema" and "schema" in response_format.get("json_schema", {}):
+        return json.dumps(response_format["json_schema"]["schema"])
+    raise ValueError(
+        "response_format must be {'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'json_object'} "
+        f"or a Pydantic model, got {response_format!r}"
+    )
 
 
 def _segments(generator: FusedGenerator, messages: Sequence[BaseMessage], fusion: FusionConfig) -> list[Segment]:

@@ -22,12 +22,14 @@ class RagKVCacheRetriever(BaseRetriever):
     engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a model.")
     index: str | None = Field(default=None, description="Or the folder of a rag-kvcache index (opened on first use).")
     k: int = Field(default=4, ge=1, description="How many chunks to return.")
+    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
+    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
 
     _handle: EngineHandle = PrivateAttr()
 
     @model_validator(mode="after")
     def _open_handle(self) -> Self:
-        self._handle = EngineHandle(self.engine, self.index)
+        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)
         return self
 
     def close(self) -> None:

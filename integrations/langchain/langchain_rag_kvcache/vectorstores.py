@@ -37,9 +37,13 @@ class RagKVCacheVectorStore(VectorStore):
     path}`. Scores are cosine similarities.
     """
 
-    def __init__(self, index: str | Path | None = None, *, engine: Engine | None = None) -> None:
-        """Serve from `engine` (shared with a chat model) or open one for `index` on first use."""
-        self._handle = EngineHandle(engine, index)  # fails here for a folder that is no index
+    def __init__(
+        self, index: str | Path | None = None, *, engine: Engine | None = None, device: str | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        """Serve from `engine` (shared with a chat model) or open one for `index` on first use, loading its
+        model on `device` in `dtype` (None: the index's settings)."""
+        self._handle = EngineHandle(engine, index, device, dtype)  # fails here for a folder that is no index
 
     def close(self) -> None:
         """Close the engine this store opened for `index` (a given `engine` is its owner's to close)."""
@@ -98,7 +102,8 @@ class RagKVCacheVectorStore(VectorStore):
     @classmethod
     def from_texts(
         cls, texts: list[str], embedding: Embeddings | None = None, metadatas: list[dict] | None = None, *,
-        ids: list[str] | None = None, index: str | Path | None = None, engine: Engine | None = None, **kwargs: Any,
+        ids: list[str] | None = None, index: str | Path | None = None, engine: Engine | None = None,
+        device: str | None = None, dtype: str | None = None, **kwargs: Any,
     ) -> RagKVCacheVectorStore:
         """A store over `index` (or `engine`) with `texts` added; the index embeds with its own embedder,
         so `embedding` must be None."""
@@ -106,7 +111,7 @@ class RagKVCacheVectorStore(VectorStore):
             raise ValueError(
                 f"{cls.__name__} embeds with its index's embedder; got embedding={type(embedding).__name__}: pass None"
             )
-        store = cls(index, engine=engine)
+        store = cls(index, engine=engine, device=device, dtype=dtype)
         store.add_texts(texts, metadatas, ids=ids, **kwargs)
         return store
 

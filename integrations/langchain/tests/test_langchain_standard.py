@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_message
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_message
 from rag_kvcache import Engine
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
@@ -38,10 +38,10 @@ class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
 
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
-        # api_key, timeout and max_retries configure a remote API; a local model has none, and the
-        # class refuses arguments it does not know instead of ignoring them.
+        # api_key authenticates to a remote API; a local model has none, and the class refuses
+        # arguments it does not know instead of ignoring them.
         params = super().standard_chat_model_params
-        return {k: v for k, v in params.items() if k not in ("api_key", "timeout", "max_retries")}
+        return {k: v for k, v in params.items() if k != "api_key"}
 
 
 class TestChatRagKVCacheIntegration(_OnDemoIndex, ChatModelIntegrationTests):
@@ -51,11 +51,15 @@ class TestChatRagKVCacheIntegration(_OnDemoIndex, ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"engine": self.engine, "max_tokens": 24}
+        return {"engine": self.engine, "max_tokens": 64}  # room for the structured-output tests' JSON jokes
 
     @property
     def supports_model_override(self) -> bool:
         return False  # an index's caches belong to the one model it was built with
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:

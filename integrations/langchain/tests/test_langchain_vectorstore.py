@@ -11,10 +11,10 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
-from langchain_tests.integration_tests import VectorStoreIntegrationTests
-
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheVectorStore
 from langchain_rag_kvcache.chat_models import _segments
+from langchain_tests.integration_tests import VectorStoreIntegrationTests
+
 from rag_kvcache import Config, Engine, KVIndex
 
 from .conftest import DEMO_DOCS

@@ -8,7 +8,6 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
-
 from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, create_kv_query_engine
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
@@ -23,7 +22,7 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 @pytest.fixture(scope="module")
 def llm(demo_engine: Engine) -> RagKVCacheLLM:
-    return RagKVCacheLLM(engine=demo_engine, max_new_tokens=24)
+    return RagKVCacheLLM(engine=demo_engine, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +121,8 @@ def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
         llm.complete(QUESTION, top_k=3)
     with pytest.raises(TypeError, match="MockLLM"):
         KVCacheSynthesizer(llm=MockLLM())
-    with pytest.raises(ValueError, match="max_tokens"):
-        RagKVCacheLLM(engine=demo_engine, max_tokens=5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        RagKVCacheLLM(engine=demo_engine, max_new_tokens=5)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         RagKVCacheRetriever(tmp_path / "missing")
 

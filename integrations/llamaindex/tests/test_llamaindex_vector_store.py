@@ -9,11 +9,11 @@ import pytest
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.vector_stores.types import VectorStoreQuery
-
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 
 from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache.retrieval.embedder import load_embedder
 
 from .support import DEMO_DOCS, Prompts, matched_tokens
 
@@ -52,7 +52,7 @@ def vector_index(store_engine: Engine) -> VectorStoreIndex:
 def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
     vector_index: VectorStoreIndex, store_engine: Engine, prompts: Prompts
 ) -> None:
-    llm = RagKVCacheLLM(engine=store_engine, max_new_tokens=24)
+    llm = RagKVCacheLLM(engine=store_engine, max_tokens=24)
     response = vector_index.as_query_engine(llm=llm, similarity_top_k=3).query(QUESTION)
     assert "Harrow" in response.response
     (first, *_) = response.source_nodes
@@ -61,6 +61,21 @@ def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
     (turns,) = prompts.turns
     chunk_tokens = sum(len(h.chunk.token_ids) for h in store_engine.search(QUESTION, 3))
     assert matched_tokens(llm, turns) >= 0.9 * chunk_tokens
+
+
+def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store_engine: Engine) -> None:
+    """Retrieval is all-MiniLM-L6-v2's, the index's own embedder: the `MockEmbedding` LlamaIndex is given
+    above only fills its `embed_model` slot (the store embeds texts and queries itself). The ranking
+    equals cosine similarity computed here with the real model over every stored chunk."""
+    chunks = store_engine.run(lambda: list(store_engine.index.chunks.all_chunks()))
+    embedder = load_embedder()
+    vectors = embedder.encode([QUESTION, *(c.text for c in chunks)], normalize_embeddings=True)
+    similarities = vectors[1:] @ vectors[0]
+    top = sorted(range(len(chunks)), key=lambda i: -similarities[i])[:3]
+    store = vector_index.vector_store
+    result = store.query(VectorStoreQuery(query_str=QUESTION, similarity_top_k=3))
+    assert [n.get_content() for n in result.nodes] == [chunks[i].text for i in top]
+    assert result.similarities == pytest.approx([float(similarities[i]) for i in top], abs=1e-4)
 
 
 def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engine: Engine) -> None:

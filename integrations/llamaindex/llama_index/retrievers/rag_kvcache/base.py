@@ -17,12 +17,13 @@ class RagKVCacheRetriever(BaseRetriever):
 
     def __init__(
         self, index: str | Path | None = None, similarity_top_k: int = 4, *, engine: Engine | None = None,
-        callback_manager: CallbackManager | None = None,
+        device: str | None = None, dtype: str | None = None, callback_manager: CallbackManager | None = None,
     ) -> None:
-        """Serve from `engine` (shared, e.g. an LLM's `serving_engine`) or open one for `index` on first use."""
+        """Serve from `engine` (shared, e.g. an LLM's `serving_engine`) or open one for `index` on first use,
+        loading its model on `device` in `dtype` (None: the index's settings)."""
         if similarity_top_k < 1:
             raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k!r}")
-        self._handle = EngineHandle(engine, index)  # fails here for a folder that is no index
+        self._handle = EngineHandle(engine, index, device, dtype)  # fails here for a folder that is no index
         self.similarity_top_k = similarity_top_k
         super().__init__(callback_manager=callback_manager)
 

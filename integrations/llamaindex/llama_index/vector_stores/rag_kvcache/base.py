@@ -58,12 +58,14 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
     index: str | None = Field(
         default=None, description="Or the folder of a rag-kvcache index; the store opens its own engine on first use.",
     )
+    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
+    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
 
     _handle: EngineHandle = PrivateAttr()
 
     @model_validator(mode="after")
     def _open_handle(self) -> Self:
-        self._handle = EngineHandle(self.engine, self.index)  # fails here for a folder that is no index
+        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)  # fails here for a folder that is no index
         return self
 
     @classmethod
