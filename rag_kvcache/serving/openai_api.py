@@ -6,9 +6,10 @@ with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top
 /metrics` (Prometheus) and `GET /health`. With an API key every route but `/health` needs
 `Authorization: Bearer KEY`.
 
-The engine serves one request at a time on its worker thread (on this CPU a batch of decoding
-steps costs about as much as the steps one after another: `benchmarks/serve/README.md`). Admitted
-requests wait in a bounded FIFO queue; past `max_queue` waiting a request is refused with 429 and
+The engine serves one request at a time on its worker thread: a RAG request's cost is its own fused
+prefill (a selective recompute no other request shares), and concurrent requests' decode steps are
+not batched (what that would gain is measured in `benchmarks/serve/README.md`). Admitted requests
+wait in a bounded FIFO queue; past `max_queue` waiting a request is refused with 429 and
 `Retry-After`. A client that disconnects stops its generation at the next token (or leaves the
 queue). Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): a bad body,
 an unknown field, a wrong type or a request over the limits is a 400, never a 500.
