@@ -328,7 +328,8 @@ def check(
 
     _quiet_transformers()
     try:
-        report = check_index(KVIndex.open(index_dir, KVIndex.config_of(index_dir, _base_config())), repair=repair)
+        index = KVIndex.open(index_dir, KVIndex.config_of(index_dir, _base_config()), rewrite=False)  # as it is
+        report = check_index(index, repair=repair)
     except (OSError, ValueError) as e:
         _fail(str(e))
     for problem in report.problems:

@@ -131,12 +131,16 @@ class KVIndex:
         return replace(base, **values, storage=replace(base.storage, codec=meta.get("kv_codec", "none")))
 
     @classmethod
-    def open(cls, path: Path, config: Config | None = None, adapter: ModelAdapter | None = None) -> KVIndex:
-        """Open an existing index; `config` defaults to the settings it was built with."""
+    def open(
+        cls, path: Path, config: Config | None = None, adapter: ModelAdapter | None = None, rewrite: bool = True
+    ) -> KVIndex:
+        """Open an existing index; `config` defaults to the settings it was built with. A damaged
+        `vectors.faiss` is rewritten from SQLite where this process may (`ChunkIndex.open`), unless
+        `rewrite` is False (`rag-kvcache check` sees the index as it is)."""
         path = Path(path)
         config = config or cls.config_of(path)
         adapter = adapter or ModelAdapter.load(config)
-        return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device)), adapter)
+        return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device), rewrite), adapter)
 
     def update(
         self, docs_dir: Path, progress: bool = True, prune: bool = False, workers: RayWorkers | None = None

@@ -241,12 +241,13 @@ class ChunkIndex:
         return cls(index_dir, conn, vectors, embedder, full_meta, recorded, writing=True)
 
     @classmethod
-    def open(cls, index_dir: Path, embedder: SentenceTransformer) -> ChunkIndex:
+    def open(cls, index_dir: Path, embedder: SentenceTransformer, rewrite: bool = True) -> ChunkIndex:
         """Open an existing index; `embedder` must produce vectors of the index's dimension.
 
         SQLite is opened read-only (a first write reopens it, `_writable_conn`). A `vectors.faiss` that
-        fails its check is rebuilt from SQLite and rewritten where this process may write the index
-        and the disk has room; otherwise it is rebuilt in memory only and the file left as it is."""
+        fails its check is rebuilt from SQLite and, with `rewrite`, rewritten where this process may
+        write the index and the disk has room; otherwise it is rebuilt in memory only and the file left
+        as it is (`rewrite=False`: a check that must see the index as it is)."""
         index_dir = Path(index_dir)
         conn = _connect_existing(index_dir)
         try:
@@ -266,7 +267,7 @@ class ChunkIndex:
                 conn.execute("COMMIT")
             vectors = faiss_file.load(index_dir, expected, dim, recorded)
             if vectors is None:
-                vectors, recorded = _rebuild_vectors(conn, index_dir, dim, meta["index_type"])
+                vectors, recorded = _rebuild_vectors(conn, index_dir, dim, meta["index_type"], rewrite)
             return cls(index_dir, conn, vectors, embedder, meta, recorded, writing=False)
         except BaseException:
             conn.close()
@@ -743,12 +744,14 @@ def _ensure_ngrams(conn: sqlite3.Connection, index_dir: Path) -> None:
 
 
 def _rebuild_vectors(
-    conn: sqlite3.Connection, index_dir: Path, dim: int, index_type: IndexType
+    conn: sqlite3.Connection, index_dir: Path, dim: int, index_type: IndexType, rewrite: bool
 ) -> tuple[faiss.Index, str | None]:
     """The vectors rebuilt from SQLite's embeddings, and `vectors.faiss` rewritten with them (through a
-    connection of its own) when the index is writable; where it is not (permissions, a read-only mount,
-    a full disk), they serve from memory and the file is left as it is (checksum None)."""
-    if _writable(index_dir):
+    connection of its own) when asked to and the index is writable; where it is not (permissions, a
+    read-only mount, a full disk), they serve from memory and the file is left as it is (checksum None)."""
+    if not rewrite:
+        logger.warning("%s left as it is: searching vectors rebuilt in memory", index_dir / faiss_file.VECTORS_FILE)
+    elif _writable(index_dir):
         try:
             writer = _connect_existing(index_dir, write=True)
             try:
