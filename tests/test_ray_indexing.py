@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from test_precompute_batching import docs  # noqa: F401 (the documents folder fixture)
 from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
@@ -18,10 +19,6 @@ from rag_kvcache.cli import app  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
-
-WORDS = "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()
-DOCS = {f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)}
-
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -38,15 +35,6 @@ def config(tmp_path_factory, tokenizer) -> Config:
     tokenizer.save_pretrained(folder)
     return Config(model=str(folder), chunk_tokens=24, top_k=3, ray_workers=2,
                   generation=GenerationConfig(max_new_tokens=6))
-
-
-@pytest.fixture()
-def docs(tmp_path):
-    root = tmp_path / "docs"
-    root.mkdir()
-    for name, text in DOCS.items():
-        (root / name).write_text(text)
-    return root
 
 
 @pytest.fixture()
