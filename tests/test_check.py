@@ -115,8 +115,14 @@ def test_the_check_command_exits_non_zero_until_repaired(index):
     from rag_kvcache.cli import app
 
     index.store.path(index.key(next(index.chunks.all_chunks()).token_ids)).unlink()
+    vectors = index.path / "vectors.faiss"
+    damaged = bytearray(vectors.read_bytes())
+    damaged[-5] ^= 0xFF
+    vectors.write_bytes(bytes(damaged))
     found = CliRunner().invoke(app, ["check", "--index", str(index.path)])
-    assert found.exit_code == 1 and "missing" in found.output and "damaged" in found.output
+    output = " ".join(found.output.split())
+    assert found.exit_code == 1 and "missing" in output and "vectors.faiss does not match the checksum" in output
+    assert vectors.read_bytes() == damaged  # a check without --repair changes nothing
     fixed = CliRunner().invoke(app, ["check", "--index", str(index.path), "--repair"])
     assert fixed.exit_code == 0, fixed.output
     assert "1 KV caches recomputed" in " ".join(fixed.output.split())
