@@ -17,7 +17,8 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
     SUDO=""
     [ "$(id -u)" -eq 0 ] || { command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"; }
     if [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; then
-        { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends             redis-server; } || echo "could not install the Debian package redis-server" >&2
+        { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            redis-server; } || echo "could not install the Debian package redis-server" >&2
     fi
 fi
 command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tests/test_redis_tier.py will be skipped" >&2
