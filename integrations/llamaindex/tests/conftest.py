@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
 from rag_kvcache import Config, Engine, KVIndex
 
-from .support import DEMO_DOCS, Prompts
+from .support import DEMO_DOCS, QUESTION, Prompts
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +26,12 @@ def demo_engine(demo_index: str) -> Iterator[Engine]:
     """One opened demo index and model, shared by the session's models and retrievers."""
     with Engine(demo_index) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def chunk_ids(demo_engine: Engine) -> list[str]:
+    """The demo question's 3 retrieved chunks."""
+    return [n.node_id for n in RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3).retrieve(QUESTION)]
 
 
 @pytest.fixture

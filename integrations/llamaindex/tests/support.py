@@ -16,6 +16,7 @@ from llama_index.llms.rag_kvcache.base import _role, _segments, _texts
 from rag_kvcache import ChatTurn
 
 DEMO_DOCS = files("rag_kvcache") / "demo"
+QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
 class Prompts(BaseEventHandler):

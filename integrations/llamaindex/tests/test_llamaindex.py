@@ -13,21 +13,13 @@ from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
 from rag_kvcache import ChatTurn, Engine, GenerationConfig
 
-from .support import Prompts, matched_tokens
+from .support import QUESTION, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
-
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
-
 
 @pytest.fixture(scope="module")
 def llm(demo_engine: Engine) -> RagKVCacheLLM:
     return RagKVCacheLLM(engine=demo_engine, max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def chunk_ids(demo_engine: Engine) -> list[str]:
-    return [n.node_id for n in RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3).retrieve(QUESTION)]
 
 
 def test_query_engine_answers_with_source_nodes(llm: RagKVCacheLLM) -> None:

@@ -15,12 +15,9 @@ from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 from rag_kvcache import Config, Engine, KVIndex
 from rag_kvcache.retrieval.embedder import load_embedder
 
-from .support import DEMO_DOCS, Prompts, matched_tokens
+from .support import DEMO_DOCS, QUESTION, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
-
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
-
 
 def _empty_engine(path: Path, demo_engine: Engine) -> Engine:
     """An empty index at `path` sharing the demo engine's loaded model, opened."""
