@@ -1,9 +1,12 @@
 """Indexing on Ray (`RayWorkers`): on a local Ray cluster started here, with the tiny random-weight
 model saved to a folder the actors load it from. A Ray-built index equals a locally built one (same
 chunk ids, same caches bit for bit, same answers); a job interrupted mid-way, run again, reuses the
-caches its workers stored and commits the index once."""
+caches its workers stored and commits the index once; workers whose caches the driver cannot see, or
+that load other weights, make the job fail with nothing committed."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from rag_kvcache.build import cluster  # noqa: E402
 from rag_kvcache.build.cluster import RayWorkers  # noqa: E402
 from rag_kvcache.cli import app  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
+from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 
@@ -93,3 +97,21 @@ def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, 
     assert len(chunks) == len(report.new_chunks) > len(stored) - 1  # the rest was computed by the re-run
     assert all(index.key(c.token_ids) in index.store for c in chunks)
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stored} == stored  # reused, not rewritten
+
+
+def test_workers_whose_caches_the_driver_cannot_see_or_of_another_model_are_refused(
+    local_ray, config, docs, tmp_path, tokenizer
+):
+    """Fault injection: actors writing a store the driver does not read (another index's folder, as
+    on machines without a shared tier), and actors loading other weights than the driver's."""
+    index = KVIndex.create(tmp_path / "idx", replace(config, ray_workers=1))
+    elsewhere = KVIndex.create(tmp_path / "elsewhere", replace(config, ray_workers=1), adapter=index.adapter)
+    with RayWorkers(elsewhere) as workers, pytest.raises(RuntimeError, match="are not in the store .*--kv-remote"):
+        index.update(docs, progress=False, workers=workers)
+    assert len(index.chunks) == 0
+
+    other = KVIndex.create(tmp_path / "other", replace(config, ray_workers=1),
+                           adapter=ModelAdapter(tiny_llama(seed=7), tokenizer, name="other"))
+    with RayWorkers(other) as workers, pytest.raises(ray.exceptions.RayActorError, match="not the driver's"):
+        other.update(docs, progress=False, workers=workers)
+    assert len(other.chunks) == 0
