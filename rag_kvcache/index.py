@@ -75,11 +75,11 @@ class KVIndex:
         self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
-        self.foreign = built_with != adapter.fingerprint  # then caches computed at query time are not stored
+        self.foreign = built_with != adapter.fingerprint  # then caches computed at query time stay in memory
         if self.foreign:
             log.warning(
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
-                "chunk and prefill it at query time, without storing it in the index", path, chunks.meta.get("model"), built_with, config.model,
+                "chunk and prefill it at query time, keeping it in this process's memory, not in the index", path, chunks.meta.get("model"), built_with, config.model,
                 adapter.fingerprint,
             )
         if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:
@@ -378,8 +378,9 @@ class KVIndex:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
         the recomputed cache serves the query that found the fault)."""
         kv = next(self.compute([ids], context))[1]
-        if self.foreign:
-            return kv  # another model's cache is not the index's: gc would only have to remove it
+        if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
+            self.store.memory.put(key, kv)
+            return kv
         try:
             self.store.put(key, kv)
         except OSError as err:

@@ -12,6 +12,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -281,7 +282,8 @@ def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp
 
 
 def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
-    """`ask --model X` wrote X's caches into the index: another model's are computed, used, not stored."""
+    """`ask --model X` wrote X's caches into the index: another model's are computed and used, and kept in
+    the process's memory tier (a second question reuses them), never written to the index."""
     from conftest import tiny_llama
     from rag_kvcache.engine.model import ModelAdapter
 
@@ -290,5 +292,10 @@ def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     foreign = KVIndex.open(index.path, CFG, adapter=other)
     answer = FusedGenerator(foreign).ask(QUESTION)
     assert answer.cache_misses == CFG.top_k and answer.answer
+    assert {p.name for p in index.store.disk.files()} == before
+    memory = replace(CFG, storage=replace(CFG.storage, memory_bytes=64 << 20))
+    foreign = KVIndex.open(index.path, memory, adapter=other)
+    gen = FusedGenerator(foreign)
+    assert gen.ask(QUESTION).cache_misses == CFG.top_k and gen.ask(QUESTION).cache_misses == 0
     assert {p.name for p in index.store.disk.files()} == before
     assert foreign.collect().orphans == 0 and {p.name for p in index.store.disk.files()} == before  # none its own
