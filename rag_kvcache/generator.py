@@ -110,29 +110,25 @@ def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | N
     raise AssertionError("stream() always ends with an Answer")
 
 
-HEAD_BLOCK = 16  # a prompt head is cached in whole blocks of this many tokens
-HEAD_MARGIN = 4  # its last tokens may be the first chunk's re-tokenised edge: computed
-
-
 def cached_head(segments: Sequence[Segment], min_tokens: int = MIN_SPAN) -> list[Segment]:
-    """`segments` with the prompt's head (the tokens before its first chunk) cached at position 0 in
-    whole blocks of `HEAD_BLOCK` tokens, when some of it would be computed and at least `min_tokens`
-    of it can be cached; its last tokens (at least `HEAD_MARGIN`) stay computed.
+    """`segments` with the prompt's head (the tokens before its first chunk) cached at position 0, but
+    for its end where the first chunk's edge was re-tokenised, when some of it would be computed and
+    at least `min_tokens` of it can be cached.
 
     A pipeline's own instructions (a prompt template's system message, e.g. LangChain's tutorial
     chain's) head every prompt it sends and are no indexed text. Their cache at position 0 is
     exact, as the system prefix's is: the index computes and stores it the first time (a cacheable
     segment at position 0 has no context), and every later prompt with the same head reads it, as
-    prefix caching does. The head's end is cut back to a block boundary before the first chunk's
-    edge, whose tokens differ from prompt to prompt where the text around them re-tokenises them,
-    so that prompts with the same instructions and other chunks share one cached head. A prompt
-    without a chunk is left as it is (it is answered as `full`).
+    prefix caching does. The head's last tokens are the first chunk's tokens that did not match (its
+    run starts `offset` tokens into it) and the token they may have merged with: those differ from
+    chunk to chunk, so they stay computed and prompts with the same instructions and other chunks
+    share one cached head. A prompt without a chunk is left as it is (it is answered as `full`).
     """
     first = next((i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix"), None)
     if not first or all(seg.cacheable for seg in segments[:first]):
         return list(segments)
     head = tuple(t for seg in segments[:first] for t in seg.ids)
-    n = (len(head) - HEAD_MARGIN) // HEAD_BLOCK * HEAD_BLOCK
+    n = len(head) - segments[first].offset - 1
     if n < min_tokens:
         return list(segments)
     return [Segment(head[:n], True, "prefix"), Segment(head[n:], False, "text"), *segments[first:]]
