@@ -94,12 +94,15 @@ _COLUMNS: tuple[tuple[str, str, Callable[[Entry, str], str]], ...] = (
 )
 
 
+_OPTIONAL = ("chunk_tokens_matched", "planted_accuracy")  # shown only when an entry has them
+
+
 def markdown_table(summary: Sequence[Entry]) -> str:
-    """GitHub Markdown table with one row per summary entry (missing metrics shown as "–"); the planted
-    accuracy column only when an entry has it."""
+    """GitHub Markdown table with one row per summary entry (missing metrics shown as "–"); the chunk
+    tokens matched and planted accuracy columns only when an entry has them."""
     for entry in summary:
         _check_entry(entry)
-    columns = [c for c in _COLUMNS if c[0] != "planted_accuracy" or any("planted_accuracy" in e for e in summary)]
+    columns = [c for c in _COLUMNS if c[0] not in _OPTIONAL or any(c[0] in e for e in summary)]
     header = ["Method", *(title for _, title, _ in columns)]
     rows = [[label(e), *(cell(e, key) for key, _, cell in columns)] for e in summary]
     lines = [header, ["---", *("---:" for _ in columns)], *rows]
