@@ -109,6 +109,28 @@ def test_a_failed_counters_write_keeps_the_answer(index, monkeypatch, caplog):
         answer = FusedGenerator(index).ask(QUESTION)
     assert answer.answer and answer.chunks[0].source == "observatory.txt"
     assert "could not write the KV store counters" in caplog.text and "No space left" in caplog.text
+    assert not (index.path / "kv" / f".stats.json.{os.getpid()}").exists()  # no partial counters file left behind
+
+
+def test_a_corrupt_cache_that_cannot_be_removed_is_still_a_recomputed_miss(index, monkeypatch, caplog):
+    """A reader of a read-only index that met a corrupt cache crashed removing it (EROFS) instead of
+    recomputing: the entry stays where it is, and every answer is the intact index's."""
+    reference = FusedGenerator(index).ask(QUESTION, top_k=6).answer
+    victim = next((index.path / "kv").rglob("*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reopened = KVIndex.open(index.path, CFG, adapter=index.adapter)
+
+    def read_only(self, key, *args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self.path(key)))
+
+    monkeypatch.setattr(type(reopened.store.disk), "remove", read_only)
+    monkeypatch.setattr(type(reopened.store.disk), "write", read_only)
+    with caplog.at_level(logging.WARNING):
+        answers = [FusedGenerator(reopened).ask(QUESTION, top_k=6).answer for _ in range(2)]
+    assert answers == [reference, reference]
+    assert "could not remove the corrupt KV cache entry" in caplog.text and victim.read_bytes() == bytes(data)
 
 
 # ---- real faults: a full tmpfs and a read-only mount, in a private mount namespace ----------------------

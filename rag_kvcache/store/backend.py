@@ -173,7 +173,10 @@ class Backend(Counted, ABC):
     def drop(self, key: str, reason: Exception | str) -> None:
         log.warning("dropping corrupt KV cache entry %s: %s", self.where(key), reason)
         self.count(corrupt=1)
-        self.remove(key)
+        try:
+            self.remove(key)
+        except OSError as err:  # e.g. a read-only index: the entry stays, and is a miss again next time
+            log.warning("could not remove the corrupt KV cache entry %s: %s", self.where(key), err)
 
 
 def encode_entry(kv: ChunkKV, codec: Codec) -> bytes:

@@ -119,8 +119,11 @@ class KVStore:
             saved = self._read_stats()
             totals = saved | {name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()}
             tmp = self.root / f".{_STATS_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))
-            os.replace(tmp, self.root / _STATS_FILE)
+            try:
+                tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))
+                os.replace(tmp, self.root / _STATS_FILE)
+            finally:  # a failed write (a full disk) leaves no partial file behind
+                tmp.unlink(missing_ok=True)
 
     def _tiers(self) -> dict[str, MemoryTier | Backend]:
         return {"memory": self.memory, "disk": self.disk} | ({"remote": self.remote} if self.remote is not None else {})

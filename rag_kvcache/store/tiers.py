@@ -219,7 +219,10 @@ class DiskTier(Backend):
         with self._lock:
             self._policy.touch(key)
         if self.budget is not None:
-            os.utime(self.path(key))  # recency survives restarts
+            try:
+                os.utime(self.path(key))  # recency survives restarts
+            except OSError as err:  # a read-only index: the recency is this process's only
+                log.debug("could not record the use of %s: %s", self.path(key), err)
 
     def remove(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
