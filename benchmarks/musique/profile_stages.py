@@ -1,0 +1,76 @@
+"""Per-stage profile of the fused prefill: each method's `fuse` on the same retrieved chunks of a few
+MuSiQue questions, timed side by side (methods alternate within each repeat), with the share of
+full's work its compute fraction implies.
+
+    .venv/bin/python benchmarks/musique/profile_stages.py --data ../shared/data/musique_dev.json \
+        --work /tmp/profile --questions 3 --repeats 2
+
+The passages are written under --work at run time (never committed). Time only on a quiet machine:
+two threads that share their cores with another job report that job's load, not the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rag_kvcache import Config, FusedGenerator, FusionConfig, KVIndex
+
+METHODS = ("full", "prefix", "reuse", "epic", "cacheblend", "cacheblend_repick")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="MuSiQue JSON (a list of questions with ctxs)")
+    parser.add_argument("--work", type=Path, required=True, help="where the passages and the index go")
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+
+    data = json.loads(args.data.read_text(encoding="utf-8"))[: args.questions]
+    docs = args.work / "docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    for qi, example in enumerate(data):
+        for pi, ctx in enumerate(example["ctxs"]):
+            (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
+    index = KVIndex.build(docs, args.work / "index", Config(chunk_tokens=512, top_k=6), progress=False)
+    generator = FusedGenerator(index)
+    fmt = index.format
+
+    runs: dict[str, list] = {m: [] for m in METHODS}
+    for example in data:
+        hits = index.search(example["question"], 6)
+        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"]))
+        for method in METHODS:  # warm-up: first touch of the caches and the kernels
+            generator.fuse(segments, FusionConfig(method=method))
+        for _ in range(args.repeats):
+            for method in METHODS:
+                t0 = time.perf_counter()
+                fused = generator.fuse(segments, FusionConfig(method=method))
+                runs[method].append((time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction,
+                                     fused.prompt_tokens))
+
+    full_s = statistics.median(r[0] for r in runs["full"])
+    print(f"{args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
+          f"tokens (median), {args.threads} threads")
+    print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | stages (ms) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for method, rows in runs.items():
+        seconds = statistics.median(r[0] for r in rows)
+        fraction = statistics.mean(r[2] for r in rows)
+        stages = {name: statistics.median(r[1].get(name, 0.0) for r in rows) for name in rows[0][1]}
+        print(f"| {method} | {seconds * 1e3:.0f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
+              f"{seconds / (fraction * full_s):.2f} | " + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items()) + " |")
+
+
+if __name__ == "__main__":
+    main()
