@@ -7,12 +7,11 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured]"
-# Indexing on a Ray cluster (the [ray] extra), for tests/test_ray_indexing.py (a local cluster).
-.venv/bin/python -m pip install -q -e ".[ray]"
-# The shared KV tier's client (the [redis] extra) and a real server for its tests (tests/test_redis_tier.py),
-# from Debian's package when there is none: as root, or through sudo where there is one.
-.venv/bin/python -m pip install -q -e ".[redis]"
+# Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster
+# ([ray], tests/test_ray_indexing.py) and the shared KV tier's client ([redis]).
+.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured,ray,redis]"
+# A real Redis server for tests/test_redis_tier.py, from Debian's package when there is none: as root, or
+# through sudo where there is one.
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || { command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"; }
