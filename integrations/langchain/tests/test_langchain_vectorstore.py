@@ -15,26 +15,16 @@ from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheVectorStore
 from langchain_rag_kvcache.chat_models import _segments
 from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
-from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache import Engine
 
-from .conftest import DEMO_DOCS
+from ...testing import DEMO_DOCS, QUESTION, empty_engine
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
-
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
-
-
-def _empty_engine(path: Path, demo_engine: Engine) -> Engine:
-    """An empty index at `path` sharing the demo engine's loaded model, opened."""
-    config = Config(chunk_tokens=128)
-    adapter = demo_engine.index.adapter
-    demo_engine.run(lambda: KVIndex.create(path, config, adapter).close())
-    return Engine(path, config, adapter)
 
 
 @pytest.fixture(scope="module")
 def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
-    with _empty_engine(tmp_path_factory.mktemp("store") / "index", demo_engine) as engine:
+    with empty_engine(tmp_path_factory.mktemp("store") / "index", demo_engine) as engine:
         yield engine
 
 
@@ -94,7 +84,7 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
 
 
 def test_replace_and_delete(demo_engine: Engine, tmp_path: Path) -> None:
-    with _empty_engine(tmp_path / "index", demo_engine) as engine:
+    with empty_engine(tmp_path / "index", demo_engine) as engine:
         store = RagKVCacheVectorStore(engine=engine)
         store.add_texts(["The Harrow telescope has a 2.4 m mirror."], [{"v": 1}], ids=["t"])
         store.add_texts(["The Harrow telescope was rebuilt in 1990."], [{"v": 2}], ids=["t"])
@@ -125,5 +115,5 @@ class TestRagKVCacheVectorStoreStandard(VectorStoreIntegrationTests):
 
     @pytest.fixture(scope="class")
     def store_engine_empty(self, tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
-        with _empty_engine(tmp_path_factory.mktemp("standard") / "index", demo_engine) as engine:
+        with empty_engine(tmp_path_factory.mktemp("standard") / "index", demo_engine) as engine:
             yield engine

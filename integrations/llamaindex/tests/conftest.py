@@ -1,5 +1,5 @@
-"""A demo index (the demo folder bundled in rag_kvcache, 128-token chunks, SmolLM2-135M) built once per test
-session, and the prompts LlamaIndex sends to LLMs, recorded through its instrumentation."""
+"""The demo question's retrieved chunk ids, and the prompts LlamaIndex sends to LLMs, recorded through its
+instrumentation (the demo index and engine are `integrations/conftest.py`'s)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,9 @@ import pytest
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
-from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache import Engine
 
-from .support import DEMO_DOCS, QUESTION, Prompts
-
-
-@pytest.fixture(scope="session")
-def demo_index(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("llama-index-rag-kvcache") / "demo-index"
-    KVIndex.build(DEMO_DOCS, path, Config(chunk_tokens=128), progress=False)
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def demo_engine(demo_index: str) -> Iterator[Engine]:
-    """One opened demo index and model, shared by the session's models and retrievers."""
-    with Engine(demo_index) as engine:
-        yield engine
+from .support import QUESTION, Prompts
 
 
 @pytest.fixture(scope="session")

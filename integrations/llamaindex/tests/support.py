@@ -3,7 +3,6 @@ LlamaIndex sends to LLMs, and the count of a prompt's tokens read from the index
 
 from __future__ import annotations
 
-from importlib.resources import files
 from typing import Any
 
 from llama_index.core.bridge.pydantic import Field
@@ -15,8 +14,7 @@ from llama_index.llms.rag_kvcache.base import _role, _segments, _texts
 
 from rag_kvcache import ChatTurn
 
-DEMO_DOCS = files("rag_kvcache") / "demo"
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+from ...testing import DEMO_DOCS, QUESTION  # noqa: F401 (re-exported for the LlamaIndex tests)
 
 
 class Prompts(BaseEventHandler):

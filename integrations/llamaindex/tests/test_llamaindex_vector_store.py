@@ -12,24 +12,18 @@ from llama_index.core.vector_stores.types import VectorStoreQuery
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 
-from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache import Engine
 from rag_kvcache.retrieval.embedder import load_embedder
 
+from ...testing import empty_engine
 from .support import DEMO_DOCS, QUESTION, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
 
-def _empty_engine(path: Path, demo_engine: Engine) -> Engine:
-    """An empty index at `path` sharing the demo engine's loaded model, opened."""
-    config = Config(chunk_tokens=128)
-    adapter = demo_engine.index.adapter
-    demo_engine.run(lambda: KVIndex.create(path, config, adapter).close())
-    return Engine(path, config, adapter)
-
 
 @pytest.fixture(scope="module")
 def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
-    with _empty_engine(tmp_path_factory.mktemp("li-store") / "index", demo_engine) as engine:
+    with empty_engine(tmp_path_factory.mktemp("li-store") / "index", demo_engine) as engine:
         yield engine
 
 
@@ -83,7 +77,7 @@ def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engi
 
 
 def test_delete_by_document_and_by_node(demo_engine: Engine, tmp_path: Path) -> None:
-    with _empty_engine(tmp_path / "index", demo_engine) as engine:
+    with empty_engine(tmp_path / "index", demo_engine) as engine:
         store = RagKVCacheVectorStore(engine=engine)
         index = VectorStoreIndex.from_documents(
             [Document(text="The Harrow telescope has a 2.4 m mirror.", id_="a"),

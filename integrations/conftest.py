@@ -1,20 +1,20 @@
-"""A demo index (the demo folder bundled in rag_kvcache, 128-token chunks, SmolLM2-135M) built once per test session."""
+"""A demo index (the demo folder bundled in rag_kvcache, 128-token chunks, SmolLM2-135M) built once per test
+session and shared by both integrations' suites."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from importlib.resources import files
 
 import pytest
 
 from rag_kvcache import Config, Engine, KVIndex
 
-DEMO_DOCS = files("rag_kvcache") / "demo"
+from .testing import DEMO_DOCS
 
 
 @pytest.fixture(scope="session")
 def demo_index(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("langchain-rag-kvcache") / "demo-index"
+    path = tmp_path_factory.mktemp("rag-kvcache-integrations") / "demo-index"
     KVIndex.build(DEMO_DOCS, path, Config(chunk_tokens=128), progress=False)
     return str(path)
 
