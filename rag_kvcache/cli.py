@@ -28,7 +28,7 @@ from rich.table import Table
 from . import __version__
 from .bench.datasets import FORMATS
 from .bench.prompts import PROMPT_STYLES
-from .config import ChunkPrefill, Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
+from .config import CHUNK_PREFILLS, Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
 from .serving.settings import ServerConfig
 from .store.codecs import CODECS
 
@@ -47,7 +47,7 @@ DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
 DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
-ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in get_args(ChunkPrefill)}, type=str)
+ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
 
 

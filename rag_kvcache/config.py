@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
@@ -24,6 +24,7 @@ DEFAULT_SYSTEM_PROMPT = (
 
 Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours"]
+CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
@@ -201,8 +202,8 @@ class Config:
             raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.chunk_prefill not in ("behind_prefix", "isolated", "neighbours"):
-            raise ValueError(f"chunk_prefill must be 'behind_prefix', 'isolated' or 'neighbours', got {self.chunk_prefill!r}")
+        if self.chunk_prefill not in CHUNK_PREFILLS:
+            raise ValueError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
         if self.context_chunks < 1:
             raise ValueError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
         if self.max_file_bytes < 1:

@@ -32,13 +32,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ChunkPrefill, Config, FusionConfig, GenerationConfig
+from ..config import CHUNK_PREFILLS, Config, FusionConfig, GenerationConfig
 from ..engine.generation import Decoder, sample_token, teacher_forced_logits
 from ..engine.methods import METHODS, filter_schedule
 from ..engine.model import ModelAdapter
@@ -56,7 +56,6 @@ from .report import atomic_write, label, write_report
 log = logging.getLogger(__name__)
 
 REFERENCE = "full"
-CHUNK_PREFILLS = get_args(ChunkPrefill)
 DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
 ALL_METHODS = "all"  # --methods all: every registered method at its defaults
 DEFAULT_BASELINE = "cacheblend"
