@@ -6,6 +6,7 @@ killed mid-query leaving the answer as it is without the remote tier."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import signal
 import socket
@@ -14,11 +15,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import torch
 from test_faults import CFG, QUESTION, write_docs
 from test_kvstore import make_kv
+from test_serve import start_server, stop_server
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
@@ -26,6 +29,8 @@ from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.cache import ChunkKV
 from rag_kvcache.generator import Answer, FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.serving.engine import Engine
+from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.redis_tier import RedisTier
@@ -262,6 +267,28 @@ def test_stats_reports_the_remote_tier(shared, server):
     row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith("remote"))
     assert row.split("│")[2].strip() == "4"  # hits
     assert f"remote tier redis://127.0.0.1:{server.port}/0: {server.client().dbsize()} keys" in result.output
+
+
+def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
+    """`GET /metrics` of a real `rag-kvcache serve` app: the remote tier's hits and bytes read while its
+    server answers, then the failed requests once the server is killed."""
+    no_memory = replace(shared.config, storage=replace(shared.config.storage, memory_bytes=0))  # every read remote
+    with Engine(shared.path, no_memory, tiny) as engine:
+        http, thread, url = start_server(create_app(engine))
+        try:
+            def metric(name: str) -> float:
+                found = re.search(rf'^rag_kvcache_kv_cache_{name}_total{{tier="remote"}} (\S+)$',
+                                  httpx.get(f"{url}/metrics").text, re.MULTILINE)
+                assert found is not None, f"no remote {name} in /metrics"
+                return float(found.group(1))
+
+            engine.run(ask, engine.index)
+            assert (metric("hits"), metric("errors")) == (4, 0) and metric("read_bytes") > 0
+            server.kill()
+            assert engine.run(ask, engine.index).answer
+            assert metric("errors") >= 1 and metric("hits") == 4 and metric("corrupt") == 0
+        finally:
+            stop_server(http, thread)
 
 
 def test_a_remote_that_is_not_a_redis_url_is_refused():

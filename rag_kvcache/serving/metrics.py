@@ -2,8 +2,9 @@
 one process, as in the tests, never share counters).
 
 Latencies are histograms per fusion method; tokens are counters (`rate()` gives tokens per second)
-plus a per-request decode-speed histogram; the KV store's hits and misses per tier are read from
-the store when scraped (its counters are totals over every process that used the index).
+plus a per-request decode-speed histogram; the KV store's counters per tier (`TierStats`: hits,
+misses, bytes read and written, evictions, corrupt entries, a remote tier's failed requests) are read
+from the store when scraped (totals over every process that used the index).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from ..store.backend import TierStats
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 FRACTION_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+TIER_COUNTERS = {  # each TierStats counter -> (metric name, help), exported per tier
+    "hits": ("hits", "KV store reads served, per tier."),
+    "misses": ("misses", "KV store reads missed, per tier."),
+    "bytes_read": ("read_bytes", "Bytes of KV cache entries read, per tier."),
+    "bytes_written": ("written_bytes", "Bytes of KV cache entries written, per tier."),
+    "evictions": ("evictions", "KV cache entries evicted, per tier."),
+    "corrupt": ("corrupt", "Corrupt entries found, per tier."),
+    "errors": ("errors", "Requests to a remote tier that failed (server down, refused, timed out), per tier."),
+}
 
 
 class _StoreCollector(Collector):
@@ -27,14 +37,12 @@ class _StoreCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        hits = CounterMetricFamily("rag_kvcache_kv_cache_hits", "KV store reads served, per tier.", labels=["tier"])
-        misses = CounterMetricFamily("rag_kvcache_kv_cache_misses", "KV store reads missed, per tier.", labels=["tier"])
-        corrupt = CounterMetricFamily("rag_kvcache_kv_cache_corrupt", "Corrupt entries found, per tier.", labels=["tier"])
+        families = {field: CounterMetricFamily(f"rag_kvcache_kv_cache_{name}", doc, labels=["tier"])
+                    for field, (name, doc) in TIER_COUNTERS.items()}
         for tier, s in self._stats().items():
-            hits.add_metric([tier], s.hits)
-            misses.add_metric([tier], s.misses)
-            corrupt.add_metric([tier], s.corrupt)
-        yield from (hits, misses, corrupt)
+            for field, family in families.items():
+                family.add_metric([tier], getattr(s, field))
+        yield from families.values()
 
 
 class ServerMetrics:
