@@ -23,6 +23,7 @@ from typing import Annotated, Any, Optional, get_args, get_type_hints
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -104,7 +105,7 @@ def main(
 
 
 def _fail(message: str) -> None:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False)  # escaped: "rag-kvcache[serve]" is no markup
     raise typer.Exit(2)
 
 
@@ -214,6 +215,7 @@ def ask(
     top_p: Annotated[float, option(GenerationConfig, "top_p", min=0.0, max=1.0)] = default(GenerationConfig, "top_p"),
     seed: Annotated[Optional[int], option(GenerationConfig, "seed")] = default(GenerationConfig, "seed"),
     stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
+    json_schema: Annotated[Optional[str], option(GenerationConfig, "json_schema", metavar="FILE_OR_JSON")] = None,
     model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
                                                  "another model misses every cache).")] = None,
     kv_remote: KVRemote = None,
@@ -233,6 +235,7 @@ def ask(
         _fail("the question is empty")
     if "" in (stop or ()):
         _fail(f"--stop must not be empty (it would end every answer before its first token), got {stop!r}")
+    schema = _json_schema(json_schema)
     try:
         _check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
@@ -240,7 +243,7 @@ def ask(
         cfg = cfg.with_fusion(method=method, ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value, epic_k=epic_k)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                  stop=tuple(stop or ()))
+                                  stop=tuple(stop or ()), json_schema=schema)
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))
         cfg, decision = resolve_ratio(cfg, idx.adapter)
         if decision is not None:
@@ -266,6 +269,21 @@ def ask(
         f"{answer.prompt_tokens} prompt tokens, {answer.recomputed_tokens} recomputed, "
         f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]", highlight=False,
     )
+
+
+def _json_schema(value: str | None) -> str | None:
+    """`--json-schema`'s JSON text: the value itself when it begins with `{`, else the file it names. The
+    [structured] extra is checked here, before a model loads; the schema itself when decoding starts."""
+    if value is None:
+        return None
+    if importlib.util.find_spec("llguidance") is None:
+        _fail("--json-schema needs llguidance: pip install 'rag-kvcache[structured]'")
+    if value.lstrip().startswith("{"):
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--json-schema takes JSON text (beginning with '{{') or a file; {value!r} is neither: {e}")
 
 
 @app.command()
@@ -530,6 +548,7 @@ def serve(
     api_key: Annotated[Optional[str], option(ServerConfig, "api_key", envvar="RAG_KVCACHE_API_KEY")] = None,
     docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
     max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
+    max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
         ServerConfig, "max_prompt_tokens"),
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
@@ -549,7 +568,7 @@ def serve(
     _quiet_transformers()
     try:
         server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
-                                  max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
+                                  max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype)
         engine = Engine(index_dir, cfg.with_storage(remote=kv_remote))
     except (FileNotFoundError, ValueError) as e:

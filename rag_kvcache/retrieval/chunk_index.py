@@ -28,9 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import faiss
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
@@ -40,6 +39,9 @@ from .chunking import Chunk
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
 from .documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES, Skipped, SourceFile, read_documents
 from .vectors import EMBEDDING_DTYPE, IndexType
+
+if TYPE_CHECKING:
+    import faiss
 
 logger = logging.getLogger(__name__)
 
@@ -594,7 +596,7 @@ class ChunkIndex:
             if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
                 return _vectors_from_db(conn, self._dim, self._meta["index_type"])
-            vectors = faiss.clone_index(self._vectors)
+            vectors = faiss_file.clone(self._vectors)
             if len(old_faiss_ids):
                 vectors.remove_ids(old_faiss_ids)
             vectors.add_with_ids(embeddings, new_faiss_ids)

@@ -6,6 +6,10 @@ do not match that checksum, or that does not hold exactly the indexed chunks, is
 stored embeddings. It is replaced atomically in two steps, so the caller can commit SQLite in
 between: `stage` writes and fsyncs a temporary file (created like any file, with the umask's mode),
 `publish` renames it over. A full disk is a `StorageFullError` naming the file.
+
+FAISS comes from one of two extras, never both (each installs the module `faiss`): `[cpu]`
+(faiss-cpu) or `[gpu]` (faiss-gpu-cu12). This module is the only one that imports it. With either,
+the index is searched on the CPU: the GPU build's own indexes are not used (see the README).
 """
 
 from __future__ import annotations
@@ -18,10 +22,17 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
-import faiss
 import numpy as np
 
 from ..store.tiers import StorageFullError
+
+try:
+    import faiss
+except ImportError as e:
+    raise ImportError(
+        "rag-kvcache needs FAISS, which one of two extras installs: pip install 'rag-kvcache[cpu]' (faiss-cpu) "
+        "or 'rag-kvcache[gpu]' (faiss-gpu-cu12: Linux x86_64, CUDA 12, Python 3.10-3.13); not both"
+    ) from e
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +47,11 @@ _TEMP_PREFIX = f".{VECTORS_FILE}."  # temporary files of `stage`: .vectors.faiss
 def serialize(vectors: faiss.Index) -> bytes:
     """The bytes of `vectors.faiss` for `vectors`."""
     return faiss.serialize_index(vectors).tobytes()
+
+
+def clone(vectors: faiss.Index) -> faiss.Index:
+    """A copy of `vectors` to change while readers keep searching the original."""
+    return faiss.clone_index(vectors)
 
 
 def checksum(data: bytes) -> str:
