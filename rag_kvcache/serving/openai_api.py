@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import FusionConfig, GenerationConfig
+from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from ..generator import Answer, FusedGenerator
@@ -177,10 +178,19 @@ def _generation(index: KVIndex, request: Sampling, config: ServerConfig) -> Gene
         raise APIError(400, f"max_tokens is {limit}, above this server's limit of {config.max_tokens}",
                        param="max_tokens", code="max_tokens_exceeded")
     default = min(index.config.generation.max_new_tokens, config.max_tokens)
-    return index.config.generation.with_options(
+    generation = index.config.generation.with_options(
         max_new_tokens=limit or default, temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-        stop=request.stops(),
+        stop=request.stops(), json_schema=request.json_schema(),
     )
+    if generation.json_schema is not None:  # refused now, before any answer: not mid-stream
+        try:
+            JsonSchemaConstraint(index.adapter.tokenizer, index.adapter.eos_token_ids, generation.json_schema)
+        except ImportError as e:
+            raise APIError(400, f"this server cannot constrain answers to a response_format: {e}",
+                           param="response_format", code="unsupported_response_format") from None
+        except ValueError as e:
+            raise APIError(400, f"invalid response_format: {e}", param="response_format") from None
+    return generation
 
 
 def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRecord, float | None]]:

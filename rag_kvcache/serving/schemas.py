@@ -4,12 +4,15 @@ type or a value out of range is a 400, never a 500 or a silently ignored option.
 The fields are those of OpenAI's API that this server honours, plus the few that clients send by
 default and that are accepted only at the value that means "off" (`n=1`, no penalties, no
 logprobs). `rag_kvcache` (the OpenAI client's `extra_body`) picks the fusion method and its
-parameters, and names the chunks to fuse or asks the server to retrieve them.
+parameters, and names the chunks to fuse or asks the server to retrieve them. A chat request's
+`response_format` (`json_schema` or `json_object`, as OpenAI defines them) becomes the JSON Schema the
+answer is decoded under (`GenerationConfig.json_schema`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -60,6 +63,35 @@ class Message(Strict):
         return [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
 
 
+class JsonSchemaFormat(Strict):
+    """`response_format.json_schema`: OpenAI's fields; the answer is decoded constrained to `schema`
+    (strictly, whatever `strict` says: objects that do not say `additionalProperties` get no other keys)."""
+
+    name: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """`response_format`: `text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(f"json_schema is required with type 'json_schema', and only with it (type {self.type!r})")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON Schema the answer is decoded under, as JSON text (None: unconstrained)."""
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.schema_)
+        return json.dumps({"type": "object"}) if self.type == "json_object" else None
+
+
 class Sampling(Strict):
     """What both completion endpoints share."""
 
@@ -102,6 +134,10 @@ class Sampling(Strict):
     def completion_limit(self) -> int | None:
         return self.max_tokens
 
+    def json_schema(self) -> str | None:
+        """The JSON Schema the answer must match (completions have no `response_format`, as OpenAI's)."""
+        return None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -110,6 +146,7 @@ class Sampling(Strict):
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -119,6 +156,9 @@ class ChatCompletionRequest(Sampling):
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def json_schema(self) -> str | None:
+        return None if self.response_format is None else self.response_format.schema_text()
 
 
 class CompletionRequest(Sampling):
