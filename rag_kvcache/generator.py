@@ -97,6 +97,19 @@ class Fused:
     cache_misses: int
 
 
+@dataclass(frozen=True)
+class Generation:
+    """An answer under way (`FusedGenerator.start`): its prompt fused, its first token sampled and not
+    yet taken by its decoder; `fused` keeps the fusion's numbers (not its K/V: the decoder holds them)."""
+
+    decoder: Decoder
+    first_token: int
+    method: str
+    fused: Fused
+    started: float  # time.perf_counter() when the fusion began
+    ttft_s: float
+
+
 def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
     """The `Answer` that ends `FusedGenerator.stream`'s `steps`, with the streamed text as its answer;
     `on_text` receives each piece of text as it comes."""
@@ -209,6 +222,18 @@ class FusedGenerator:
     ) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers
         (its `answer` field empty: the text is what was streamed)."""
+        live = self.start(segments, fusion, generation)
+        for step in live.decoder.run(live.first_token):
+            yield step.text
+        yield self.finish(live)
+
+    def start(
+        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> Generation:
+        """Fuse the prompt's caches and sample the first token: a `Generation` whose decoder takes that
+        token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`);
+        `finish` gives its `Answer` once the decoder is done."""
         fusion = fusion or self.index.config.fusion
         generation = generation or self.index.config.generation
         n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
@@ -223,18 +248,24 @@ class FusedGenerator:
         decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
-        n_generated = 0
-        for step in decoder.steps(result.keys, result.values, result.logits, first):
-            n_generated += step.token_id is not None
-            yield step.text
-        finish_reason = "length" if n_generated >= generation.max_new_tokens else "stop"
-        generation_s = time.perf_counter() - t0 - ttft
+        decoder.start(result.keys, result.values)  # the decoder holds its own copy: the fused K/V are let go
+        stats = replace(fused, result=replace(result, keys=[], values=[]))
+        return Generation(decoder, first, fusion.method, stats, t0, ttft)
+
+    def finish(self, live: Generation) -> Answer:
+        """The `Answer` of a generation whose decoder is done (its `answer` field empty: the text is
+        what was streamed); the index's counters are flushed."""
+        if not live.decoder.done:
+            raise RuntimeError(f"the generation is not complete ({len(live.decoder.ids)} tokens so far)")
+        generation_s = time.perf_counter() - live.started - live.ttft_s
         self.index.flush_stats()  # a failure is logged: the answer is never lost for its counters
-        yield Answer(
-            answer="", method=fusion.method, ttft_s=ttft, retrieval_s=0.0, prompt_tokens=fused.prompt_tokens,
+        n_generated, result = len(live.decoder.ids), live.fused.result
+        return Answer(
+            answer="", method=live.method, ttft_s=live.ttft_s, retrieval_s=0.0, prompt_tokens=live.fused.prompt_tokens,
             recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
-            generation_s=generation_s, generated_tokens=n_generated, cache_misses=fused.cache_misses,
-            finish_reason=finish_reason, stages=result.stages, first_token_logits=result.logits,
+            generation_s=generation_s, generated_tokens=n_generated, cache_misses=live.fused.cache_misses,
+            finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
+            stages=result.stages, first_token_logits=result.logits,
         )
 
     def fuse(self, segments: Sequence[Segment], fusion: FusionConfig) -> Fused:

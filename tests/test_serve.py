@@ -399,6 +399,67 @@ def test_disconnect_stops_the_generation(running):
     assert running.metric("rag_kvcache_completion_tokens_total", method="cacheblend") == generated
 
 
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_batch):
+    """Requests that arrive together (the engine held busy while they come) are prefilled one at a time
+    and decoded together, up to `max_batch` at once: each answer equals `ask`'s alone, a client that
+    leaves mid-batch is dropped from it, and /metrics counts the batched steps (none above 1 request
+    with max_batch=1, one of 3 with max_batch=3)."""
+    config = ServerConfig(api_key=KEY, max_queue=8, max_batch=max_batch, max_prompt_tokens=400, max_tokens=LONG)
+    server, thread, url = start_server(create_app(running.engine, config))
+    batched = Running(url, running.engine, running.docs, running.model)
+    ids = top_ids(running)
+    cases = [("full", 8), ("cacheblend", 5), ("epic", 8), ("cacheblend", 9)]
+    wants = [reference(running.engine, QUESTION, method, ids, n) for method, n in cases]
+    answers: dict[int, object] = {}
+    left = threading.Event()
+
+    def ask(i: int, method: str, n: int) -> None:
+        answers[i] = batched.client().chat.completions.create(
+            model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=n, temperature=0,
+            extra_body={"rag_kvcache": {"method": method, "chunk_ids": ids}})
+
+    def leave_after_one_token() -> None:
+        with httpx.Client(timeout=60) as client, _long_stream(batched, client) as stream:
+            next(stream.iter_lines())
+        left.set()
+
+    release = threading.Event()
+    blocker = threading.Thread(target=running.engine.run, args=(release.wait,))  # requests queue up meanwhile
+    blocker.start()
+    clients = [threading.Thread(target=ask, args=(i, *case)) for i, case in enumerate(cases)]
+    clients.append(threading.Thread(target=leave_after_one_token))
+    try:
+        for c in clients:
+            c.start()
+        _wait(lambda: batched.health()["queue_depth"] == len(clients), "every request to be queued")
+    finally:
+        release.set()
+        blocker.join()
+        for c in clients:
+            c.join(timeout=120)
+    try:
+        assert left.is_set() and len(answers) == len(cases)
+        for i, want in enumerate(wants):
+            got = answers[i]
+            assert got.choices[0].message.content.strip() == want.answer, cases[i]
+            assert got.usage.completion_tokens == want.generated_tokens
+            assert got.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
+        _wait(lambda: batched.metric("rag_kvcache_requests_cancelled_total") == 1, "the stream to be cancelled")
+        _wait(lambda: batched.health()["active"] == 0 and batched.metric("rag_kvcache_decoding_requests") == 0,
+              "the batch to drain")
+        steps = batched.metric("rag_kvcache_decode_batch_size_count")
+        alone = batched.metric("rag_kvcache_decode_batch_size_bucket", le="1.0")
+        up_to_two = batched.metric("rag_kvcache_decode_batch_size_bucket", le="2.0")
+        assert steps > 0
+        if max_batch == 1:
+            assert alone == steps
+        else:
+            assert up_to_two < steps and batched.metric("rag_kvcache_decode_batch_size_bucket", le="4.0") == steps
+    finally:
+        stop_server(server, thread)
+
+
 def test_streamed_events_are_sse_with_usage_last(running):
     body = {"model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
             "stream": True, "stream_options": {"include_usage": True}}

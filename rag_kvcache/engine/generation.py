@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import GenerationConfig
-from .model import ModelAdapter
+from .model import DecodeCache, ModelAdapter
 
 if TYPE_CHECKING:
     import llguidance
@@ -108,8 +108,14 @@ class Step:
 
 
 class Decoder:
-    """Generates from a prompt cache: the first token from the fused logits, the rest step by step;
-    every token constrained to `cfg.json_schema` when it names one."""
+    """Generates one answer from its prompt cache, a token at a time: the first token from the fused
+    logits, the rest step by step; every token constrained to `cfg.json_schema` when it names one.
+
+    `start` gives it the prompt's cache; `take` adds each sampled token and returns the text it
+    releases, until `done` (end of sequence, a stop string, or `max_new_tokens`). `steps` runs that
+    loop alone; `decode_together` advances several decoders by one batched model step, each with its
+    own sampling rule, generator and constraint, so a decoder's tokens do not depend on its company.
+    """
 
     def __init__(self, adapter: ModelAdapter, cfg: GenerationConfig) -> None:
         self.adapter = adapter
@@ -124,47 +130,86 @@ class Decoder:
                 self.rng.manual_seed(cfg.seed)
             else:
                 self.rng.seed()
+        self.cache: DecodeCache | None = None
+        self.ids: list[int] = []  # the answer's tokens so far (end of sequence not included)
+        self.done = False
+        self._text = self._emitted = ""
+        self._hold = max((len(s) - 1 for s in cfg.stop), default=0)  # chars that may start a stop string
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token from next-token logits [V], by the sampling rule, among those the constraint allows."""
         allowed = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])  # [V]
         return sample_token(logits, self.cfg, self.rng, allowed)
 
+    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Take the prompt's cache (per layer [H_kv, N, D]), with room for the tokens to come."""
+        if self.cache is not None:
+            raise RuntimeError("this decoder has already started: one Decoder decodes one answer")
+        self.cache = DecodeCache(keys, values, room=self.cfg.max_new_tokens)
+
+    def take(self, token: int) -> list[Step]:
+        """Add the sampled `token` to the answer; returns the steps it releases, the flush of held-back
+        text included once the answer is complete (`done`)."""
+        if self.done:
+            raise RuntimeError(f"the answer is complete ({len(self.ids)} tokens); token {token} cannot be added")
+        if token in self.adapter.eos_token_ids:
+            self.done = True
+            return self._flush()
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        self.ids.append(token)
+        self._text = text = self.adapter.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.cfg.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.done = True
+            return [Step(token, text[len(self._emitted) : cut])]
+        ready = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
+        ready = ready[: max(len(self._emitted), len(ready) - self._hold)]
+        step = Step(token, ready[len(self._emitted) :])
+        self._emitted = ready
+        if len(self.ids) >= self.cfg.max_new_tokens:
+            self.done = True
+            return [step, *self._flush()]
+        return [step]
+
+    def _flush(self) -> list[Step]:
+        rest = self._text[len(self._emitted) :]
+        self._emitted = self._text
+        return [Step(None, rest)] if rest else []
+
     def steps(
         self, keys: list[torch.Tensor], values: list[torch.Tensor], first_logits: torch.Tensor, first_token: int
     ) -> Iterator[Step]:
         """Yield decoded steps, `first_token` (already sampled from `first_logits`, by `sample` when
-        constrained) included.
+        constrained) included, decoding alone.
 
         Stops at an end-of-sequence token, a stop string (its text is cut), or `max_new_tokens`.
         """
-        eos = self.adapter.eos_token_ids
-        cache = self.adapter.make_cache(keys, values, room=self.cfg.max_new_tokens)
-        position = keys[0].shape[-2]
-        hold = max((len(s) - 1 for s in self.cfg.stop), default=0)  # chars that may start a stop string
-        ids: list[int] = []
-        text = emitted = ""
-        token = first_token
-        while token not in eos:
-            if self.constraint is not None:
-                self.constraint.advance(token)
-            ids.append(token)
-            text = self.adapter.tokenizer.decode(ids, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in self.cfg.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                yield Step(token, text[len(emitted) : cut])
+        self.start(keys, values)
+        yield from self.run(first_token)
+
+    def run(self, first_token: int) -> Iterator[Step]:
+        """Take `first_token`, then decode alone (batches of one) until the answer is complete."""
+        released = self.take(first_token)
+        while True:
+            yield from released
+            if self.done:
                 return
-            ready = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
-            ready = ready[: max(len(emitted), len(ready) - hold)]
-            yield Step(token, ready[len(emitted) :])
-            emitted = ready
-            if len(ids) >= self.cfg.max_new_tokens:
-                break
-            logits = self.adapter.decode([token], cache, position)[-1]  # [V]
-            position += 1
-            token = self.sample(logits)
-        if len(text) > len(emitted):
-            yield Step(None, text[len(emitted) :])
+            (released,) = decode_together([self])
+
+
+def decode_together(decoders: Sequence[Decoder]) -> list[list[Step]]:
+    """Advance started, unfinished decoders of one model by one token with one batched step
+    (`ModelAdapter.decode_rows`): each feeds its last token, samples the next from its own row of
+    logits by its own rule (generator, constraint) and takes it. Returns the steps each released."""
+    if not decoders:
+        raise ValueError("decode_together needs at least one decoder")
+    idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not d.ids]
+    if idle:
+        raise ValueError(f"decoders {idle} cannot step: not started, complete, or without a first token")
+    adapter = decoders[0].adapter
+    logits = adapter.decode_rows([d.ids[-1] for d in decoders], [d.cache for d in decoders])  # [B, V]
+    return [d.take(d.sample(row)) for d, row in zip(decoders, logits)]
 
 
 @torch.inference_mode()

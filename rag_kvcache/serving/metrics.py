@@ -21,6 +21,7 @@ from ..store.backend import TierStats
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 FRACTION_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TIER_COUNTERS = {  # each TierStats counter -> (metric name, help), exported per tier
     "hits": ("hits", "KV store reads served, per tier."),
     "misses": ("misses", "KV store reads missed, per tier."),
@@ -75,6 +76,10 @@ class ServerMetrics:
                                      ["method"], buckets=RATE_BUCKETS, registry=r)
         self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
         self.active = Gauge("rag_kvcache_active_requests", "Requests the engine is serving now.", registry=r)
+        self.decode_batch = Histogram("rag_kvcache_decode_batch_size",
+                                      "Requests advanced by each batched decoding step.", buckets=BATCH_BUCKETS,
+                                      registry=r)
+        self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
         r.register(_StoreCollector(store_stats))
 
     def observe(self, answer: Answer, e2e_s: float) -> None:

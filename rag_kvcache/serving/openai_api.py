@@ -6,13 +6,15 @@ with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top
 /metrics` (Prometheus) and `GET /health`. With an API key every route but `/health` needs
 `Authorization: Bearer KEY`.
 
-The engine serves one request at a time on its worker thread: a RAG request's cost is its own fused
-prefill (a selective recompute no other request shares), and concurrent requests' decode steps are
-not batched (what that would gain is measured in `benchmarks/serve/README.md`). Admitted requests
-wait in a bounded FIFO queue; past `max_queue` waiting a request is refused with 429 and
-`Retry-After`. A client that disconnects stops its generation at the next token (or leaves the
-queue). Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): a bad body,
-an unknown field, a wrong type or a request over the limits is a 400, never a 500.
+All model work runs on the engine's worker thread, driven by the `Scheduler`: a RAG request's fused
+prefill is its own (a selective recompute no other request shares) and runs alone, one between two
+decoding steps; concurrent requests decode together, one batched model step advancing up to
+`max_batch` of them by a token (continuous batching; why and what it gains:
+`benchmarks/serve/README.md`). Admitted requests wait in a bounded FIFO queue for one of the
+`max_batch` places; past `max_queue` waiting a request is refused with 429 and `Retry-After`. A
+client that disconnects stops its generation at the next token (or leaves the queue). Errors are
+OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): a bad body, an unknown field, a
+wrong type or a request over the limits is a 400, never a 500.
 
 Prompts: reuse is transparent. Any prompt is tokenised whole and every indexed chunk quoted in it is
 found by its token ids (the index's chunk matching) and read from the cache, the rest computed.
@@ -30,8 +32,8 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
@@ -52,6 +54,7 @@ from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
 from .engine import Engine
 from .metrics import ServerMetrics
+from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
 from .settings import ServerConfig
 
@@ -98,21 +101,23 @@ class Prompt:
 
 # ---- admission --------------------------------------------------------------------------------------
 class Admission:
-    """One request served at a time; at most `max_queue` admitted requests waiting (FIFO)."""
+    """At most `max_batch` requests served at once (prefilled, then decoded together); at most
+    `max_queue` admitted requests waiting (FIFO)."""
 
-    def __init__(self, max_queue: int, metrics: ServerMetrics) -> None:
+    def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics) -> None:
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.metrics = metrics
         self.waiting = 0
         self.active = 0
-        self._slot = asyncio.Semaphore(1)
+        self._slot = asyncio.Semaphore(max_batch)
         self._service_s = 1.0  # moving average of a request's service time, for Retry-After
 
     def admit(self) -> Ticket:
         """A place in the queue, or a 429 when the queue is full."""
-        if self.waiting >= self.max_queue and (self.active or self.waiting):
+        if self.waiting >= self.max_queue and (self.active >= self.max_batch or self.waiting):
             self.metrics.rejected.inc()
-            retry = max(1, math.ceil(self._service_s * (self.waiting + self.active)))
+            retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
             raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
                            type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
         self._set_waiting(+1)
@@ -284,11 +289,13 @@ class Server:
         self.model_id = engine.index.config.model
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.index.store.stats)
-        self.admission = Admission(config.max_queue, self.metrics)
+        self.admission = Admission(config.max_queue, config.max_batch, self.metrics)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
+        self.scheduler = Scheduler(engine.generator, self.on_engine, config.max_batch, self.metrics)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.scheduler.close()
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
     async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
@@ -300,31 +307,15 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
-    async def steps(self, prompt: Prompt) -> AsyncIterator[str | Answer]:
-        """The engine's stream of the prompt: text pieces, then the `Answer`. Closing it early (the
-        client left) stops the generation after the step in flight."""
-        steps: Iterator[str | Answer] = self.engine.stream(prompt.segments, prompt.fusion, prompt.generation)
-        pending: Future | None = None
-        try:
-            while True:
-                pending = self._waiters.submit(next, steps, None)
-                step = await asyncio.wrap_future(pending)
-                pending = None
-                if step is None:
-                    return
-                yield step
-        finally:
-            if pending is not None and not pending.cancel() and not pending.done():
-                pending.add_done_callback(lambda _: steps.close())  # the step in flight must end first
-            else:
-                steps.close()
-
     async def generate(self, ticket: Ticket, prompt: Prompt, request: Request | None) -> AsyncIterator[str | Answer]:
-        """Wait for the engine, then stream `prompt`; records the metrics. `request` (non-streaming
-        responses) is polled for a disconnect before each step; a streaming response learns of one
-        when the server cancels it."""
+        """Wait for a place, then stream `prompt` from the scheduler (text pieces, then the `Answer`);
+        records the metrics. Closing the stream early (the client left) takes the request out before
+        the scheduler's next step. `request` (non-streaming responses) is polled for a disconnect before
+        each step; a streaming response learns of one when the server cancels it."""
         try:
-            async with ticket.serve(), aclosing(self.steps(prompt)) as steps:
+            async with ticket.serve(), aclosing(
+                self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation)
+            ) as steps:
                 if request is not None and await request.is_disconnected():
                     raise ClientGone
                 async for step in steps:
@@ -365,7 +356,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        server.close()
+        await server.close()
 
     app = FastAPI(title="rag-kvcache", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)

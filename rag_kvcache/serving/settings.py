@@ -20,6 +20,8 @@ class ServerConfig:
     docs_dir: Path | None = setting(None, "The documents folder the index mirrors: POST /v1/documents writes "
                                           "into it and syncs the index (without it the route is refused).")
     max_queue: int = setting(8, "Requests that may wait for the engine; more are refused with 429.")
+    max_batch: int = setting(8, "Most requests decoded together, one batched model step advancing each by a token "
+                                "(their fused prefills run one at a time); 1 serves one request at a time.")
     max_prompt_tokens: int = setting(8192, "Longest prompt admitted, in tokens (longer: 400).")
     max_tokens: int = setting(1024, "Most tokens a request may ask to generate (more: 400).")
 
@@ -28,6 +30,6 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
-        for name in ("max_queue", "max_prompt_tokens", "max_tokens"):
+        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens"):
             if getattr(self, name) < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name} must be >= {0 if name == 'max_queue' else 1}, got {getattr(self, name)!r}")

@@ -1,0 +1,158 @@
+"""The server's scheduler: continuous batching of concurrent requests' decoding steps.
+
+A request's fused prefill is its own (CacheBlend recomputes other tokens for every prompt), so
+prefills run one at a time; decoding is where requests share work. One loop, on the server's event
+loop, drives the engine's worker thread (where all model work runs) through ticks: it admits at
+most one waiting request's prefill (`FusedGenerator.start`, and its first token), then advances
+every decoding request by one token with one batched model step (`decode_together`: the weights
+are read once for all rows, each row attends over its own cache). A request leaves the batch when
+its answer is complete (end of sequence, stop string, `max_tokens`) or its client has gone, and a
+new one joins after its prefill, between two steps; at most `max_batch` decode together. With
+`max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
+
+Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
+A failure in a prefill fails its request; one in a batched step fails every request in that step
+(their rows shared the forward), each with the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import FusionConfig, GenerationConfig
+from ..engine.generation import Step, decode_together
+from ..engine.prompt import Segment
+from ..generator import Answer, FusedGenerator, Generation
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_END = object()  # a job's last item: its stream ends
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the scheduler: its prompt, what it yields (text, then the `Answer`, then `_END`,
+    or an exception), and its generation once prefilled."""
+
+    segments: Sequence[Segment]
+    fusion: FusionConfig
+    generation: GenerationConfig
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    live: Generation | None = None
+    cancelled: bool = False  # its client has gone: dropped before the next step
+
+    def deliver(self, released: list[Step], answer: Answer | None) -> None:
+        for step in released:
+            self.out.put_nowait(step.text)
+        if answer is not None:
+            self.out.put_nowait(answer)
+            self.out.put_nowait(_END)
+
+    def fail(self, error: BaseException) -> None:
+        self.out.put_nowait(error)
+
+
+class Scheduler:
+    """Prefills one request at a time and decodes up to `max_batch` together (see the module)."""
+
+    def __init__(
+        self, generator: FusedGenerator, on_engine: Callable[..., Awaitable[Any]], max_batch: int,
+        metrics: ServerMetrics,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
+        self.generator = generator
+        self.on_engine = on_engine  # fn(*args) on the engine's worker thread, awaited
+        self.max_batch = max_batch
+        self.metrics = metrics
+        self.pending: deque[Job] = deque()
+        self.decoding: list[Job] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def stream(
+        self, segments: Sequence[Segment], fusion: FusionConfig, generation: GenerationConfig
+    ) -> AsyncIterator[str | Answer]:
+        """The request's text pieces as they are decoded, then its `Answer`. Closing it early (the
+        client left) takes the request out before the scheduler's next step."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="rag-kvcache-scheduler")
+        if self._task.done():
+            raise RuntimeError(f"the scheduler has stopped: {self._task}")
+        job = Job(segments, fusion, generation)
+        self.pending.append(job)
+        self._wake.set()
+        try:
+            while (item := await job.out.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            job.cancelled = True
+
+    async def close(self) -> None:
+        """Stop the loop (the engine's step in flight completes on its thread)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.pending and not self.decoding:
+                self._wake.clear()
+                await self._wake.wait()
+            if self.pending and len(self.decoding) < self.max_batch:
+                await self._prefill(self.pending.popleft())
+            self._keep(lambda job: not job.cancelled)
+            if self.decoding:
+                await self._step(self.decoding)
+
+    async def _prefill(self, job: Job) -> None:
+        if job.cancelled:
+            return
+        try:
+            job.live, released, answer = await self.on_engine(self._start, job)
+        except Exception as e:  # the request's own failure (e.g. a fusion setting refused): it gets the error
+            job.fail(e)
+            return
+        job.deliver(released, answer)
+        if answer is None:
+            self.decoding.append(job)
+            self.metrics.decoding.set(len(self.decoding))
+
+    def _start(self, job: Job) -> tuple[Generation, list[Step], Answer | None]:
+        """On the engine's thread: the prefill and the first token."""
+        live = self.generator.start(job.segments, job.fusion, job.generation)
+        released = live.decoder.take(live.first_token)
+        return live, released, self.generator.finish(live) if live.decoder.done else None
+
+    async def _step(self, jobs: list[Job]) -> None:
+        self.metrics.decode_batch.observe(len(jobs))
+        try:
+            results = await self.on_engine(self._advance, list(jobs))
+        except Exception as e:
+            log.exception("a batched decoding step of %d requests failed", len(jobs))
+            for job in jobs:
+                job.fail(e)
+            self._keep(lambda job: job not in jobs)
+            return
+        for job, (released, answer) in zip(jobs, results):
+            job.deliver(released, answer)
+        self._keep(lambda job: not job.live.decoder.done)
+
+    def _keep(self, keep: Callable[[Job], bool]) -> None:
+        """Keep the decoding requests for which `keep` holds (the others leave the batch)."""
+        self.decoding = [job for job in self.decoding if keep(job)]
+        self.metrics.decoding.set(len(self.decoding))
+
+    def _advance(self, jobs: list[Job]) -> list[tuple[list[Step], Answer | None]]:
+        """On the engine's thread: one batched decoding step, and the answers of those it completed."""
+        released = decode_together([job.live.decoder for job in jobs])
+        return [(r, self.generator.finish(job.live) if job.live.decoder.done else None)
+                for job, r in zip(jobs, released)]

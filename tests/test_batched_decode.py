@@ -1,0 +1,163 @@
+"""Batched decoding (continuous batching): rows decoded together give what each gives alone.
+
+`ModelAdapter.decode_rows` advances B sequences by one token with one forward step, each over its
+own cache (`DecodeCache`); `decode_together` does it for `Decoder`s, each sampling by its own rule.
+Rows have prompts of different lengths, join and leave between steps; a greedy row's tokens and
+logits equal decoding it alone, a seeded sampled row's tokens equal its own alone, and a row
+constrained to a JSON Schema stays inside it beside unconstrained ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_structured import SCHEMA, Reading
+
+from rag_kvcache.config import GenerationConfig
+from rag_kvcache.engine.generation import Decoder, Step, decode_together
+from rag_kvcache.engine.model import DecodeCache, ModelAdapter
+
+LENGTHS = (7, 23, 40, 61)  # prompt tokens of the rows
+
+
+def prompts(adapter: ModelAdapter, lengths=LENGTHS, seed: int = 0, low: int = 1000, high: int = 20000):
+    """Per row: the prompt's keys, values (L x [1, H_kv, N, D]) and next-token logits [V]."""
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(low, high, (1, n), generator=torch.Generator().manual_seed(seed + i))
+        keys, values, logits = adapter.prefill(ids)
+        out.append((keys, values, logits[0]))
+    return out
+
+
+def test_decode_rows_alone_equals_the_transformers_forward(tiny):
+    """A row decoded by `decode_rows` gets the logits of the model's own forward over an injected cache."""
+    ((keys, values, _),) = prompts(tiny, (33,))
+    reference, row = tiny.make_cache(keys, values, room=5), DecodeCache(keys, values, room=5)
+    for step, token in enumerate([1100, 1200, 1300, 1400, 1500]):
+        want = tiny.decode([token], reference, 33 + step)[-1]  # [V]
+        torch.testing.assert_close(tiny.decode_rows([token], [row])[0], want, atol=1e-5, rtol=0)
+    assert row.length == row.capacity == 38
+
+
+def test_rows_of_different_lengths_joining_and_leaving_decode_as_alone(tiny):
+    """Greedy rows with prompts of 7-61 tokens: row 2 joins after two steps, row 0 leaves after three;
+    every row's logits at every step equal its logits decoding alone, so its tokens are the same."""
+    rows = prompts(tiny)
+    steps = 6
+    alone = []
+    for keys, values, logits in rows:
+        cache, token, seen = DecodeCache(keys, values, room=steps), int(logits.argmax()), []
+        for _ in range(steps):
+            seen.append(tiny.decode_rows([token], [cache])[0])  # [V]
+            token = int(seen[-1].argmax())
+        alone.append(seen)
+    caches = [DecodeCache(k, v, room=steps) for k, v, _ in rows]
+    tokens = [int(logits.argmax()) for _, _, logits in rows]
+    got: list[list[torch.Tensor]] = [[] for _ in rows]
+    joins, leaves = {2: 2}, {0: 3}  # row -> the step it joins at / the number of steps it takes
+    for step in range(steps + 2):
+        active = [r for r in range(len(rows)) if joins.get(r, 0) <= step and len(got[r]) < leaves.get(r, steps)]
+        if not active:
+            break
+        logits = tiny.decode_rows([tokens[r] for r in active], [caches[r] for r in active])  # [B, V]
+        for r, row_logits in zip(active, logits):
+            got[r].append(row_logits)
+            tokens[r] = int(row_logits.argmax())
+    assert [len(g) for g in got] == [3, steps, steps, steps]
+    for r, (g, a) in enumerate(zip(got, alone)):
+        for step, (x, y) in enumerate(zip(g, a)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=f"row {r}, step {step}")
+            assert int(x.argmax()) == int(y.argmax())
+
+
+def run_alone(adapter: ModelAdapter, cfg: GenerationConfig, row) -> list[Step]:
+    keys, values, logits = row
+    decoder = Decoder(adapter, cfg)
+    return list(decoder.steps(keys, values, logits, decoder.sample(logits)))
+
+
+def run_together(adapter: ModelAdapter, cfgs: list[GenerationConfig], rows, join_at: list[int]) -> list[list[Step]]:
+    """Continuous batching as the server does it: decoder i starts (prefill done, first token taken)
+    before step `join_at[i]`; every step advances all started, unfinished decoders together."""
+    decoders = [Decoder(adapter, cfg) for cfg in cfgs]
+    out: list[list[Step]] = [[] for _ in cfgs]
+    step = 0
+    while any(not d.done for d in decoders):
+        for i, (d, (keys, values, logits)) in enumerate(zip(decoders, rows)):
+            if join_at[i] == step:
+                d.start(keys, values)
+                out[i] += d.take(d.sample(logits))
+        active = [i for i, d in enumerate(decoders) if d.cache is not None and not d.done]
+        if active:
+            for i, released in zip(active, decode_together([decoders[i] for i in active])):
+                out[i] += released
+        step += 1
+    return out
+
+
+def test_decoders_batched_give_each_ones_own_answer(tiny):
+    """Greedy rows (one cut by a stop string, one by a small max_new_tokens) and seeded sampled rows,
+    joining at different steps: every row's steps (tokens and text) are those it gives alone."""
+    rows = prompts(tiny, (7, 23, 40, 61, 15))
+    greedy = run_alone(tiny, GenerationConfig(max_new_tokens=12), rows[1])
+    stop = "".join(s.text for s in greedy).split()[2]  # a word its answer reaches, so it stops early there
+    cfgs = [
+        GenerationConfig(max_new_tokens=12),
+        GenerationConfig(max_new_tokens=12, stop=(stop,)),
+        GenerationConfig(max_new_tokens=3),
+        GenerationConfig(max_new_tokens=10, temperature=1.0, seed=11),
+        GenerationConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=12),
+    ]
+    want = [run_alone(tiny, cfg, row) for cfg, row in zip(cfgs, rows)]
+    got = run_together(tiny, cfgs, rows, join_at=[0, 0, 1, 3, 4])
+    assert got == want
+    assert sum(s.token_id is not None for s in got[1]) < 12 and stop not in "".join(s.text for s in got[1])
+    assert sum(s.token_id is not None for s in got[2]) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_json_schema_row_stays_constrained_beside_free_rows(bpe_tiny, temperature):
+    """A row decoded under a JSON Schema batched with unconstrained rows decodes the document it
+    decodes alone, valid against the schema; the free rows are unchanged by its mask."""
+    high = len(bpe_tiny.tokenizer) - 1
+    rows = prompts(bpe_tiny, (12, 30, 9), seed=3, low=0, high=high)
+    cfgs = [GenerationConfig(max_new_tokens=200, temperature=temperature, seed=7, json_schema=SCHEMA),
+            GenerationConfig(max_new_tokens=40), GenerationConfig(max_new_tokens=40, temperature=1.0, seed=5)]
+    want = [run_alone(bpe_tiny, cfg, row) for cfg, row in zip(cfgs, rows)]
+    got = run_together(bpe_tiny, cfgs, rows, join_at=[1, 0, 2])
+    assert got == want
+    text = "".join(s.text for s in got[0])
+    Reading.model_validate_json(text)
+    assert json.loads(text).keys() <= Reading.model_fields.keys()
+
+
+# ---- failures are loud ---------------------------------------------------------------------------------
+def test_misuse_is_refused_with_the_bad_value(tiny):
+    ((keys, values, logits),) = prompts(tiny, (10,))
+    cache = DecodeCache(keys, values, room=1)
+    tiny.decode_rows([1100], [cache])
+    with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(11 positions\)"):
+        tiny.decode_rows([1200], [cache])
+    with pytest.raises(ValueError, match="one token per cache, got 2 tokens for 1 caches"):
+        tiny.decode_rows([1, 2], [DecodeCache(keys, values, room=1)])
+    with pytest.raises(ValueError, match=r"one sequence; got keys of shape \(2, "):
+        DecodeCache([torch.cat([k, k]) for k in keys], [torch.cat([v, v]) for v in values], room=1)
+    with pytest.raises(ValueError, match="room=0"):
+        DecodeCache(keys, values, room=0)
+
+    done = Decoder(tiny, GenerationConfig(max_new_tokens=1))
+    done.start(keys, values)
+    done.take(int(logits.argmax()))
+    assert done.done
+    fresh = Decoder(tiny, GenerationConfig())
+    fresh.start(keys, values)
+    fresh.take(int(logits.argmax()))
+    with pytest.raises(ValueError, match=r"decoders \[1, 2\] cannot step"):
+        decode_together([fresh, done, Decoder(tiny, GenerationConfig())])
+    with pytest.raises(RuntimeError, match="complete"):
+        done.take(5)
+    with pytest.raises(RuntimeError, match="already started"):
+        done.start(keys, values)
