@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 from importlib.resources import files
-
 from typing import Literal
 
 import pytest

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -100,21 +101,28 @@ def chat_adapter(tokenizer) -> ModelAdapter:
     return ModelAdapter(tiny_llama(), chat, name="tiny-chat")
 
 
-@pytest.fixture(scope="module")
-def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
-    root = tmp_path_factory.mktemp("serve")
+@contextmanager
+def serving(adapter: ModelAdapter, root: Path, config: ServerConfig) -> Iterator[Running]:
+    """DOCS in `root / "docs"`, indexed with `adapter` and served with `config` on a free loopback port."""
     docs = root / "docs"
     docs.mkdir()
     for name, text in DOCS.items():
         (docs / name).write_text(text)
-    KVIndex.build(docs, root / "idx", CFG, adapter=chat_adapter, progress=False).close()
-    with Engine(root / "idx", CFG, chat_adapter) as engine:
-        config = ServerConfig(api_key=KEY, docs_dir=docs, max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
+    KVIndex.build(docs, root / "idx", CFG, adapter=adapter, progress=False).close()
+    with Engine(root / "idx", CFG, adapter) as engine:
         server, thread, url = start_server(create_app(engine, config))
         try:
             yield Running(url, engine, docs, engine.index.config.model)
         finally:
             stop_server(server, thread)
+
+
+@pytest.fixture(scope="module")
+def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
+    root = tmp_path_factory.mktemp("serve")
+    config = ServerConfig(api_key=KEY, docs_dir=root / "docs", max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
+    with serving(chat_adapter, root, config) as running:
+        yield running
 
 
 def reference(engine: Engine, question: str, method: str, chunk_ids: list[str], max_tokens: int = 6) -> Answer:

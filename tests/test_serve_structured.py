@@ -15,12 +15,9 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel, Field, ValidationError
-from test_serve import CFG, CHATML, DOCS, KEY, QUESTION, Running, start_server, stop_server
+from test_serve import CHATML, KEY, QUESTION, Running, serving
 
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.index import KVIndex
-from rag_kvcache.serving.engine import Engine
-from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.serving.settings import ServerConfig
 
 pytest.importorskip("llguidance")
@@ -43,17 +40,8 @@ def running(bpe_tiny: ModelAdapter, tmp_path_factory) -> Iterator[Running]:
     chat.chat_template = CHATML
     adapter = ModelAdapter(bpe_tiny.model, chat, name="tiny-bpe-chat")
     root = tmp_path_factory.mktemp("serve-structured")
-    docs = root / "docs"
-    docs.mkdir()
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
-    KVIndex.build(docs, root / "idx", CFG, adapter=adapter, progress=False).close()
-    with Engine(root / "idx", CFG, adapter) as engine:
-        server, thread, url = start_server(create_app(engine, ServerConfig(api_key=KEY, max_tokens=200)))
-        try:
-            yield Running(url, engine, docs, engine.index.config.model)
-        finally:
-            stop_server(server, thread)
+    with serving(adapter, root, ServerConfig(api_key=KEY, max_tokens=200)) as running:
+        yield running
 
 
 def test_parse_returns_a_validated_object(running):
