@@ -4,25 +4,46 @@ chunks, interleaved in one process (issue 11's "done when").
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
 prompt's own layout); the tutorial chain sends a system message of instructions with the documents
-joined by `format_docs`, then the question. Prints per question the TTFT, its stages, the tokens
-computed (no cache) and recomputed, then the medians and their ratio.
+joined by `format_docs`, then the question. A third layout is a counterfactual: the tutorial's prompt
+with its first chunk's cache computed behind the tutorial's own instructions (exact there; the index
+stores no such cache), timed from the fusion on; it says how much of the gap that chunk's inexact cache is.
 
-    .venv/bin/python benchmarks/transparent-reuse/tutorial_ttft.py --index /tmp/ttft/idx --repeats 2
+Every question is first asked once in each layout untimed (the tutorial head's cache is computed and
+stored then, as a pipeline's first request does), then `--repeats` times, the order of the layouts
+reversed every other repeat. Printed: per question and layout, where the prompt's tokens are (computed:
+no cache; cached inexact: CacheBlend's candidates; cached exact) split by place (head, first chunk, the
+other chunks, edges between chunks, after the last chunk), and the tokens CacheBlend recomputed; then the
+medians of TTFT and of its stages per layout, and the median over questions of the per-question ratio
+to `create_kv_rag_chain` (each question's median over repeats), with a 95% bootstrap CI over questions,
+for the TTFT alone, with the prompt's building (rendering, tokenising, matching) added, and for the
+process's CPU time over both (`time.process_time`: the work done, which other processes on a shared
+machine disturb far less than the wall clock; with `--threads 1` it is the single-thread TTFT's cost).
+
+    .venv/bin/python benchmarks/transparent-reuse/tutorial_ttft.py --index /tmp/ttft/idx --repeats 5 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from collections import Counter
 from importlib.resources import as_file, files
 from pathlib import Path
 
+import numpy as np
 import torch
+from scipy.stats import bootstrap
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
-from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
+from rag_kvcache.engine.cache import SliceKV
+from rag_kvcache.engine.fusion import DirectReader, FusionInput
+from rag_kvcache.engine.generation import Decoder
+from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.profiling import StageClock
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
@@ -30,19 +51,79 @@ TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tes
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer "
     "the question. Keep the answer concise.\n\n{context}"
 )
-QUESTIONS = (
+EXACT_FIRST = "tutorial, first chunk exact"  # the counterfactual layout (`first_chunk_exact`)
+QUESTIONS = (  # about the bundled demo documents
     "What is the name of the main telescope of the Veldmark Observatory?", "Who founded the Veldmark Observatory?",
-    "What does the Saltmere bakery sell?", "When was the lighthouse on Tessaly lit?", "What is the harbour town called?",
+    "What does the Saltmere bakery sell?", "When was the lighthouse on Tessaly lit?",
+    "What is the harbour town called?", "How much rain falls on the Veldmark coast in a year?",
+    "When was the breakwater of Orrin's Ford built?",
+    "Who kept the Tessaly lighthouse for forty years?", "What does the water mill in Saltmere grind?",
+    "Where was Tobias Quell born?",
 )
+
+
+def laid_out(index: KVIndex, segments: list[Segment]) -> FusionInput:
+    """The prompt's layout with the caches the index serves for it (as `FusedGenerator.fuse` builds it)."""
+    caches = index.open_caches(segments)
+    return FusionInput.build(segments, caches.sources, caches.contexts, device=index.adapter.device)
+
+
+def places(inp: FusionInput) -> Counter:
+    """Prompt tokens by what the fusion does with them (`computed`: no cache, `inexact`: a cache that
+    CacheBlend may recompute, `exact`: a cache equal to a full prefill's) and by place in the prompt
+    (`head` before the first chunk, `chunk1`, `chunks` the others, `edges` between chunks, `tail`)."""
+    parts = inp.parts
+    chunk_at = [i for i, p in enumerate(parts) if p.kv is not None and p.segment.label != "prefix"]
+    out: Counter = Counter()
+    for i, p in enumerate(parts):
+        kind = "computed" if p.kv is None else "exact" if p.exact else "inexact"
+        if not chunk_at or i < chunk_at[0]:
+            place = "head"
+        elif i > chunk_at[-1]:
+            place = "tail"
+        elif p.kv is None:
+            place = "edges"
+        else:
+            place = "chunk1" if i == chunk_at[0] else "chunks"
+        out[f"{kind}:{place}"] += len(p.segment.ids)
+    return out
+
+
+def first_chunk_exact(index: KVIndex, segments: list[Segment]) -> FusionInput:
+    """The prompt's layout with its first chunk's cache computed behind the prompt's own tokens before it
+    (what caches computed behind the pipeline's instructions would give; the index stores no such cache):
+    the counterfactual that says how much of the gap the first chunk's inexact cache is."""
+    caches = index.open_caches(segments)
+    sources, contexts = list(caches.sources), list(caches.contexts)
+    first = next(i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix")
+    seg, before = segments[first], tuple(t for s in segments[:first] for t in s.ids)
+    if seg.offset:
+        raise ValueError(f"the first chunk's run starts {seg.offset} tokens into it: not measured")
+    kv = next(index.compute([seg.stored], before))[1]
+    sources[first] = kv if len(seg.ids) == len(seg.stored) else SliceKV(kv, 0, len(seg.ids))
+    contexts[first] = before
+    inp = FusionInput.build(segments, sources, contexts, device=index.adapter.device)
+    if not inp.parts[first].exact:
+        raise AssertionError("the first chunk's cache computed behind the prompt's head is not exact there")
+    return inp
+
+
+def median_ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """The median of per-question ratios and its 95% percentile-bootstrap CI over questions."""
+    ci = bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, n_resamples=10_000, method="percentile",
+                   random_state=0).confidence_interval
+    return statistics.median(ratios), float(ci.low), float(ci.high)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--index", type=Path, required=True, help="Where the demo index is (built if missing).")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="Also write every timed row here.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"pid {os.getpid()}, load average at start {os.getloadavg()}", flush=True)
     cfg = Config(chunk_tokens=128, top_k=4)
     with as_file(files("rag_kvcache") / "demo") as docs:
         index = KVIndex.build(docs, args.index, cfg, progress=False)
@@ -59,34 +140,73 @@ def main() -> None:
         turns = [ChatTurn("system", (TUTORIAL_SYSTEM.format(context=context),)), ChatTurn("user", (question,))]
         return generator.find_chunks(chat_segments(tokenizer, system, turns), fusion)
 
+    def exact_first_timed(inp: FusionInput) -> tuple[float, int, dict[str, float]]:
+        """TTFT (fusion and first sampling, as `FusedGenerator.stream` times it) of a laid-out prompt."""
+        t0 = time.perf_counter()
+        clock = StageClock(index.adapter.device)
+        reader = DirectReader(inp.sources, inp.ids.device)
+        result = get_method(fusion.method)(index.adapter, inp, fusion, clock, reader)
+        Decoder(index.adapter, generation).sample(result.logits)
+        return time.perf_counter() - t0, result.recomputed_tokens, result.stages
+
     layouts = {"create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain}
-    rows: dict[str, list[dict]] = {name: [] for name in layouts}
+    hits = {q: index.search(q, cfg.top_k) for q in QUESTIONS}
+    counterfactual = {q: first_chunk_exact(index, tutorial_chain(hits[q], q)) for q in QUESTIONS}
+    for question in QUESTIONS:  # untimed: the tutorial head's cache is computed the first time it is seen
+        for name, layout in layouts.items():
+            *_, answer = generator.stream(layout(hits[question], question), fusion, generation)
+            print(name, json.dumps({"question": question, "recomputed": answer.recomputed_tokens,
+                                    "untimed_kv_load_s": round(answer.stages["kv_load"], 4),
+                                    **places(laid_out(index, layout(hits[question], question)))}))
+        recomputed = exact_first_timed(counterfactual[question])[1]
+        print(EXACT_FIRST, json.dumps({"question": question, "recomputed": recomputed,
+                                       **places(counterfactual[question])}))
+    rows: list[dict] = []
     for repeat in range(args.repeats):
         for question in QUESTIONS:
-            hits = index.search(question, cfg.top_k)
-            order = list(layouts) if repeat % 2 == 0 else list(reversed(layouts))
-            for name in order:
-                t0 = time.perf_counter()
-                segments = layouts[name](hits, question)
-                build_s = time.perf_counter() - t0
-                *_, answer = generator.stream(segments, fusion, generation)
-                rows[name].append({
-                    "question": question, "ttft_s": answer.ttft_s, "prompt_build_s": build_s,
-                    "prompt_tokens": answer.prompt_tokens, "recomputed": answer.recomputed_tokens,
-                    "computed": sum(len(s.ids) for s in segments if not s.cacheable),
-                    "stages": {k: round(v, 4) for k, v in answer.stages.items()},
-                })
-    for name, measured in rows.items():
-        for row in measured:
-            print(name, json.dumps(row))
-    medians = {name: statistics.median(r["ttft_s"] for r in measured) for name, measured in rows.items()}
-    ratios = [t["ttft_s"] / n["ttft_s"] for t, n in zip(rows["tutorial"], rows["create_kv_rag_chain"])]
-    for name, measured in rows.items():
-        print(f"{name}: TTFT median {medians[name]:.3f} s, recomputed median "
-              f"{statistics.median(r['recomputed'] for r in measured)}, computed median "
-              f"{statistics.median(r['computed'] for r in measured)}")
-    print(f"tutorial / create_kv_rag_chain: ratio of medians {medians['tutorial'] / medians['create_kv_rag_chain']:.2f}, "
-          f"median of per-question ratios {statistics.median(ratios):.2f}")
+            names = [*layouts, EXACT_FIRST]
+            for name in names if repeat % 2 == 0 else reversed(names):
+                t0, c0 = time.perf_counter(), time.process_time()
+                if name == EXACT_FIRST:  # the prompt as the tutorial's, its build not counted
+                    build_s = 0.0
+                    ttft, recomputed, stages = exact_first_timed(counterfactual[question])
+                else:
+                    segments = layouts[name](hits[question], question)
+                    build_s = time.perf_counter() - t0
+                    *_, answer = generator.stream(segments, fusion, generation)
+                    ttft, recomputed, stages = answer.ttft_s, answer.recomputed_tokens, answer.stages
+                rows.append({"layout": name, "question": question, "repeat": repeat, "ttft_s": ttft,
+                             "build_s": build_s, "cpu_s": time.process_time() - c0, "recomputed": recomputed,
+                             "stages": stages})
+    load_end = os.getloadavg()
+    if args.json:
+        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in [*layouts, EXACT_FIRST]:
+        mine = [r for r in rows if r["layout"] == name]
+        stages = {s: round(statistics.median(r["stages"].get(s, 0.0) for r in mine), 4) for s in mine[0]["stages"]}
+        print(f"{name}: TTFT median {statistics.median(r['ttft_s'] for r in mine):.3f} s, build median "
+              f"{statistics.median(r['build_s'] for r in mine) * 1000:.1f} ms, recomputed median "
+              f"{statistics.median(r['recomputed'] for r in mine)}, stages (median s) {stages}")
+
+    def per_question(layout: str, key) -> list[float]:
+        runs: dict[tuple[str, str], list[float]] = {}
+        for r in rows:
+            runs.setdefault((r["layout"], r["question"]), []).append(key(r))
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        return [med[layout, q] / med["create_kv_rag_chain", q] for q in QUESTIONS]
+
+    for layout, what, key in (
+        ("tutorial", "TTFT", lambda r: r["ttft_s"]),
+        ("tutorial", "TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
+        ("tutorial", "CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
+        (EXACT_FIRST, "TTFT", lambda r: r["ttft_s"]),
+        (EXACT_FIRST, "CPU time (TTFT)", lambda r: r["cpu_s"]),
+    ):
+        ratios = per_question(layout, key)
+        mid, low, high = median_ratio_ci(ratios)
+        print(f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
+              f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}")
+    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x 3 layouts; load average at end {load_end}")
 
 
 if __name__ == "__main__":
