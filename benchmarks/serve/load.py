@@ -1,12 +1,14 @@
 """Bounded load test of `rag-kvcache serve` on loopback with MuSiQue prompts.
 
 Indexes the passages of the first `--questions` MuSiQue questions (under `--work`, reused by later
-runs), starts `rag-kvcache serve` on a free 127.0.0.1 port, retrieves each question's top-k chunks
-once (`/v1/retrieve`), then for every method and every client count sends `--requests-per-client`
-streamed chat requests per client (the question, with the chunks named in `rag_kvcache.chunk_ids`)
-and measures, client side: TTFT (request sent -> first content token, queueing included),
-requests/s and output tokens/s over the level's wall time, errors, and the server's peak RSS.
-Writes `results.json` and `results.md` to `--out`. See README.md for the command and the results.
+runs), starts `rag-kvcache serve --max-batch B` on a free 127.0.0.1 port for each `--max-batch`
+value, retrieves each question's top-k chunks once (`/v1/retrieve`), and for every client count and
+method, on each server in turn (so that batched and one-at-a-time levels see the same machine), sends `--requests-per-client` streamed chat requests per client (the question,
+with the chunks named in `rag_kvcache.chunk_ids`), measuring client side: TTFT (request sent ->
+first content token, queueing included), requests/s and output tokens/s over the level's wall time,
+errors, the server's peak RSS and the load average at the level's end; server side, the mean
+decode batch size (from /metrics). Writes
+`results.json` and `results.md` to `--out`. See README.md for the command and the results.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from rag_kvcache.bench.runner import write_corpus
 
 @dataclass(frozen=True)
 class Level:
+    max_batch: int
     method: str
     clients: int
     requests: int
@@ -45,6 +51,8 @@ class Level:
     output_tokens_per_s: float
     cached_fraction: float
     peak_rss_mib: float
+    mean_decode_batch: float  # requests per batched decoding step over the level (server side)
+    load_average: float  # the machine's 1-minute load average when the level ended
 
 
 def free_port() -> int:
@@ -86,12 +94,20 @@ async def one_request(client: openai.AsyncOpenAI, model: str, question: str, chu
         usage.prompt_tokens_details.cached_tokens
 
 
+def decode_batches(url: str) -> tuple[float, float]:
+    """(steps, requests advanced) so far: the server's decode batch-size histogram's count and sum."""
+    text = httpx.get(f"{url}/metrics").text
+    found = dict(re.findall(r"^rag_kvcache_decode_batch_size_(count|sum) (\S+)$", text, re.MULTILINE))
+    return float(found.get("count", 0)), float(found.get("sum", 0))
+
+
 async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], method: str, clients: int,
-                    per_client: int, max_tokens: int, server_pid: int) -> Level:
+                    per_client: int, max_tokens: int, server_pid: int, max_batch: int) -> Level:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     todo = [prompts[i % len(prompts)] for i in range(clients * per_client)]
     results, errors = [], 0
     peak = rss_mib(server_pid)
+    steps0, rows0 = decode_batches(url)
 
     async def worker() -> None:
         nonlocal errors
@@ -115,33 +131,81 @@ async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], 
     wall = time.perf_counter() - t0
     sampler.cancel()
     await client.close()
+    steps1, rows1 = decode_batches(url)
     ttfts = [r[0] for r in results]
     return Level(
-        method=method, clients=clients, requests=len(results), errors=errors, wall_s=wall,
+        max_batch=max_batch, method=method, clients=clients, requests=len(results), errors=errors, wall_s=wall,
         ttft_p50_s=statistics.median(ttfts), ttft_p99_s=percentile(ttfts, 0.99),
         e2e_p50_s=statistics.median(r[1] for r in results), requests_per_s=len(results) / wall,
         output_tokens_per_s=sum(r[2] for r in results) / wall,
         cached_fraction=sum(r[4] for r in results) / max(1, sum(r[3] for r in results)), peak_rss_mib=peak,
+        mean_decode_batch=(rows1 - rows0) / max(1.0, steps1 - steps0), load_average=os.getloadavg()[0],
     )
 
 
 def markdown(levels: list[Level], command: str) -> str:
-    header = ("| method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | out tok/s | "
-              "cached | server peak RSS (MiB) |")
-    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| max batch | method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | "
+              "out tok/s | cached | decode batch | server peak RSS (MiB) | load avg |")
+    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in levels:
-        lines.append(f"| {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | {v.ttft_p99_s:.2f} | "
-                     f"{v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
-                     f"{v.cached_fraction:.0%} | {v.peak_rss_mib:.0f} |")
-    by = {(v.method, v.clients): v for v in levels}
+        lines.append(f"| {v.max_batch} | {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | "
+                     f"{v.ttft_p99_s:.2f} | {v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
+                     f"{v.cached_fraction:.0%} | {v.mean_decode_batch:.1f} | {v.peak_rss_mib:.0f} | {v.load_average:.1f} |")
+    by = {(v.max_batch, v.method, v.clients): v for v in levels}
+    batches = sorted({v.max_batch for v in levels})
     top = max(v.clients for v in levels)
-    if ("full", top) in by and ("cacheblend", top) in by:
-        full, blend = by["full", top], by["cacheblend", top]
-        verdict = (f"At {top} clients: cacheblend serves {blend.requests_per_s / full.requests_per_s:.2f}x the "
-                   f"requests/s of full (target >= 2.8x); cacheblend p99 TTFT {blend.ttft_p99_s:.2f} s vs full p50 "
-                   f"{full.ttft_p50_s:.2f} s (target: below).")
-        lines += ["", verdict]
+    for b in batches:
+        if (b, "full", top) in by and (b, "cacheblend", top) in by:
+            full, blend = by[b, "full", top], by[b, "cacheblend", top]
+            lines += ["", (f"max batch {b}, {top} clients: cacheblend serves "
+                           f"{blend.requests_per_s / full.requests_per_s:.2f}x the requests/s of full (target >= 2.8x); "
+                           f"cacheblend p99 TTFT {blend.ttft_p99_s:.2f} s vs full p50 {full.ttft_p50_s:.2f} s "
+                           "(target: below).")]
+    if len(batches) > 1:
+        lo, hi = batches[0], batches[-1]
+        lines += ["", f"requests/s with max batch {hi} over max batch {lo}:", "",
+                  "| method | " + " | ".join(f"{c} clients" for c in sorted({v.clients for v in levels})) + " |",
+                  "|---|" + "---|" * len({v.clients for v in levels})]
+        for method in dict.fromkeys(v.method for v in levels):
+            ratios = [by[hi, method, c].requests_per_s / by[lo, method, c].requests_per_s
+                      if (hi, method, c) in by and (lo, method, c) in by else float("nan")
+                      for c in sorted({v.clients for v in levels})]
+            lines.append(f"| {method} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def running_server(args: argparse.Namespace, max_batch: int, max_clients: int) -> Iterator[tuple[str, int]]:
+    """`rag-kvcache serve --max-batch max_batch` on a free port while in the block: (url, pid)."""
+    port = free_port()
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    server = subprocess.Popen([sys.executable, "-m", "rag_kvcache", "serve", "--index", str(args.work / "index"),
+                               "--port", str(port), "--max-queue", str(max_clients + 1), "--max-tokens",
+                               str(args.max_tokens), "--max-batch", str(max_batch)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        yield url, server.pid
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+
+
+def write_results(out: Path, levels: list[Level], metrics: dict[int, str], command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"command": command, "levels": [asdict(v) for v in levels]}, indent=1))
+    for b, text in metrics.items():
+        (out / f"metrics-max-batch-{b}.txt").write_text(text)
+    (out / "results.md").write_text(markdown(levels, command))
 
 
 def main() -> None:
@@ -155,6 +219,8 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads of the server")
+    p.add_argument("--max-batch", default="1,8", help="the servers' --max-batch values (1: one request at a time); "
+                                                      "one server each, their levels interleaved")
     p.add_argument("--work", type=Path, default=Path("serve-bench-work"), help="corpus and index (reused)")
     p.add_argument("--out", type=Path, default=Path("serve-bench-out"))
     args = p.parse_args()
@@ -163,51 +229,35 @@ def main() -> None:
 
     examples = load_dataset(args.dataset, "musique", top_k=args.top_k)[: args.questions]
     write_corpus(examples, args.work / "docs")
-    cli = [sys.executable, "-m", "rag_kvcache"]
-    subprocess.run([*cli, "index", str(args.work / "docs"), "--index", str(args.work / "index"),
-                    "--chunk-tokens", str(args.chunk_tokens)], check=True)
-    port = free_port()
-    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    server = subprocess.Popen([*cli, "serve", "--index", str(args.work / "index"), "--port", str(port),
-                               "--max-queue", str(max(clients) + 1), "--max-tokens", str(args.max_tokens)], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+    subprocess.run([sys.executable, "-m", "rag_kvcache", "index", str(args.work / "docs"), "--index",
+                    str(args.work / "index"), "--chunk-tokens", str(args.chunk_tokens)], check=True)
+    batches = [int(x) for x in args.max_batch.split(",")]
+    command = " ".join(["python", *sys.argv])
+    levels: list[Level] = []
+    metrics: dict[int, str] = {}
+    with ExitStack() as stack:  # one server per max batch, all up at once: their levels interleave in time
+        servers = {b: stack.enter_context(running_server(args, b, max(clients))) for b in batches}
+        url, _ = servers[batches[0]]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         prompts = []
         for ex in examples:
             hits = httpx.post(f"{url}/v1/retrieve", json={"query": ex.question, "top_k": args.top_k}, timeout=60)
             prompts.append((ex.question, [h["id"] for h in hits.raise_for_status().json()["data"]]))
-        levels = []
-        for method in methods:  # warm-up: one request per method, not measured
-            asyncio.run(run_level(url, model, prompts[:1], method, 1, 1, args.max_tokens, server.pid))
+        for b, (url, pid) in servers.items():
+            for method in methods:  # warm-up: one request per method and server, not measured
+                asyncio.run(run_level(url, model, prompts[:1], method, 1, 1, args.max_tokens, pid, b))
         for c in clients:
             for method in methods:
-                level = asyncio.run(run_level(url, model, prompts, method, c, args.requests_per_client,
-                                              args.max_tokens, server.pid))
-                print(f"{method} x{c}: {level.requests} requests, {level.errors} errors, TTFT p50 "
-                      f"{level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} req/s",
-                      flush=True)
-                levels.append(level)
-        metrics = httpx.get(f"{url}/metrics").text
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", *sys.argv])
-    (args.out / "results.json").write_text(json.dumps({"command": command, "levels": [asdict(v) for v in levels]},
-                                                      indent=1))
-    (args.out / "metrics.txt").write_text(metrics)
-    (args.out / "results.md").write_text(markdown(levels, command))
+                for b, (url, pid) in servers.items():
+                    level = asyncio.run(run_level(url, model, prompts, method, c, args.requests_per_client,
+                                                  args.max_tokens, pid, b))
+                    print(f"max batch {b}, {method} x{c}: {level.requests} requests, {level.errors} errors, TTFT "
+                          f"p50 {level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} "
+                          f"req/s, decode batch {level.mean_decode_batch:.1f}, load average {level.load_average:.1f}",
+                          flush=True)
+                    levels.append(level)
+                    metrics[b] = httpx.get(f"{url}/metrics").text
+                    write_results(args.out, levels, metrics, command)  # what a cut-off run measured is kept
     print(markdown(levels, command))
 
 
