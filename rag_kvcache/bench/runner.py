@@ -63,7 +63,7 @@ FIDELITY_KEYS = ("tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl")
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
 # Short parameter names used in labels ("cacheblend r=0.15") -> FusionConfig fields.
 PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
-METHOD_PARAMS = {"cacheblend": "r", "epic": "k"}
+METHOD_PARAMS = {"cacheblend": "r", "epic": "k", "cacheblend_heads": "k"}
 OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and first-token sampling
 
 
@@ -133,22 +133,34 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
-def plan(settings: BenchSettings, base: FusionConfig, config: Config) -> list[Variant]:
-    """The variants to run: each method at `base`'s parameters, then the sweep points not already there.
-    A method written `method@caches` runs on the caches of an index built with that `chunk_prefill` or
-    codec (`config`'s own are the default and are not written)."""
-    def at(method: str, value: float | int | None = None) -> Variant:
-        method, _, caches = method.partition("@")
-        caches = None if caches in ("", config.chunk_prefill, config.storage.codec) else caches
-        key = METHOD_PARAMS.get(method)
-        if key is None:
-            return Variant(method, caches=caches)
-        return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),), caches)
+def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | int | None = None) -> Variant:
+    """The variant `spec` names, written `METHOD[:PARAM=VALUE][@CACHES]`: `epic:k=24` sets the method's
+    parameter (`METHOD_PARAMS`; else `value`, else `base`'s), `@caches` runs it on the caches of an index
+    built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
+    spec, _, caches = spec.partition("@")
+    method, _, setting = spec.partition(":")
+    caches = None if caches in ("", config.chunk_prefill, config.storage.codec) else caches
+    key = METHOD_PARAMS.get(method)
+    if setting:
+        given, _, text = setting.partition("=")
+        if key is None or given != key:
+            raise ValueError(f"{spec!r}: {method} takes " + (f"only {key}=VALUE" if key else "no parameter"))
+        kind = type(getattr(base, PARAM_FIELDS[key]))  # int for epic's k, float for CacheBlend's r
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {key} must be a{'n int' if kind is int else ' number'}, got {text!r}") from None
+    if key is None:
+        return Variant(method, caches=caches)
+    return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),), caches)
 
-    variants = [at(method) for method in settings.methods]
+
+def plan(settings: BenchSettings, base: FusionConfig, config: Config) -> list[Variant]:
+    """The variants to run (`parse_variant`): each method as written, then the sweep points not already there."""
+    variants = [parse_variant(spec, base, config) for spec in settings.methods]
     if settings.sweep:
         sweep = [("cacheblend", v) for v in settings.sweep_ratios] + [("epic", v) for v in settings.sweep_epic_ks]
-        variants += [at(method, value) for method, value in sweep]
+        variants += [parse_variant(method, base, config, value) for method, value in sweep]
     return list(dict.fromkeys(variants))
 
 
@@ -542,8 +554,7 @@ def run_benchmark(
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
         if variant.method == "cacheblend":
             filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
-    base_method, _, base_caches = settings.baseline.partition("@")
-    baseline = next(v for v in variants if v.method == base_method and v.caches == (base_caches or None))  # default setting
+    baseline = parse_variant(settings.baseline, config.fusion, config)
     log.info("benchmarking %d questions x %d variants: %s (baseline %s)", len(examples), len(variants),
              ", ".join(v.label for v in variants), baseline.label)
 
