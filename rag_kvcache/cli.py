@@ -490,6 +490,7 @@ def bench(
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
     dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
+    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
     kv_remote: KVRemote = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
@@ -524,7 +525,7 @@ def bench(
         cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
-        cfg = cfg.with_storage(remote=kv_remote)
+        cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:
