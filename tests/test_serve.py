@@ -7,6 +7,7 @@ The tiny model's tokenizer has no chat template; the tests give a copy of it Cha
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -31,7 +32,9 @@ from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
 from rag_kvcache.generator import Answer
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
+from rag_kvcache.serving.metrics import ServerMetrics
 from rag_kvcache.serving.openai_api import create_app
+from rag_kvcache.serving.scheduler import Scheduler
 from rag_kvcache.serving.settings import ServerConfig
 
 CHATML = (
@@ -466,6 +469,38 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
             assert up_to_two < steps and batched.metric("rag_kvcache_decode_batch_size_bucket", le="4.0") == steps
     finally:
         stop_server(server, thread)
+
+
+def test_a_failing_prefill_fails_only_its_own_request(running):
+    """Three requests in one scheduler: the middle one's prompt is refused by the fusion (it ends with a
+    cached chunk); it gets that error, and the other two still decode together and answer as alone."""
+    engine = running.engine
+    records = engine.run(engine.index.chunks.get, top_ids(running))
+    fmt = engine.index.format
+    segments = fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=6)
+    *pieces, want = list(engine.stream(segments, fusion, generation))
+    metrics = ServerMetrics(engine.index.store.stats)
+
+    async def serve_three() -> list[object]:
+        scheduler = Scheduler(engine.generator, lambda fn, *args: asyncio.to_thread(engine.run, fn, *args), 3, metrics)
+
+        async def collect(segs) -> list[object]:
+            return [step async for step in scheduler.stream(segs, fusion, generation)]
+
+        try:
+            return await asyncio.gather(collect(segments), collect(segments[:-1]), collect(segments),
+                                        return_exceptions=True)
+        finally:
+            await scheduler.close()
+
+    first, refused, third = asyncio.run(serve_three())
+    assert isinstance(refused, ValueError) and "must end with an uncached segment" in str(refused)
+    for got in (first, third):
+        assert got[:-1] == pieces
+        assert (got[-1].generated_tokens, got[-1].cached_tokens) == (want.generated_tokens, want.cached_tokens)
+    sample = metrics.registry.get_sample_value
+    assert sample("rag_kvcache_decode_batch_size_sum") > sample("rag_kvcache_decode_batch_size_count")  # batched
 
 
 def test_streamed_events_are_sse_with_usage_last(running):

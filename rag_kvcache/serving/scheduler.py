@@ -103,15 +103,21 @@ class Scheduler:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
-        while True:
-            if not self.pending and not self.decoding:
-                self._wake.clear()
-                await self._wake.wait()
-            if self.pending and len(self.decoding) < self.max_batch:
-                await self._prefill(self.pending.popleft())
-            self._keep(lambda job: not job.cancelled)
-            if self.decoding:
-                await self._step(self.decoding)
+        try:
+            while True:
+                if not self.pending and not self.decoding:
+                    self._wake.clear()
+                    await self._wake.wait()
+                if self.pending and len(self.decoding) < self.max_batch:
+                    await self._prefill(self.pending.popleft())
+                self._keep(lambda job: not job.cancelled)
+                if self.decoding:
+                    await self._step(self.decoding)
+        except BaseException as e:  # stopped (shutdown) or broken: no request is left waiting for it
+            error = e if isinstance(e, Exception) else RuntimeError("the server is shutting down")
+            for job in [*self.pending, *self.decoding]:
+                job.fail(error)
+            raise
 
     async def _prefill(self, job: Job) -> None:
         if job.cancelled:
