@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from rag_kvcache.build.precompute import WriteBehind, compute_caches, equal_length_batches
 from rag_kvcache.config import Config
@@ -66,6 +67,8 @@ def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
         for layer in range(len(keys)):
             torch.testing.assert_close(stored.keys[layer], keys[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
             torch.testing.assert_close(stored.values[layer], values[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
+        with safe_open(index.store.path(index.key(chunk.token_ids)), "pt") as f:  # a plain safetensors file too
+            assert len(f.keys()) == 2 * len(keys) and torch.equal(f.get_tensor("v.1"), stored.values[1])
 
 
 def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):

@@ -28,7 +28,6 @@ from typing import Protocol
 import numpy as np
 import torch
 import xxhash
-from safetensors.torch import save
 
 from ..engine.cache import ChunkKV
 from .codecs import Codec, get_codec
@@ -179,19 +178,36 @@ class Backend(Counted, ABC):
             log.warning("could not remove the corrupt KV cache entry %s: %s", self.where(key), err)
 
 
-def encode_entry(kv: ChunkKV, codec: Codec) -> bytes:
-    """`kv` in the store's format: a safetensors file with checksummed tensors and a sealed header."""
+def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:
+    """`kv` in the store's format: a safetensors file with checksummed tensors and a sealed header.
+
+    The file is laid out here rather than by `safetensors.torch.save`, which copies every tensor into
+    bytes, then into its output, whose header sealing copied once more: each tensor is now copied once,
+    into the one buffer returned (a `bytearray`: file writes and redis-py take it as it is)."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(kv.n_layers):
         for kind, t in zip("kv", kv.layer(layer)):
             for suffix, part in codec.encode(t.detach().to("cpu")).items():
                 tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
-    meta = {name: _checksum(t) for name, t in tensors.items()}
-    meta |= {
+    header: dict = {"__metadata__": {name: _checksum(t) for name, t in tensors.items()} | {
         "format": FORMAT, "position": str(kv.position), "layers": str(kv.n_layers), "codec": codec.name,
         "dtype": str(kv.keys[0].dtype).removeprefix("torch."),
-    }
-    return _seal_header(save(tensors, metadata=meta))
+    }}
+    starts, end = [], 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": _DTYPE_NAMES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [end, end + t.nbytes]}
+        starts.append(end)
+        end += t.nbytes
+    header["__metadata__"][_HEADER_CHECKSUM] = _header_checksum(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+    out = bytearray(8 + len(raw) + end)
+    out[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
+    data = np.frombuffer(out, dtype=np.uint8, offset=8 + len(raw))  # [bytes of every tensor]
+    for start, t in zip(starts, tensors.values()):
+        data[start : start + t.nbytes] = t.view(-1).view(torch.uint8).numpy()
+    return out
 
 
 class Entry:
@@ -280,17 +296,6 @@ def _header_checksum(header: dict) -> str:
     meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != _HEADER_CHECKSUM}
     canonical = {**header, "__metadata__": meta}
     return xxhash.xxh3_128_hexdigest(json.dumps(canonical, sort_keys=True).encode())
-
-
-def _seal_header(data: bytes) -> bytes:
-    """A safetensors file with its header's checksum added to the header metadata. Data offsets are
-    relative to the end of the header, so a longer header leaves them valid."""
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header["__metadata__"][_HEADER_CHECKSUM] = _header_checksum(header)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
 
 
 def _verified_header(raw: bytes) -> dict:
