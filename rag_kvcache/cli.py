@@ -469,9 +469,10 @@ def bench(
     fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
-                                         "must include full. METHOD@CACHES runs METHOD on the caches of an index "
-                                         "over the same corpus built with --chunk-prefill CACHES, e.g. "
-                                         "reuse@neighbours.")] = BENCH_METHODS,
+                                         "must include full. METHOD:PARAM=VALUE sets its parameter (epic:k=19, "
+                                         "cacheblend:r=0.5); METHOD@CACHES runs METHOD on the caches of an index "
+                                         "over the same corpus built with --chunk-prefill or --kv-codec CACHES, "
+                                         "e.g. reuse@neighbours, cacheblend@int8-channel.")] = BENCH_METHODS,
     baseline: Annotated[str, typer.Option(help="Method the others' fidelity is compared with, question by question.")] = "cacheblend",
     chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
     top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
