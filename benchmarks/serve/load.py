@@ -175,29 +175,33 @@ def markdown(levels: list[Level], command: str) -> str:
 
 
 @contextmanager
-def running_server(args: argparse.Namespace, max_batch: int, max_clients: int) -> Iterator[tuple[str, int]]:
-    """`rag-kvcache serve --max-batch max_batch` on a free port while in the block: (url, pid)."""
+def running_server(args: argparse.Namespace, max_batch: int,
+                   max_clients: int) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rag-kvcache serve --max-batch max_batch` on a free port while in the block: (url, process). It may
+    still be loading: `wait_ready` before sending requests."""
     port = free_port()
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     server = subprocess.Popen([sys.executable, "-m", "rag_kvcache", "serve", "--index", str(args.work / "index"),
                                "--port", str(port), "--max-queue", str(max_clients + 1), "--max-tokens",
                                str(args.max_tokens), "--max-batch", str(max_batch)], env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
-        yield url, server.pid
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server at {url} did not start (exit status {server.poll()})")
+        time.sleep(0.5)
 
 
 def write_results(out: Path, levels: list[Level], metrics: dict[int, str], command: str) -> None:
@@ -237,20 +241,22 @@ def main() -> None:
     metrics: dict[int, str] = {}
     with ExitStack() as stack:  # one server per max batch, all up at once: their levels interleave in time
         servers = {b: stack.enter_context(running_server(args, b, max(clients))) for b in batches}
+        for url, proc in servers.values():  # they load their models at the same time
+            wait_ready(url, proc)
         url, _ = servers[batches[0]]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         prompts = []
         for ex in examples:
             hits = httpx.post(f"{url}/v1/retrieve", json={"query": ex.question, "top_k": args.top_k}, timeout=60)
             prompts.append((ex.question, [h["id"] for h in hits.raise_for_status().json()["data"]]))
-        for b, (url, pid) in servers.items():
+        for b, (url, proc) in servers.items():
             for method in methods:  # warm-up: one request per method and server, not measured
-                asyncio.run(run_level(url, model, prompts[:1], method, 1, 1, args.max_tokens, pid, b))
+                asyncio.run(run_level(url, model, prompts[:1], method, 1, 1, args.max_tokens, proc.pid, b))
         for c in clients:
             for method in methods:
-                for b, (url, pid) in servers.items():
+                for b, (url, proc) in servers.items():
                     level = asyncio.run(run_level(url, model, prompts, method, c, args.requests_per_client,
-                                                  args.max_tokens, pid, b))
+                                                  args.max_tokens, proc.pid, b))
                     print(f"max batch {b}, {method} x{c}: {level.requests} requests, {level.errors} errors, TTFT "
                           f"p50 {level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} "
                           f"req/s, decode batch {level.mean_decode_batch:.1f}, load average {level.load_average:.1f}",
