@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -123,28 +124,47 @@ def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | N
     raise AssertionError("stream() always ends with an Answer")
 
 
-def cached_head(segments: Sequence[Segment], min_tokens: int = MIN_SPAN) -> list[Segment]:
+def cached_head(segments: Sequence[Segment], tokenizer, min_tokens: int = MIN_SPAN) -> list[Segment]:
     """`segments` with the prompt's head (the tokens before its first chunk) cached at position 0, but
-    for its end where the first chunk's edge was re-tokenised, when some of it would be computed and
-    at least `min_tokens` of it can be cached.
+    for its end where the first chunk's text begins, when some of it would be computed and at least
+    `min_tokens` of it can be cached.
 
     A pipeline's own instructions (a prompt template's system message, e.g. LangChain's tutorial
     chain's) head every prompt it sends and are no indexed text. Their cache at position 0 is
     exact, as the system prefix's is: the index computes and stores it the first time (a cacheable
     segment at position 0 has no context), and every later prompt with the same head reads it, as
-    prefix caching does. The head's last tokens are the first chunk's tokens that did not match (its
-    run starts `offset` tokens into it) and the token they may have merged with: those differ from
-    chunk to chunk, so they stay computed and prompts with the same instructions and other chunks
-    share one cached head. A prompt without a chunk is left as it is (it is answered as `full`).
+    prefix caching does. The head's last tokens are chunk text that did not match, re-tokenised, and
+    the token before it, which may have merged with it: those differ from chunk to chunk, so they stay
+    computed and prompts with the same instructions and other chunks share one cached head. Where the
+    chunk text begins is found in text (`_head_end`), not by the first run's offset: that run may
+    start deep in a chunk whose earlier text is not in the prompt (another chunk with the same
+    sentences matched first, or a template that stripped the chunk's edge), and cutting the head by
+    its offset cut into the instructions, a different head for every prompt. A prompt without a chunk
+    is left as it is (it is answered as `full`).
     """
     first = next((i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix"), None)
     if not first or all(seg.cacheable for seg in segments[:first]):
         return list(segments)
     head = tuple(t for seg in segments[:first] for t in seg.ids)
-    n = len(head) - segments[first].offset - 1
+    run = segments[first]
+    n = _head_end(head, run.stored[: run.offset], tokenizer) - 1
     if n < min_tokens:
         return list(segments)
     return [Segment(head[:n], True, "prefix"), Segment(head[n:], False, "text"), *segments[first:]]
+
+
+def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
+    """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
+    `unmatched` ids before its first run, as far as the head's text ends with it (character for
+    character: the prompt may have re-tokenised or stripped it), is cut off at a token boundary."""
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+    whole, chunk = text(head), text(unmatched)
+    shared = next((k for k in range(min(len(whole), len(chunk))) if whole[-1 - k] != chunk[-1 - k]),
+                  min(len(whole), len(chunk)))
+    end = len(whole) - shared  # the head's text before the chunk's
+    return bisect_right(range(len(head) + 1), end, key=lambda n: len(text(head[:n]))) - 1
 
 
 class FusedGenerator:
@@ -207,7 +227,7 @@ class FusedGenerator:
         ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
-        out = cached_head(with_runs(segments, runs))
+        out = cached_head(with_runs(segments, runs), self.adapter.tokenizer)
         method = (fusion or self.index.config.fusion).method
         if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in out):
             log.warning(

@@ -137,3 +137,19 @@ def test_a_short_head_stays_computed(index):
     context = chunk_texts(index)[0].text
     segments = FusedGenerator(index).prompt_segments(f"Notes: {context}\n\nQuestion: when?\nAnswer:")
     assert not segments[0].cacheable and segments[1].label.startswith("chunk:")
+
+
+def test_the_head_ends_where_the_chunk_text_begins_not_at_the_runs_offset(index):
+    """A prompt that quotes a chunk from its middle (its first run starts deep in the chunk) caches the
+    same head as one that quotes whole chunks. Cut at the run's offset, the head lost as many tokens of
+    the instructions as the chunk had before the run: a different head, and a new cache computed, for
+    every prompt (LlamaIndex's template on MuSiQue: 7 heads in 12 prompts)."""
+    chunk = chunk_texts(index)[0]
+    generator = FusedGenerator(index)
+    whole = generator.prompt_segments(f"{INSTRUCTIONS}{chunk.text}\n\nQuestion: why?\nAnswer:")
+    words = chunk.text.split()
+    part = generator.prompt_segments(f"{INSTRUCTIONS}{' '.join(words[4:])}\n\nQuestion: why?\nAnswer:")
+    run = next(s for s in part if s.cacheable and s.label != "prefix")
+    assert run.offset >= 4 and run.label == f"chunk:{chunk.id}"  # the run starts deep in the chunk
+    assert whole[0].label == part[0].label == "prefix"
+    assert part[0].ids == whole[0].ids
