@@ -318,10 +318,10 @@ def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monk
 
 def test_plan_reads_a_parameter_written_with_the_method():
     """`METHOD:PARAM=VALUE[@CACHES]` sets that variant's parameter; the others keep the base's."""
-    settings = BenchSettings(methods=("full", "cacheblend", "cacheblend:r=0.5", "epic:k=24@neighbours",
-                                      "cacheblend_heads:k=8"), baseline="cacheblend:r=0.5")
+    settings = BenchSettings(methods=("full", "cacheblend", "cacheblend:r=0.5", "epic:k=24@neighbours"),
+                             baseline="cacheblend:r=0.5")
     labels = [v.label for v in plan(settings, FusionConfig(ratio=0.15, epic_k=16), Config())]
-    assert labels == ["full", "cacheblend r=0.15", "cacheblend r=0.5", "epic@neighbours k=24", "cacheblend_heads k=8"]
+    assert labels == ["full", "cacheblend r=0.15", "cacheblend r=0.5", "epic@neighbours k=24"]
     assert runner.parse_variant("epic:k=24", FusionConfig(), Config()).fusion(FusionConfig()).epic_k == 24
     for bad, message in [("reuse:k=3", "reuse takes no parameter"), ("epic:r=0.1", "epic takes only k=VALUE"),
                          ("epic:k=2.5", "k must be an int, got '2.5'"), ("cacheblend:r=x", "r must be a number")]:

@@ -7,7 +7,7 @@ import torch
 from test_fusion import ATOL, rag_prompt, run
 
 from rag_kvcache.config import FusionConfig
-from rag_kvcache.engine.methods import chunk_heads, repick_schedule
+from rag_kvcache.engine.methods import repick_schedule
 
 
 def reusable_token_layers(result, inp) -> int:
@@ -47,33 +47,3 @@ def test_repick_stays_within_cacheblend_budget_and_narrows(tiny, ratio):
     assert reusable_token_layers(repick, inp) <= reusable_token_layers(blend, inp) + slack
     counts = repick.active_per_layer
     assert counts[1] > counts[2] > counts[3]
-
-
-def test_cacheblend_heads_at_full_ratio_equals_full(tiny):
-    inp = rag_prompt(tiny)
-    ref = run(tiny, inp, "full")
-    out = run(tiny, inp, "cacheblend_heads", ratio=1.0, epic_k=4)
-    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
-    for v, vr in zip(out.values, ref.values):
-        torch.testing.assert_close(v, vr, atol=ATOL, rtol=0)
-
-
-def test_cacheblend_heads_recomputes_every_chunk_head_within_cacheblend_budget(tiny):
-    """Same token count per layer as CacheBlend; at the last layer every chunk head was recomputed (its K
-    differs from the reused cache's, which `reuse` leaves in place)."""
-    inp = rag_prompt(tiny, n_chunks=4, chunk_len=40)
-    blend = run(tiny, inp, "cacheblend", ratio=0.3)
-    out = run(tiny, inp, "cacheblend_heads", ratio=0.3, epic_k=4)
-    assert out.active_per_layer == blend.active_per_layer
-    reused = run(tiny, inp, "reuse")
-    recomputed = (out.keys[-1] - reused.keys[-1]).abs().amax(dim=(0, 2)) > ATOL  # [N]
-    heads = chunk_heads(inp, 4)  # [N]
-    assert int(heads.sum()) == 4 * 3  # chunks 1-3 (chunk 0 sits right after the prefix: exact)
-    assert recomputed[heads].all()
-    assert int((recomputed & inp.reusable).sum()) == out.active_per_layer[-1] - int(inp.fresh.sum())
-
-
-def test_cacheblend_heads_keeps_the_heads_when_they_exceed_the_budget(tiny):
-    inp = rag_prompt(tiny, n_chunks=4, chunk_len=40)
-    out = run(tiny, inp, "cacheblend_heads", ratio=0.01, epic_k=8)
-    assert out.active_per_layer[-1] == int(inp.fresh.sum()) + int(chunk_heads(inp, 8).sum())

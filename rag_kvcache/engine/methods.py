@@ -10,7 +10,6 @@ picks the tokens it computes:
 - `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
 - `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
                K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
-- `cacheblend_heads` CacheBlend whose picks always include EPIC's chunk heads, within its budget.
 
 A new method is one function decorated with `@register("name")`; the CLI, the bench and the
 integrations find it by name.
@@ -96,17 +95,11 @@ def reuse(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None
 @register("epic")
 def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
-    return selective_prefill(adapter, inp, (inp.fresh | chunk_heads(inp, cfg.epic_k)).nonzero()[:, 0], clock=clock,
-                             reader=reader)
-
-
-def chunk_heads(inp: FusionInput, k: int) -> torch.Tensor:
-    """The first `k` tokens of every inexact cached chunk [N] (EPIC's LegoLink heads)."""
     heads = inp.token_mask(lambda p: False)  # [N]
     for p in inp.parts:
         if p.kv is not None and not p.exact:
-            heads[p.start : p.start + min(k, len(p.segment.ids))] = True
-    return heads
+            heads[p.start : p.start + min(cfg.epic_k, len(p.segment.ids))] = True
+    return selective_prefill(adapter, inp, (inp.fresh | heads).nonzero()[:, 0], clock=clock, reader=reader)
 
 
 def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
@@ -124,25 +117,21 @@ def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 
 def hkvd_prefill(
     adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, schedule: dict[int, float], clock=None, reader=None,
-    pinned: torch.Tensor | None = None,
 ) -> FusionResult:
     """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
-    uncached token; all non-exact tokens are computed up to the first such layer. `pinned` reusable
-    tokens [N] are kept first, inside the fraction (beyond it only where they alone exceed it)."""
+    uncached token; all non-exact tokens are computed up to the first such layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
-    pinned = torch.zeros_like(fresh) if pinned is None else pinned & reusable  # [N]
     n_reusable = int(reusable.sum())
     which = 0 if cfg.deviation == "k" else 1
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
         if layer not in schedule:
             return None
-        forced, kept = fresh[active], pinned[active]  # [A], [A]
+        forced = fresh[active]  # [A]
         score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
-        score[forced | kept] = math.inf
-        budget = max(int(kept.sum()), round(schedule[layer] * n_reusable))
-        return select_tokens(score, int(forced.sum()) + budget)  # [A']
+        score[forced] = math.inf
+        return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
 
     return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
 
@@ -173,11 +162,3 @@ def cacheblend_repick(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig
     """CacheBlend with re-selection: pick more HKVD tokens at the check layer, then at each re-pick layer
     keep those whose fresh K (or V) still deviates most from the cache there; CacheBlend's budget."""
     return hkvd_prefill(adapter, inp, cfg, repick_schedule(cfg, adapter.layout.n_layers), clock, reader)
-
-
-@register("cacheblend_heads")
-def cacheblend_heads(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
-    """CacheBlend whose picks always include the first `epic_k` tokens of every inexact chunk (EPIC's
-    heads), the rest of its budget going to the HKVD tokens; CacheBlend's schedule and budget."""
-    return hkvd_prefill(adapter, inp, cfg, filter_schedule(cfg, adapter.layout.n_layers), clock, reader,
-                        pinned=chunk_heads(inp, cfg.epic_k))
