@@ -53,6 +53,7 @@ class Level:
     peak_rss_mib: float
     mean_decode_batch: float  # requests per batched decoding step over the level (server side)
     load_average: float  # the machine's 1-minute load average when the level ended
+    server_cpu_s_per_request: float  # the server process's CPU time (user + system) over the level, per request
 
 
 def free_port() -> int:
@@ -66,6 +67,12 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no {field} for process {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,6 +115,7 @@ async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], 
     results, errors = [], 0
     peak = rss_mib(server_pid)
     steps0, rows0 = decode_batches(url)
+    cpu0 = cpu_seconds(server_pid)
 
     async def worker() -> None:
         nonlocal errors
@@ -132,6 +140,7 @@ async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], 
     sampler.cancel()
     await client.close()
     steps1, rows1 = decode_batches(url)
+    cpu1 = cpu_seconds(server_pid)
     ttfts = [r[0] for r in results]
     return Level(
         max_batch=max_batch, method=method, clients=clients, requests=len(results), errors=errors, wall_s=wall,
@@ -140,17 +149,19 @@ async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], 
         output_tokens_per_s=sum(r[2] for r in results) / wall,
         cached_fraction=sum(r[4] for r in results) / max(1, sum(r[3] for r in results)), peak_rss_mib=peak,
         mean_decode_batch=(rows1 - rows0) / max(1.0, steps1 - steps0), load_average=os.getloadavg()[0],
+        server_cpu_s_per_request=(cpu1 - cpu0) / max(1, len(results)),
     )
 
 
 def markdown(levels: list[Level], command: str) -> str:
     header = ("| max batch | method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | "
-              "out tok/s | cached | decode batch | server peak RSS (MiB) | load avg |")
-    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "out tok/s | cached | decode batch | server CPU s/request | server peak RSS (MiB) | load avg |")
+    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in levels:
         lines.append(f"| {v.max_batch} | {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | "
                      f"{v.ttft_p99_s:.2f} | {v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
-                     f"{v.cached_fraction:.0%} | {v.mean_decode_batch:.1f} | {v.peak_rss_mib:.0f} | {v.load_average:.1f} |")
+                     f"{v.cached_fraction:.0%} | {v.mean_decode_batch:.1f} | {v.server_cpu_s_per_request:.1f} | "
+                     f"{v.peak_rss_mib:.0f} | {v.load_average:.1f} |")
     by = {(v.max_batch, v.method, v.clients): v for v in levels}
     batches = sorted({v.max_batch for v in levels})
     top = max(v.clients for v in levels)
@@ -163,14 +174,22 @@ def markdown(levels: list[Level], command: str) -> str:
                            "(target: below).")]
     if len(batches) > 1:
         lo, hi = batches[0], batches[-1]
-        lines += ["", f"requests/s with max batch {hi} over max batch {lo}:", "",
-                  "| method | " + " | ".join(f"{c} clients" for c in sorted({v.clients for v in levels})) + " |",
-                  "|---|" + "---|" * len({v.clients for v in levels})]
+        counts = sorted({v.clients for v in levels})
+        lines += ["", (f"max batch {hi} over max batch {lo}: requests/s (wall clock; moves with the machine's "
+                       f"load), and the server's CPU seconds per request of max batch {lo} over {hi} (the work "
+                       "batching saves; steadier on a shared machine):"), "",
+                  "| method | " + " | ".join(f"req/s, {c} clients | CPU/request, {c} clients" for c in counts) + " |",
+                  "|---|" + "---|---|" * len(counts)]
         for method in dict.fromkeys(v.method for v in levels):
-            ratios = [by[hi, method, c].requests_per_s / by[lo, method, c].requests_per_s
-                      if (hi, method, c) in by and (lo, method, c) in by else float("nan")
-                      for c in sorted({v.clients for v in levels})]
-            lines.append(f"| {method} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+            cells = []
+            for c in counts:
+                if (hi, method, c) in by and (lo, method, c) in by:
+                    a, b = by[hi, method, c], by[lo, method, c]
+                    cells += [f"{a.requests_per_s / b.requests_per_s:.2f}x",
+                              f"{b.server_cpu_s_per_request / a.server_cpu_s_per_request:.2f}x"]
+                else:
+                    cells += ["-", "-"]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +278,8 @@ def main() -> None:
                                                   args.max_tokens, proc.pid, b))
                     print(f"max batch {b}, {method} x{c}: {level.requests} requests, {level.errors} errors, TTFT "
                           f"p50 {level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} "
-                          f"req/s, decode batch {level.mean_decode_batch:.1f}, load average {level.load_average:.1f}",
+                          f"req/s, decode batch {level.mean_decode_batch:.1f}, server CPU {level.server_cpu_s_per_request:.1f} s/request, "
+                          f"load average {level.load_average:.1f}",
                           flush=True)
                     levels.append(level)
                     metrics[b] = httpx.get(f"{url}/metrics").text
