@@ -159,7 +159,7 @@ class KVIndex:
                 max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
             )
             if self.config.chunk_prefill == "neighbours":
-                self.precompute_neighbours(report.new_chunks, progress)
+                self.precompute_neighbours(self.unrecorded_chunks(), progress)
             self.collect(used)
         self.flush_stats()
         return report
@@ -176,7 +176,7 @@ class KVIndex:
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
             )
             if self.config.chunk_prefill == "neighbours":
-                self.precompute_neighbours(report.new_chunks, progress)
+                self.precompute_neighbours(self.unrecorded_chunks(), progress)
             self.collect(used)
         self.flush_stats()
         return report
@@ -269,6 +269,12 @@ class KVIndex:
                 bar.update(len(todo[i]))
         bar.close()
         return len(todo)
+
+    def unrecorded_chunks(self) -> list[ChunkRecord]:
+        """`chunk_prefill="neighbours"`: the indexed chunks without recorded neighbours: this run's new
+        ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
+        table = self._neighbours
+        return [c for c in self.chunks.all_chunks() if self._neighbour_key(c.token_ids) not in table]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"`: for each of `chunks` (already in the index), find its

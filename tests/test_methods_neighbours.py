@@ -97,3 +97,25 @@ def test_another_setting_is_a_miss(tiny, index):
     assert one.key(chunk.token_ids, layout(one, near[:1])) not in index.store
     assert plain.key(chunk.token_ids) not in index.store
     assert plain.context_at(1000, chunk.token_ids) == plain.format.prefix_ids  # no neighbours outside the mode
+
+
+def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny, index, tmp_path, monkeypatch):
+    """Chunks are committed before their neighbours are recorded: a run killed in between leaves chunks
+    without neighbour caches, and the next update (with nothing new to index) computes them."""
+    (tmp_path / "docs" / "harbour.txt").write_text("The harbour of Saltmere freezes over in hard winters, and the "
+                                                    "fishing boats are then drawn up on the shingle beach.")
+    def killed(chunks, progress=True):
+        raise KeyboardInterrupt("killed while computing neighbour caches")
+
+    monkeypatch.setattr(index, "precompute_neighbours", killed)
+    with pytest.raises(KeyboardInterrupt):
+        index.update(tmp_path / "docs", progress=False)
+    monkeypatch.undo()
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    missing = reopened.unrecorded_chunks()
+    assert missing and all(c.source.endswith("harbour.txt") for c in missing)
+    report = reopened.update(tmp_path / "docs", progress=False)
+    assert not report.new_chunks and reopened.unrecorded_chunks() == []
+    for chunk in missing:
+        context = reopened.context_at(1000, chunk.token_ids)
+        assert context != reopened.chunk_context and reopened.key(chunk.token_ids, context) in reopened.store
