@@ -10,8 +10,8 @@ a remote hit; remote read throughput; TTFT with the caches read from Redis, the 
    chunk cache goes to A's disk tier and to Redis.
 3. Process B (this script again, `reader`, another subprocess) copies A's index without its caches
    (another machine holding the same index files) and opens it with `--kv-remote`, memory tier off and an
-   empty disk tier; it asks the first question (top 6 chunks) and reports the tier counters: every
-   chunk read is a remote hit, none recomputed. Then:
+   empty disk tier; it asks the first question (top 6 chunks) and reports the tier counters (a shared
+   tier works when every chunk read is a remote hit and none is recomputed). Then:
    - remote read throughput: each retrieved entry opened from Redis and read layer by layer (`GETRANGE`s
      of a layer's tensors in one pipelined request, then each tensor's xxh3 checked), MB/s per layer
      read and per whole entry; beside it the same entries read from A's disk tier, with the page cache
@@ -24,7 +24,8 @@ a remote hit; remote read throughput; TTFT with the caches read from Redis, the 
      memory tier filled by one ask), `--repeats` rounds, sources interleaved within a round so that
      load from other processes hits all of them.
 
-Results go to `OUT/results.json`; the load average is recorded with every phase.
+Results go to `OUT/results.json`, the load average recorded with every phase; what they were in this
+repository's run: `README.md` beside this script.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="musique_dev.json")
     parser.add_argument("--out", type=Path, required=True, help="work folder (emptied); results.json goes here")
-    parser.add_argument("--questions", type=int, default=2, help="MuSiQue questions whose passages are indexed")
-    parser.add_argument("--repeats", type=int, default=3, help="TTFT rounds")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in both processes")
+    parser.add_argument("--questions", type=int, default=1, help="MuSiQue questions whose passages are indexed")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of reads and of TTFT")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in both processes (1 on a loaded machine)")
     parser.add_argument("--maxmemory", default="2gb", help="redis-server --maxmemory")
     args = parser.parse_args()
 
