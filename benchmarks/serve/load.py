@@ -241,7 +241,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads of the server")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each server (on a shared 2-core "
+                                                          "machine 2 threads made every step 7-12x slower)")
     p.add_argument("--max-batch", default="1,8", help="the servers' --max-batch values (1: one request at a time); "
                                                       "one server each, their levels interleaved")
     p.add_argument("--work", type=Path, default=Path("serve-bench-work"), help="corpus and index (reused)")
