@@ -350,22 +350,32 @@ class KVIndex:
         A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
         prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
         to its context; a sequence several segments read is opened once.
+
+        The first chunk behind another head than the system prefix (a pipeline's own instructions,
+        cached at position 0, then computed text) gets the cache of its run behind exactly the prompt's
+        tokens before it: exact, as the first chunk behind the system prefix is, computed and stored by
+        the first prompt with that head and chunk and read by the next ones (prefix caching).
         """
         sources: list[LayerSource | None] = []
         contexts: list[tuple[int, ...]] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
         missing = start = 0
+        head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
+        before: list[int] = []  # the prompt's tokens so far, while they are a head and computed text
         for seg in segments:
             ctx = () if start == 0 else self.context_at(start - seg.offset, seg.stored)
+            whole = seg.stored
+            behind_head = head and start > 0 and seg.cacheable and before is not None
+            if behind_head:
+                ctx, whole = tuple(before), seg.ids
             source: LayerSource | None = None
             if seg.cacheable:
-                whole = seg.stored
                 key = self.key(whole, ctx)
                 if key not in opened:
                     entry = self.store.open(key)
                     if entry is None:
-                        opened[key] = self._repair(key, whole, ctx)
+                        opened[key] = self._repair(key, whole, ctx, first_use=behind_head)
                         recomputed.add(key)
                     else:
                         opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
@@ -374,15 +384,17 @@ class KVIndex:
                 missing += start > 0 and key in recomputed  # per segment; the prefix is not a retrieved chunk
                 if len(seg.ids) < len(whole):
                     source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
-                ctx = ctx + whole[: seg.offset]
+                    ctx = ctx + whole[: seg.offset]
             sources.append(source)
             contexts.append(ctx)
             start += len(seg.ids)
+            before = None if before is None or (start > len(seg.ids) and seg.cacheable) else before + list(seg.ids)
         return PromptCaches(sources, contexts, missing, list(opened.values()))
 
-    def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+    def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
-        the recomputed cache serves the query that found the fault)."""
+        the recomputed cache serves the query that found the fault); `first_use`: a cache made on demand
+        (a chunk behind a new head), computed for the first time, not repaired."""
         kv = next(self.compute([ids], context))[1]
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
@@ -390,9 +402,12 @@ class KVIndex:
         try:
             self.store.put(key, kv)
         except OSError as err:
-            log.warning("recomputed the KV cache %s but could not store it: %s", key, err)
+            log.warning("computed the KV cache %s but could not store it: %s", key, err)
         else:
-            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
+            if first_use:
+                log.info("stored the KV cache %s of a chunk run behind a new prompt head (%d tokens)", key, len(ids))
+            else:
+                log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
         return kv
 
     def close(self) -> None:

@@ -153,3 +153,25 @@ def test_the_head_ends_where_the_chunk_text_begins_not_at_the_runs_offset(index)
     assert run.offset >= 4 and run.label == f"chunk:{chunk.id}"  # the run starts deep in the chunk
     assert whole[0].label == part[0].label == "prefix"
     assert part[0].ids == whole[0].ids
+
+
+def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt_on(index):
+    """Behind a pipeline's own instructions the first chunk's behind-prefix cache is not exact; its run's
+    cache behind exactly the prompt's tokens before it is made by the first prompt with that head and
+    chunk, and read (exact) by the next: `prefix` then equals `full` computing only what follows it."""
+    instructions = ("Answer the question from the excerpts of the archive below, quoting names and dates as they "
+                    "are written there, and say so when the excerpts do not tell.\n\n")
+    context = "\n\n".join(c.text for c in chunk_texts(index))
+    prompts = [f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
+    generator = FusedGenerator(index)
+    first = ask(index, prompts[0], "reuse")
+    assert first.cache_misses == 1  # the first chunk's run behind this head, computed now (the head is not a chunk)
+    segments = generator.prompt_segments(prompts[1])
+    caches = index.open_caches(segments)
+    assert caches.missing == 0
+    inp = FusionInput.build(segments, caches.sources, caches.contexts)
+    head, edge, chunk = inp.parts[:3]
+    assert head.exact and chunk.kv is not None and chunk.exact and not [p for p in inp.parts[3:] if p.exact]
+    exact, full = ask(index, prompts[1], "prefix"), ask(index, prompts[1], "full")
+    torch.testing.assert_close(exact.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+    assert exact.recomputed_tokens == inp.n_tokens - len(head.segment.ids) - len(chunk.segment.ids)
