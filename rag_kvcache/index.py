@@ -381,7 +381,8 @@ class KVIndex:
                         opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
                             entry, partial(self._repair, key, whole, ctx))
                 source = opened[key]
-                missing += start > 0 and key in recomputed  # per segment; the prefix is not a retrieved chunk
+                # per segment; neither the prefix nor a chunk's first cache behind a new head is a missing one
+                missing += start > 0 and key in recomputed and not behind_head
                 if len(seg.ids) < len(whole):
                     source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
                     ctx = ctx + whole[: seg.offset]

@@ -164,11 +164,12 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     context = "\n\n".join(c.text for c in chunk_texts(index))
     prompts = [f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
     generator = FusedGenerator(index)
-    first = ask(index, prompts[0], "reuse")
-    assert first.cache_misses == 1  # the first chunk's run behind this head, computed now (the head is not a chunk)
     segments = generator.prompt_segments(prompts[1])
+    keys = [index.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
+    assert segments[2].label.startswith("chunk:") and keys[0] not in index.store
+    first = ask(index, prompts[0], "reuse")
+    assert keys[0] in index.store and first.cache_misses == 0  # made now, and not a missing indexed cache
     caches = index.open_caches(segments)
-    assert caches.missing == 0
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     head, edge, chunk = inp.parts[:3]
     assert head.exact and chunk.kv is not None and chunk.exact and not [p for p in inp.parts[3:] if p.exact]

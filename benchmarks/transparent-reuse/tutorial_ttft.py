@@ -4,12 +4,10 @@ chunks, interleaved in one process (issue 11's "done when").
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
 prompt's own layout); the tutorial chain sends a system message of instructions with the documents
-joined by `format_docs`, then the question. A third layout is a counterfactual: the tutorial's prompt
-with its first chunk's cache computed behind the tutorial's own instructions (exact there; the index
-stores no such cache), timed from the fusion on; it says how much of the gap that chunk's inexact cache is.
+joined by `format_docs`, then the question.
 
-Every question is first asked once in each layout untimed (the tutorial head's cache is computed and
-stored then, as a pipeline's first request does), then `--repeats` times, the order of the layouts
+Every question is first asked once in each layout untimed (the tutorial head's cache, and its first
+chunk's behind that head, are computed and stored then, as a pipeline's first request does), then `--repeats` times, the order of the layouts
 reversed every other repeat. Printed: per question and layout, where the prompt's tokens are (computed:
 no cache; cached inexact: CacheBlend's candidates; cached exact) split by place (head, first chunk, the
 other chunks, edges between chunks, after the last chunk), and the tokens CacheBlend recomputed; then the
@@ -38,11 +36,7 @@ import torch
 from scipy.stats import bootstrap
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
-from rag_kvcache.engine.cache import SliceKV
-from rag_kvcache.engine.fusion import DirectReader, FusionInput
-from rag_kvcache.engine.generation import Decoder
-from rag_kvcache.engine.methods import get_method
-from rag_kvcache.engine.profiling import StageClock
+from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
@@ -51,7 +45,6 @@ TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tes
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer "
     "the question. Keep the answer concise.\n\n{context}"
 )
-EXACT_FIRST = "tutorial, first chunk exact"  # the counterfactual layout (`first_chunk_exact`)
 QUESTIONS = (  # about the bundled demo documents
     "What is the name of the main telescope of the Veldmark Observatory?", "Who founded the Veldmark Observatory?",
     "What does the Saltmere bakery sell?", "When was the lighthouse on Tessaly lit?",
@@ -89,25 +82,6 @@ def places(inp: FusionInput) -> Counter:
     return out
 
 
-def first_chunk_exact(index: KVIndex, segments: list[Segment]) -> FusionInput:
-    """The prompt's layout with its first chunk's cache computed behind the prompt's own tokens before it
-    (what caches computed behind the pipeline's instructions would give; the index stores no such cache):
-    the counterfactual that says how much of the gap the first chunk's inexact cache is."""
-    caches = index.open_caches(segments)
-    sources, contexts = list(caches.sources), list(caches.contexts)
-    first = next(i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix")
-    seg, before = segments[first], tuple(t for s in segments[:first] for t in s.ids)
-    if seg.offset:
-        raise ValueError(f"the first chunk's run starts {seg.offset} tokens into it: not measured")
-    kv = next(index.compute([seg.stored], before))[1]
-    sources[first] = kv if len(seg.ids) == len(seg.stored) else SliceKV(kv, 0, len(seg.ids))
-    contexts[first] = before
-    inp = FusionInput.build(segments, sources, contexts, device=index.adapter.device)
-    if not inp.parts[first].exact:
-        raise AssertionError("the first chunk's cache computed behind the prompt's head is not exact there")
-    return inp
-
-
 def median_ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
     """The median of per-question ratios and its 95% percentile-bootstrap CI over questions."""
     ci = bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, n_resamples=10_000, method="percentile",
@@ -140,48 +114,30 @@ def main() -> None:
         turns = [ChatTurn("system", (TUTORIAL_SYSTEM.format(context=context),)), ChatTurn("user", (question,))]
         return generator.find_chunks(chat_segments(tokenizer, system, turns), fusion)
 
-    def exact_first_timed(inp: FusionInput) -> tuple[float, int, dict[str, float]]:
-        """TTFT (fusion and first sampling, as `FusedGenerator.stream` times it) of a laid-out prompt."""
-        t0 = time.perf_counter()
-        clock = StageClock(index.adapter.device)
-        reader = DirectReader(inp.sources, inp.ids.device)
-        result = get_method(fusion.method)(index.adapter, inp, fusion, clock, reader)
-        Decoder(index.adapter, generation).sample(result.logits)
-        return time.perf_counter() - t0, result.recomputed_tokens, result.stages
-
     layouts = {"create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain}
     hits = {q: index.search(q, cfg.top_k) for q in QUESTIONS}
-    counterfactual = {q: first_chunk_exact(index, tutorial_chain(hits[q], q)) for q in QUESTIONS}
-    for question in QUESTIONS:  # untimed: the tutorial head's cache is computed the first time it is seen
+    for question in QUESTIONS:  # untimed: the tutorial head's caches are computed the first time it is seen
         for name, layout in layouts.items():
             *_, answer = generator.stream(layout(hits[question], question), fusion, generation)
             print(name, json.dumps({"question": question, "recomputed": answer.recomputed_tokens,
                                     "untimed_kv_load_s": round(answer.stages["kv_load"], 4),
                                     **places(laid_out(index, layout(hits[question], question)))}))
-        recomputed = exact_first_timed(counterfactual[question])[1]
-        print(EXACT_FIRST, json.dumps({"question": question, "recomputed": recomputed,
-                                       **places(counterfactual[question])}))
     rows: list[dict] = []
     for repeat in range(args.repeats):
         for question in QUESTIONS:
-            names = [*layouts, EXACT_FIRST]
-            for name in names if repeat % 2 == 0 else reversed(names):
+            for name in layouts if repeat % 2 == 0 else reversed(layouts):
                 t0, c0 = time.perf_counter(), time.process_time()
-                if name == EXACT_FIRST:  # the prompt as the tutorial's, its build not counted
-                    build_s = 0.0
-                    ttft, recomputed, stages = exact_first_timed(counterfactual[question])
-                else:
-                    segments = layouts[name](hits[question], question)
-                    build_s = time.perf_counter() - t0
-                    *_, answer = generator.stream(segments, fusion, generation)
-                    ttft, recomputed, stages = answer.ttft_s, answer.recomputed_tokens, answer.stages
+                segments = layouts[name](hits[question], question)
+                build_s = time.perf_counter() - t0
+                *_, answer = generator.stream(segments, fusion, generation)
+                ttft, recomputed, stages = answer.ttft_s, answer.recomputed_tokens, answer.stages
                 rows.append({"layout": name, "question": question, "repeat": repeat, "ttft_s": ttft,
                              "build_s": build_s, "cpu_s": time.process_time() - c0, "recomputed": recomputed,
                              "stages": stages})
     load_end = os.getloadavg()
     if args.json:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for name in [*layouts, EXACT_FIRST]:
+    for name in layouts:
         mine = [r for r in rows if r["layout"] == name]
         stages = {s: round(statistics.median(r["stages"].get(s, 0.0) for r in mine), 4) for s in mine[0]["stages"]}
         print(f"{name}: TTFT median {statistics.median(r['ttft_s'] for r in mine):.3f} s, build median "
@@ -199,14 +155,12 @@ def main() -> None:
         ("tutorial", "TTFT", lambda r: r["ttft_s"]),
         ("tutorial", "TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
         ("tutorial", "CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
-        (EXACT_FIRST, "TTFT", lambda r: r["ttft_s"]),
-        (EXACT_FIRST, "CPU time (TTFT)", lambda r: r["cpu_s"]),
     ):
         ratios = per_question(layout, key)
         mid, low, high = median_ratio_ci(ratios)
         print(f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
               f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}")
-    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x 3 layouts; load average at end {load_end}")
+    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x 2 layouts; load average at end {load_end}")
 
 
 if __name__ == "__main__":
