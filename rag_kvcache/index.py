@@ -375,7 +375,7 @@ class KVIndex:
                 if key not in opened:
                     entry = self.store.open(key)
                     if entry is None:
-                        opened[key] = self._repair(key, whole, ctx, first_use=behind_head)
+                        opened[key] = self._repair(key, whole, ctx, first_use=behind_head or (head and start == 0))
                         recomputed.add(key)
                     else:
                         opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
@@ -395,7 +395,7 @@ class KVIndex:
     def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
         the recomputed cache serves the query that found the fault); `first_use`: a cache made on demand
-        (a chunk behind a new head), computed for the first time, not repaired."""
+        (a new prompt head, or a chunk behind it), computed for the first time, not repaired."""
         kv = next(self.compute([ids], context))[1]
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
@@ -406,7 +406,7 @@ class KVIndex:
             log.warning("computed the KV cache %s but could not store it: %s", key, err)
         else:
             if first_use:
-                log.info("stored the KV cache %s of a chunk run behind a new prompt head (%d tokens)", key, len(ids))
+                log.info("stored the KV cache %s of a new prompt head or a chunk behind it (%d tokens)", key, len(ids))
             else:
                 log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
         return kv
