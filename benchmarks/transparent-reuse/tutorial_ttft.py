@@ -1,10 +1,11 @@
-"""Cacheblend TTFT of LangChain's tutorial-chain prompt beside `create_kv_rag_chain`'s, same question and
-chunks, interleaved in one process (issue 11's "done when").
+"""Cacheblend TTFT of LangChain's tutorial-chain prompt, and of LlamaIndex's default query engine's,
+beside `create_kv_rag_chain`'s, same question and chunks, interleaved in one process (issue 11's "done when").
 
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
 prompt's own layout); the tutorial chain sends a system message of instructions with the documents
-joined by `format_docs`, then the question.
+joined by `format_docs`, then the question; LlamaIndex's sends its text-QA system message, then the
+default text-QA template over the stripped chunk texts (`rag_kvcache.bench.prompts`).
 
 Every question is first asked once in each layout untimed (the tutorial head's cache, and its first
 chunk's behind that head, are computed and stored then, as a pipeline's first request does), then `--repeats` times, the order of the layouts
@@ -23,6 +24,7 @@ machine disturb far less than the wall clock; with `--threads 1` it is the singl
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from scipy.stats import bootstrap
 
+from rag_kvcache.bench.prompts import style_messages
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
@@ -114,7 +117,12 @@ def main() -> None:
         turns = [ChatTurn("system", (TUTORIAL_SYSTEM.format(context=context),)), ChatTurn("user", (question,))]
         return generator.find_chunks(chat_segments(tokenizer, system, turns), fusion)
 
-    layouts = {"create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain}
+    def llamaindex_engine(hits, question):
+        messages = style_messages("llamaindex", [h.chunk.text for h in hits], question)
+        return generator.find_chunks(chat_segments(tokenizer, system, [ChatTurn(m["role"], (m["content"],))
+                                                                       for m in messages]), fusion)
+
+    layouts = {"create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain, "llamaindex": llamaindex_engine}
     hits = {q: index.search(q, cfg.top_k) for q in QUESTIONS}
     for question in QUESTIONS:  # untimed: the tutorial head's caches are computed the first time it is seen
         for name, layout in layouts.items():
@@ -151,16 +159,16 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in runs.items()}
         return [med[layout, q] / med["create_kv_rag_chain", q] for q in QUESTIONS]
 
-    for layout, what, key in (
-        ("tutorial", "TTFT", lambda r: r["ttft_s"]),
-        ("tutorial", "TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
-        ("tutorial", "CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
-    ):
+    for layout, (what, key) in itertools.product(list(layouts)[1:], (
+        ("TTFT", lambda r: r["ttft_s"]),
+        ("TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
+        ("CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
+    )):
         ratios = per_question(layout, key)
         mid, low, high = median_ratio_ci(ratios)
         print(f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
               f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}")
-    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x 2 layouts; load average at end {load_end}")
+    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x {len(layouts)} layouts; load average at end {load_end}")
 
 
 if __name__ == "__main__":
