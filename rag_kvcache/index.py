@@ -362,13 +362,13 @@ class KVIndex:
         recomputed: set[str] = set()
         missing = start = 0
         head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
-        before: list[int] = []  # the prompt's tokens so far, while they are a head and computed text
+        before: list[int] | None = [] if head else None  # the prompt so far, while a head and computed text
         for seg in segments:
-            ctx = () if start == 0 else self.context_at(start - seg.offset, seg.stored)
-            whole = seg.stored
-            behind_head = head and start > 0 and seg.cacheable and before is not None
+            behind_head = before is not None and start > 0 and seg.cacheable
             if behind_head:
                 ctx, whole = tuple(before), seg.ids
+            else:
+                ctx, whole = () if start == 0 else self.context_at(start - seg.offset, seg.stored), seg.stored
             source: LayerSource | None = None
             if seg.cacheable:
                 key = self.key(whole, ctx)
@@ -389,7 +389,8 @@ class KVIndex:
             sources.append(source)
             contexts.append(ctx)
             start += len(seg.ids)
-            before = None if before is None or (start > len(seg.ids) and seg.cacheable) else before + list(seg.ids)
+            if before is not None:
+                before = None if behind_head else before + list(seg.ids)
         return PromptCaches(sources, contexts, missing, list(opened.values()))
 
     def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
