@@ -61,6 +61,10 @@ class FusionConfig:
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
     repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
+    template_text: bool = setting(
+        True, "Read a prompt template's recurring text after the chunks (learned from the prompts) from a cache, as a "
+        "chunk's; off: it is computed."
+    )
 
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):

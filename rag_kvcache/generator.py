@@ -26,6 +26,7 @@ from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_
 from .index import KVIndex
 from .retrieval.chunk_index import EmptyIndexError, Hit
 from .retrieval.matching import MIN_SPAN
+from .retrieval.templates import TemplateSpans
 from .store.controller import resolve_ratio
 from .store.loading import LayerFeed
 
@@ -173,6 +174,7 @@ class FusedGenerator:
     def __init__(self, index: KVIndex) -> None:
         self.index = index
         self.adapter = index.adapter
+        self.templates = TemplateSpans()  # learned from the prompts this generator fuses
 
     def ask(
         self, question: str, hits: Sequence[Hit] | None = None, *, top_k: int | None = None,
@@ -224,17 +226,39 @@ class FusedGenerator:
         of that chunk's cache (`ChunkIndex.match`), and the prompt's head before the first chunk made
         cacheable (`cached_head`). Logs a warning when a method that reads caches (`fusion`, default
         the index's) finds no chunk in the prompt."""
+        fusion = fusion or self.index.config.fusion
         ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
         out = cached_head(with_runs(segments, runs), self.adapter.tokenizer)
-        method = (fusion or self.index.config.fusion).method
+        method = fusion.method
+        if fusion.template_text and any(s.cacheable and s.label != "prefix" for s in out):
+            out = self._template_runs(out)
         if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in out):
             log.warning(
                 "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
                 "token, so it is computed in full", method, len(ids),
             )
         return out
+
+    def _template_runs(self, segments: list[Segment]) -> list[Segment]:
+        """`segments` (a prompt with chunks found in it) with the template text after its last chunk read
+        from a cache: the spans learned behind its head (`TemplateSpans`: text that recurs after the
+        chunks of distinct prompts with this head) become cacheable runs where they occur in the tail,
+        exact on token ids. The tail teaches the spans first, so the second prompt with a template reads
+        it; a span's cache is computed behind the system prefix, as a chunk's, and stored in the index's
+        store when the span is learned (a span that shrinks gets a new entry)."""
+        last = max(i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix")
+        head = segments[0].ids if segments[0].cacheable else ()
+        start = sum(len(seg.ids) for seg in segments[: last + 1])
+        tail = [t for seg in segments[last + 1 :] for t in seg.ids]
+        if learned := self.templates.learn(head, tail):
+            self.index.precompute(learned, progress=False)
+            log.info("learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
+                     len(learned), [len(s) for s in learned], len(head))
+        runs = [StoredRun(start + s.start, s.chunk, s.offset, s.length, f"template:{len(s.chunk)}")
+                for s in self.templates.find(head, tail)]
+        return with_runs(segments, runs)
 
     def stream(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,

@@ -5,13 +5,16 @@ Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then th
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
 prompt's own layout); the tutorial chain sends a system message of instructions with the documents
 joined by `format_docs`, then the question; LlamaIndex's sends its text-QA system message, then the
-default text-QA template over the stripped chunk texts (`rag_kvcache.bench.prompts`).
+default text-QA template over the stripped chunk texts (`rag_kvcache.bench.prompts`), its text after the
+chunks read from the cache the generator learned it into (`FusionConfig.template_text`), and once more
+with that text computed (`llamaindex, template computed`: the same prompt, the layout before template caching).
 
 Every question is first asked once in each layout untimed (the tutorial head's cache, and its first
-chunk's behind that head, are computed and stored then, as a pipeline's first request does), then `--repeats` times, the order of the layouts
-reversed every other repeat. Printed: per question and layout, where the prompt's tokens are (computed:
+chunk's behind that head, are computed and stored then, and the template text after the chunks is
+learned, as a pipeline's first requests do), then `--repeats` times, the order of the layouts reversed
+every other repeat. Printed: per question and layout, where the prompt's tokens are (computed:
 no cache; cached inexact: CacheBlend's candidates; cached exact) split by place (head, first chunk, the
-other chunks, edges between chunks, after the last chunk), and the tokens CacheBlend recomputed; then the
+other chunks, edges between chunks, learned template text, after the last chunk), and the tokens CacheBlend recomputed; then the
 medians of TTFT and of its stages per layout, and the median over questions of the per-question ratio
 to `create_kv_rag_chain` (each question's median over repeats), with a 95% bootstrap CI over questions,
 for the TTFT alone, with the prompt's building (rendering, tokenising, matching) added, and for the
@@ -30,6 +33,8 @@ import os
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
+from functools import partial
 from importlib.resources import as_file, files
 from pathlib import Path
 
@@ -67,13 +72,16 @@ def laid_out(index: KVIndex, segments: list[Segment]) -> FusionInput:
 def places(inp: FusionInput) -> Counter:
     """Prompt tokens by what the fusion does with them (`computed`: no cache, `inexact`: a cache that
     CacheBlend may recompute, `exact`: a cache equal to a full prefill's) and by place in the prompt
-    (`head` before the first chunk, `chunk1`, `chunks` the others, `edges` between chunks, `tail`)."""
+    (`head` before the first chunk, `chunk1`, `chunks` the others, `edges` between chunks, `template`
+    the learned template text, `tail` the rest after the last chunk)."""
     parts = inp.parts
-    chunk_at = [i for i, p in enumerate(parts) if p.kv is not None and p.segment.label != "prefix"]
+    chunk_at = [i for i, p in enumerate(parts) if p.kv is not None and p.segment.label.startswith("chunk")]
     out: Counter = Counter()
     for i, p in enumerate(parts):
         kind = "computed" if p.kv is None else "exact" if p.exact else "inexact"
-        if not chunk_at or i < chunk_at[0]:
+        if p.segment.label.startswith("template"):
+            place = "template"
+        elif not chunk_at or i < chunk_at[0]:
             place = "head"
         elif i > chunk_at[-1]:
             place = "tail"
@@ -117,14 +125,17 @@ def main() -> None:
         turns = [ChatTurn("system", (TUTORIAL_SYSTEM.format(context=context),)), ChatTurn("user", (question,))]
         return generator.find_chunks(chat_segments(tokenizer, system, turns), fusion)
 
-    def llamaindex_engine(hits, question):
+    def llamaindex_engine(hits, question, matching=fusion):
         messages = style_messages("llamaindex", [h.chunk.text for h in hits], question)
         return generator.find_chunks(chat_segments(tokenizer, system, [ChatTurn(m["role"], (m["content"],))
-                                                                       for m in messages]), fusion)
+                                                                       for m in messages]), matching)
 
-    layouts = {"create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain, "llamaindex": llamaindex_engine}
+    layouts = {
+        "create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain, "llamaindex": llamaindex_engine,
+        "llamaindex, template computed": partial(llamaindex_engine, matching=replace(fusion, template_text=False)),
+    }
     hits = {q: index.search(q, cfg.top_k) for q in QUESTIONS}
-    for question in QUESTIONS:  # untimed: the tutorial head's caches are computed the first time it is seen
+    for question in QUESTIONS:  # untimed: heads' caches are computed, template text learned, the first time seen
         for name, layout in layouts.items():
             *_, answer = generator.stream(layout(hits[question], question), fusion, generation)
             print(name, json.dumps({"question": question, "recomputed": answer.recomputed_tokens,
