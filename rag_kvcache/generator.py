@@ -244,7 +244,7 @@ class FusedGenerator:
     def _template_runs(self, segments: list[Segment]) -> list[Segment]:
         """`segments` (a prompt with chunks found in it) with the template text after its last chunk read
         from a cache: the spans learned behind its head (`TemplateSpans`: text that recurs after the
-        chunks of distinct prompts with this head) become cacheable runs where they occur in the tail,
+        chunks of prompts with this head over other chunks) become cacheable runs where they occur in the tail,
         exact on token ids. The tail teaches the spans first, so the second prompt with a template reads
         it; a span's cache is computed behind the system prefix, as a chunk's, and stored in the index's
         store when the span is learned (a span that shrinks gets a new entry)."""
@@ -252,7 +252,8 @@ class FusedGenerator:
         head = segments[0].ids if segments[0].cacheable else ()
         start = sum(len(seg.ids) for seg in segments[: last + 1])
         tail = [t for seg in segments[last + 1 :] for t in seg.ids]
-        if learned := self.templates.learn(head, tail):
+        chunks = frozenset(seg.stored for seg in segments[1 : last + 1] if seg.cacheable)
+        if learned := self.templates.learn(head, chunks, tail):
             self.index.precompute(learned, progress=False)
             log.info("learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
                      len(learned), [len(s) for s in learned], len(head))

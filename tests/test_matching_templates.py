@@ -32,7 +32,10 @@ def index(tiny, tmp_path) -> KVIndex:
 
 
 def prompt(index: KVIndex, question: str, tail: str = TAIL) -> str:
-    context = "\n\n".join(c.text for c in sorted(index.chunks.all_chunks(), key=lambda c: (c.source, c.ordinal)))
+    """The prompt of `question` over the chunks retrieved for it: all but one, another for each question."""
+    chunks = sorted(index.chunks.all_chunks(), key=lambda c: (c.source, c.ordinal))
+    del chunks[QUESTIONS.index(question)]
+    context = "\n\n".join(c.text for c in chunks)
     return f"{HEAD}Context information is below.\n---------------------\n{context}{tail.format(q=question)}"
 
 
@@ -61,6 +64,15 @@ def test_a_recurring_template_tail_is_read_from_cache_the_second_time(index, tin
     on = generator.complete(prompt(index, QUESTIONS[2]), fusion=fusion)
     off = generator.complete(prompt(index, QUESTIONS[2]), fusion=FusionConfig(method="reuse", template_text=False))
     assert on.cache_misses == 0 and on.cached_tokens - off.cached_tokens >= len(run.ids)  # counted with the chunks
+
+
+def test_the_same_question_over_the_same_chunks_teaches_nothing(index, tiny):
+    """A question asked again with other instructions after it (a retry, a structured-output variant) shares
+    its own text with the first prompt, not a template's: over the same chunks nothing is learned."""
+    generator = FusedGenerator(index)
+    for extra in ("", " Reply in JSON.", " Reply in one word."):
+        segments = generator.prompt_segments(prompt(index, QUESTIONS[0], TAIL + extra))
+    assert not template_runs(segments) and not generator.templates.spans(segments[0].ids)
 
 
 def test_a_tail_one_token_off_the_learned_span_computes_that_token(index, tiny):
@@ -112,15 +124,15 @@ def test_a_corrupt_template_cache_is_recomputed_and_the_answer_unchanged(index, 
     assert generator.complete(text, fusion=fusion).cache_misses == 0  # rewritten, intact
 
 
-def test_a_span_shrinks_to_what_distinct_tails_share_and_memory_is_bounded():
+def test_a_span_shrinks_to_what_tails_over_other_chunks_share_and_memory_is_bounded():
     template = tuple(range(100, 130))
     spans = TemplateSpans(max_heads=2)
-    assert spans.learn((1,), (7, *template, 50, 51, 52)) == []
-    assert spans.learn((1,), (7, *template, 50, 51, 52)) == []  # the same tail again
-    assert spans.learn((1,), (8, *template, 50, 51, 53)) == [(*template, 50, 51)]  # shared question words too
-    assert spans.learn((1,), (9, *template, 60, 61)) == [template]  # a question without them cuts them off
+    assert spans.learn((1,), "a", (7, *template, 50, 51, 52)) == []
+    assert spans.learn((1,), "a", (7, *template, 50, 51, 53)) == []  # the same chunks: nothing learned
+    assert spans.learn((1,), "b", (8, *template, 50, 51, 54)) == [(*template, 50, 51)]  # shared question words too
+    assert spans.learn((1,), "c", (9, *template, 60, 61)) == [template]  # a question without them cuts them off
     assert spans.spans((1,)) == [template]
-    assert spans.learn((1,), (9, *template[:10], 70, 71)) == []  # shorter than min_span: nothing learned
-    spans.learn((2,), (1, 2))
-    spans.learn((3,), (1, 2))
+    assert spans.learn((1,), "d", (9, *template[:10], 70, 71)) == []  # shorter than min_span: nothing learned
+    spans.learn((2,), "a", (1, 2))
+    spans.learn((3,), "a", (1, 2))
     assert spans.spans((1,)) == []  # the least recently seen head dropped

@@ -5,13 +5,15 @@ template follows them with "---------------------\\nGiven the context informatio
 knowledge, answer the query.\\nQuery: {query_str}\\nAnswer: ". That text recurs in every prompt the
 pipeline sends; the question does not. `TemplateSpans` learns it from the prompts themselves, per
 head (the prompt's tokens before its first chunk, which tell one pipeline's prompts from
-another's): the tail after the last chunk of each distinct prompt is kept (a few per head), and
-the longest run of tokens a new tail shares with a kept one, when at least `min_span` long, becomes
-a template span. A span shrinks to what a later tail still shares with it, so it converges to the
-text every distinct prompt of that head carries: the template's, and words questions share only
-until a question without them comes (say "What is" in two questions: the third, "Who ...", cuts the
-span back to the template's text). A repeated prompt (the same tail again) teaches nothing, so a
-question asked twice is never learned as template text.
+another's): the tail after the last chunk of each prompt is kept (a few per head) with the chunks
+the prompt quoted, and the longest run of tokens a new tail shares with a kept tail *over other
+chunks*, when at least `min_span` long, becomes a template span. Prompts over the same chunks teach
+nothing: they are most often the same question asked again (a retry, a structured-output variant
+with other format instructions), and what their tails share is that question. Over other chunks
+the question is another one, and what two tails share is the template's text, and words their
+questions share only until a question without them comes: a span shrinks to what a later tail
+still shares with it (say "What is" in two questions: the third, "Who ...", cuts the span back to
+the template's text).
 
 Spans are found in later tails as chunks are found in prompts (`matching.find_spans`: exact on token
 ids, partial runs of at least `min_span` tokens included, a near-miss computed). Memory is bounded:
@@ -21,7 +23,7 @@ ids, partial runs of at least `min_span` tokens included, a near-miss computed).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
@@ -34,7 +36,7 @@ MAX_HEADS = 64  # heads remembered (least recently seen dropped)
 
 @dataclass
 class _Learned:
-    tails: deque[tuple[int, ...]] = field(default_factory=lambda: deque(maxlen=MAX_TAILS))
+    tails: deque[tuple[Hashable, tuple[int, ...]]] = field(default_factory=lambda: deque(maxlen=MAX_TAILS))
     spans: list[tuple[int, ...]] = field(default_factory=list)
 
 
@@ -53,22 +55,24 @@ class TemplateSpans:
         learned = self._heads.get(tuple(head))
         return [] if learned is None else list(learned.spans)
 
-    def learn(self, head: Sequence[int], tail: Sequence[int]) -> list[tuple[int, ...]]:
-        """Learn from a prompt's `tail` (its tokens after the last chunk) behind `head`; returns the spans
+    def learn(self, head: Sequence[int], chunks: Hashable, tail: Sequence[int]) -> list[tuple[int, ...]]:
+        """Learn from a prompt's `tail` (its tokens after the last chunk) behind `head`, the prompt
+        quoting `chunks` (any key that is equal for prompts over the same chunks); returns the spans
         made or shrunk by it (their caches are not stored yet)."""
         head, tail = tuple(head), tuple(tail)
         learned = self._heads.pop(head, None) or _Learned()
         self._heads[head] = learned  # most recently seen last
         while len(self._heads) > self.max_heads:
             self._heads.popitem(last=False)
-        if tail in learned.tails:  # a repeated prompt: nothing new about what varies
-            return []
         new: list[tuple[int, ...]] = []
-        for seen in reversed(learned.tails):
+        for quoted, seen in reversed(learned.tails):
+            if quoted == chunks:  # the same chunks: most often the same question again
+                continue
             match = SequenceMatcher(None, seen, tail, autojunk=False).find_longest_match(0, len(seen), 0, len(tail))
             if match.size >= self.min_span and (span := _place(learned.spans, tail[match.b : match.b + match.size])):
                 new.append(span)
-        learned.tails.append(tail)
+        if (chunks, tail) not in learned.tails:
+            learned.tails.append((chunks, tail))
         return new
 
     def find(self, head: Sequence[int], ids: Sequence[int]) -> list[Span]:
