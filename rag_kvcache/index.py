@@ -41,7 +41,7 @@ import xxhash
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from .build.precompute import WriteBehind, compute_caches
+from .build.precompute import WriteBehind, compute_caches, pack_tokens
 from .config import Config
 from .engine.cache import ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
@@ -244,8 +244,7 @@ class KVIndex:
             log.warning("could not write the KV store counters of %s: %s", self.path, err)
 
     def precompute(
-        self, chunks: Sequence[tuple[int, ...]], batch_size: int = 4, progress: bool = True,
-        workers: RayWorkers | None = None,
+        self, chunks: Sequence[tuple[int, ...]], progress: bool = True, workers: RayWorkers | None = None,
     ) -> int:
         """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many.
         The writes run behind the compute (`WriteBehind`); with `workers`, the chunks' caches are computed
@@ -255,7 +254,7 @@ class KVIndex:
             self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
         todo = list({ids for ids in chunks if self.key(ids) not in self.store})
         if workers is not None:
-            workers.store(todo, self.chunk_context, batch_size, progress)
+            workers.store(todo, self.chunk_context, progress)
             if lost := [ids for ids in todo if self.key(ids) not in self.store]:
                 raise RuntimeError(
                     f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
@@ -264,7 +263,7 @@ class KVIndex:
             return len(todo)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
-            for i, kv in self.compute(todo, self.chunk_context, batch_size):
+            for i, kv in self.compute(todo, self.chunk_context):
                 writer.put(self.key(todo[i]), kv)
                 bar.update(len(todo[i]))
         bar.close()
@@ -298,12 +297,10 @@ class KVIndex:
         os.replace(tmp, self._neighbours_path)  # atomic: readers see the old table or the new one
         return done
 
-    def compute(
-        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int = 4
-    ) -> Iterator[tuple[int, ChunkKV]]:
-        """Prefill each chunk behind `context` (`compute_caches`: batched by length); yields (index in
+    def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
+        """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
         `chunks`, cache)."""
-        return compute_caches(self.adapter, chunks, context, batch_size)
+        return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
 
     # ---- cache addressing and opening --------------------------------------------------------------
     @property

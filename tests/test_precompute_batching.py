@@ -1,5 +1,6 @@
-"""Indexing-time precompute: batches of equal-length chunks store the caches a chunk-by-chunk prefill
-computes, bit for bit; the writes run behind the compute and a failed write still fails the update."""
+"""Indexing-time precompute: packs of chunks of any lengths store the caches a chunk-by-chunk prefill
+computes, bit for bit, and a full prefill to float tolerance; the writes run behind the compute and a
+failed write still fails the update."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rag_kvcache.build.precompute import WriteBehind, compute_caches, equal_length_batches
+from rag_kvcache.build.precompute import WriteBehind, compute_caches, token_packs
 from rag_kvcache.config import Config
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.kvstore import KVStore
@@ -33,33 +34,49 @@ def _chunks(n: int, lengths: tuple[int, ...], seed: int = 0) -> list[tuple[int, 
     return [tuple(rng.randrange(1000, 2000) for _ in range(rng.choice(lengths))) for _ in range(n)]
 
 
-def test_batches_hold_one_length_and_cover_every_chunk():
+def test_packs_hold_consecutive_chunks_within_the_budget_and_cover_every_chunk():
     chunks = _chunks(23, (5, 9, 16))
-    batches = equal_length_batches(chunks, 4)
-    assert sorted(i for b in batches for i in b) == list(range(23))
-    assert all(1 <= len(b) <= 4 and len({len(chunks[i]) for i in b}) == 1 for b in batches)
-    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+    packs = token_packs(chunks, 30)
+    assert [i for p in packs for i in p] == list(range(23))
+    assert all(sum(len(chunks[i]) for i in p) <= 30 for p in packs)
+    assert all(sum(len(chunks[i]) for i in p) + len(chunks[q[0]]) > 30 for p, q in zip(packs, packs[1:]))  # full
+    assert token_packs(chunks, 4) == [[i] for i in range(23)]  # a chunk longer than the budget goes alone
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         next(compute_caches(None, chunks, (), 0))
 
 
-def test_batched_caches_equal_chunk_by_chunk_bit_for_bit(tiny):
-    chunks = _chunks(11, (12, 20))
-    context = (101, 2023, 2003, 1037)
-    batched = dict(compute_caches(tiny, chunks, context, batch_size=4))
-    assert sorted(batched) == list(range(11))
+@pytest.mark.parametrize("context", [(101, 2023, 2003, 1037), ()])
+def test_packed_caches_equal_chunk_by_chunk_bit_for_bit_and_a_full_prefill(tiny, context):
+    chunks = _chunks(11, (4, 12, 20, 31))  # not 1-3 tokens alone: MKL takes another kernel for matmuls of <= 3 rows
+    packed = dict(compute_caches(tiny, chunks, context, 64))
+    assert sorted(packed) == list(range(11))
     for i, ids in enumerate(chunks):
-        (_, alone), = compute_caches(tiny, [ids], context, batch_size=1)
-        assert batched[i].position == alone.position == len(context)
+        (_, alone), = compute_caches(tiny, [ids], context, 64)
+        keys, values, _ = tiny.prefill(torch.tensor([context + ids]))  # L x [1, H_kv, P + T, D]
+        assert packed[i].position == alone.position == len(context)
         for layer in range(alone.n_layers):
-            for got, want in zip(batched[i].layer(layer), alone.layer(layer)):
+            for got, want, full in zip(packed[i].layer(layer), alone.layer(layer), (keys[layer], values[layer])):
                 assert got.shape == want.shape == (2, len(ids), 16)  # [H_kv, T, D]
                 assert torch.equal(got, want)
+                torch.testing.assert_close(got, full[0, :, len(context):], atol=1e-5, rtol=0)
+
+
+def test_a_packed_chunk_sees_nothing_of_the_chunks_beside_it(tiny):
+    """Changing one chunk of a pack changes no other chunk's cache, and its own."""
+    chunks = _chunks(3, (10, 14))
+    changed = [chunks[0], tuple(t + 1 for t in chunks[1]), chunks[2]]
+    before, after = (tiny.prefill_packed(c, tiny.prefill_packed([(101, 2023)])[0]) for c in (chunks, changed))
+    for i in (0, 2):
+        assert all(torch.equal(a, b) for a, b in zip(before[i][0] + before[i][1], after[i][0] + after[i][1]))
+    assert not torch.equal(before[1][0][1], after[1][0][1])
+    with pytest.raises(ValueError, match=rf"non-empty chunks, got lengths \[{len(chunks[0])}, 0\]"):
+        tiny.prefill_packed([chunks[0], ()])
 
 
 def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
     index = KVIndex.build(docs, tmp_path / "idx", CFG, adapter=tiny, progress=False)
     chunks = list(index.chunks.all_chunks())
-    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 4  # several batches, several lengths
+    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 4  # several lengths
     prefix = torch.tensor([index.format.prefix_ids])
     for chunk in chunks:
         keys, values, _ = tiny.prefill(torch.cat([prefix, torch.tensor([chunk.token_ids])], 1))  # L x [1, H_kv, P+T, D]
@@ -75,7 +92,7 @@ def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):
     store = KVStore(tmp_path / "kv")
     chunks = _chunks(7, (8,))
     with WriteBehind(store, depth=2) as writer:
-        for i, kv in compute_caches(tiny, chunks, (), batch_size=3):
+        for i, kv in compute_caches(tiny, chunks, (), 20):
             writer.put(f"{i:032x}", kv)
             assert len(writer._pending) <= 2
     assert all(store.get(f"{i:032x}") is not None for i in range(7))

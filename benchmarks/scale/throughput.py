@@ -10,9 +10,9 @@ fp32, 512-token chunks). Each round times, back to back:
    batch 1, keys and values kept, only the last token's logits), before and after step 2;
 2. indexing one folder into the index (`KVIndex.update`: reading, chunking, embedding, KV precompute
    with the writes behind it, commit), counted in chunk tokens per second;
-3. the indexing forward alone over the same chunks (`compute_caches`, batched by length behind the
-   prefix as indexing does; no embedding, nothing stored): how much of the gap is the model on these
-   chunks (shorter than 512 tokens: less efficient per token) and how much the rest of indexing.
+3. the indexing forward alone over the same chunks (`compute_caches`, packed behind the prefix as
+   indexing does; no embedding, nothing stored): how much of the gap is the model on these chunks and
+   how much the rest of indexing.
 
 The ratio of each round is its indexing rate over the mean of its two forward rates; rounds pair the
 two measurements in time, so load from other processes on the machine hits both. Each rate is taken
@@ -42,7 +42,7 @@ import torch
 
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.runner import write_corpus
-from rag_kvcache.build.precompute import compute_caches
+from rag_kvcache.build.precompute import compute_caches, pack_tokens
 from rag_kvcache.config import Config
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
@@ -132,7 +132,8 @@ def main() -> None:
         tokens = sum(len(c.token_ids) for c in report.new_chunks)
         wall, cpu = tokens / clock.wall, tokens / clock.cpu
         with Clock() as chunk_clock:  # the indexing forward alone: the same chunks, no embedding, nothing stored
-            for _ in compute_caches(adapter, [c.token_ids for c in report.new_chunks], index.chunk_context):
+            for _ in compute_caches(adapter, [c.token_ids for c in report.new_chunks], index.chunk_context,
+                                    pack_tokens(config)):
                 pass
         chunk_forward = {"wall": tokens / chunk_clock.wall, "cpu": tokens / chunk_clock.cpu}
         rounds.append({

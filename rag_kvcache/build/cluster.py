@@ -10,7 +10,7 @@ batch; Ray Data would wrap the same actors in a streaming executor and turn each
 into Arrow/NumPy blocks for output we would throw away. A failed actor surfaces as its task's
 exception on the driver, which leaves the index uncommitted.
 
-Work is dealt out as batches of equal-length chunks (`equal_length_batches`): a chunk's cache is then
+Work is dealt out as packs of chunks (`token_packs`, one packed forward each): a chunk's cache is then
 bit for bit the one a local run computes, whichever actor computes it beside whichever chunks (at
 the same torch thread count: an actor has one CPU, so one thread). Caches
 are content-addressed, so a job killed mid-way is resumed by running it again: the chunks whose
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..config import Config
 from ..engine.model import ModelAdapter
 from ..store.kvstore import KVStore, cache_key
-from .precompute import WriteBehind, compute_caches, equal_length_batches
+from .precompute import WriteBehind, compute_caches, pack_tokens, token_packs
 
 if TYPE_CHECKING:
     from ..index import KVIndex
@@ -45,6 +45,7 @@ class CacheWorker:
 
     def __init__(self, config: Config, store_root: str, namespace: str, fingerprint: str) -> None:
         self.adapter = ModelAdapter.load(config)
+        self.pack_tokens = pack_tokens(config)
         if self.adapter.fingerprint != fingerprint:
             raise ValueError(
                 f"the Ray worker loaded {config.model!r} with fingerprint {self.adapter.fingerprint}, not the "
@@ -53,9 +54,9 @@ class CacheWorker:
         self.namespace = namespace
         self.writer = WriteBehind(KVStore(Path(store_root), config.storage))
 
-    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int) -> int:
+    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> int:
         """Compute the caches of `chunks` behind `context` and queue their writes; returns their tokens."""
-        for i, kv in compute_caches(self.adapter, chunks, context, batch_size):
+        for i, kv in compute_caches(self.adapter, chunks, context, self.pack_tokens):
             self.writer.put(cache_key(self.namespace, context, chunks[i]), kv)
         return sum(map(len, chunks))
 
@@ -82,6 +83,7 @@ class RayWorkers:
 
         self._ray, self._pool_of = ray, ActorPool
         config = index.config
+        self.pack_tokens = pack_tokens(config)
         if not ray.is_initialized():
             ray.init(address=config.ray, include_dashboard=False)
         n = config.ray_workers or max(1, int(ray.available_resources().get("CPU", 1)))
@@ -92,15 +94,15 @@ class RayWorkers:
         ]
 
     def store(
-        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int, progress: bool = True
+        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], progress: bool = True
     ) -> None:
-        """Compute and store the caches of `chunks` behind `context`, batches dealt out to the actors as
+        """Compute and store the caches of `chunks` behind `context`, packs dealt out to the actors as
         they come free; returns when every cache is written."""
-        batches = [[chunks[i] for i in batch] for batch in equal_length_batches(chunks, batch_size)]
+        packs = [[chunks[i] for i in pack] for pack in token_packs(chunks, self.pack_tokens)]
         bar = tqdm(total=sum(map(len, chunks)), unit="tok", disable=not progress,
                    desc=f"KV precompute on {len(self.actors)} Ray workers")
         pool = self._pool_of(self.actors)
-        for n_tokens in pool.map_unordered(lambda actor, batch: actor.store.remote(batch, context, batch_size), batches):
+        for n_tokens in pool.map_unordered(lambda actor, pack: actor.store.remote(pack, context), packs):
             bar.update(n_tokens)
         self._ray.get([actor.flush.remote() for actor in self.actors])
         bar.close()

@@ -1,14 +1,18 @@
-"""Computing chunk caches at indexing time: forward passes over batches of equal-length chunks, each
-cache handed to a writer thread so the next batch's compute does not wait for the disk.
+"""Computing chunk caches at indexing time: forward passes over packs of chunks, each cache handed to
+a writer thread so the next pack's compute does not wait for the disk.
 
-Batches hold chunks of one length only: a batch needs no padding and no attention mask, and a
-chunk's cache comes out bit for bit the same whatever other chunks share its batch (the rows of a
-batched matmul are computed independently), so an index built on one process or spread over a
-cluster stores identical caches, given the same torch thread count (for another, BLAS may pick other
-kernels on small shapes: a 3-token chunk's cache differed by 7e-8 between 1 and 2 threads). Padding
-chunks of other lengths into one batch would change them (by ~3e-5 on SmolLM2-135M). The writer
-keeps at most `depth` caches waiting (memory stays bounded); a failed write (`StorageFullError`) is
-raised to the caller at the next `put` or at `flush`.
+A pack is several chunks end to end in one forward (`ModelAdapter.prefill_packed`): projections and
+MLPs run once over all their tokens, each chunk attends over the context and itself alone, at its
+own positions, so nothing is padded and a short chunk costs what its share of a long forward costs
+(a 300-token forward alone was ~6% less efficient per token than a 512-token one on SmolLM2-135M).
+A chunk's cache comes out bit for bit the same whatever other chunks share its pack (rows of a
+matmul are computed independently, and its attention is its own; but MKL computes a matmul of at most
+3 rows with another kernel, so a chunk of 1-3 tokens forwarded alone differs by ~1e-7 from the same
+chunk in a pack). A Ray cluster is dealt the packs a local run makes, so an index built on one
+process or spread over a cluster stores identical caches, given the same torch thread count (for
+another, BLAS may pick other kernels on small shapes: a 3-token chunk's cache differed by 7e-8
+between 1 and 2 threads). The writer keeps at most `depth` caches waiting (memory stays bounded); a failed write
+(`StorageFullError`) is raised to the caller at the next `put` or at `flush`.
 """
 
 from __future__ import annotations
@@ -19,40 +23,48 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
-import torch
-
+from ..config import Config
 from ..engine.cache import ChunkKV
 from ..engine.model import ModelAdapter
 from ..store.kvstore import KVStore
 
 log = logging.getLogger(__name__)
 
+PACK_CHUNKS = 4  # a packed forward holds at most this many full chunks' worth of tokens
+
+
+def pack_tokens(config: Config) -> int:
+    """The most tokens a packed forward holds for an index of `config` (2,048 for 512-token chunks)."""
+    return PACK_CHUNKS * config.chunk_tokens
+
 
 def compute_caches(
-    adapter: ModelAdapter, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], batch_size: int = 4
+    adapter: ModelAdapter, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], max_tokens: int
 ) -> Iterator[tuple[int, ChunkKV]]:
-    """Prefill each chunk behind `context`, `batch_size` chunks of one length per forward pass;
+    """Prefill each chunk behind `context`, in packs of at most `max_tokens` tokens (`token_packs`);
     yields (index in `chunks`, cache)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
     if not chunks:
         return
-    past = adapter.prefill(torch.tensor([context]))[:2] if context else None
-    for batch in equal_length_batches(chunks, batch_size):
-        ids = torch.tensor([chunks[i] for i in batch])  # [B, T]
-        batch_past = None if past is None else tuple([t.expand(len(batch), -1, -1, -1) for t in p] for p in past)
-        keys, values, _ = adapter.prefill(ids, batch_past)  # L x [B, H_kv, T, D]
-        for j, i in enumerate(batch):
-            yield i, ChunkKV([k[j] for k in keys], [v[j] for v in values], len(context))
+    past = adapter.prefill_packed([context])[0] if context else None  # L x [H_kv, P, D] each
+    for pack in token_packs(chunks, max_tokens):
+        for i, (keys, values) in zip(pack, adapter.prefill_packed([chunks[i] for i in pack], past)):
+            yield i, ChunkKV(keys, values, len(context))
 
 
-def equal_length_batches(chunks: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Indices of `chunks` in batches of at most `batch_size` chunks of one length, longest first."""
-    by_length: dict[int, list[int]] = {}
+def token_packs(chunks: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of `chunks` in packs of consecutive chunks of at most `max_tokens` tokens together (a
+    longer chunk is a pack of its own)."""
+    packs: list[list[int]] = []
+    size = 0
     for i, ids in enumerate(chunks):
-        by_length.setdefault(len(ids), []).append(i)
-    return [group[s : s + batch_size] for _, group in sorted(by_length.items(), reverse=True)
-            for s in range(0, len(group), batch_size)]
+        if not packs or size + len(ids) > max_tokens:
+            packs.append([])
+            size = 0
+        packs[-1].append(i)
+        size += len(ids)
+    return packs
 
 
 class WriteBehind:

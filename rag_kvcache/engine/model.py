@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from ..config import DEFAULT_MODEL, Config
-from .ops import apply_rope, attend_lse, rope_cos_sin
+from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,45 @@ class ModelAdapter:
         keys = [layer.keys[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         return keys, values, out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def prefill_packed(
+        self, chunks: Sequence[Sequence[int]], past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Each chunk's keys and values per layer [H_kv, T_i, D], every chunk computed behind the same
+        `past` (per-layer K/V [H_kv, P, D]) at positions P..P+T_i-1, in one forward over all the chunks'
+        tokens packed end to end: embedding, projections and MLPs run once on the packed [N, E] rows;
+        each chunk attends (causally) over the past and its own tokens alone, so nothing of one chunk
+        reaches another and none is padded. A chunk's K/V are the same whichever chunks share its pack
+        (rows of a matmul are computed independently). The last layer's attention output and MLP, which
+        no K/V depends on, are not computed."""
+        if not chunks or not all(chunks):
+            raise ValueError(f"prefill_packed needs non-empty chunks, got lengths {[len(c) for c in chunks]}")
+        p = 0 if past is None else past[0][0].shape[-2]
+        lengths = [len(c) for c in chunks]
+        ends = list(accumulate(lengths))
+        spans = list(zip([0, *ends[:-1]], ends))
+        positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device))  # [N, D]
+        h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
+        masks = {} if past is None else {  # behind a past, a chunk of n tokens: [n, P + n]
+            n: causal_mask_for(torch.arange(p, p + n), torch.arange(p + n)).to(self.device) for n in set(lengths)}
+        keys, values = [], []
+        for layer in range(self.layout.n_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
+            keys.append(k)
+            values.append(v)
+            if layer == self.layout.n_layers - 1:
+                break
+            parts = []
+            for s, e in spans:
+                k_i, v_i = k[:, s:e], v[:, s:e]  # [H_kv, T_i, D]
+                if past is not None:
+                    k_i = torch.cat([past[0][layer], k_i], 1)  # [H_kv, P + T_i, D]
+                    v_i = torch.cat([past[1][layer], v_i], 1)  # [H_kv, P + T_i, D]
+                parts.append(attend(q[:, s:e], k_i, v_i, masks.get(e - s), self.scale))  # [T_i, H_q * D]
+            h = self.finish(layer, h, torch.cat(parts))  # [N, E]
+        return [([k[:, s:e].contiguous() for k in keys], [v[:, s:e].contiguous() for v in values]) for s, e in spans]
 
     def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> Cache:
         """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D]).
