@@ -3,8 +3,8 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 
 `FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
-store's pipelined feed, or a plain read in the caller's thread); the K/V of the whole prompt is
-assembled into one buffer, allocated once per prompt and written in place layer by layer.
+store's pipelined feed, or a plain read in the caller's thread); each layer's K/V of the whole prompt
+is assembled into one [2, H_kv, N, D] buffer allocated when the layer starts and written in place.
 Recomputed tokens attend with the exact causal mask over their original positions.
 """
 
@@ -178,14 +178,19 @@ def selective_prefill(
     inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
     cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
     rotations = inp.rotations(inv_freq)
-    shape = (layout.n_layers, layout.n_kv_heads, n, layout.head_dim)
-    keys_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
-    values_all = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device)  # [L, H_kv, N, D]
+    # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: glibc serves so large a block
+    # (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap whose first-touch page faults cost more than
+    # the writes, while 4 MB per layer comes from memory freed by the previous prompt (reuse's
+    # assemble_kv 91 -> 35-45 ms on 3 MuSiQue prompts, 1 thread).
+    shape = (2, layout.n_kv_heads, n, layout.head_dim)
+    keys_all, values_all = [], []  # L x [H_kv, N, D]
     active = initial  # [A], token positions in ascending order
     h = adapter.embed(inp.ids[active])  # [A, E]
     counts = []
     for layer in range(layout.n_layers):
-        keys, values = keys_all[layer], values_all[layer]  # [H_kv, N, D]
+        keys, values = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device).unbind(0)  # [H_kv, N, D]
+        keys_all.append(keys)
+        values_all.append(values)
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             loaded = reader.get(layer)
         with clock.stage("assemble_kv"):
@@ -211,6 +216,6 @@ def selective_prefill(
     with clock.stage("logits"):
         logits = adapter.logits(h[-1:])[0]  # [V]
     return FusionResult(
-        list(keys_all.unbind(0)), list(values_all.unbind(0)), logits, active.numel(),
+        keys_all, values_all, logits, active.numel(),
         sum(counts) / (n * layout.n_layers), counts, dict(clock.seconds),
     )
