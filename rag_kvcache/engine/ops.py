@@ -133,8 +133,7 @@ def causal_attend(
 
     Queries go in runs (`query_blocks`). A run's queries all see every key before its first position:
     that part is one unmasked attention; only the keys inside the run's span need the mask, a small
-    masked attention; the two merge by log-sum-exp (a run of one query needs neither mask nor merge:
-    it sees every key up to its own). Masked scores are never computed for keys no
+    masked attention; the two merge by log-sum-exp. Masked scores are never computed for keys no
     query of the run can see, and few are computed at all. The G query heads that share a KV head are
     folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. When the queries are
     (nearly) the whole prompt, one causal kernel over all N positions costs less: the queries are
@@ -158,13 +157,10 @@ def causal_attend(
     for s, e in runs:
         first, last = pos[s], pos[e - 1]
         qb = grouped[:, :, s:e].reshape(h_kv, g * (e - s), d)  # [H_kv, G * B, D]
-        if e - s == 1:  # a lone query (a separator) sees every key up to its own: one unmasked call
-            o = attend_lse(qb, k[:, : first + 1], v[:, : first + 1], None, scale)[0]  # [H_kv, G, D]
-        else:
-            mask = causal_mask_for(query_positions[s:e], torch.arange(first, last + 1, device=q.device))  # [B, m]
-            o, lse = attend_lse(qb, k[:, first : last + 1], v[:, first : last + 1], mask.repeat(g, 1), scale)  # [H_kv, G * B, D]
-            if first > 0:
-                o = merge_attention(*attend_lse(qb, k[:, :first], v[:, :first], None, scale), o, lse)  # [H_kv, G * B, D]
+        mask = causal_mask_for(query_positions[s:e], torch.arange(first, last + 1, device=q.device))  # [B, m]
+        o, lse = attend_lse(qb, k[:, first : last + 1], v[:, first : last + 1], mask.repeat(g, 1), scale)  # [H_kv, G * B, D]
+        if first > 0:
+            o = merge_attention(*attend_lse(qb, k[:, :first], v[:, :first], None, scale), o, lse)  # [H_kv, G * B, D]
         out[s:e] = o.reshape(h_kv, g, e - s, d).permute(2, 0, 1, 3).reshape(e - s, h_q * d)  # [B, H_q * D]
     return out
 
