@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ def main() -> None:
     fmt = index.format
 
     runs: dict[str, list] = {m: [] for m in METHODS}
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
         hits = index.search(example["question"], 6)
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"]))
@@ -61,7 +63,8 @@ def main() -> None:
 
     full_s = statistics.median(r[0] for r in runs["full"])
     print(f"{args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
-          f"tokens (median), {args.threads} threads")
+          f"tokens (median), {args.threads} threads, load average {load_before} before the timed runs, "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
     print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | stages (ms) |")
     print("|---|---:|---:|---:|---:|---|")
     for method, rows in runs.items():
