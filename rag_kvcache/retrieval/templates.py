@@ -17,7 +17,8 @@ the template's text).
 
 Spans are found in later tails as chunks are found in prompts (`matching.find_spans`: exact on token
 ids, partial runs of at least `min_span` tokens included, a near-miss computed). Memory is bounded:
-`max_heads` heads (least recently seen dropped), `MAX_TAILS` tails and `MAX_SPANS` spans each.
+`max_heads` heads (least recently seen dropped), `MAX_TAILS` tails of at most `MAX_TAIL` tokens and
+`MAX_SPANS` spans each.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .matching import MIN_SPAN, Span, chunk_ngrams, find_spans
 MAX_TAILS = 4  # distinct recent tails kept per head
 MAX_SPANS = 4  # template spans kept per head (a pipeline may send several templates behind one head)
 MAX_HEADS = 64  # heads remembered (least recently seen dropped)
+MAX_TAIL = 512  # a tail's first tokens learned from (bounds the memory and the comparison's cost)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class TemplateSpans:
         """Learn from a prompt's `tail` (its tokens after the last chunk) behind `head`, the prompt
         quoting `chunks` (any key that is equal for prompts over the same chunks); returns the spans
         made or shrunk by it (their caches are not stored yet)."""
-        head, tail = tuple(head), tuple(tail)
+        head, tail = tuple(head), tuple(tail[:MAX_TAIL])
         learned = self._heads.pop(head, None) or _Learned()
         self._heads[head] = learned  # most recently seen last
         while len(self._heads) > self.max_heads:
