@@ -373,8 +373,9 @@ def run_question(
 
 def chunk_tokens_matched(segments: Sequence[Segment], hits: Sequence[Hit]) -> float:
     """The fraction of the retrieved chunks' tokens that the prompt's segments read from a chunk cache
-    (1.0 in the native layout; less where a prompt's text around a chunk re-tokenises its edges)."""
-    matched = sum(len(s.ids) for s in segments if s.cacheable and s.label != "prefix")
+    (1.0 in the native layout; less where a prompt's text around a chunk re-tokenises its edges). A head
+    or a template's text read from cache is not chunk text."""
+    matched = sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk"))
     return matched / sum(len(h.chunk.token_ids) for h in hits)
 
 
