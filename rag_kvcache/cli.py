@@ -557,6 +557,8 @@ def serve(
     kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
     dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    template_text: Annotated[bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")] = default(
+        FusionConfig, "template_text"),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -571,7 +573,7 @@ def serve(
     try:
         server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
                                   max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
-        cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype)
+        cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(template_text=template_text)
         engine = Engine(index_dir, cfg.with_storage(remote=kv_remote))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))

@@ -1,7 +1,8 @@
 """A prompt template's recurring text after the chunks (LlamaIndex's default text-QA template's, say) is
 learned from the prompts and read from a cache from the second prompt on, exact on token ids, on the
 tiny Llama; the question (what differs between prompts) and a near-miss are computed, ratio 1.0 still
-equals `full`, and a corrupt template cache is recomputed with the answer unchanged."""
+equals `full`, and a corrupt template cache is recomputed with the answer unchanged. Off by default
+(`FusionConfig.template_text`): the indexes here turn it on."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def index(tiny, tmp_path) -> KVIndex:
     root.mkdir()
     for name, text in DOCS.items():
         (root / name).write_text(text)
-    return KVIndex.build(root, tmp_path / "idx", CFG, adapter=tiny, progress=False)
+    return KVIndex.build(root, tmp_path / "idx", CFG.with_fusion(template_text=True), adapter=tiny, progress=False)
 
 
 def prompt(index: KVIndex, question: str, tail: str = TAIL) -> str:
@@ -60,7 +61,7 @@ def test_a_recurring_template_tail_is_read_from_cache_the_second_time(index, tin
     after = second[second.index(run) + 1 :]
     assert not any(s.cacheable for s in after) and _contains([t for s in after for t in s.ids], question)
     assert index.key(run.whole) in index.store  # stored when learned
-    fusion = FusionConfig(method="reuse")
+    fusion = FusionConfig(method="reuse", template_text=True)
     on = generator.complete(prompt(index, QUESTIONS[2]), fusion=fusion)
     off = generator.complete(prompt(index, QUESTIONS[2]), fusion=FusionConfig(method="reuse", template_text=False))
     assert on.cache_misses == 0 and on.cached_tokens - off.cached_tokens >= len(run.ids)  # counted with the chunks
@@ -96,7 +97,7 @@ def test_ratio_one_equals_full_with_a_template_span(index):
         generator.prompt_segments(prompt(index, question))
     text = prompt(index, QUESTIONS[2])
     assert template_runs(generator.prompt_segments(text))
-    exact = generator.complete(text, fusion=FusionConfig(method="cacheblend", ratio=1.0))
+    exact = generator.complete(text, fusion=FusionConfig(method="cacheblend", ratio=1.0, template_text=True))
     full = generator.complete(text, fusion=FusionConfig(method="full"))
     assert exact.answer == full.answer
     torch.testing.assert_close(exact.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
@@ -108,7 +109,7 @@ def test_a_corrupt_template_cache_is_recomputed_and_the_answer_unchanged(index, 
         generator.prompt_segments(prompt(index, question))
     text = prompt(index, QUESTIONS[2])
     (run,) = template_runs(generator.prompt_segments(text))
-    fusion = FusionConfig(method="cacheblend")
+    fusion = FusionConfig(method="cacheblend", template_text=True)
     before = generator.complete(text, fusion=fusion)
     key = index.key(run.whole)
     path = index.store.path(key)
@@ -136,3 +137,13 @@ def test_a_span_shrinks_to_what_tails_over_other_chunks_share_and_memory_is_boun
     spans.learn((2,), "a", (1, 2))
     spans.learn((3,), "a", (1, 2))
     assert spans.spans((1,)) == []  # the least recently seen head dropped
+
+
+def test_template_text_is_computed_unless_asked_for(index):
+    """Off by default: it costs fidelity (benchmarks/RESULTS.md), so no prompt's template text is read
+    from a cache unless the fusion config asks for it."""
+    generator = FusedGenerator(index)
+    default = FusionConfig(method="reuse")
+    assert not default.template_text
+    for question in QUESTIONS:
+        assert not template_runs(generator.prompt_segments(prompt(index, question), default))

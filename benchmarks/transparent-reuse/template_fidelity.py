@@ -61,7 +61,7 @@ def main() -> None:
     for example in examples:
         hits, _ = place_evidence(index.search(example.question, config.top_k), example)
         prompts.append(style_messages("llamaindex", [h.chunk.text for h in hits], example.question))
-    with_template, without = config.fusion, replace(config.fusion, template_text=False)
+    with_template, without = replace(config.fusion, template_text=True), config.fusion
     for prompt in prompts:  # every prompt seen once: the template learned, its cache stored
         generator.prompt_segments(prompt, with_template)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

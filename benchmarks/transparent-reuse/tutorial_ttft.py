@@ -114,7 +114,7 @@ def main() -> None:
         index = KVIndex.build(docs, args.index, cfg, progress=False)
     generator = FusedGenerator(index)
     tokenizer, system = index.adapter.tokenizer, index.config.system_prompt
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=1)
+    fusion, generation = FusionConfig(method="cacheblend", template_text=True), GenerationConfig(max_new_tokens=1)
 
     def kv_rag_chain(hits, question):
         parts = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
