@@ -59,7 +59,7 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
     on_ray = KVIndex.open(tmp_path / "ray", config)
     chunks = sorted(local.chunks.all_chunks(), key=lambda c: c.id)
     assert [c.id for c in chunks] == sorted(c.id for c in on_ray.chunks.all_chunks())
-    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several batches for two actors
+    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several packs (4 chunks each at most) for two actors
     for chunk in chunks:
         want, got = local.store.get(local.key(chunk.token_ids)), on_ray.store.get(on_ray.key(chunk.token_ids))
         assert got.position == want.position
@@ -71,7 +71,7 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
 
 
 class _InterruptedBar:
-    """A progress bar whose first update is a Ctrl-C: the job stops after its first batch came back."""
+    """A progress bar whose first update is a Ctrl-C: the job stops after its first pack came back."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -89,7 +89,7 @@ def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, 
     assert len(index.chunks) == 0  # nothing committed
     stored = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in index.store.disk.files()}
     prefix = index.key(index.format.prefix_ids, ())
-    assert len([p for p in stored if p.stem != prefix]) >= 1  # the first batch's caches (the driver stores the prefix's)
+    assert len([p for p in stored if p.stem != prefix]) >= 1  # the first pack's caches (the driver stores the prefix's)
 
     with RayWorkers(index) as workers:
         report = index.update(docs, progress=False, workers=workers)
