@@ -126,7 +126,7 @@ def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
 
 def causal_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float,
-    block: int = 128,
+    block: int = 512,
 ) -> torch.Tensor:
     """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
     q [H_q, Q, D] at ascending `query_positions` [Q].
@@ -137,10 +137,10 @@ def causal_attend(
     query of the run can see, and few are computed at all. The G query heads that share a KV head are
     folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. When the queries are
     (nearly) the whole prompt, one causal kernel over all N positions costs less: the queries are
-    placed at their positions in an all-zero [H_q, N, D] and the other rows dropped. Runs of 128
-    were fastest on a 2-core CPU (CacheBlend-like 15% queries over 3,046 keys: 18.5 ms per layer
-    against 21.3 for 256 and 23.6 for 64; EPIC-like heads 5.1 ms against 7.2 for the masked
-    blocks this replaced).
+    placed at their positions in an all-zero [H_q, N, D] and the other rows dropped. Runs of 512
+    were fastest on the quiet 2-core CPU with 2 threads (CacheBlend-like 15% queries over 2,900 keys:
+    14.5-14.9 ms per layer against 15.2-15.3 for 256 and 16.1-16.6 for 128; the same 25.5 ms for 128
+    and 512 with 1 thread; EPIC- and reuse-like queries alike for all): fewer, larger flash calls.
     """
     n, (h_q, n_q, d), h_kv = k.shape[1], q.shape, k.shape[0]
     g = h_q // h_kv
