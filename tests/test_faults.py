@@ -211,7 +211,9 @@ def test_reader_during_indexing_sees_no_torn_entry(index, tiny, tmp_path, caplog
         while proc.poll() is None:
             for path in list(index.store.root.glob("??/*.safetensors")):
                 if not path.name.startswith(".tmp-"):
-                    assert reader.index.store.get(path.stem) is not None
+                    # the 3 rewritten documents' old caches are collected as the run ends: gone, never torn (a
+                    # torn entry read here would be dropped as corrupt, which the log check below catches)
+                    assert reader.index.store.get(path.stem) is not None or not path.exists()
                     reads += 1
             assert reader.ask(QUESTION).chunks
             time.sleep(0.1)  # leave the indexer the CPU
