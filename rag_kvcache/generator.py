@@ -231,13 +231,13 @@ class FusedGenerator:
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
         out = cached_head(with_runs(segments, runs), self.adapter.tokenizer)
-        method = fusion.method
-        if fusion.template_text and any(s.cacheable and s.label != "prefix" for s in out):
+        quoted = any(s.cacheable and s.label != "prefix" for s in out)
+        if fusion.template_text and quoted:
             out = self._template_runs(out)
-        if get_method(method).reads_cache and not any(s.cacheable and s.label != "prefix" for s in out):
+        if get_method(fusion.method).reads_cache and not quoted:
             log.warning(
                 "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
-                "token, so it is computed in full", method, len(ids),
+                "token, so it is computed in full", fusion.method, len(ids),
             )
         return out
 
