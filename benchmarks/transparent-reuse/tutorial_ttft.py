@@ -1,6 +1,14 @@
 """Cacheblend TTFT of LangChain's tutorial-chain prompt, and of LlamaIndex's default query engine's,
 beside `create_kv_rag_chain`'s, same question and chunks, interleaved in one process (issue 11's "done when").
 
+Two settings: the bundled demo documents (the default: 10 questions about them, 128-token chunks, top-4,
+~400-token prompts), or with `--dataset` the first `--limit` questions of a QA set (MuSiQue JSON, as
+`rag-kvcache bench` reads it) over the chunks the index retrieves for each (`KVIndex.search`, top
+`--top-k`), as `bench` retrieves them: at 512-token chunks and top-6, ~2,900-token prompts. An existing
+`--index` is opened as it is (it must have `--chunk-tokens`; nothing is added to it but the caches of the
+layouts' heads, of first chunks behind them and of template text); a missing one is built from those questions' passages, written
+to `docs/` beside it (`bench.runner.build_index`).
+
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
 prompt's own layout); the tutorial chain sends a system message of instructions with the documents
@@ -22,6 +30,8 @@ process's CPU time over both (`time.process_time`: the work done, which other pr
 machine disturb far less than the wall clock; with `--threads 1` it is the single-thread TTFT's cost).
 
     .venv/bin/python benchmarks/transparent-reuse/tutorial_ttft.py --index /tmp/ttft/idx --repeats 5 --threads 1
+    .venv/bin/python benchmarks/transparent-reuse/tutorial_ttft.py --index /tmp/bench/musique/work/index \
+        --dataset /work/shared/data/musique_dev.json --limit 12 --chunk-tokens 512 --top-k 6 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -42,12 +52,16 @@ import numpy as np
 import torch
 from scipy.stats import bootstrap
 
+from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.prompts import style_messages
+from rag_kvcache.bench.runner import build_index
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.retrieval.chunk_index import exists
 
 TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tests
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer "
@@ -61,6 +75,23 @@ QUESTIONS = (  # about the bundled demo documents
     "Who kept the Tessaly lighthouse for forty years?", "What does the water mill in Saltmere grind?",
     "Where was Tobias Quell born?",
 )
+
+
+def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
+    """The demo index (built or brought up to date) and its questions, or with `args.dataset` the index
+    of its passages (opened as it is, or built from the first `args.limit` questions') and those questions."""
+    cfg = Config(chunk_tokens=args.chunk_tokens, top_k=args.top_k)
+    if args.dataset is None:
+        with as_file(files("rag_kvcache") / "demo") as docs:
+            return KVIndex.build(docs, args.index, cfg, progress=False), list(QUESTIONS)
+    examples = load_dataset(args.dataset)[: args.limit]
+    questions = list(dict.fromkeys(ex.question for ex in examples))
+    if not exists(args.index):
+        return build_index(examples, args.index.parent, cfg, ModelAdapter.load(cfg), False, args.index.name)[0], questions
+    built = KVIndex.config_of(args.index).chunk_tokens
+    if built != args.chunk_tokens:
+        raise ValueError(f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
+    return KVIndex.open(args.index), questions
 
 
 def laid_out(index: KVIndex, segments: list[Segment]) -> FusionInput:
@@ -102,16 +133,19 @@ def median_ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--index", type=Path, required=True, help="Where the demo index is (built if missing).")
+    parser.add_argument("--index", type=Path, required=True,
+                        help="The demo's index (built if missing), or with --dataset an index of its passages.")
+    parser.add_argument("--dataset", type=Path, help="Ask this QA set's questions instead of the demo's.")
+    parser.add_argument("--limit", type=int, default=12, help="How many of --dataset's first questions.")
+    parser.add_argument("--chunk-tokens", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="Also write every timed row here.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"pid {os.getpid()}, load average at start {os.getloadavg()}", flush=True)
-    cfg = Config(chunk_tokens=128, top_k=4)
-    with as_file(files("rag_kvcache") / "demo") as docs:
-        index = KVIndex.build(docs, args.index, cfg, progress=False)
+    index, questions = index_and_questions(args)
     generator = FusedGenerator(index)
     tokenizer, system = index.adapter.tokenizer, index.config.system_prompt
     fusion, generation = FusionConfig(method="cacheblend", template_text=True), GenerationConfig(max_new_tokens=1)
@@ -134,8 +168,8 @@ def main() -> None:
         "create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain, "llamaindex": llamaindex_engine,
         "llamaindex, template computed": partial(llamaindex_engine, matching=replace(fusion, template_text=False)),
     }
-    hits = {q: index.search(q, cfg.top_k) for q in QUESTIONS}
-    for question in QUESTIONS:  # untimed: heads' caches are computed, template text learned, the first time seen
+    hits = {q: index.search(q, args.top_k) for q in questions}
+    for question in questions:  # untimed: heads' caches are computed, template text learned, the first time seen
         for name, layout in layouts.items():
             *_, answer = generator.stream(layout(hits[question], question), fusion, generation)
             print(name, json.dumps({"question": question, "recomputed": answer.recomputed_tokens,
@@ -143,7 +177,7 @@ def main() -> None:
                                     **places(laid_out(index, layout(hits[question], question)))}))
     rows: list[dict] = []
     for repeat in range(args.repeats):
-        for question in QUESTIONS:
+        for question in questions:
             for name in layouts if repeat % 2 == 0 else reversed(layouts):
                 t0, c0 = time.perf_counter(), time.process_time()
                 segments = layouts[name](hits[question], question)
@@ -151,6 +185,7 @@ def main() -> None:
                 *_, answer = generator.stream(segments, fusion, generation)
                 ttft, recomputed, stages = answer.ttft_s, answer.recomputed_tokens, answer.stages
                 rows.append({"layout": name, "question": question, "repeat": repeat, "ttft_s": ttft,
+                             "prompt_tokens": sum(len(s.ids) for s in segments),
                              "build_s": build_s, "cpu_s": time.process_time() - c0, "recomputed": recomputed,
                              "stages": stages})
     load_end = os.getloadavg()
@@ -160,7 +195,8 @@ def main() -> None:
         mine = [r for r in rows if r["layout"] == name]
         stages = {s: round(statistics.median(r["stages"].get(s, 0.0) for r in mine), 4) for s in mine[0]["stages"]}
         print(f"{name}: TTFT median {statistics.median(r['ttft_s'] for r in mine):.3f} s, build median "
-              f"{statistics.median(r['build_s'] for r in mine) * 1000:.1f} ms, recomputed median "
+              f"{statistics.median(r['build_s'] for r in mine) * 1000:.1f} ms, prompt tokens median "
+              f"{statistics.median(r['prompt_tokens'] for r in mine)}, recomputed median "
               f"{statistics.median(r['recomputed'] for r in mine)}, stages (median s) {stages}")
 
     def per_question(layout: str, key) -> list[float]:
@@ -168,7 +204,7 @@ def main() -> None:
         for r in rows:
             runs.setdefault((r["layout"], r["question"]), []).append(key(r))
         med = {k: statistics.median(v) for k, v in runs.items()}
-        return [med[layout, q] / med["create_kv_rag_chain", q] for q in QUESTIONS]
+        return [med[layout, q] / med["create_kv_rag_chain", q] for q in questions]
 
     for layout, (what, key) in itertools.product(list(layouts)[1:], (
         ("TTFT", lambda r: r["ttft_s"]),
@@ -179,7 +215,7 @@ def main() -> None:
         mid, low, high = median_ratio_ci(ratios)
         print(f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
               f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}")
-    print(f"{args.repeats} repeats x {len(QUESTIONS)} questions x {len(layouts)} layouts; load average at end {load_end}")
+    print(f"{args.repeats} repeats x {len(questions)} questions x {len(layouts)} layouts; load average at end {load_end}")
 
 
 if __name__ == "__main__":
