@@ -9,7 +9,7 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.methods import filter_schedule, get_method
-from rag_kvcache.engine.ops import attend, causal_attend, causal_mask_for, query_blocks, rerotate_keys
+from rag_kvcache.engine.ops import attend, attention_plan, causal_attend, causal_mask_for, query_blocks, rerotate_keys
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.store.kvstore import ChunkKV
 
@@ -99,7 +99,10 @@ def test_prefix_reuses_head_exactly(tiny):
 def test_reuse_and_epic_compute_what_they_claim(tiny):
     inp = rag_prompt(tiny)
     n_fresh = int(inp.fresh.sum())
-    assert run(tiny, inp, "reuse").active_per_layer == [n_fresh] * 4
+    reuse = run(tiny, inp, "reuse")
+    assert reuse.active_per_layer == [n_fresh] * 4
+    # the last layer's attention and MLP run for the last token alone: nothing else reads their output
+    assert reuse.compute_fraction == pytest.approx((3 * n_fresh + 1) / (4 * inp.n_tokens))
     assert run(tiny, inp, "epic", epic_k=4).active_per_layer == [n_fresh + 2 * 4] * 4  # chunks 2 and 3
     torch.testing.assert_close(run(tiny, inp, "epic", epic_k=0).logits, run(tiny, inp, "reuse").logits)
 
@@ -142,7 +145,7 @@ def test_causal_attend_in_blocks_equals_one_masked_call(block):
     q, k, v = torch.randn(4, 7, 8), torch.randn(2, 20, 8), torch.randn(2, 20, 8)  # GQA: 4 query heads, 2 KV
     positions = torch.tensor([0, 3, 4, 9, 15, 18, 19])
     ref = attend(q, k, v, causal_mask_for(positions, torch.arange(20)), 0.35)  # [7, 4 * 8]
-    torch.testing.assert_close(causal_attend(q, k, v, positions, 0.35, block=block), ref)
+    torch.testing.assert_close(causal_attend(q, k, v, attention_plan(positions, 20, 2, q.dtype, block), 0.35), ref)
 
 
 @pytest.mark.parametrize("block", [4, 16, 64])
@@ -154,7 +157,20 @@ def test_causal_attend_merging_open_and_masked_parts_equals_one_masked_call(bloc
     q = torch.randn(6, len(positions), 8, generator=g)  # GQA: 6 query heads over 2 KV heads
     k, v = torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
     ref = attend(q, k, v, causal_mask_for(positions, torch.arange(300)), 0.35)  # [62, 6 * 8]
-    torch.testing.assert_close(causal_attend(q, k, v, positions, 0.35, block=block), ref)
+    plan = attention_plan(positions, 300, 3, q.dtype, block)
+    assert len(plan.runs) > 1 and any(run.open_end > 0 for run in plan.runs)  # merged parts, not one call
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
+
+
+def test_causal_attend_few_queries_in_one_masked_call_equals_the_mask():
+    """Reuse-like queries (a few lone separators and a question at the end) cost least as one masked
+    attention over every key up to the last query: one run, nothing merged."""
+    positions = torch.tensor([50, 101, 152, 203, *range(280, 300)])
+    q, k, v = torch.randn(6, len(positions), 8), torch.randn(2, 300, 8), torch.randn(2, 300, 8)
+    plan = attention_plan(positions, 300, 3, q.dtype)
+    assert [(r.start, r.end, r.open_end) for r in plan.runs] == [(0, len(positions), 0)]
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(300)), 0.35)  # [24, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
 
 
 def test_query_blocks_bound_count_and_span():
@@ -168,7 +184,9 @@ def test_query_blocks_bound_count_and_span():
 def test_causal_attend_over_every_position_equals_the_mask():
     q, k, v = torch.randn(4, 12, 8), torch.randn(2, 12, 8), torch.randn(2, 12, 8)
     ref = attend(q, k, v, causal_mask_for(torch.arange(12), torch.arange(12)), 0.35)  # [12, 4 * 8]
-    torch.testing.assert_close(causal_attend(q, k, v, torch.arange(12), 0.35), ref)
+    plan = attention_plan(torch.arange(12), 12, 2, q.dtype)
+    assert plan.runs == ()  # one causal pass
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
 
 
 def test_scattered_recompute_sees_no_future_keys(tiny):

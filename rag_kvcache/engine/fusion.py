@@ -18,7 +18,7 @@ import torch
 
 from .cache import LayerKV, LayerSource, read_layer
 from .model import ModelAdapter
-from .ops import causal_attend, rope_cos_sin, rotate_keys, rotation
+from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
 from .prompt import Segment
 
@@ -138,9 +138,9 @@ class FusionResult:
     keys: list[torch.Tensor]  # L x [H_kv, N, D]
     values: list[torch.Tensor]  # L x [H_kv, N, D]
     logits: torch.Tensor  # [V], next-token logits after the last prompt token
-    recomputed_tokens: int  # tokens computed through the last layer (question included)
+    recomputed_tokens: int  # tokens whose K/V the last layer computes (question included)
     compute_fraction: float  # token-layers through attention and MLP / (N x layers): the work relative to `full`
-    active_per_layer: list[int] = field(default_factory=list)  # tokens through each layer's attention and MLP
+    active_per_layer: list[int] = field(default_factory=list)  # tokens whose K/V each layer computes
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
 
 
@@ -164,6 +164,8 @@ def selective_prefill(
     `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
     its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
     drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
+    The last layer computes the K/V of its active tokens, but its attention and MLP for the last token
+    alone: nothing else reads their output (the logits are the last token's).
     `reader` delivers the cached layers (default: read when needed, in this thread); the time spent
     waiting for them is the stage `kv_wait`.
     """
@@ -186,7 +188,8 @@ def selective_prefill(
     keys_all, values_all = [], []  # L x [H_kv, N, D]
     active = initial  # [A], token positions in ascending order
     h = adapter.embed(inp.ids[active])  # [A, E]
-    counts = []
+    counts, through = [], 0  # tokens whose K/V each layer computes; token-layers through attention and MLP
+    plan = None  # the attention plan of the active set, made again when the set changes
     for layer in range(layout.n_layers):
         keys, values = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device).unbind(0)  # [H_kv, N, D]
         keys_all.append(keys)
@@ -208,14 +211,18 @@ def selective_prefill(
             if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
                 raise ValueError(f"refine at layer {layer} dropped the last prompt token")
             active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
+        counts.append(active.numel())
+        if layer == layout.n_layers - 1:  # only the last token's output is read, by the logits
+            active, h, q = active[-1:], h[-1:], q[:, -1:]  # [1], [1, E], [H_q, 1, D]
         with clock.stage("attention"):
-            attn = causal_attend(q, keys, values, active, adapter.scale)  # [A, H_q * D]
+            if plan is None or plan.positions is not active:
+                plan = attention_plan(active, n, q.shape[0] // layout.n_kv_heads, q.dtype)
+            attn = causal_attend(q, keys, values, plan, adapter.scale)  # [A, H_q * D]
         with clock.stage("mlp"):
             h = adapter.finish(layer, h, attn)  # [A, E]
-        counts.append(active.numel())
+        through += active.numel()
     with clock.stage("logits"):
-        logits = adapter.logits(h[-1:])[0]  # [V]
+        logits = adapter.logits(h)[0]  # [V]
     return FusionResult(
-        keys_all, values_all, logits, active.numel(),
-        sum(counts) / (n * layout.n_layers), counts, dict(clock.seconds),
+        keys_all, values_all, logits, counts[-1], through / (n * layout.n_layers), counts, dict(clock.seconds),
     )

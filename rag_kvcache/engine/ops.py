@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,11 @@ def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) 
     return key_positions[None, :] <= query_positions[:, None]  # [Q, N]
 
 
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask [M, n] (True = attend) as the additive bias the attention kernels take: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)  # [M, n]
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
@@ -85,21 +91,20 @@ def attend(
 
 
 def attend_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [H, M, D] over k, v [H, n, D] under a bool mask [M, n] (None: every key), with
-    each query's log-sum-exp of scores [H, M] (float32), so partial results over disjoint key sets
-    merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the cost of a plain
-    SDPA call; elsewhere the scores are formed explicitly."""
+    """Attention of q [H, M, D] over k, v [H, n, D] under an additive bias [M, n] (`mask_bias`; None:
+    every key), with each query's log-sum-exp of scores [H, M] (float32), so partial results over
+    disjoint key sets merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the
+    cost of a plain SDPA call; elsewhere the scores are formed explicitly."""
     if q.device.type == "cpu":
-        bias = None if mask is None else q.new_zeros(mask.shape).masked_fill_(~mask, -math.inf)  # [M, n]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None], k[None], v[None], 0.0, False, attn_mask=None if bias is None else bias[None, None], scale=scale,
         )[:2]  # [1, H, M, D], [1, H, M]
         return out[0], lse[0]
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)  # [H, M, n]
+    if bias is not None:
+        scores = scores + bias.float()  # [H, M, n]
     lse = scores.logsumexp(dim=-1)  # [H, M]
     return torch.matmul((scores - lse[..., None]).exp(), v.float()).to(q.dtype), lse  # [H, M, D], [H, M]
 
@@ -124,41 +129,81 @@ def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
     return runs
 
 
-def causal_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float,
-    block: int = 512,
-) -> torch.Tensor:
-    """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
-    q [H_q, Q, D] at ascending `query_positions` [Q].
+@dataclass(frozen=True)
+class QueryRun:
+    """Queries [start, end) of a plan: every one sees keys [0, open_end) whole (one unmasked attention)
+    and keys [open_end, open_end + n) under `bias` [G * (end - start), n] (one masked attention)."""
+
+    start: int
+    end: int
+    open_end: int
+    bias: torch.Tensor  # [G * B, n]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How `causal_attend` computes exact causal attention for queries at ascending `positions` [Q] over
+    keys at 0..n_keys-1, made once per set of queries (`attention_plan`) and used by every layer that
+    computes that set. `runs` empty: one causal pass over all n_keys positions."""
+
+    positions: torch.Tensor  # [Q]
+    n_keys: int
+    runs: tuple[QueryRun, ...]
+
+
+def attention_plan(
+    positions: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, block: int = 512,
+) -> AttentionPlan:
+    """Plan the attention of queries at ascending `positions` [Q] (with `group` query heads per KV head)
+    over keys 0..n_keys-1.
 
     Queries go in runs (`query_blocks`). A run's queries all see every key before its first position:
     that part is one unmasked attention; only the keys inside the run's span need the mask, a small
-    masked attention; the two merge by log-sum-exp. Masked scores are never computed for keys no
-    query of the run can see, and few are computed at all. The G query heads that share a KV head are
-    folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. When the queries are
-    (nearly) the whole prompt, one causal kernel over all N positions costs less: the queries are
-    placed at their positions in an all-zero [H_q, N, D] and the other rows dropped. Runs of 512
-    were fastest on the quiet 2-core CPU with 2 threads (CacheBlend-like 15% queries over 2,900 keys:
-    14.5-14.9 ms per layer against 15.2-15.3 for 256 and 16.1-16.6 for 128; the same 25.5 ms for 128
-    and 512 with 1 thread; EPIC- and reuse-like queries alike for all): fewer, larger flash calls.
+    masked attention; the two merge by log-sum-exp. Masked scores are never computed for keys no query
+    of the run can see, and few are computed at all. Runs of 512 were fastest on the quiet 2-core CPU
+    with 2 threads (CacheBlend-like 15% queries over 2,900 keys: 14.5-14.9 ms per layer against 15.2-15.3
+    for 256 and 16.1-16.6 for 128). When one masked attention of every query over all keys up to the
+    last costs at most 1.25x the runs' scores, it is the plan (no merges, no per-run calls): reuse's
+    separators and question (30 queries over 3,052 keys of a MuSiQue prompt, 1 thread) took 2.72 ms
+    that way against 3.11 ms in 4 runs, EPIC-like queries (1.7x the scores) 9.7 against 7.3. When the
+    queries are (nearly) the whole prompt, one causal kernel over all positions costs less (no runs).
     """
-    n, (h_q, n_q, d), h_kv = k.shape[1], q.shape, k.shape[0]
-    g = h_q // h_kv
-    pos = query_positions.tolist()  # one device sync
+    pos = positions.tolist()  # one device sync, once per plan
     runs = query_blocks(pos, block)
     open_scores = sum((e - s) * pos[s] for s, e in runs)
     masked_scores = sum((e - s) * (pos[e - 1] - pos[s] + 1) for s, e in runs)
-    if open_scores + 2 * masked_scores >= n * n // 2:  # 2: a masked score's cost in units of an unmasked one
-        padded = q.new_zeros(h_q, n, d)  # [H_q, N, D]
-        padded[:, query_positions] = q
-        return attend(padded, k, v, None, scale)[query_positions]  # [Q, H_q * D]
+    if open_scores + 2 * masked_scores >= n_keys * n_keys // 2:  # 2: a masked score's cost in units of an unmasked one
+        return AttentionPlan(positions, n_keys, ())
+    if len(pos) * (pos[-1] + 1) <= 1.25 * (open_scores + masked_scores):
+        runs, spans = [(0, len(pos))], [(0, pos[-1] + 1)]
+    else:
+        spans = [(pos[s], pos[e - 1] + 1) for s, e in runs]
+    return AttentionPlan(positions, n_keys, tuple(
+        QueryRun(s, e, first, mask_bias(causal_mask_for(positions[s:e], torch.arange(first, end, device=positions.device)),
+                                        dtype).repeat(group, 1))  # [G * B, m]
+        for (s, e), (first, end) in zip(runs, spans)
+    ))
+
+
+def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
+    q [H_q, Q, D] at the ascending positions of `plan` (`attention_plan`). The G query heads that share
+    a KV head are folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. Without
+    runs, the queries are placed at their positions in an all-zero [H_q, N, D], one causal kernel runs
+    over all N positions and the other rows are dropped."""
+    (h_q, n_q, d), h_kv = q.shape, k.shape[0]
+    g = h_q // h_kv
+    if not plan.runs:
+        padded = q.new_zeros(h_q, plan.n_keys, d)  # [H_q, N, D]
+        padded[:, plan.positions] = q
+        return attend(padded, k, v, None, scale)[plan.positions]  # [Q, H_q * D]
     grouped = q.reshape(h_kv, g, n_q, d)  # [H_kv, G, Q, D]
     out = q.new_empty(n_q, h_q * d)  # [Q, H_q * D]
-    for s, e in runs:
-        first, last = pos[s], pos[e - 1]
+    for run in plan.runs:
+        s, e, first = run.start, run.end, run.open_end
+        end = first + run.bias.shape[1]
         qb = grouped[:, :, s:e].reshape(h_kv, g * (e - s), d)  # [H_kv, G * B, D]
-        mask = causal_mask_for(query_positions[s:e], torch.arange(first, last + 1, device=q.device))  # [B, m]
-        o, lse = attend_lse(qb, k[:, first : last + 1], v[:, first : last + 1], mask.repeat(g, 1), scale)  # [H_kv, G * B, D]
+        o, lse = attend_lse(qb, k[:, first:end], v[:, first:end], run.bias, scale)  # [H_kv, G * B, D]
         if first > 0:
             o = merge_attention(*attend_lse(qb, k[:, :first], v[:, :first], None, scale), o, lse)  # [H_kv, G * B, D]
         out[s:e] = o.reshape(h_kv, g, e - s, d).permute(2, 0, 1, 3).reshape(e - s, h_q * d)  # [B, H_q * D]
