@@ -183,10 +183,13 @@ class Config:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = setting(
         "behind_prefix", "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
-        "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, ~3.7x the indexing "
-        "work at 128-token chunks, two caches per chunk, better fidelity at the same query-time cost)."
+        "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
+        "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost)."
     )
-    context_chunks: int = setting(2, "chunk_prefill=neighbours: how many similar chunks each chunk's cache is computed behind.")
+    context_chunks: int = setting(
+        3, "chunk_prefill=neighbours: a chunk's caches are computed behind its 1, 2, ... this many most similar chunks; "
+        "a chunk with r chunks before it in a prompt reads the one behind min(r, this)."
+    )
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
     dtype: Literal["float32", "float16", "bfloat16"] = setting(
         "float32", "Dtype of the model and its KV caches. An index records the one it was built with and is read "

@@ -6,11 +6,13 @@ chunk's cache is computed at the positions it would have right after the prefix,
 retrieved chunk is exact and no chunk grows an attention sink of its own (the prefix's first
 token is the sink). `chunk_prefill="isolated"` computes each chunk alone from position 0 instead.
 `chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk behind the prefix and its
-`context_chunks` most similar chunks of the corpus (its likely retrieval neighbours, laid out as in a
-prompt, the most similar last), so its cache already carries cross-attention of the kind a prompt
-needs; the chosen neighbours are recorded in `neighbours.json`. A chunk right after the prefix, or one
-without recorded neighbours (indexed by a run killed before it recorded them), uses its behind-prefix
-cache, which every index stores.
+most similar chunks of the corpus (its likely retrieval neighbours, laid out as in a prompt, the most
+similar last), so its cache already carries cross-attention of the kind a prompt needs: one cache behind
+each number j = 1..`context_chunks` of them, and a chunk with r chunks before it in a prompt reads the
+one behind min(r, `context_chunks`), a context as long as the one it meets (the second chunk of a prompt
+reads its cache behind its single most similar chunk: exact where that chunk is the first). The chosen
+neighbours are recorded in `neighbours.json`. The first chunk, or one without recorded neighbours
+(indexed by a run killed before it recorded them), uses its behind-prefix cache, which every index stores.
 
 Consistency. Indexers are serialised by a lock file (`.writer.lock`): a second indexer waits, then
 finds the work done. A sync stores the new chunks' caches *before* it commits them, so every chunk
@@ -191,13 +193,12 @@ class KVIndex:
 
     def live_keys(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every cache the index uses, as store key -> (token ids, context): the prefix's, each chunk's
-        behind its context and, with `chunk_prefill="neighbours"`, behind its recorded neighbours."""
+        behind its context and, with `chunk_prefill="neighbours"`, behind each number of its recorded neighbours."""
         prefix = self.format.prefix_ids
         live = {self.key(prefix, ()): (prefix, ())}
         for ids in self.chunks.token_ids():
             live[self.key(ids)] = (ids, self.chunk_context)
-            if (near := self._neighbours.get(self._neighbour_key(ids))) is not None:
-                context = self._neighbour_context(near)
+            for context in self._neighbour_contexts(self._neighbours.get(self._neighbour_key(ids), [])):
                 live[self.key(ids, context)] = (ids, context)
         return live
 
@@ -277,8 +278,9 @@ class KVIndex:
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"`: for each of `chunks` (already in the index), find its
-        `context_chunks` most similar other chunks, store its cache computed behind the prefix and them,
-        and record them in `neighbours.json`; returns how many caches were computed."""
+        `context_chunks` most similar other chunks, store its caches computed behind the prefix and its
+        j most similar of them for each j (`_neighbour_contexts`), and record them in `neighbours.json`;
+        returns how many caches were computed."""
         table = self._neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
@@ -286,10 +288,10 @@ class KVIndex:
             hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][: self.config.context_chunks]
             table[self._neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            ctx = self._neighbour_context(near)
-            if self.key(chunk.token_ids, ctx) not in self.store:
-                self.store.put(self.key(chunk.token_ids, ctx), next(self.compute([chunk.token_ids], ctx))[1])
-                done += 1
+            for ctx in self._neighbour_contexts(near):
+                if self.key(chunk.token_ids, ctx) not in self.store:
+                    self.store.put(self.key(chunk.token_ids, ctx), next(self.compute([chunk.token_ids], ctx))[1])
+                    done += 1
             bar.update(1)
         bar.close()
         tmp = self._neighbours_path.with_suffix(".json.tmp")
@@ -326,14 +328,20 @@ class KVIndex:
         """The prefix, then the neighbours as a prompt lays chunks out (separator after each), most similar last."""
         return self.format.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *self.format.separator_ids))
 
-    def context_at(self, start: int, ids: Sequence[int]) -> tuple[int, ...]:
-        """The context of the cache used for chunk `ids` starting at prompt position `start` > 0: behind
-        its recorded neighbours (`chunk_prefill="neighbours"`), except right after the prefix, where the
-        behind-prefix cache is exact; otherwise the index's `chunk_context`."""
+    def _neighbour_contexts(self, near: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The contexts a chunk with neighbours `near` (most similar first) has caches behind: its j most
+        similar, for j = 1..len(near)."""
+        return [self._neighbour_context(near[:j]) for j in range(1, len(near) + 1)]
+
+    def context_at(self, depth: int, ids: Sequence[int]) -> tuple[int, ...]:
+        """The context of the cache used for chunk `ids` with `depth` chunks before it in a prompt: with
+        `chunk_prefill="neighbours"`, its min(depth, recorded) most similar chunks (a context of as many
+        chunks as it meets), except for the first chunk (depth 0), whose behind-prefix cache is exact
+        right after the prefix; otherwise the index's `chunk_context`."""
         near = self._neighbours.get(self._neighbour_key(ids))
-        if near is None or start == len(self.format.prefix_ids):
+        if near is None or depth == 0:
             return self.chunk_context
-        return self._neighbour_context(near)
+        return self._neighbour_context(near[:depth])
 
     def key(self, ids: Sequence[int], context: Sequence[int] | None = None) -> str:
         """The store key of the cache of `ids` computed behind `context` (default: a chunk's)."""
@@ -342,7 +350,7 @@ class KVIndex:
     def open_caches(self, segments: Sequence[Segment]) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
-        one `context_at` its position names. A missing entry is recomputed and stored now; one that fails a layer's
+        one `context_at` names for the number of other stored sequences read before it (its depth). A missing entry is recomputed and stored now; one that fails a layer's
         check while the fusion reads it is recomputed then. Either way the fusion gets intact caches.
         A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
         prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
@@ -360,12 +368,13 @@ class KVIndex:
         missing = start = 0
         head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
         before: list[int] | None = [] if head else None  # the prompt so far, while a head and computed text
+        read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
         for seg in segments:
             behind_head = before is not None and start > 0 and seg.cacheable
             if behind_head:
                 ctx, whole = tuple(before), seg.ids
             else:
-                ctx, whole = () if start == 0 else self.context_at(start - seg.offset, seg.stored), seg.stored
+                ctx, whole = () if start == 0 else self.context_at(len(read - {seg.stored}), seg.stored), seg.stored
             source: LayerSource | None = None
             if seg.cacheable:
                 key = self.key(whole, ctx)
@@ -383,6 +392,8 @@ class KVIndex:
                 if len(seg.ids) < len(whole):
                     source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
                     ctx = ctx + whole[: seg.offset]
+                if start > 0:
+                    read.add(whole)
             sources.append(source)
             contexts.append(ctx)
             start += len(seg.ids)

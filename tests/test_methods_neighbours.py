@@ -1,5 +1,6 @@
-"""`chunk_prefill="neighbours"` (issue 13): each chunk's cache also computed behind its most similar
-chunks, addressed by that context; exact only where the prompt's tokens before it are that context."""
+"""`chunk_prefill="neighbours"` (issue 13): each chunk's caches also computed behind its 1..N most similar
+chunks, addressed by that context, the one read matching the number of chunks before it in the prompt;
+exact only where the prompt's tokens before it are that context."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from test_fusion import ATOL
 
 from rag_kvcache.config import Config, FusionConfig
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
@@ -44,13 +44,15 @@ def layout(index: KVIndex, near) -> tuple[int, ...]:
     return index.format.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *sep))
 
 
-def test_neighbour_cache_is_the_chunk_behind_its_most_similar_chunks(tiny, index):
+@pytest.mark.parametrize(("depth", "n_near"), [(1, 1), (2, 2), (5, 2)])
+def test_neighbour_cache_is_the_chunk_behind_as_many_similar_chunks_as_precede_it(tiny, index, depth, n_near):
     chunk = some_chunk(index)
     near = [h.chunk.token_ids for h in index.search(chunk.text, 3) if h.chunk.id != chunk.id][:2]
     table = json.loads((index.path / "neighbours.json").read_text())
     assert len(table) == len(list(index.chunks.all_chunks())) and len(near) == 2
-    context = layout(index, near)
-    assert index.context_at(1000, chunk.token_ids) == context
+    context = layout(index, near[:n_near])
+    assert index.context_at(depth, chunk.token_ids) == context
+    assert index.context_at(0, chunk.token_ids) == index.format.prefix_ids
     stored = index.store.get(index.key(chunk.token_ids, context))
     assert stored.position == len(context)
     past = tiny.prefill(torch.tensor([context]))[:2]
@@ -76,27 +78,34 @@ def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
                                atol=ATOL, rtol=0)
 
 
-def test_a_chunk_behind_exactly_its_neighbours_is_exact(index):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
+    """A chunk with `depth` chunks before it reads its cache behind its `depth` most similar chunks: exact
+    where the prompt holds just them before it, most similar last (e.g. the second chunk of a prompt
+    whose first is its most similar, as retrieval often makes it)."""
     chunk = some_chunk(index)
-    context = index.context_at(1000, chunk.token_ids)
-    segments = [Segment(index.format.prefix_ids, True, "prefix"), Segment(context[len(index.format.prefix_ids):], False, "text"),
-                Segment(chunk.token_ids, True, "chunk"), Segment((1012, 1013), False, "question")]
+    near = json.loads((index.path / "neighbours.json").read_text())[index._neighbour_key(chunk.token_ids)]
+    question = index.format.question_ids(index.adapter.tokenizer, "Who kept the diary?")
+    segments = index.format.segments([*(tuple(n) for n in reversed(near[:depth])), chunk.token_ids], question)
     caches = index.open_caches(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
-    assert inp.parts[2].exact
-    full = FusedGenerator(index).fuse(segments, FusionConfig(method="full")).result
-    torch.testing.assert_close(FusedGenerator(index).fuse(segments, FusionConfig(method="prefix")).result.logits,
-                               full.logits, atol=ATOL, rtol=0)
+    chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
+    assert chunks[0].exact and chunks[-1].exact  # a middle chunk reads its own neighbours' cache: inexact
+    gen = FusedGenerator(index)
+    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
+                               gen.fuse(segments, FusionConfig(method="full")).result.logits, atol=ATOL, rtol=0)
+    swapped = index.format.segments([tuple(near[1]), chunk.token_ids], question)  # another chunk first: inexact
+    caches = index.open_caches(swapped)
+    assert not FusionInput.build(swapped, caches.sources, caches.contexts).parts[3].exact
 
 
 def test_another_setting_is_a_miss(tiny, index):
     chunk = some_chunk(index)
-    one = KVIndex(index.path, replace(NEIGHBOURS, context_chunks=1), index.chunks, tiny)
     plain = KVIndex(index.path, replace(NEIGHBOURS, chunk_prefill="behind_prefix"), index.chunks, tiny)
-    near = json.loads((index.path / "neighbours.json").read_text())[index._neighbour_key(chunk.token_ids)]
-    assert one.key(chunk.token_ids, layout(one, near[:1])) not in index.store
+    others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
+    assert len(others) == 3 and index.key(chunk.token_ids, layout(index, others)) not in index.store  # 3 > context_chunks
     assert plain.key(chunk.token_ids) not in index.store
-    assert plain.context_at(1000, chunk.token_ids) == plain.format.prefix_ids  # no neighbours outside the mode
+    assert plain.context_at(2, chunk.token_ids) == plain.format.prefix_ids  # no neighbours outside the mode
 
 
 def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny, index, tmp_path, monkeypatch):
@@ -117,5 +126,5 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
     report = reopened.update(tmp_path / "docs", progress=False)
     assert not report.new_chunks and reopened.unrecorded_chunks() == []
     for chunk in missing:
-        context = reopened.context_at(1000, chunk.token_ids)
+        context = reopened.context_at(2, chunk.token_ids)
         assert context != reopened.chunk_context and reopened.key(chunk.token_ids, context) in reopened.store
