@@ -6,8 +6,8 @@ Two settings: the bundled demo documents (the default: 10 questions about them, 
 `rag-kvcache bench` reads it) over the chunks the index retrieves for each (`KVIndex.search`, top
 `--top-k`), as `bench` retrieves them: at 512-token chunks and top-6, ~2,900-token prompts. An existing
 `--index` is opened as it is (it must have `--chunk-tokens`; nothing is added to it but the caches of the
-layouts' heads, of first chunks behind them and of template text); a missing one is built from those questions' passages, written
-to `docs/` beside it (`bench.runner.build_index`).
+layouts' heads, of first chunks behind them and of template text); a missing one is built from those
+questions' passages, written to `docs/` beside it (`bench.runner.build_index`).
 
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
@@ -87,10 +87,12 @@ def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
     examples = load_dataset(args.dataset)[: args.limit]
     questions = list(dict.fromkeys(ex.question for ex in examples))
     if not exists(args.index):
-        return build_index(examples, args.index.parent, cfg, ModelAdapter.load(cfg), False, args.index.name)[0], questions
+        index, _ = build_index(examples, args.index.parent, cfg, ModelAdapter.load(cfg), False, args.index.name)
+        return index, questions
     built = KVIndex.config_of(args.index).chunk_tokens
     if built != args.chunk_tokens:
-        raise ValueError(f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
+        raise ValueError(
+            f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
     return KVIndex.open(args.index), questions
 
 
@@ -146,6 +148,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"pid {os.getpid()}, load average at start {os.getloadavg()}", flush=True)
     index, questions = index_and_questions(args)
+    if len(questions) < 2:
+        raise ValueError(f"the CI over questions needs 2 or more distinct questions, got {len(questions)}: "
+                         "raise --limit")
     generator = FusedGenerator(index)
     tokenizer, system = index.adapter.tokenizer, index.config.system_prompt
     fusion, generation = FusionConfig(method="cacheblend", template_text=True), GenerationConfig(max_new_tokens=1)
