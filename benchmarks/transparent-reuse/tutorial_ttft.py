@@ -139,8 +139,9 @@ def main() -> None:
                         help="The demo's index (built if missing), or with --dataset an index of its passages.")
     parser.add_argument("--dataset", type=Path, help="Ask this QA set's questions instead of the demo's.")
     parser.add_argument("--limit", type=int, default=12, help="How many of --dataset's first questions.")
-    parser.add_argument("--chunk-tokens", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--chunk-tokens", type=int, default=128,
+                        help="Chunk size; an existing --dataset index must have been built with it.")
+    parser.add_argument("--top-k", type=int, default=4, help="Chunks retrieved per question.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="Also write every timed row here.")
