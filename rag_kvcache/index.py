@@ -350,8 +350,9 @@ class KVIndex:
     def open_caches(self, segments: Sequence[Segment]) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
-        one `context_at` names for the number of other stored sequences read before it (its depth). A missing entry is recomputed and stored now; one that fails a layer's
-        check while the fusion reads it is recomputed then. Either way the fusion gets intact caches.
+        one `context_at` names for the number of other stored sequences read before it (its depth). A
+        missing entry is recomputed and stored now; one that fails a layer's check while the fusion reads
+        it is recomputed then. Either way the fusion gets intact caches.
         A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
         prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
         to its context; a sequence several segments read is opened once.
