@@ -10,6 +10,7 @@ scaled rotary output, so re-rotation is exact for every RoPE variant whose scali
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,12 +111,13 @@ def attend_lse(
 
 
 def merge_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's output [H, M, D] and log-sum-exp [H, M]."""
-    lse = torch.logaddexp(lse_a, lse_b)  # [H, M]
-    w_a, w_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]  # [H, M, 1]
-    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)  # [H, M, D]
+    """Attention over the union of two disjoint key sets from each set's output [..., M, D] and
+    log-sum-exp [..., M] (into `out` if given). Set a's weight is exp(lse_a) / (exp(lse_a) + exp(lse_b)),
+    a sigmoid of the difference, so one lerp merges them (in float32 inside, for any input dtype)."""
+    w_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # [..., M, 1]
+    return torch.lerp(out_b, out_a, w_a.to(out_b.dtype), out=out)  # [..., M, D]
 
 
 def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
@@ -127,6 +129,64 @@ def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
         runs.append((s, e))
         s = e
     return runs
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """Modelled cost of attending a run of queries (`plan_runs`), in units of one query-key score of the
+    CPU flash kernel. Fitted to 2,758 calls timed on a MuSiQue prompt's CacheBlend layers (SmolLM2,
+    2 threads, AMD EPYC, calls of 1-404 queries over 1-2,600 keys, median error 5-6%): a score cost
+    15.1 ns masked or not; a call 18-19 us, plus 0.20 (unmasked) / 0.55 (masked) us per query and
+    0.06 / 0.08 us per key; merging two partial results by log-sum-exp ~15 us."""
+
+    call: float = 1_200
+    merge: float = 1_000
+    open_query: float = 13
+    open_key: float = 4
+    masked_query: float = 36
+    masked_key: float = 5
+
+    def run(self, n_queries: int, first: int, last: int, open_end: int) -> float:
+        """Queries at positions first..last (ascending, `n_queries` of them) seeing keys [0, open_end)
+        in one unmasked call (none when `open_end` is 0) and keys [open_end, last] under a mask."""
+        span = last + 1 - open_end
+        cost = n_queries * (last + 1) + self.call + self.masked_query * n_queries + self.masked_key * span
+        if open_end:
+            cost += self.call + self.merge + self.open_query * n_queries + self.open_key * open_end
+        return cost
+
+
+def plan_runs(
+    positions: Sequence[int], block: int | None = None, atom: int = 32, cost: RunCost = RunCost(),
+) -> list[tuple[int, int, int]]:
+    """Split ascending query positions into runs (start, end, open_end) at the least `cost`: each run's
+    queries see keys [0, open_end) whole and the keys from there up to its last query under a mask, no
+    masked part spanning more than `block` positions (None: no bound). Runs are unions of consecutive
+    atoms (`query_blocks(positions, atom)`), chosen by dynamic programming over the atoms; a run opens
+    at its first query, except that the first run may take every key before it into its masked part
+    (one call, nothing merged: few scattered queries)."""
+    bound = math.inf if block is None else block
+    atoms = query_blocks(positions, min(atom, block or atom))
+    floor = [0] + list(itertools.accumulate(p + 1 for p in positions))  # scores of queries [0, i) under no waste
+    best, back = [0.0] + [math.inf] * len(atoms), [(0, 0)] * (len(atoms) + 1)
+    for j in range(1, len(atoms) + 1):
+        end = atoms[j - 1][1]
+        last = positions[end - 1]
+        for i in range(j - 1, -1, -1):
+            start = atoms[i][0]
+            first = positions[start]
+            if last - first >= bound or floor[start] + (end - start) * (last + 1) >= best[j]:
+                break  # longer runs only add queries that see more keys than they need
+            for open_end in (first, 0) if i == 0 and first and last < bound else (first,):
+                c = best[i] + cost.run(end - start, first, last, open_end)
+                if c < best[j]:
+                    best[j], back[j] = c, (i, open_end)
+    runs, j = [], len(atoms)
+    while j:
+        i, open_end = back[j]
+        runs.append((atoms[i][0], atoms[j - 1][1], open_end))
+        j = i
+    return runs[::-1]
 
 
 @dataclass(frozen=True)
@@ -152,36 +212,29 @@ class AttentionPlan:
 
 
 def attention_plan(
-    positions: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, block: int = 512,
+    positions: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, block: int | None = None,
 ) -> AttentionPlan:
     """Plan the attention of queries at ascending `positions` [Q] (with `group` query heads per KV head)
     over keys 0..n_keys-1.
 
-    Queries go in runs (`query_blocks`). A run's queries all see every key before its first position:
-    that part is one unmasked attention; only the keys inside the run's span need the mask, a small
-    masked attention; the two merge by log-sum-exp. Masked scores are never computed for keys no query
-    of the run can see, and few are computed at all. Runs of 512 were fastest on the quiet 2-core CPU
-    with 2 threads (CacheBlend-like 15% queries over 2,900 keys: 14.5-14.9 ms per layer against 15.2-15.3
-    for 256 and 16.1-16.6 for 128). When one masked attention of every query over all keys up to the
-    last costs at most 1.25x the runs' scores, it is the plan (no merges, no per-run calls): reuse's
-    separators and question (30 queries over 3,052 keys of a MuSiQue prompt, 1 thread) took 2.72 ms
-    that way against 3.11 ms in 4 runs, EPIC-like queries (1.7x the scores) 9.7 against 7.3. When the
-    queries are (nearly) the whole prompt, one causal kernel over all positions costs less (no runs).
+    Queries go in runs (`plan_runs`, no masked part spanning more than `block` positions). A run's
+    queries all see every key before its first position: that part is one unmasked attention; only the
+    keys inside the run's span need the mask, a small masked attention; the two merge by log-sum-exp.
+    The run boundaries minimise the modelled cost of the calls (`RunCost`): against fixed runs of 512
+    positions (the plan before), CacheBlend's layers (~400 of ~3,050 positions) took 14.2 ms against
+    15.2 and EPIC's (~110) 6-10% less (2 threads, under the bench lock, 84 layers of 3 MuSiQue prompts). Few
+    scattered queries (reuse's separators and question) come out as one masked call over every key up to
+    the last. When the queries are (nearly) the whole prompt, one causal kernel over all positions costs
+    less (no runs): it computes n_keys^2 / 2 scores, when the runs would compute at least as many.
     """
     pos = positions.tolist()  # one device sync, once per plan
-    runs = query_blocks(pos, block)
-    open_scores = sum((e - s) * pos[s] for s, e in runs)
-    masked_scores = sum((e - s) * (pos[e - 1] - pos[s] + 1) for s, e in runs)
-    if open_scores + 2 * masked_scores >= n_keys * n_keys // 2:  # 2: a masked score's cost in units of an unmasked one
+    runs = plan_runs(pos, block)
+    if sum((e - s) * (pos[e - 1] + 1) for s, e, _ in runs) >= n_keys * n_keys // 2:
         return AttentionPlan(positions, n_keys, ())
-    if len(pos) * (pos[-1] + 1) <= 1.25 * (open_scores + masked_scores):
-        runs, spans = [(0, len(pos))], [(0, pos[-1] + 1)]
-    else:
-        spans = [(pos[s], pos[e - 1] + 1) for s, e in runs]
     return AttentionPlan(positions, n_keys, tuple(
-        QueryRun(s, e, first, mask_bias(causal_mask_for(positions[s:e], torch.arange(first, end, device=positions.device)),
+        QueryRun(s, e, first, mask_bias(causal_mask_for(positions[s:e], torch.arange(first, pos[e - 1] + 1, device=positions.device)),
                                         dtype).repeat(group, 1))  # [G * B, m]
-        for (s, e), (first, end) in zip(runs, spans)
+        for s, e, first in runs
     ))
 
 
@@ -198,16 +251,21 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
         padded[:, plan.positions] = q
         return attend(padded, k, v, None, scale)[plan.positions]  # [Q, H_q * D]
     grouped = q.reshape(h_kv, g, n_q, d)  # [H_kv, G, Q, D]
-    out = q.new_empty(n_q, h_q * d)  # [Q, H_q * D]
+    out = q.new_empty(n_q, h_kv, g, d)  # [Q, H_kv, G, D], laid out as [Q, H_q * D]
     for run in plan.runs:
         s, e, first = run.start, run.end, run.open_end
         end = first + run.bias.shape[1]
         qb = grouped[:, :, s:e].reshape(h_kv, g * (e - s), d)  # [H_kv, G * B, D]
-        o, lse = attend_lse(qb, k[:, first:end], v[:, first:end], run.bias, scale)  # [H_kv, G * B, D]
+        o, lse = attend_lse(qb, k[:, first:end], v[:, first:end], run.bias, scale)  # [H_kv, G * B, D], [H_kv, G * B]
+        o = o.reshape(h_kv, g, e - s, d)  # [H_kv, G, B, D]
+        dst = out[s:e].permute(1, 2, 0, 3)  # [H_kv, G, B, D], a view of out
         if first > 0:
-            o = merge_attention(*attend_lse(qb, k[:, :first], v[:, :first], None, scale), o, lse)  # [H_kv, G * B, D]
-        out[s:e] = o.reshape(h_kv, g, e - s, d).permute(2, 0, 1, 3).reshape(e - s, h_q * d)  # [B, H_q * D]
-    return out
+            o_open, lse_open = attend_lse(qb, k[:, :first], v[:, :first], None, scale)  # [H_kv, G * B, D], [H_kv, G * B]
+            merge_attention(o_open.reshape(h_kv, g, e - s, d), lse_open.reshape(h_kv, g, e - s), o,
+                            lse.reshape(h_kv, g, e - s), out=dst)  # [H_kv, G, B, D]
+        else:
+            dst.copy_(o)
+    return out.view(n_q, h_q * d)  # [Q, H_q * D]
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""The attention plan's run boundaries (`plan_runs`, a dynamic program over a cost model) and the
+log-sum-exp merge: any plan is exact, and the plan is the cheapest the model allows."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rag_kvcache.engine.ops import (
+    RunCost, attend, attend_lse, attention_plan, causal_attend, causal_mask_for, merge_attention, plan_runs,
+)
+
+
+def plan_cost(positions, runs, cost=RunCost()):
+    return sum(cost.run(e - s, positions[s], positions[e - 1], open_end) for s, e, open_end in runs)
+
+
+def scattered(n_keys: int, n_queries: int, question: int, seed: int) -> list[int]:
+    """CacheBlend-like query positions: a random share of the prompt, then the question's tokens."""
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randperm(n_keys - question, generator=g)[:n_queries].sort().values.tolist()
+    return body + list(range(n_keys - question, n_keys))
+
+
+@pytest.mark.parametrize("block", [None, 3, 40, 300])
+def test_plan_runs_cover_every_query_once_within_block(block):
+    pos = scattered(600, 90, 12, seed=1)
+    runs = plan_runs(pos, block)
+    assert [i for s, e, _ in runs for i in range(s, e)] == list(range(len(pos)))  # every query once, in order
+    for s, e, open_end in runs:
+        assert open_end in (pos[s], 0) and (open_end == pos[s] or s == 0)  # opens at its first query, or the first run at 0
+        assert block is None or pos[e - 1] - open_end < block  # no masked part spans more than block
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_runs_is_the_cheapest_partition(seed):
+    """Against every partition of a few queries into consecutive runs (atoms of one query), each with
+    each allowed opening: the dynamic program finds the least modelled cost."""
+    g = torch.Generator().manual_seed(seed)
+    pos = sorted(torch.randperm(20_000, generator=g)[:9].tolist())
+    cost = RunCost(call=400, merge=300)  # cheap calls, so that the optimum is not one run
+    best = min(
+        plan_cost(pos, runs, cost)
+        for cuts in itertools.product((False, True), repeat=len(pos) - 1)
+        for bounds in [[0, *(i + 1 for i, cut in enumerate(cuts) if cut), len(pos)]]
+        for first_open in {pos[0], 0}
+        for runs in [[(s, e, first_open if s == 0 else pos[s]) for s, e in zip(bounds, bounds[1:])]]
+    )
+    runs = plan_runs(pos, None, atom=1, cost=cost)
+    assert plan_cost(pos, runs, cost) == pytest.approx(best)
+
+
+def test_plan_runs_split_where_the_queries_lie_apart():
+    """Three clusters far apart: a run each (one call over the keys before it, one small masked call)."""
+    pos = [*range(100, 140), *range(5_000, 5_040), *range(9_000, 9_040)]
+    assert plan_runs(pos) == [(0, 40, 0), (40, 80, 5_000), (80, 120, 9_000)]
+
+
+def test_causal_attend_cacheblend_like_plan_equals_the_mask():
+    """15% of 600 positions and a question, planned with the default cost model: several runs, some
+    merged with an unmasked part, and the result equals one masked attention."""
+    positions = torch.tensor(scattered(600, 90, 12, seed=2))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(6, len(positions), 8, generator=g)  # GQA: 6 query heads over 2 KV heads
+    k, v = torch.randn(2, 600, 8, generator=g), torch.randn(2, 600, 8, generator=g)
+    plan = attention_plan(positions, 600, 3, q.dtype)
+    assert len(plan.runs) > 1 and any(run.open_end > 0 for run in plan.runs)
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(600)), 0.35)  # [102, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
+
+
+def test_causal_attend_chooses_one_causal_pass_for_most_of_the_prompt():
+    """CacheBlend's first layer computes every token after the exactly cached first chunk."""
+    plan = attention_plan(torch.arange(100, 600), 600, 3, torch.float32)
+    assert plan.runs == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_attention_into_a_strided_view_equals_attention_over_the_union(dtype):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 5, 8, generator=g).to(dtype)
+    k, v = torch.randn(2, 30, 8, generator=g).to(dtype), torch.randn(2, 30, 8, generator=g).to(dtype)
+    o_a, lse_a = attend_lse(q, k[:, :12], v[:, :12], None, 0.35)  # [2, 5, 8], [2, 5]
+    o_b, lse_b = attend_lse(q, k[:, 12:], v[:, 12:], None, 0.35)
+    ref, _ = attend_lse(q, k, v, None, 0.35)  # [2, 5, 8]
+    out = torch.empty(5, 2, 8, dtype=dtype)  # [M, H, D]: the merge writes through a permuted view
+    merge_attention(o_a, lse_a, o_b, lse_b, out=out.permute(1, 0, 2))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.permute(1, 0, 2), ref, **tol)
+    torch.testing.assert_close(merge_attention(o_a, lse_a, o_b, lse_b), ref, **tol)
