@@ -71,10 +71,28 @@ def test_causal_attend_cacheblend_like_plan_equals_the_mask():
     torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
 
 
-def test_causal_attend_chooses_one_causal_pass_for_most_of_the_prompt():
-    """CacheBlend's first layer computes every token after the exactly cached first chunk."""
-    plan = attention_plan(torch.arange(100, 600), 600, 3, torch.float32)
-    assert plan.runs == ()
+def test_causal_attend_contiguous_queries_after_a_cached_head_equal_the_mask():
+    """CacheBlend's first layer and `prefix` compute every token after the exactly cached first chunk:
+    one causal pass over their own positions, merged with an unmasked pass over the keys before them."""
+    positions = torch.arange(100, 600)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 500, 8, generator=g)  # GQA: 6 query heads over 2 KV heads
+    k, v = torch.randn(2, 600, 8, generator=g), torch.randn(2, 600, 8, generator=g)
+    plan = attention_plan(positions, 600, 3, q.dtype)
+    assert plan.runs == () and plan.first == 100
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(600)), 0.35)  # [500, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
+
+
+def test_causal_attend_nearly_every_scattered_position_pads_and_equals_the_mask():
+    positions = torch.tensor([i for i in range(600) if i % 50 != 7])  # most of the prompt, not contiguous
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(6, len(positions), 8, generator=g)
+    k, v = torch.randn(2, 600, 8, generator=g), torch.randn(2, 600, 8, generator=g)
+    plan = attention_plan(positions, 600, 3, q.dtype)
+    assert plan.runs == () and plan.first is None
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(600)), 0.35)  # [588, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -92,17 +92,21 @@ def attend(
 
 
 def attend_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, M, D] over k, v [H, n, D] under an additive bias [M, n] (`mask_bias`; None:
     every key), with each query's log-sum-exp of scores [H, M] (float32), so partial results over
     disjoint key sets merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the
-    cost of a plain SDPA call; elsewhere the scores are formed explicitly."""
+    cost of a plain SDPA call; elsewhere the scores are formed explicitly. CPU only: `causal` (query i
+    sees keys 0..i, M == n, no bias), and q may have G times k's heads (query head h reads KV head h // G)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, False, attn_mask=None if bias is None else bias[None, None], scale=scale,
+            q[None], k[None], v[None], 0.0, causal, attn_mask=None if bias is None else bias[None, None], scale=scale,
         )[:2]  # [1, H, M, D], [1, H, M]
         return out[0], lse[0]
+    if causal or q.shape[0] != k.shape[0]:
+        raise ValueError(f"attend_lse on {q.device.type}: causal={causal}, {q.shape[0]} query heads over "
+                         f"{k.shape[0]} KV heads (the causal and grouped forms are CPU-only)")
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
     if bias is not None:
         scores = scores + bias.float()  # [H, M, n]
@@ -204,11 +208,14 @@ class QueryRun:
 class AttentionPlan:
     """How `causal_attend` computes exact causal attention for queries at ascending `positions` [Q] over
     keys at 0..n_keys-1, made once per set of queries (`attention_plan`) and used by every layer that
-    computes that set. `runs` empty: one causal pass over all n_keys positions."""
+    computes that set. `runs` empty: one causal pass, over the queries' own positions first.. when they
+    are contiguous from there (`first`; an unmasked pass over the keys before them merged in), else
+    (`first` None) over all n_keys positions."""
 
     positions: torch.Tensor  # [Q]
     n_keys: int
     runs: tuple[QueryRun, ...]
+    first: int | None = None
 
 
 def attention_plan(
@@ -226,8 +233,15 @@ def attention_plan(
     scattered queries (reuse's separators and question) come out as one masked call over every key up to
     the last. When the queries are (nearly) the whole prompt, one causal kernel over all positions costs
     less (no runs): it computes n_keys^2 / 2 scores, when the runs would compute at least as many.
+    Queries at contiguous positions (CacheBlend's first layer and `prefix`: every token after the exact
+    first chunk) need no runs on CPU: one causal kernel over their own positions, merged with one
+    unmasked call over the keys before them, computes no more scores than any runs would, and no padded
+    rows: CacheBlend's first layer 170 -> 146 ms on a MuSiQue prompt (2,522 queries after 530 exact
+    tokens, 1 thread).
     """
     pos = positions.tolist()  # one device sync, once per plan
+    if positions.device.type == "cpu" and pos[-1] - pos[0] + 1 == len(pos):
+        return AttentionPlan(positions, n_keys, (), pos[0])
     runs = plan_runs(pos, block)
     if sum((e - s) * (pos[e - 1] + 1) for s, e, _ in runs) >= n_keys * n_keys // 2:
         return AttentionPlan(positions, n_keys, ())
@@ -242,14 +256,23 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     """`attend` under `causal_mask_for`, for keys k, v [H_kv, N, D] at positions 0..N-1 and queries
     q [H_q, Q, D] at the ascending positions of `plan` (`attention_plan`). The G query heads that share
     a KV head are folded into the query axis ([H_kv, G * B, D]), so K/V are never repeated. Without
-    runs, the queries are placed at their positions in an all-zero [H_q, N, D], one causal kernel runs
-    over all N positions and the other rows are dropped."""
+    runs, contiguous queries from `plan.first` run one causal kernel over their own positions, merged
+    with an unmasked pass over the keys before them; scattered ones are placed at their positions in an
+    all-zero [H_q, N, D], one causal kernel runs over all N positions and the other rows are dropped."""
     (h_q, n_q, d), h_kv = q.shape, k.shape[0]
     g = h_q // h_kv
-    if not plan.runs:
+    if not plan.runs and plan.first is None:
         padded = q.new_zeros(h_q, plan.n_keys, d)  # [H_q, N, D]
         padded[:, plan.positions] = q
         return attend(padded, k, v, None, scale)[plan.positions]  # [Q, H_q * D]
+    if not plan.runs:
+        first, end = plan.first, plan.first + n_q
+        if not first:
+            return attend(q, k[:, :end], v[:, :end], None, scale)  # [Q, H_q * D]
+        out = q.new_empty(n_q, h_q, d)  # [Q, H_q, D]
+        o, lse = attend_lse(q, k[:, first:end], v[:, first:end], None, scale, causal=True)  # [H_q, Q, D], [H_q, Q]
+        merge_attention(*attend_lse(q, k[:, :first], v[:, :first], None, scale), o, lse, out=out.transpose(0, 1))
+        return out.view(n_q, h_q * d)  # [Q, H_q * D]
     grouped = q.reshape(h_kv, g, n_q, d)  # [H_kv, G, Q, D]
     out = q.new_empty(n_q, h_kv, g, d)  # [Q, H_kv, G, D], laid out as [Q, H_q * D]
     for run in plan.runs:
