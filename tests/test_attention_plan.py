@@ -105,6 +105,6 @@ def test_merge_attention_into_a_strided_view_equals_attention_over_the_union(dty
     ref, _ = attend_lse(q, k, v, None, 0.35)  # [2, 5, 8]
     out = torch.empty(5, 2, 8, dtype=dtype)  # [M, H, D]: the merge writes through a permuted view
     merge_attention(o_a, lse_a, o_b, lse_b, out=out.permute(1, 0, 2))
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16: its rounding
     torch.testing.assert_close(out.permute(1, 0, 2), ref, **tol)
     torch.testing.assert_close(merge_attention(o_a, lse_a, o_b, lse_b), ref, **tol)

@@ -119,9 +119,13 @@ def merge_attention(
 ) -> torch.Tensor:
     """Attention over the union of two disjoint key sets from each set's output [..., M, D] and
     log-sum-exp [..., M] (into `out` if given). Set a's weight is exp(lse_a) / (exp(lse_a) + exp(lse_b)),
-    a sigmoid of the difference, so one lerp merges them (in float32 inside, for any input dtype)."""
+    a sigmoid of the difference, so one lerp merges them: in place for float32, through float32 otherwise
+    (a half-precision weight would cost more than the result's one rounding)."""
     w_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # [..., M, 1]
-    return torch.lerp(out_b, out_a, w_a.to(out_b.dtype), out=out)  # [..., M, D]
+    if out_b.dtype == torch.float32:
+        return torch.lerp(out_b, out_a, w_a, out=out)  # [..., M, D]
+    merged = torch.lerp(out_b.float(), out_a.float(), w_a).to(out_b.dtype)  # [..., M, D]
+    return merged if out is None else out.copy_(merged)
 
 
 def query_blocks(positions: Sequence[int], block: int) -> list[tuple[int, int]]:
