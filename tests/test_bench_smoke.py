@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 
 from rag_kvcache.bench import runner
 from rag_kvcache.bench.datasets import write_jsonl
-from rag_kvcache.bench.report import METRIC_KEYS
+from rag_kvcache.bench.report import METRIC_KEYS, markdown_table
 from rag_kvcache.bench.runner import (
     FIDELITY_KEYS,
     NOISE_FLOOR,
     BenchSettings,
     Variant,
+    distractors_in,
     parse_methods,
     place_evidence,
     plan,
@@ -194,6 +195,18 @@ def test_planted_accuracy_counts_only_what_full_gets_right():
     assert "tf_kl_diff" not in reuse  # no baseline given
 
 
+def test_planted_distractor_counts_facts_answered_with_another_questions_fact():
+    """Of the three facts full answers, reuse misses two: one with another question's fact from the prompt."""
+    variants = [Variant("full"), Variant("reuse")]
+    hits = {"a": (True, True), "b": (True, False), "c": (False, True), "d": (True, False)}
+    taken = {("reuse", "b")}  # reuse answered b with a distractor; d with something else
+    records = [_rec(q, label, 1.0, 1.0, 0.0, hit) | {"distractor_hit": (label, q) in taken}
+               for q, pair in hits.items() for label, hit in zip(("full", "reuse"), pair)]
+    full, reuse = summarise(records, variants)
+    assert full["planted_distractor"] == 0.0 and reuse["planted_distractor"] == pytest.approx(1 / 3)
+    assert "Planted: distractor" in markdown_table([full, reuse])
+
+
 def test_noise_floor_row_comes_from_full_records():
     records = [_rec("a", "full", 1.0, 1.0, 0.0) | {"noise_floor": dict.fromkeys(FIDELITY_KEYS, 0.01)}]
     _, floor = summarise(records, [Variant("full")], baseline=Variant("full"))
@@ -221,6 +234,17 @@ def test_planted_chunk_is_moved_to_its_rank():
     assert place_evidence(hits, missing) == (hits, None)
     with pytest.raises(ValueError, match="evidence_rank 5 is beyond the 4 retrieved"):
         place_evidence(hits, QAExample("q", "who?", ("a",), (Document("", "x"),), task="exact", evidence_rank=5))
+
+
+def test_distractors_are_other_questions_facts_the_prompt_holds():
+    from types import SimpleNamespace
+
+    from rag_kvcache.bench.datasets import Document, QAExample
+
+    hits = [SimpleNamespace(chunk=SimpleNamespace(text=t)) for t in ("lists chester under 71429.", "lists hannibal under 48677.")]
+    ex = QAExample("q", "chester?", ("71429",), (Document("", "x"),), task="exact", evidence_rank=1)
+    assert distractors_in(hits, ex, frozenset({"71429", "48677", "Koutre"})) == ["48677"]  # not its own, not absent
+    assert distractors_in(hits, ex, frozenset()) == []
 
 
 def test_stage_table_orders_stages_and_marks_missing():

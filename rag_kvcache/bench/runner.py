@@ -14,7 +14,9 @@ Protocol, so that the numbers hold up:
   from full's distributions, top-1 agreement, log-probability change, first-token KL); each mean has
   a bootstrap CI over questions and a paired difference from a baseline variant. `full` with its K/V
   rounded to bfloat16 is scored alike: the noise floor. On exact-string datasets (planted facts),
-  `planted_accuracy` counts the answers holding the fact among the questions `full` gets right. F1
+  `planted_accuracy` counts the answers holding the fact among the questions `full` gets right, and
+  `planted_distractor` those answered instead with another question's fact that the prompt also holds
+  (a retrieved chunk with a fact of the same kind: the binding of value to subject lost). F1
   against the gold answers and against full's answer are kept as secondary columns. Speedup is the
   median over questions of the per-question TTFT ratio to `full`.
 - Records are appended to `records.jsonl` as each question finishes, and an interrupted run still
@@ -249,7 +251,7 @@ def _stages(answer: Answer) -> dict[str, float]:
 
 def _record(
     example: QAExample, variant: Variant, slot: int, answer: Answer, reference: Answer, retrieval_s: float,
-    fidelity: Mapping[str, float | None], evidence: int | None,
+    fidelity: Mapping[str, float | None], evidence: int | None, distractors: Sequence[str],
 ) -> dict[str, Any]:
     summarisation = example.task == "summarization"
     exact = example.task == "exact"
@@ -266,6 +268,7 @@ def _record(
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
         "exact_hit": contains_answer(answer.answer, example.answers) if exact else None,
+        "distractor_hit": bool(distractors) and contains_answer(answer.answer, distractors) if exact else None,
         "evidence_retrieved_rank": evidence, "evidence_rank": example.evidence_rank if evidence is not None else None,
         **fidelity,
     }
@@ -285,6 +288,12 @@ def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], 
         return list(hits), None
     rest = [h for i, h in enumerate(hits) if i != found]
     return [*rest[: example.evidence_rank], hits[found], *rest[example.evidence_rank :]], found
+
+
+def distractors_in(hits: Sequence[Hit], example: QAExample, facts: frozenset[str]) -> list[str]:
+    """The exact answers of other questions (`facts`) that a retrieved chunk holds: facts a fused answer
+    may give instead of `example`'s own."""
+    return sorted(a for a in facts - set(example.answers) if any(contains_answer(h.chunk.text, [a]) for h in hits))
 
 
 def greedy_answer_ids(adapter: ModelAdapter, fused: Fused, generation: GenerationConfig) -> list[int]:
@@ -335,17 +344,19 @@ def fidelity(
 
 def run_question(
     generators: Mapping[str | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
-    slot_shift: int, prompt_style: str = NATIVE,
+    slot_shift: int, prompt_style: str = NATIVE, facts: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
     (`generators[variant.caches]`; None: the run's index) in the `prompt_style` layout, and score
-    against `full` on the same prompt."""
+    against `full` on the same prompt. `facts`: the run's exact answers; those of other questions that
+    a retrieved chunk holds are this question's distractors."""
     generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
     hits: list[Hit] = generator.index.search(example.question, config.top_k)
     retrieval_s = time.perf_counter() - t0
     hits, evidence = place_evidence(hits, example)
+    distractors = distractors_in(hits, example, facts)
     order = rotated(variants, slot_shift)
     if prompt_style == NATIVE:
         answers = {
@@ -363,7 +374,10 @@ def run_question(
         segments = generator.prompt_segments(prompt)
     scores, floor = fidelity(generators, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
-    records = [_record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence) for v in variants]
+    records = [
+        _record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence, distractors)
+        for v in variants
+    ]
     records[variants.index(Variant(REFERENCE))]["noise_floor"] = floor
     matched = chunk_tokens_matched(segments, hits)
     for r in records:
@@ -418,11 +432,13 @@ def _fidelity_columns(
 
 def _planted(mine: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Exact-string datasets: `planted_accuracy` among the questions full answers correctly (with its
-    CI and how many there are), and `exact_accuracy` over all questions."""
+    CI and how many there are), `planted_distractor` the share of those answered with a distractor
+    (another question's fact in the prompt), and `exact_accuracy` over all questions."""
     if all(r["exact_hit"] is None for r in mine):
         return {}
-    eligible = [r["exact_hit"] for r in mine if reference[r["id"]]["exact_hit"]]
-    return {**_with_ci("planted_accuracy", eligible), "planted_n": len(eligible),
+    eligible = [r for r in mine if reference[r["id"]]["exact_hit"]]
+    return {**_with_ci("planted_accuracy", [r["exact_hit"] for r in eligible]), "planted_n": len(eligible),
+            **_with_ci("planted_distractor", [r.get("distractor_hit") for r in eligible]),
             "exact_accuracy": _mean([r["exact_hit"] for r in mine])}
 
 
@@ -589,8 +605,9 @@ def run_benchmark(
     atomic_write(out_dir / PLAN_FILE, (json.dumps(run_plan, indent=2) + "\n").encode("utf-8"))
     atomic_write(records_path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
+    facts = frozenset(a for e in examples if e.task == "exact" for a in e.answers)
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
-        run_question(generators, example, variants, 0, settings.prompt_style)
+        run_question(generators, example, variants, 0, settings.prompt_style, facts)
 
     bar = tqdm(total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench",
                disable=not progress)
@@ -598,7 +615,7 @@ def run_benchmark(
         for i, example in enumerate(examples):
             if example.id in done:
                 continue
-            new = run_question(generators, example, variants, i, settings.prompt_style)  # i: the same rotation when resumed
+            new = run_question(generators, example, variants, i, settings.prompt_style, facts)  # i: the same rotation when resumed
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
