@@ -254,7 +254,7 @@ def _record(
     fidelity: Mapping[str, float | None], evidence: int | None, distractors: Sequence[str],
 ) -> dict[str, Any]:
     summarisation = example.task == "summarization"
-    exact = example.task == "exact"
+    hit = contains_answer(answer.answer, example.answers) if example.task == "exact" else None
     return {
         "id": example.id, "question": example.question, "gold": list(example.answers),
         "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "label": variant.label, "slot": slot,
@@ -267,8 +267,8 @@ def _record(
         "f1_gold": max_f1(answer.answer, example.answers),
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
-        "exact_hit": contains_answer(answer.answer, example.answers) if exact else None,
-        "distractor_hit": bool(distractors) and contains_answer(answer.answer, distractors) if exact else None,
+        "exact_hit": hit,
+        "distractor_hit": None if hit is None else not hit and bool(distractors) and contains_answer(answer.answer, distractors),
         "evidence_retrieved_rank": evidence, "evidence_rank": example.evidence_rank if evidence is not None else None,
         **fidelity,
     }
