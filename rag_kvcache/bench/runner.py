@@ -268,7 +268,8 @@ def _record(
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
         "exact_hit": hit,
-        "distractor_hit": None if hit is None else not hit and bool(distractors) and contains_answer(answer.answer, distractors),
+        "distractor_hit": None if hit is None else (
+            not hit and bool(distractors) and contains_answer(answer.answer, distractors)),
         "evidence_retrieved_rank": evidence, "evidence_rank": example.evidence_rank if evidence is not None else None,
         **fidelity,
     }
@@ -293,7 +294,8 @@ def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], 
 def distractors_in(hits: Sequence[Hit], example: QAExample, facts: frozenset[str]) -> list[str]:
     """The exact answers of other questions (`facts`) that a retrieved chunk holds: facts a fused answer
     may give instead of `example`'s own."""
-    return sorted(a for a in facts - set(example.answers) if any(contains_answer(h.chunk.text, [a]) for h in hits))
+    others = facts - set(example.answers)
+    return sorted(a for a in others if any(contains_answer(h.chunk.text, [a]) for h in hits))
 
 
 def greedy_answer_ids(adapter: ModelAdapter, fused: Fused, generation: GenerationConfig) -> list[int]:
