@@ -89,31 +89,43 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
-    def rotations(self, inv_freq: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per segment, the RoPE rotation (cos, sin [1, D/2]) that moves its cached keys to their place
-        in the prompt; None where it has no cache or already sits there. The same for every layer."""
-        return [
-            rotation(p.start - p.kv.position, inv_freq) if p.kv is not None and p.start != p.kv.position else None
-            for p in self.parts
-        ]
+    def key_rotation(self, inv_freq: torch.Tensor) -> Rotation | None:
+        """The RoPE rotation that moves every cached key to its place in the prompt, the same for every
+        layer: per token of the span from the first moved segment to the last (identity for the tokens
+        in it that do not move); None if no segment moves."""
+        moved = [p for p in self.parts if p.kv is not None and p.start != p.kv.position]
+        if not moved:
+            return None
+        start, end = moved[0].start, moved[-1].end
+        delta = torch.zeros(end - start, dtype=torch.long)  # [S]
+        for p in moved:
+            delta[p.start - start : p.end - start] = p.start - p.kv.position
+        return Rotation(start, end, *rotation(delta, inv_freq))
 
-    def assemble(
-        self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor,
-        rotations: list[tuple[torch.Tensor, torch.Tensor] | None],
-    ) -> None:
-        """Write one layer's cached K/V into the prompt's buffers keys, values [H_kv, N, D], keys
-        rotated to their prompt positions (`rotations`). Tokens without a cache get zeros; they are
-        always recomputed before anything reads them."""
-        for p, kv, turn in zip(self.parts, loaded, rotations):
+    def assemble(self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor, turn: Rotation | None) -> None:
+        """Write one layer's cached K/V into the prompt's buffers keys, values [H_kv, N, D], then rotate
+        the keys to their prompt positions in place (`key_rotation`), in one pass over the moved span.
+        Tokens without a cache get zeros; they are always recomputed before anything reads them."""
+        for p, kv in zip(self.parts, loaded):
             if kv is None:
                 keys[:, p.start : p.end] = 0
                 values[:, p.start : p.end] = 0
-                continue
-            if turn is not None:
-                rotate_keys(kv[0], *turn, out=keys[:, p.start : p.end])  # [H_kv, n, D]
             else:
                 keys[:, p.start : p.end] = kv[0]  # [H_kv, n, D]
-            values[:, p.start : p.end] = kv[1]  # [H_kv, n, D]
+                values[:, p.start : p.end] = kv[1]  # [H_kv, n, D]
+        if turn is not None:
+            span = keys[:, turn.start : turn.end]  # [H_kv, S, D]
+            rotate_keys(span, turn.cos, turn.sin, out=span)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Cos/sin [S, D/2] (`ops.rotation`) that move the cached keys of prompt positions [start, end)."""
+
+    start: int
+    end: int
+    cos: torch.Tensor  # [S, D/2]
+    sin: torch.Tensor  # [S, D/2]
 
 
 class LayerReader(Protocol):
@@ -158,14 +170,15 @@ def selective_prefill(
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
-    `refine(layer, active, fresh_kv, layer_cache)` runs after a layer's Q/K/V projections, with the
+    `refine(layer, active, fresh_kv, layer_cache)` runs after a layer's K/V projections, with the
     active tokens' fresh K/V [H_kv, A, D] and the layer's cache [H_kv, N, D] before the fresh K/V are
     written into it (it gathers only what it compares), and may return the positions *within*
     `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
     its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
     drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
-    The last layer computes the K/V of its active tokens, but its attention and MLP for the last token
-    alone: nothing else reads their output (the logits are the last token's).
+    Q is projected after `refine`, for the tokens that go on only. The last layer computes the K/V of
+    its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
+    output (the logits are the last token's).
     `reader` delivers the cached layers (default: read when needed, in this thread); the time spent
     waiting for them is the stage `kv_wait`.
     """
@@ -179,7 +192,7 @@ def selective_prefill(
     positions = torch.arange(n, device=inp.ids.device)  # [N]
     inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
     cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
-    rotations = inp.rotations(inv_freq)
+    turn = inp.key_rotation(inv_freq)
     # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: glibc serves so large a block
     # (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap whose first-touch page faults cost more than
     # the writes, while 4 MB per layer comes from memory freed by the previous prompt (reuse's
@@ -190,6 +203,7 @@ def selective_prefill(
     h = adapter.embed(inp.ids[active])  # [A, E]
     counts, through = [], 0  # tokens whose K/V each layer computes; token-layers through attention and MLP
     plan = None  # the attention plan of the active set, made again when the set changes
+    rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     for layer in range(layout.n_layers):
         keys, values = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device).unbind(0)  # [H_kv, N, D]
         keys_all.append(keys)
@@ -197,9 +211,10 @@ def selective_prefill(
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             loaded = reader.get(layer)
         with clock.stage("assemble_kv"):
-            inp.assemble(loaded, keys, values, rotations)
+            inp.assemble(loaded, keys, values, turn)
         with clock.stage("qkv"):
-            q, k, v = adapter.qkv(layer, h, cos_all[active], sin_all[active])  # [H_q, A, D], [H_kv, A, D]
+            x = adapter.attention_input(layer, h)  # [A, E]
+            k, v = adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D]
         keep = None
         if refine is not None:
             with clock.stage("select"):
@@ -207,13 +222,16 @@ def selective_prefill(
         with clock.stage("qkv"):
             keys[:, active] = k  # every computed token's fresh K/V, kept by `refine` or not
             values[:, active] = v
-        if keep is not None:
-            if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
-                raise ValueError(f"refine at layer {layer} dropped the last prompt token")
-            active, h, q = active[keep], h[keep], q[:, keep]  # [A'], [A', E], [H_q, A', D]
-        counts.append(active.numel())
-        if layer == layout.n_layers - 1:  # only the last token's output is read, by the logits
-            active, h, q = active[-1:], h[-1:], q[:, -1:]  # [1], [1, E], [H_q, 1, D]
+            if keep is not None:
+                if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
+                    raise ValueError(f"refine at layer {layer} dropped the last prompt token")
+                active, h, x = active[keep], h[keep], x[keep]  # [A'], [A', E], [A', E]
+            counts.append(active.numel())
+            if layer == layout.n_layers - 1:  # only the last token's output is read, by the logits
+                active, h, x = active[-1:], h[-1:], x[-1:]  # [1], [1, E], [1, E]
+            if rope[0] is not active:
+                rope = active, cos_all[active], sin_all[active]  # [A'], [A', D], [A', D]
+            q = adapter.q(layer, x, *rope[1:])  # [H_q, A', D]: Q only for the tokens that attend
         with clock.stage("attention"):
             if plan is None or plan.positions is not active:
                 plan = attention_plan(active, n, q.shape[0] // layout.n_kv_heads, q.dtype)

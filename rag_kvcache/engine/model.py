@@ -204,18 +204,32 @@ class ModelAdapter:
         self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project hidden states [T, E] of one layer to rotated q [H_q, T, D], k [H_kv, T, D] and v."""
-        block = self.model.model.layers[layer]
-        attn = block.self_attn
-        x = block.input_layernorm(h)  # [T, E]
-        q = attn.q_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
+        x = self.attention_input(layer, h)  # [T, E]
+        return (self.q(layer, x, cos, sin), *self.kv(layer, x, cos, sin))
+
+    def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """What one layer's projections read: the normalised hidden states [T, E]."""
+        return self.model.model.layers[layer].input_layernorm(h)  # [T, E]
+
+    def kv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated k [H_kv, T, D] and v [H_kv, T, D] of one layer from its `attention_input` x [T, E]."""
+        attn = self.model.model.layers[layer].self_attn
         k = attn.k_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_kv, D]
         v = attn.v_proj(x).view(x.shape[0], -1, self.head_dim).transpose(0, 1)  # [H_kv, T, D]
+        if hasattr(attn, "k_norm"):  # Qwen3 normalises each head before RoPE
+            k = attn.k_norm(k)
+        return apply_rope(k.transpose(0, 1), cos.to(x.dtype), sin.to(x.dtype)), v  # [H_kv, T, D], [H_kv, T, D]
+
+    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotated q [H_q, T, D] of one layer from its `attention_input` x [T, E] (the fusion projects it
+        only for the tokens that go on through the layer's attention)."""
+        attn = self.model.model.layers[layer].self_attn
+        q = attn.q_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H_q, T, D]
-        k = apply_rope(k.transpose(0, 1), cos, sin)  # [H_kv, T, D]
-        return q, k, v
+            q = attn.q_norm(q)
+        return apply_rope(q.transpose(0, 1), cos.to(x.dtype), sin.to(x.dtype))  # [H_q, T, D]
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]."""

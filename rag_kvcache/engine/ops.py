@@ -46,18 +46,21 @@ def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.T
     return angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
 
 
+@torch.no_grad()  # writes through out=, which autograd refuses
 def rotate_keys(
     keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Apply a `rotation` to keys [H_kv, T, D] (into `out` if given). RoPE rotations compose, so
-    rotating keys computed at positions p by the angle of `delta` equals computing them at p + delta."""
+    """Apply a `rotation` to keys [H_kv, T, D] (into `out` if given; `out` may be `keys` itself). RoPE
+    rotations compose, so rotating keys computed at positions p by the angle of `delta` equals computing
+    them at p + delta. Float32 math in four passes and one copy of half the keys, no other temporaries."""
     half = keys.shape[-1] // 2
-    k32 = keys.to(torch.float32)  # [H_kv, T, D], no copy for float32 keys
-    k1, k2 = k32[..., :half], k32[..., half:]  # [H_kv, T, D/2]
+    k1 = keys[..., :half].to(torch.float32, copy=True)  # [H_kv, T, D/2], a copy: `out` may overwrite it
+    k2 = keys[..., half:].to(torch.float32)  # [H_kv, T, D/2], read before `out`'s second half is written
     out = torch.empty_like(keys) if out is None else out  # [H_kv, T, D]
-    out[..., :half] = k1 * cos - k2 * sin  # [H_kv, T, D/2]
-    out[..., half:] = k2 * cos + k1 * sin  # [H_kv, T, D/2]
-    return out
+    o32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    torch.mul(k1, cos, out=o32[..., :half]).addcmul_(k2, sin, value=-1)  # [H_kv, T, D/2]
+    torch.mul(k2, cos, out=o32[..., half:]).addcmul_(k1, sin)  # [H_kv, T, D/2]
+    return out if o32 is out else out.copy_(o32)
 
 
 def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
