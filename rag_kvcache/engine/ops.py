@@ -26,15 +26,15 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [..., D]
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [H, T, D] by per-token angles given as cos/sin [T, D]."""
-    x32 = x.to(torch.float32)
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)  # [H, T, D]
+    """Rotate `x` [H, T, D] by per-token angles given as cos/sin [T, D] ("rotate half": x * cos plus
+    (-x2, x1) * sin), in float32: one product and a multiply-add into each half, no rotated copy."""
+    half = x.shape[-1] // 2
+    x32 = x.to(torch.float32)  # [H, T, D], no copy for float32
+    out = x32 * cos  # [H, T, D]
+    out[..., :half].addcmul_(x32[..., half:], sin[..., :half], value=-1)  # [H, T, D/2]
+    out[..., half:].addcmul_(x32[..., :half], sin[..., half:])  # [H, T, D/2]
+    return out.to(x.dtype)  # [H, T, D]
 
 
 def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
