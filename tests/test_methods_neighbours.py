@@ -1,18 +1,22 @@
 """`chunk_prefill="neighbours"` (issue 13): each chunk's caches also computed behind its 1..N most similar
 chunks, addressed by that context, the one read matching the number of chunks before it in the prompt;
-exact only where the prompt's tokens before it are that context."""
+exact only where the prompt's tokens before it are that context, and read as the mean of it and the
+behind-prefix cache (`BlendKV`) where they are not."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import pytest
 import torch
 from test_fusion import ATOL
 
-from rag_kvcache.config import Config, FusionConfig
+from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.ops import rotate_keys, rotation
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
@@ -51,8 +55,8 @@ def test_neighbour_cache_is_the_chunk_behind_as_many_similar_chunks_as_precede_i
     table = json.loads((index.path / "neighbours.json").read_text())
     assert len(table) == len(list(index.chunks.all_chunks())) and len(near) == 2
     context = layout(index, near[:n_near])
-    assert index.context_at(depth, chunk.token_ids) == context
-    assert index.context_at(0, chunk.token_ids) == index.format.prefix_ids
+    assert index.contexts_at(depth, chunk.token_ids) == (context, index.format.prefix_ids)
+    assert index.contexts_at(0, chunk.token_ids) == (index.format.prefix_ids,)
     stored = index.store.get(index.key(chunk.token_ids, context))
     assert stored.position == len(context)
     past = tiny.prefill(torch.tensor([context]))[:2]
@@ -71,7 +75,10 @@ def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
     assert chunks[0].exact and not any(p.exact for p in chunks[1:])
-    assert caches.contexts[3] != fmt.prefix_ids  # a later chunk reads its neighbour cache
+    assert caches.contexts[3] != fmt.prefix_ids  # a later chunk reads its neighbour cache, blended
+    blend = caches.sources[3]
+    assert isinstance(blend, BlendKV) and blend.position == len(caches.contexts[3])
+    assert [s.position for s in blend.sources] == [len(caches.contexts[3]), len(fmt.prefix_ids)]
     gen = FusedGenerator(index)
     full = gen.fuse(segments, FusionConfig(method="full")).result
     torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits, full.logits,
@@ -91,6 +98,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
     assert chunks[0].exact and chunks[-1].exact  # a middle chunk reads its own neighbours' cache: inexact
+    assert not isinstance(caches.sources[-2], BlendKV)  # the exact cache alone, not blended
     gen = FusedGenerator(index)
     torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
                                gen.fuse(segments, FusionConfig(method="full")).result.logits, atol=ATOL, rtol=0)
@@ -105,7 +113,7 @@ def test_another_setting_is_a_miss(tiny, index):
     others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
     assert len(others) == 3 and index.key(chunk.token_ids, layout(index, others)) not in index.store  # 3 > context_chunks
     assert plain.key(chunk.token_ids) not in index.store
-    assert plain.context_at(2, chunk.token_ids) == plain.format.prefix_ids  # no neighbours outside the mode
+    assert plain.contexts_at(2, chunk.token_ids) == (plain.format.prefix_ids,)  # no neighbours outside the mode
 
 
 def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny, index, tmp_path, monkeypatch):
@@ -126,5 +134,52 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
     report = reopened.update(tmp_path / "docs", progress=False)
     assert not report.new_chunks and reopened.unrecorded_chunks() == []
     for chunk in missing:
-        context = reopened.context_at(2, chunk.token_ids)
+        context = reopened.contexts_at(2, chunk.token_ids)[0]
         assert context != reopened.chunk_context and reopened.key(chunk.token_ids, context) in reopened.store
+
+
+def moved(kv: ChunkKV, delta: int, inv_freq) -> ChunkKV:
+    """The same cache as if computed `delta` positions later (RoPE composes)."""
+    turn = rotation(delta, inv_freq)
+    return ChunkKV([rotate_keys(k, *turn) for k in kv.keys], list(kv.values), kv.position + delta)
+
+
+def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, index):
+    chunk = some_chunk(index)
+    near, prefix = index.contexts_at(2, chunk.token_ids)
+    a, b = (index.store.get(index.key(chunk.token_ids, c)) for c in (near, prefix))
+    assert a.position != b.position
+    blend = BlendKV((a, b), tiny.inv_freq)
+    same = BlendKV((a, moved(a, 37, tiny.inv_freq)), tiny.inv_freq)  # one cache at two positions: itself
+    b_there = moved(b, a.position - b.position, tiny.inv_freq)
+    for layer in range(tiny.layout.n_layers):
+        keys, values = blend.layer(layer)
+        torch.testing.assert_close(keys, (a.keys[layer] + b_there.keys[layer]) / 2, atol=ATOL, rtol=0)
+        torch.testing.assert_close(values, (a.values[layer] + b.values[layer]) / 2, atol=ATOL, rtol=0)
+        torch.testing.assert_close(same.layer(layer), a.layer(layer), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="two or more caches of one chunk"):
+        BlendKV((a,), tiny.inv_freq)
+    other = index.store.get(index.key(next(c for c in index.chunks.all_chunks() if c.token_ids != chunk.token_ids
+                                           and len(c.token_ids) != len(chunk.token_ids)).token_ids))
+    with pytest.raises(ValueError, match="two or more caches of one chunk"):
+        BlendKV((a, other), tiny.inv_freq)
+
+
+def test_a_corrupt_cache_in_a_blend_is_recomputed_and_the_answer_unchanged(tiny, index, caplog):
+    index = KVIndex.open(index.path, replace(NEIGHBOURS, storage=StorageConfig(memory_bytes=0)), adapter=tiny)
+    question = "Who kept the lighthouse diary of ships?"
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in index.search(question, 3)],
+                            fmt.question_ids(index.adapter.tokenizer, question))
+    gen = FusedGenerator(index)
+    epic = FusionConfig(method="epic", epic_k=4)
+    before = gen.fuse(segments, epic).result
+    near, _ = index.contexts_at(1, segments[3].ids)
+    path = index.store.path(index.key(segments[3].ids, near))
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF  # the last layer: found mid-fusion, by the reader
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        after = gen.fuse(segments, epic)
+    assert after.cache_misses == 1 and "recomputed and rewrote" in caplog.text
+    torch.testing.assert_close(after.result.logits, before.logits, atol=ATOL, rtol=0)

@@ -1,7 +1,8 @@
 """A chunk's cache as the fusion engine reads it: per-layer keys and values, one layer at a time.
 
 `LayerSource` is what the engine asks of a cache (the store's tiers implement it); `ChunkKV` is a cache held
-whole in memory; `SliceKV` is a run of a cache's tokens (part of a chunk found in a prompt).
+whole in memory; `SliceKV` is a run of a cache's tokens (part of a chunk found in a prompt); `BlendKV` is the
+mean of one chunk's caches computed behind different contexts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from .ops import rotate_keys, rotation
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor] | None]  # per segment: keys, values [H_kv, T, D], or None
 
@@ -92,3 +95,50 @@ class SliceKV:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.source.layer(i)  # [H_kv, T, D]
         return k[:, self.start : self.stop], v[:, self.start : self.stop]  # [H_kv, stop - start, D]
+
+
+def blend_layers(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: Sequence[int], inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean of one layer of several caches of the same tokens, cache j computed at positions[j]: keys
+    first rotated to positions[0] (RoPE composes), then keys and values averaged in float32 and returned in
+    the first cache's dtype."""
+    keys = torch.stack([
+        rotate_keys(k.float(), *rotation(positions[0] - p, inv_freq.to(k.device))) if p != positions[0] else k.float()
+        for (k, _), p in zip(layers, positions)
+    ])  # [S, H_kv, T, D]
+    values = torch.stack([v.float() for _, v in layers])  # [S, H_kv, T, D]
+    dtype = layers[0][0].dtype
+    return keys.mean(0).to(dtype), values.mean(0).to(dtype)  # [H_kv, T, D]
+
+
+@dataclass(frozen=True)
+class BlendKV:
+    """One chunk's caches computed behind different contexts (so at different positions), read as their
+    mean at the first one's position (`blend_layers`). A chunk whose cache contexts the prompt does not
+    reproduce deviates from what a full prefill computes in ways particular to each context; averaging
+    the caches behind the prefix and behind its neighbours cancels part of that (issue 13)."""
+
+    sources: tuple[LayerSource, ...]
+    inv_freq: torch.Tensor  # [D/2], the model's RoPE frequencies
+
+    def __post_init__(self) -> None:
+        shapes = {(s.n_tokens, s.n_layers) for s in self.sources}
+        if len(self.sources) < 2 or len(shapes) != 1:
+            raise ValueError(f"a blend needs two or more caches of one chunk, got (tokens, layers) {shapes} "
+                             f"from {len(self.sources)} cache(s)")
+
+    @property
+    def position(self) -> int:
+        return self.sources[0].position
+
+    @property
+    def n_tokens(self) -> int:
+        return self.sources[0].n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return self.sources[0].n_layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return blend_layers([s.layer(i) for s in self.sources], [s.position for s in self.sources], self.inv_freq)
