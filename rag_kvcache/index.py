@@ -12,8 +12,8 @@ each number j = 1..`context_chunks` of them, and a chunk with r chunks before it
 one behind min(r, `context_chunks`), a context as long as the one it meets (the second chunk of a prompt
 reads its cache behind its single most similar chunk: exact where that chunk is the first). Unless the
 prompt's tokens before it are exactly that context, the chunk reads the mean of that cache and its
-behind-prefix one (`BlendKV`): the deviations particular to each context partly cancel (issue 13's
-measurements: TF KL about a quarter lower than either alone). The chosen neighbours are recorded in
+behind-prefix one (`BlendKV`): the deviations particular to each context partly cancel (measured in
+`benchmarks/fusion-quality/RESULTS.md`, "Session 8"). The chosen neighbours are recorded in
 `neighbours.json`. The first chunk, or one without recorded neighbours (indexed by a run killed before it
 recorded them), uses its behind-prefix cache, which every index stores.
 
