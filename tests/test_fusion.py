@@ -9,7 +9,9 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.methods import filter_schedule, get_method
-from rag_kvcache.engine.ops import attend, attention_plan, causal_attend, causal_mask_for, query_blocks, rerotate_keys
+from rag_kvcache.engine.ops import (
+    attend, attention_plan, causal_attend, causal_mask_for, query_blocks, rerotate_keys, rotate_keys, rotation,
+)
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.store.kvstore import ChunkKV
 
@@ -63,6 +65,20 @@ def test_rerotation_is_per_token_and_invertible(tiny):
     moved = rerotate_keys(k, deltas, tiny.inv_freq)
     torch.testing.assert_close(moved[:, 0], k[:, 0])
     torch.testing.assert_close(rerotate_keys(moved, -deltas, tiny.inv_freq), k, atol=1e-5, rtol=0)
+
+
+def test_rerotation_in_place_and_identity_are_exact(tiny):
+    """`assemble` rotates a layer's keys in place over the span of moved segments, with the identity for the
+    tokens in it that do not move: in place equals out of place, and the identity leaves keys bit for bit."""
+    k = torch.randn(2, 5, 16)
+    cos, sin = rotation(torch.tensor([0, 3, -7, 0, 2048]), tiny.inv_freq)
+    moved = k.clone()
+    rotate_keys(moved, cos, sin, out=moved)
+    assert torch.equal(moved, rotate_keys(k, cos, sin))
+    assert torch.equal(moved[:, [0, 3]], k[:, [0, 3]])
+    half = k.to(torch.bfloat16)
+    rotate_keys(half, cos, sin, out=half)
+    assert torch.equal(half, rotate_keys(k.to(torch.bfloat16), cos, sin))
 
 
 @pytest.mark.parametrize("isolated", [False, True])
