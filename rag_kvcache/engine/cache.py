@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -98,18 +99,19 @@ class SliceKV:
 
 
 def blend_layers(
-    layers: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: Sequence[int], inv_freq: torch.Tensor
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]], turns: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean of one layer of several caches of the same tokens, cache j computed at positions[j]: keys
-    first rotated to positions[0] (RoPE composes), then keys and values averaged in float32 and returned in
-    the first cache's dtype."""
-    keys = torch.stack([
-        rotate_keys(k.float(), *rotation(positions[0] - p, inv_freq.to(k.device))) if p != positions[0] else k.float()
-        for (k, _), p in zip(layers, positions)
-    ])  # [S, H_kv, T, D]
-    values = torch.stack([v.float() for _, v in layers])  # [S, H_kv, T, D]
-    dtype = layers[0][0].dtype
-    return keys.mean(0).to(dtype), values.mean(0).to(dtype)  # [H_kv, T, D]
+    """The mean of one layer of several caches of the same tokens, cache j's keys first moved by the
+    `rotation` turns[j] (None: already in place) to the first cache's positions (RoPE composes); summed
+    in float32 and returned in the first cache's dtype."""
+    k0, v0 = layers[0]
+    keys = k0.to(torch.float32, copy=True)  # [H_kv, T, D]
+    values = v0.to(torch.float32, copy=True)  # [H_kv, T, D]
+    for (k, v), turn in zip(layers[1:], turns[1:]):
+        k = k.to(keys.device)  # [H_kv, T, D]; a cache recomputed on the model's device may join stored ones
+        keys += k if turn is None else rotate_keys(k.float(), *(t.to(k.device) for t in turn))  # [H_kv, T, D]
+        values += v.to(values.device)  # [H_kv, T, D]
+    return keys.mul_(1 / len(layers)).to(k0.dtype), values.mul_(1 / len(layers)).to(v0.dtype)  # [H_kv, T, D]
 
 
 @dataclass(frozen=True)
@@ -140,5 +142,12 @@ class BlendKV:
     def n_layers(self) -> int:
         return self.sources[0].n_layers
 
+    @cached_property
+    def turns(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per source, the rotation (cos, sin [1, D/2]) moving its keys to the first's positions: made once,
+        read for every layer."""
+        return [None if s.position == self.position else rotation(self.position - s.position, self.inv_freq)
+                for s in self.sources]
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return blend_layers([s.layer(i) for s in self.sources], [s.position for s in self.sources], self.inv_freq)
+        return blend_layers([s.layer(i) for s in self.sources], self.turns)
