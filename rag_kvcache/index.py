@@ -373,13 +373,13 @@ class KVIndex:
         recomputed: set[str] = set()
         missing = start = 0
         head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
-        before: list[int] | None = [] if head else None  # the prompt so far, while a head and computed text
+        in_head = head  # still in a head and the computed text after it, before its first chunk
         read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
         prompt: list[int] = []  # the prompt's tokens before the segment
         for seg in segments:
-            behind_head = before is not None and start > 0 and seg.cacheable
+            behind_head = in_head and start > 0 and seg.cacheable
             if behind_head:
-                ctxs, whole = (tuple(before),), seg.ids
+                ctxs, whole = (tuple(prompt),), seg.ids
             else:
                 whole = seg.stored
                 ctxs = ((),) if start == 0 else self.contexts_at(len(read - {seg.stored}), seg.stored)
@@ -399,8 +399,8 @@ class KVIndex:
                                 entry, partial(self._repair, key, whole, c))
                     # per segment; neither the prefix nor a chunk's first cache behind a new head is a missing one
                     missing += start > 0 and key in recomputed and not behind_head
-                source = opened[keys[0]] if len(keys) == 1 else BlendKV(
-                    tuple(opened[k] for k in keys), self.adapter.inv_freq)
+                source = opened[keys[0]] if len(keys) == 1 else BlendKV(  # turns made where stored caches live
+                    tuple(opened[k] for k in keys), self.adapter.inv_freq.cpu())
                 if len(seg.ids) < len(whole):
                     source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
                     ctx = ctx + whole[: seg.offset]
@@ -410,8 +410,7 @@ class KVIndex:
             contexts.append(ctx)
             start += len(seg.ids)
             prompt.extend(seg.ids)
-            if before is not None:
-                before = None if behind_head else before + list(seg.ids)
+            in_head = in_head and not behind_head
         return PromptCaches(sources, contexts, missing, list(opened.values()))
 
     def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
