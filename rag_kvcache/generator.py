@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .config import FusionConfig, GenerationConfig
+from .engine.buffers import KVBufferPool
 from .engine.fusion import DirectReader, FusionInput, FusionResult
 from .engine.generation import Decoder
 from .engine.methods import get_method
@@ -175,6 +176,7 @@ class FusedGenerator:
         self.index = index
         self.adapter = index.adapter
         self.templates = TemplateSpans()  # learned from the prompts this generator fuses
+        self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
 
     def ask(
         self, question: str, hits: Sequence[Hit] | None = None, *, top_k: int | None = None,
@@ -319,6 +321,8 @@ class FusedGenerator:
 
         Stages: `kv_load` (opening entries, and recomputing missing ones), `kv_wait` (the fusion
         waiting for cached layers: what the recompute did not hide), then the method's own.
+        The K/V are written into this generator's `buffers`: a `Fused` kept by the caller keeps its
+        buffers, which the pool hands out again only once nothing else holds them.
         """
         method = get_method(fusion.method)
         if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
@@ -333,8 +337,9 @@ class FusedGenerator:
             inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
         depth = self.index.config.storage.prefetch_layers
         if caches is None or depth == 0:
-            result = method(self.adapter, inp, fusion, clock, DirectReader(inp.sources, self.adapter.device))
+            reader = DirectReader(inp.sources, self.adapter.device, self.buffers)
+            result = method(self.adapter, inp, fusion, clock, reader)
         else:
-            with LayerFeed(inp.sources, self.adapter.layout.n_layers, self.adapter.device, depth) as feed:
+            with LayerFeed(inp.sources, self.adapter.layout.n_layers, self.adapter.device, depth, self.buffers) as feed:
                 result = method(self.adapter, inp, fusion, clock, feed)
         return Fused(result, inp.n_tokens, 0 if caches is None else caches.repaired)

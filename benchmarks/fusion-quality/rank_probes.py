@@ -62,6 +62,9 @@ class ScaledKeys:
     def get(self, layer: int) -> LayerKV:
         return [kv if kv is None or not sc else (kv[0] * self.s, kv[1]) for kv, sc in zip(self.base.get(layer), self.scaled)]
 
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.base.buffer(shape, dtype)
+
 
 def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
     """Register `name` for a question whose fact's chunk sits at `rank` (counting the exact first chunk as 0)."""

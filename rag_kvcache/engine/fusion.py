@@ -3,8 +3,9 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 
 `FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
-store's pipelined feed, or a plain read in the caller's thread); each layer's K/V of the whole prompt
-is assembled into one [2, H_kv, N, D] buffer allocated when the layer starts and written in place.
+store's pipelined feed, or a plain read in the caller's thread), with the memory each layer's K/V of
+the whole prompt are assembled in: one [2, H_kv, N, D] buffer taken when the layer starts (from the
+query path's `KVBufferPool`, kept across prompts) and written in place.
 Recomputed tokens attend with the exact causal mask over their original positions.
 """
 
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from .buffers import KVBufferPool
 from .cache import LayerKV, LayerSource, read_layer
 from .model import ModelAdapter
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
@@ -129,20 +131,28 @@ class Rotation:
 
 
 class LayerReader(Protocol):
-    """Delivers the cached K/V of every segment, one layer at a time, in layer order."""
+    """Delivers the cached K/V of every segment, one layer at a time, in layer order, and the memory
+    each layer's K/V of the whole prompt are assembled in."""
 
     def get(self, layer: int) -> LayerKV: ...
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
 class DirectReader:
-    """Reads each layer when asked, in the caller's thread (no overlap with the compute)."""
+    """Reads each layer when asked, in the caller's thread (no overlap with the compute); buffers come
+    from `pool` (default: none kept, each one new)."""
 
     sources: Sequence[LayerSource | None]
     device: torch.device | str
+    pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
     def get(self, layer: int) -> LayerKV:
         return read_layer(self.sources, layer, self.device)
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.take(shape, dtype, self.device)
 
 
 @dataclass
@@ -179,8 +189,8 @@ def selective_prefill(
     Q is projected after `refine`, for the tokens that go on only. The last layer computes the K/V of
     its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
     output (the logits are the last token's).
-    `reader` delivers the cached layers (default: read when needed, in this thread); the time spent
-    waiting for them is the stage `kv_wait`.
+    `reader` delivers the cached layers and the buffers they are assembled in (default: read when
+    needed, in this thread, into new memory); the time spent waiting for them is the stage `kv_wait`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.ids.device)
@@ -193,10 +203,10 @@ def selective_prefill(
     inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
     cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
     turn = inp.key_rotation(inv_freq)
-    # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: glibc serves so large a block
-    # (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap whose first-touch page faults cost more than
-    # the writes, while 4 MB per layer comes from memory freed by the previous prompt (reuse's
-    # assemble_kv 91 -> 35-45 ms on 3 MuSiQue prompts, 1 thread).
+    # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: where none is kept (`reader.buffer`
+    # without a pool), glibc serves so large a block (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap
+    # whose first-touch page faults cost more than the writes, while 4 MB per layer comes from memory
+    # freed before (reuse's assemble_kv 91 -> 35-45 ms on 3 MuSiQue prompts, 1 thread).
     shape = (2, layout.n_kv_heads, n, layout.head_dim)
     keys_all, values_all = [], []  # L x [H_kv, N, D]
     active = initial  # [A], token positions in ascending order
@@ -205,7 +215,7 @@ def selective_prefill(
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     for layer in range(layout.n_layers):
-        keys, values = torch.empty(shape, dtype=adapter.dtype, device=inp.ids.device).unbind(0)  # [H_kv, N, D]
+        keys, values = reader.buffer(shape, adapter.dtype).unbind(0)  # [H_kv, N, D], every position written below
         keys_all.append(keys)
         values_all.append(values)
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide

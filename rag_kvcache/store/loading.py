@@ -4,7 +4,8 @@ The fusion needs layer i's cached K/V only when it reaches layer i. A `LayerFeed
 background thread that reads layers in order into a queue of at most `depth` layers, so while
 layer i is being recomputed, layers i+1..i+depth are being read (and verified, and decoded); asking
 for layer i waits only for layer i. Reading releases the GIL (see `tiers`), so the overlap is real
-even on CPU. The fusion engine times its waits (`kv_wait`).
+even on CPU. The fusion engine times its waits (`kv_wait`). The buffers each layer is assembled in
+come from the query path's pool, in the fusion's thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.buffers import KVBufferPool
 from ..engine.cache import LayerKV, LayerSource, read_layer
 
 
@@ -22,16 +24,19 @@ class LayerFeed:
     """Per-layer cached K/V of a prompt's segments (None for segments without a cache), in layer order.
 
     A context manager: leaving it stops a reader the fusion did not drain (it ended early or failed).
+    Buffers come from `pool` (default: none kept, each one new).
     """
 
     def __init__(
-        self, sources: Sequence[LayerSource | None], n_layers: int, device: torch.device | str, depth: int
+        self, sources: Sequence[LayerSource | None], n_layers: int, device: torch.device | str, depth: int,
+        pool: KVBufferPool | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"a feed reads ahead by at least one layer, got depth {depth!r}")
         self._sources = list(sources)
         self._n_layers = n_layers
         self._device = device
+        self._pool = pool or KVBufferPool(0)
         self._next = 0
         self._queue: queue.Queue[LayerKV | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -65,6 +70,9 @@ class LayerFeed:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._pool.take(shape, dtype, self._device)
 
     def close(self) -> None:
         """Stop reading ahead and let the reader thread finish."""
