@@ -26,7 +26,7 @@ Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
-BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
+BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
 def setting(default: Any, help: str) -> Any:
@@ -57,6 +57,9 @@ class FusionConfig:
     filter_steps: int = setting(1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers.")
     deviation: Deviation = setting("k", "CacheBlend: select the tokens whose K (or V) deviates most from the cache.")
     epic_k: int = setting(16, "EPIC: recomputed leading tokens per chunk.")
+    match_words: int = setting(
+        3, "epic_match: a sentence echoes the question when it shares this many distinct words with it."
+    )
     repick_layers: tuple[int, ...] = setting(
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
@@ -78,6 +81,8 @@ class FusionConfig:
             raise ValueError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
         if self.epic_k < 0:
             raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
+        if self.match_words < 1:
+            raise ValueError(f"match_words must be >= 1, got {self.match_words!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ValueError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
 

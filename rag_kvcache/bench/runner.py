@@ -65,7 +65,7 @@ FIDELITY_KEYS = ("tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl")
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
 # Short parameter names used in labels ("cacheblend r=0.15") -> FusionConfig fields.
 PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
-METHOD_PARAMS = {"cacheblend": "r", "epic": "k"}
+METHOD_PARAMS = {"cacheblend": "r", "epic": "k", "epic_match": "k"}
 OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and first-token sampling
 
 

@@ -8,6 +8,8 @@ picks the tokens it computes:
                prefilled behind the prefix): exact, equals `full`.
 - `reuse`      only tokens without a cache (separators, question).
 - `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
+- `epic_match` EPIC, and every sentence of an inexact chunk that restates what the question asks about
+               (`match_words` question words) after an earlier such sentence in the prompt.
 - `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
                K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
 
@@ -28,6 +30,7 @@ from .fusion import FusionInput, FusionResult, LayerReader, selective_prefill
 from .model import ModelAdapter
 from .ops import kv_deviation, select_tokens
 from .profiling import StageClock
+from .sentences import echo_sentences
 
 MethodFn = Callable[[ModelAdapter, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
 
@@ -92,14 +95,34 @@ def reuse(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None
     return selective_prefill(adapter, inp, inp.fresh.nonzero()[:, 0], clock=clock, reader=reader)
 
 
-@register("epic")
-def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
-    """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
+def chunk_heads(inp: FusionInput, k: int) -> torch.Tensor:
+    """The first k tokens of every inexact chunk [N] (EPIC's LegoLink heads)."""
     heads = inp.token_mask(lambda p: False)  # [N]
     for p in inp.parts:
         if p.kv is not None and not p.exact:
-            heads[p.start : p.start + min(cfg.epic_k, len(p.segment.ids))] = True
-    return selective_prefill(adapter, inp, (inp.fresh | heads).nonzero()[:, 0], clock=clock, reader=reader)
+            heads[p.start : p.start + min(k, len(p.segment.ids))] = True
+    return heads
+
+
+@register("epic")
+def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
+    return selective_prefill(adapter, inp, (inp.fresh | chunk_heads(inp, cfg.epic_k)).nonzero()[:, 0], clock=clock,
+                             reader=reader)
+
+
+@register("epic_match")
+def epic_match(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """EPIC, and the sentences of inexact chunks that echo the question (`sentences.echo_sentences`: they
+    share `match_words` words with it and an earlier sentence of the prompt does too), recomputed so
+    that each attends to the earlier ones as in a full prefill and the question's subject binds to its own."""
+    lengths = torch.tensor([len(p.segment.ids) for p in inp.parts])  # [P]
+    part = torch.repeat_interleave(torch.arange(len(inp.parts)), lengths).to(inp.ids.device)  # [N]
+    chunks = inp.token_mask(lambda p: p.kv is not None and p.segment.label != "prefix")  # [N]
+    question = inp.token_mask(lambda p: p is inp.parts[-1])  # [N]
+    echoes = echo_sentences(inp.ids, adapter.lexicon, part, chunks, question, cfg.match_words)  # [N]
+    active = inp.fresh | chunk_heads(inp, cfg.epic_k) | (echoes & inp.reusable)  # [N]
+    return selective_prefill(adapter, inp, active.nonzero()[:, 0], clock=clock, reader=reader)
 
 
 def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:

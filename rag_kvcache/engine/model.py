@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCach
 
 from ..config import DEFAULT_MODEL, Config
 from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin
+from .sentences import Lexicon
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +197,11 @@ class ModelAdapter:
                 h.update(name.encode())
                 h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
         return h.hexdigest()
+
+    @cached_property
+    def lexicon(self) -> Lexicon:
+        """The tokenizer's word classes (sentence ends, words), made on first use (one decode of the vocabulary)."""
+        return Lexicon.of(self.tokenizer)
 
     # ---- per-layer pieces for the fusion engine -------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
