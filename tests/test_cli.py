@@ -160,6 +160,7 @@ def test_every_option_has_help_and_config_defaults():
     ask = {p.name: p for p in group.commands["ask"].params}
     fusion, generation = FusionConfig(), GenerationConfig()
     assert ask["method"].default == fusion.method and ask["epic_k"].default == fusion.epic_k
+    assert ask["match_words"].default == fusion.match_words
     assert ask["ratio"].default == str(fusion.ratio) and ask["check_layer"].default == fusion.check_layer
     assert ask["temperature"].default == generation.temperature == 0.0  # greedy unless asked
     assert ask["max_new_tokens"].default == generation.max_new_tokens and ask["top_k"].default == Config().top_k
