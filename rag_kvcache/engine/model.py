@@ -201,7 +201,7 @@ class ModelAdapter:
     @cached_property
     def lexicon(self) -> Lexicon:
         """The tokenizer's word classes (sentence ends, words), made on first use (one decode of the vocabulary)."""
-        return Lexicon.of(self.tokenizer)
+        return Lexicon.of(self.tokenizer, self.device)
 
     # ---- per-layer pieces for the fusion engine -------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,12 @@ class Lexicon:
     word: torch.Tensor  # [V] bool: the token is a whole word of MIN_WORD_LETTERS+ letters, not a stop word
 
     @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase) -> Lexicon:
+    def of(cls, tokenizer: PreTrainedTokenizerBase, device: torch.device | str = "cpu") -> Lexicon:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         ends = [t.rstrip(" ").endswith((".", "!", "?")) or "\n" in t for t in texts]
-        words = [(w := t.strip().lower()).isalpha() and len(w) >= MIN_WORD_LETTERS and w not in STOP_WORDS for t in texts]
-        return cls(torch.tensor(ends), torch.tensor(words))
+        bare = [t.strip().lower() for t in texts]
+        words = [w.isalpha() and len(w) >= MIN_WORD_LETTERS and w not in STOP_WORDS for w in bare]
+        return cls(torch.tensor(ends, device=device), torch.tensor(words, device=device))
 
 
 def sentence_ids(ends: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,8 @@ def echo_sentences(
     asked = torch.unique(ids[question & lexicon.word[ids]])  # [Q]
     shares = (ids[:, None] == asked[None, :]) & cached[:, None]  # [N, Q]
     n_sentences = int(sentence[-1]) + 1
-    present = torch.zeros(n_sentences, asked.numel()).index_add_(0, sentence, shares.float()) > 0  # [S, Q]
+    counts = torch.zeros(n_sentences, asked.numel(), device=ids.device)  # [S, Q]
+    present = counts.index_add_(0, sentence, shares.float()) > 0  # [S, Q]
     echoes = (present.sum(1) >= min_shared) & (torch.bincount(sentence) <= MAX_SENTENCE_TOKENS)  # [S]
     echoes[echoes.nonzero()[:1, 0]] = False  # the first one stays as cached
     return echoes[sentence] & cached  # [N]
