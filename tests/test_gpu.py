@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from test_fusion import rag_prompt
+from test_sentences import FIRST, SECOND, prompt
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.generation import Decoder, sample_token
@@ -28,3 +29,12 @@ def test_fusion_invariants_on_cuda(tokenizer, dtype, atol):
     dec = Decoder(adapter, gen)
     steps = list(dec.steps(blend.keys, blend.values, blend.logits, sample_token(blend.logits, gen, dec.rng)))
     assert steps and blend.keys[0].device.type == "cuda"
+
+
+def test_epic_match_on_cuda(tokenizer):
+    # the sentence tables live on the model's device; the echoing chunk recomputed whole equals full there too
+    adapter = ModelAdapter(tiny_llama().to("cuda"), tokenizer, name="tiny-cuda")
+    inp = prompt(adapter, [FIRST, SECOND])
+    match = get_method("epic_match")(adapter, inp, FusionConfig(method="epic_match", epic_k=0))
+    full = get_method("full")(adapter, inp, FusionConfig(method="full"))
+    torch.testing.assert_close(match.logits, full.logits, atol=1e-3, rtol=0)
