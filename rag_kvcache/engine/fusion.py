@@ -74,6 +74,12 @@ class FusionInput:
     def sources(self) -> list[LayerSource | None]:
         return [p.kv for p in self.parts]
 
+    @property
+    def segment_of(self) -> torch.Tensor:
+        """The number of the segment each token belongs to [N]."""
+        lengths = torch.tensor([len(p.segment.ids) for p in self.parts], device=self.ids.device)  # [P]
+        return torch.repeat_interleave(torch.arange(len(self.parts), device=self.ids.device), lengths)  # [N]
+
     def token_mask(self, pred: Callable[[SegmentKV], bool]) -> torch.Tensor:
         mask = torch.zeros(self.n_tokens, dtype=torch.bool, device=self.ids.device)  # [N]
         for p in self.parts:
