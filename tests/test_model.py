@@ -58,3 +58,23 @@ def test_fingerprint_tracks_weights(tokenizer):
 
 def test_kv_bytes_per_token(tiny):
     assert tiny.layout.bytes_per_token == 2 * 4 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
+    """`finish` (o_proj, residuals, the MLP with its activation and product in place) is the same
+    arithmetic as transformers' own decoder layer: equal bit for bit, and its input left untouched."""
+    from conftest import tiny_llama
+
+    adapter = ModelAdapter(tiny_llama(hidden_act=hidden_act), tokenizer, "tiny")
+    torch.manual_seed(1)
+    h, attn_out = torch.randn(7, 64), torch.randn(7, 64)  # [T, E], [T, H_q * D]
+    block = adapter.model.model.layers[1]
+    r = h + block.self_attn.o_proj(attn_out)  # [T, E]
+    expected = r + block.mlp(block.post_attention_layernorm(r))  # [T, E]
+    before = h.clone()
+    with torch.inference_mode():
+        got = adapter.finish(1, h, attn_out)  # [T, E]
+    assert adapter.silu == (hidden_act == "silu")
+    assert torch.equal(got, expected)
+    assert torch.equal(h, before)

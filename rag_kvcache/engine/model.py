@@ -23,6 +23,7 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, PreTrainedModel, StaticCache
 
@@ -176,6 +177,7 @@ class ModelAdapter:
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]
         self.scale = model.model.layers[0].self_attn.scaling
         self.sliding_window = getattr(cfg, "sliding_window", None)
+        self.silu = cfg.hidden_act == "silu"  # the MLP's activation, applied in place (`mlp`)
         self.fingerprint = self._fingerprint()
 
     @classmethod
@@ -242,7 +244,15 @@ class ModelAdapter:
         """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]."""
         block = self.model.model.layers[layer]
         h = h + block.self_attn.o_proj(attn_out)  # [T, E]
-        return h + block.mlp(block.post_attention_layernorm(h))  # [T, E]
+        return h + self.mlp(block.mlp, block.post_attention_layernorm(h))  # [T, E]
+
+    def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """transformers' gated MLP, down(act(gate(x)) * up(x)), [T, E] -> [T, E], with the activation (SiLU)
+        and the product written in place: the same kernels on the same values (equal bit for bit), two [T, I]
+        temporaries instead of four (at T ~2,500 they are ~15 MB of fresh pages on a layer's first prompt)."""
+        gate = mlp.gate_proj(x)  # [T, I]
+        gate = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)  # [T, I]
+        return mlp.down_proj(gate.mul_(mlp.up_proj(x)))  # [T, E]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h)).float()  # [T, V]
