@@ -3,11 +3,6 @@ and the pipelined layer feed."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-import time
-
 import pytest
 import torch
 from test_kvstore import make_kv
@@ -128,43 +123,6 @@ def test_page_cache_can_be_dropped(tmp_path):
     store.put(KEYS[0], make_kv())
     store.disk.drop_page_cache()
     assert store.get(KEYS[0]) is not None
-
-
-def _resident(path, offset: int, n: int) -> bool:
-    """Whether bytes [offset, offset + n) of a file are all in the page cache (mincore(2) over a mapping of
-    the file that nothing touches: looking starts no read, as a read that must not wait would)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                          prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
-        first, last = offset // page, (offset + n - 1) // page
-        vec = (ctypes.c_ubyte * (last - first + 1))()
-        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped, first * page))
-        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t((last - first + 1) * page), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        resident = all(b & 1 for b in vec)
-        del address, vec
-        return resident
-
-
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the platform has no read-ahead advice")
-def test_opening_an_entry_reads_its_file_ahead(tmp_path):
-    """Opening an entry starts the kernel reading the whole file, so the layers asked for later are in
-    memory by then: the last layer's bytes, which nothing has read, become resident after `open`."""
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=0))
-    store.put(KEYS[0], make_kv(layers=8, tokens=4096))  # 8 layers x K, V x 256 KiB: past any readahead of the header
-    path, tail = store.path(KEYS[0]), 64 << 10
-    store.disk.drop_page_cache()
-    size = path.stat().st_size
-    if _resident(path, size - tail, tail):
-        pytest.skip(f"the file system of {tmp_path} keeps files in memory (tmpfs): no page cache to drop")
-    entry = store.open(KEYS[0])
-    deadline = time.monotonic() + 5
-    while not _resident(path, size - tail, tail) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _resident(path, size - tail, tail)
-    assert store.disk.stats.bytes_read == 0  # read ahead by the kernel, not by a layer read
-    assert torch.equal(entry.layer(7)[1], store.get(KEYS[0]).values[7])
 
 
 class _Slow:

@@ -11,10 +11,8 @@ recompute it.
 A tensor is read with one positional read (`preadv`) of its byte range straight into a fresh
 tensor: the syscall releases the GIL, so a background reader overlaps the fusion's compute. (Copying
 out of a memory mapping instead pays a page fault per 4 KiB: 57 MB/s against 3 GB/s for `preadv`
-from the page cache on the 2-core VM this was written on.) An entry's file is read ahead whole when it
-is opened (`FileBlob`): where the page cache does not hold the index, a layer read then copies from
-memory instead of waiting on the disk. The files are plain safetensors: `safetensors.safe_open` reads
-them too.
+from the page cache on the 2-core VM this was written on.) The files are plain safetensors:
+`safetensors.safe_open` reads them too.
 """
 
 from __future__ import annotations
@@ -255,16 +253,12 @@ class DiskTier(Backend):
 
 
 class FileBlob:
-    """An entry's file, open until the blob is dropped, read with positional reads. Opening it asks the
-    kernel to read the whole file into the page cache in the background (`POSIX_FADV_WILLNEED`, where the
-    platform has it), so the disk streams an entry's later layers while the fusion computes its first."""
+    """An entry's file, open until the blob is dropped, read with positional reads."""
 
     def __init__(self, path: Path) -> None:
         self._file = open(path, "rb", buffering=0)
         weakref.finalize(self, self._file.close)
         self.size = os.fstat(self._file.fileno()).st_size
-        if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; macOS and Windows have no such advice
-            os.posix_fadvise(self._file.fileno(), 0, self.size, os.POSIX_FADV_WILLNEED)
 
     def read(self, offset: int, n: int) -> bytes:
         return os.pread(self._file.fileno(), n, offset)
