@@ -249,7 +249,7 @@ class ModelAdapter:
     def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """transformers' gated MLP, down(act(gate(x)) * up(x)), [T, E] -> [T, E], with the activation (SiLU)
         and the product written in place: the same kernels on the same values (equal bit for bit), two [T, I]
-        temporaries instead of four (at T ~2,500 they are ~15 MB of fresh pages on a layer's first prompt)."""
+        temporaries instead of four (each ~15 MB of fresh pages at T ~2,500 on a prompt's first layer)."""
         gate = mlp.gate_proj(x)  # [T, I]
         gate = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)  # [T, I]
         return mlp.down_proj(gate.mul_(mlp.up_proj(x)))  # [T, E]
