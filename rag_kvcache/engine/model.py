@@ -244,12 +244,14 @@ class ModelAdapter:
         """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]."""
         block = self.model.model.layers[layer]
         h = h + block.self_attn.o_proj(attn_out)  # [T, E]
-        return h + self.mlp(block.mlp, block.post_attention_layernorm(h))  # [T, E]
+        return h + self.mlp(layer, block.post_attention_layernorm(h))  # [T, E]
 
-    def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """transformers' gated MLP, down(act(gate(x)) * up(x)), [T, E] -> [T, E], with the activation (SiLU)
-        and the product written in place: the same kernels on the same values (equal bit for bit), two [T, I]
-        temporaries instead of four (each ~15 MB of fresh pages at T ~2,500 on a prompt's first layer)."""
+    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """One layer's gated MLP as transformers computes it, down(act(gate(x)) * up(x)), [T, E] -> [T, E],
+        with the activation (SiLU) and the product written in place: the same kernels on the same values
+        (equal bit for bit), two [T, I] temporaries instead of four (each ~15 MB of fresh pages at T ~2,500
+        on a prompt's first layer)."""
+        mlp = self.model.model.layers[layer].mlp
         gate = mlp.gate_proj(x)  # [T, I]
         gate = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)  # [T, I]
         return mlp.down_proj(gate.mul_(mlp.up_proj(x)))  # [T, E]
