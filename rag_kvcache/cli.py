@@ -489,6 +489,7 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers "
                                                 "are compared with full's).")] = 32,
     model: Annotated[str, option(Config, "model")] = default(Config, "model"),
+    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
     dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
@@ -522,8 +523,9 @@ def bench(
             methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
             prompt_style=prompt_style.value,
         )
-        cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, chunk_prefill=chunk_prefill.value,
-                           context_chunks=context_chunks, device=device, dtype=dtype.value)
+        cfg = _base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, embedder=embedder,
+                           chunk_prefill=chunk_prefill.value, context_chunks=context_chunks, device=device,
+                           dtype=dtype.value)
         cfg = cfg.with_fusion(ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rag_kvcache import Config, FusedGenerator, FusionConfig, KVIndex
+from rag_kvcache.config import StorageConfig
 
 METHODS = ("full", "prefix", "reuse", "epic", "cacheblend", "cacheblend_repick")
 
@@ -33,6 +34,15 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=Config.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)")
+    parser.add_argument("--embedder", default=Config.embedder)
+    parser.add_argument("--device", default=Config.device)
+    parser.add_argument("--dtype", default=Config.dtype)
+    parser.add_argument("--prefetch-layers", type=int, default=StorageConfig.prefetch_layers,
+                        help="layers the reader thread reads ahead (0: read in the fusion's thread)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run each method once more under torch.profiler and print its top operators "
+                             "(on CUDA: host time against device time, i.e. launch-bound or compute-bound)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
@@ -43,7 +53,9 @@ def main() -> None:
     for qi, example in enumerate(data):
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
-    index = KVIndex.build(docs, args.work / "index", Config(chunk_tokens=512, top_k=6), progress=False)
+    cfg = Config(chunk_tokens=512, top_k=6, model=args.model, embedder=args.embedder, device=args.device,
+                 dtype=args.dtype, storage=StorageConfig(prefetch_layers=args.prefetch_layers))
+    index = KVIndex.build(docs, args.work / "index", cfg, progress=False)
     generator = FusedGenerator(index)
     fmt = index.format
 
@@ -58,8 +70,16 @@ def main() -> None:
             for method in METHODS:
                 t0 = time.perf_counter()
                 fused = generator.fuse(segments, FusionConfig(method=method))
+                fused.result.logits.argmax().item()  # on CUDA: wait for the device, as sampling the first token does
                 runs[method].append((time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction,
                                      fused.prompt_tokens))
+
+    if args.profile:
+        for method in METHODS:
+            with torch.profiler.profile(activities=torch.profiler.supported_activities()) as prof:
+                generator.fuse(segments, FusionConfig(method=method))  # the last question's prompt
+            sort = "self_cuda_time_total" if index.adapter.device.type == "cuda" else "self_cpu_time_total"
+            print(f"\n## {method}\n" + prof.key_averages().table(sort_by=sort, row_limit=12))
 
     full_s = statistics.median(r[0] for r in runs["full"])
     print(f"{args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
