@@ -12,6 +12,7 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.ops import attend_lse, mask_bias
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -38,3 +39,21 @@ def test_epic_match_on_cuda(tokenizer):
     match = get_method("epic_match")(adapter, inp, FusionConfig(method="epic_match", epic_k=0))
     full = get_method("full")(adapter, inp, FusionConfig(method="full"))
     torch.testing.assert_close(match.logits, full.logits, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_attend_lse_on_cuda_equals_a_float64_reference(dtype, tol):
+    # the fused kernel's output and log-sum-exp, under a bias with masked keys, at sizes off every tile
+    g = torch.Generator().manual_seed(1)
+    h, m, n, d = 4, 37, 53, 64
+    q, k, v = (torch.randn(h, t, d, generator=g) for t in (m, n, n))
+    mask = torch.rand(m, n, generator=g) < 0.7
+    mask[:, 0] = True  # no query without a key
+    bias = mask_bias(mask, torch.float64)  # [M, n]
+    scores = torch.einsum("hmd,hnd->hmn", q.double(), k.double()) * 0.125 + bias  # [H, M, n]
+    ref_lse = scores.logsumexp(-1)  # [H, M]
+    ref = torch.softmax(scores, -1) @ v.double()  # [H, M, D]
+    out, lse = attend_lse(*(t.to("cuda", dtype) for t in (q, k, v)), bias.to("cuda", dtype), 0.125)
+    assert lse.dtype == torch.float32 and lse.shape == (h, m) and out.shape == (h, m, d)
+    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=tol, rtol=0)

@@ -100,8 +100,9 @@ def attend_lse(
     """Attention of q [H, M, D] over k, v [H, n, D] under an additive bias [M, n] (`mask_bias`; None:
     every key), with each query's log-sum-exp of scores [H, M] (float32), so partial results over
     disjoint key sets merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the
-    cost of a plain SDPA call; elsewhere the scores are formed explicitly. CPU only: `causal` (query i
-    sees keys 0..i, M == n, no bias), and q may have G times k's heads (query head h reads KV head h // G)."""
+    cost of a plain SDPA call; on CUDA its memory-efficient kernel does; elsewhere the scores are formed
+    explicitly. CPU only: `causal` (query i sees keys 0..i, M == n, no bias), and q may have G times k's
+    heads (query head h reads KV head h // G)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None], k[None], v[None], 0.0, causal, attn_mask=None if bias is None else bias[None, None], scale=scale,
@@ -110,6 +111,17 @@ def attend_lse(
     if causal or q.shape[0] != k.shape[0]:
         raise ValueError(f"attend_lse on {q.device.type}: causal={causal}, {q.shape[0]} query heads over "
                          f"{k.shape[0]} KV heads (the causal and grouped forms are CPU-only)")
+    if q.device.type == "cuda":
+        if bias is not None:
+            bias = bias.to(q.dtype)  # [M, n]
+            if bias.stride(0) % 16:  # the kernel reads bias rows 16-element aligned
+                padded = bias.new_empty(bias.shape[0], -(-bias.shape[1] // 16) * 16)  # [M, n rounded up to 16]
+                bias = padded[:, : bias.shape[1]].copy_(bias)  # [M, n], rows 16-aligned
+            bias = bias[None, None].expand(1, q.shape[0], *bias.shape)  # [1, H, M, n], one copy for every head
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q[None], k[None], v[None], bias, True, scale=scale,
+        )[:2]  # [1, H, M, D], [1, H, M rounded up]
+        return out[0], lse[0, :, : q.shape[1]]
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
     if bias is not None:
         scores = scores + bias.float()  # [H, M, n]
