@@ -5,6 +5,12 @@ full's work its compute fraction implies.
     .venv/bin/python benchmarks/musique/profile_stages.py --data ../shared/data/musique_dev.json \
         --work /tmp/profile --questions 3 --repeats 2
 
+On a GPU, with a random model of a given shape (benchmarks/gpu/random_llama.py) and `--profile` for the
+operators' host and device times:
+
+    python benchmarks/musique/profile_stages.py --data musique_dev.json --work /tmp/ps --questions 3 --repeats 5 \
+        --model /tmp/llama-1b --device cuda --dtype bfloat16 --threads 8 --profile
+
 The passages are written under --work at run time (never committed). Time only on a quiet machine:
 two threads that share their cores with another job report that job's load, not the code.
 """
@@ -34,6 +40,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=6, help="chunks per prompt (512 tokens each)")
     parser.add_argument("--model", default=Config.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)")
     parser.add_argument("--embedder", default=Config.embedder)
     parser.add_argument("--device", default=Config.device)
@@ -53,7 +60,7 @@ def main() -> None:
     for qi, example in enumerate(data):
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
-    cfg = Config(chunk_tokens=512, top_k=6, model=args.model, embedder=args.embedder, device=args.device,
+    cfg = Config(chunk_tokens=512, top_k=args.top_k, model=args.model, embedder=args.embedder, device=args.device,
                  dtype=args.dtype, storage=StorageConfig(prefetch_layers=args.prefetch_layers))
     index = KVIndex.build(docs, args.work / "index", cfg, progress=False)
     generator = FusedGenerator(index)
@@ -62,7 +69,7 @@ def main() -> None:
     runs: dict[str, list] = {m: [] for m in METHODS}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
-        hits = index.search(example["question"], 6)
+        hits = index.search(example["question"], args.top_k)
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"]))
         for method in METHODS:  # warm-up: first touch of the caches and the kernels
             generator.fuse(segments, FusionConfig(method=method))
