@@ -9,6 +9,7 @@ from test_fusion import rag_prompt
 from test_sentences import FIRST, SECOND, prompt
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.engine.cache import ChunkKV, SliceKV, read_layer
 from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
@@ -57,3 +58,23 @@ def test_attend_lse_on_cuda_equals_a_float64_reference(dtype, tol):
     assert lse.dtype == torch.float32 and lse.shape == (h, m) and out.shape == (h, m, d)
     assert (out.double().cpu() - ref).norm() / ref.norm() < tol
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=tol, rtol=0)
+
+
+def test_read_layer_on_cuda_equals_copying_each_segment():
+    # host layers go over packed in one pinned transfer; a slice (not contiguous) and a cache already on
+    # the device (recomputed there) keep their values, each segment its own
+    g = torch.Generator().manual_seed(2)
+
+    def cache(n: int, device: str = "cpu") -> ChunkKV:
+        layers = [torch.randn(2, n, 16, generator=g).to(device, torch.bfloat16) for _ in range(6)]
+        return ChunkKV(layers[:3], layers[3:], position=0)
+
+    sources = [None, cache(5), SliceKV(cache(9), 2, 7), cache(4, "cuda"), None]
+    for layer in range(3):
+        got = read_layer(sources, layer, "cuda")
+        for source, kv in zip(sources, got):
+            if source is None:
+                assert kv is None
+                continue
+            for a, b in zip(kv, source.layer(layer)):
+                assert a.device.type == "cuda" and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())

@@ -58,15 +58,30 @@ class LayerSource(Protocol):
 
 
 def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> LayerKV:
-    """One layer of every source (None for a segment without a cache), on `device`."""
-    out: LayerKV = []
-    for source in sources:
-        if source is None:
-            out.append(None)
-            continue
-        k, v = source.layer(layer)  # [H_kv, T, D]
-        out.append((k.to(device), v.to(device)))
-    return out
+    """One layer of every source (None for a segment without a cache), on `device`.
+
+    For a CUDA device, the layers held in host memory go over in one transfer: gathered into one pinned
+    buffer and copied asynchronously, then viewed per segment. Copied one tensor at a time from pageable
+    memory, each copy (two per segment per layer) would wait for the stream's queued compute and block
+    the host until done, so the fusion's launches could never run ahead of the device."""
+    layers = [None if s is None else s.layer(layer) for s in sources]  # per segment: [H_kv, T, D] x 2, or None
+    host = [t for kv in layers if kv is not None for t in kv if t.device.type == "cpu"]
+    if torch.device(device).type != "cuda" or not host or len({t.dtype for t in host}) > 1:
+        return [None if kv is None else (kv[0].to(device), kv[1].to(device)) for kv in layers]
+    staging = torch.empty(sum(t.numel() for t in host), dtype=host[0].dtype, pin_memory=True)  # [S], flat
+    views, start = {}, 0
+    for t in host:
+        views[id(t)] = start
+        staging[start : start + t.numel()].view(t.shape).copy_(t)  # [H_kv, T, D]
+        start += t.numel()
+    packed = staging.to(device, non_blocking=True)  # [S]: ordered before the fusion's kernels by the stream
+
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t.to(device)
+        return packed[views[id(t)] : views[id(t)] + t.numel()].view(t.shape)  # [H_kv, T, D]
+
+    return [None if kv is None else (placed(kv[0]), placed(kv[1])) for kv in layers]
 
 
 @dataclass(frozen=True)
