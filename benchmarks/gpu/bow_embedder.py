@@ -11,7 +11,6 @@ that reaches no model hub, 64 MiB carried); its retrieval is crude, so read only
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 from pathlib import Path
 

@@ -9,10 +9,12 @@ checksums): a failure drops the entry, is logged and raises `CorruptEntryError` 
 recompute it.
 
 A tensor is read with one positional read (`preadv`) of its byte range straight into a fresh
-tensor: the syscall releases the GIL, so a background reader overlaps the fusion's compute. (Copying
-out of a memory mapping instead pays a page fault per 4 KiB: 57 MB/s against 3 GB/s for `preadv`
-from the page cache on the 2-core VM this was written on.) The files are plain safetensors:
-`safetensors.safe_open` reads them too.
+tensor: the syscall releases the GIL, so a background reader overlaps the fusion's compute. (When this
+was written, copying out of a memory mapping paid a page fault per 4 KiB, 57 MB/s against 3 GB/s for
+`preadv` from the page cache; on the same 2-core VM's kernel of 2026-11-23, 24 page-cached entries read
+whole and hashed ran at ~8 GB/s through a lazily faulted private mapping and 5-13 GB/s through `preadv`:
+the choice no longer rests on that figure.) The files are plain safetensors: `safetensors.safe_open`
+reads them too.
 """
 
 from __future__ import annotations
