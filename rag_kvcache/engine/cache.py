@@ -65,8 +65,9 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     memory, each copy (two per segment per layer) would wait for the stream's queued compute and block
     the host until done, so the fusion's launches could never run ahead of the device."""
     layers = [None if s is None else s.layer(layer) for s in sources]  # per segment: [H_kv, T, D] x 2, or None
-    host = [t for kv in layers if kv is not None for t in kv if t.device.type == "cpu"]
-    if torch.device(device).type != "cuda" or not host or len({t.dtype for t in host}) > 1:
+    cuda = torch.device(device).type == "cuda"
+    host = [t for kv in layers if kv is not None for t in kv if t.device.type == "cpu"] if cuda else []
+    if not host or len({t.dtype for t in host}) > 1:
         return [None if kv is None else (kv[0].to(device), kv[1].to(device)) for kv in layers]
     staging = torch.empty(sum(t.numel() for t in host), dtype=host[0].dtype, pin_memory=True)  # [S], flat
     views, start = {}, 0
