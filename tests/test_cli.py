@@ -9,6 +9,7 @@ from importlib.resources import files
 from typing import Literal
 
 import pytest
+import torch
 import typer
 from conftest import tiny_llama
 from pydantic import BaseModel, Field, ValidationError
@@ -121,6 +122,19 @@ def test_device_and_dtype_reach_every_model_command(built, model_dir, tmp_path):
     assert same.exit_code == 0 and other.exit_code == 0, other.output
     assert json.loads(same.stdout)["cache_misses"] == 0
     assert json.loads(other.stdout)["cache_misses"] == 2  # float32 caches are other entries than bfloat16's
+
+
+def test_model_commands_turn_cudnn_attention_off(built):
+    # the CLI is the edge that sets it: cuDNN's SDPA plans every new sequence length (a prefill 100 -> 22 ms on an H100)
+    root, _ = built
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--max-new-tokens", "1"])
+        assert result.exit_code == 0, result.output
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def test_foreign_index_is_refused(tmp_path):
