@@ -185,6 +185,21 @@ def test_summary_speedup_is_the_median_of_paired_ratios():
     assert "planted_accuracy" not in blend
 
 
+def test_summary_ttft_over_share_pairs_each_question_with_fulls():
+    """Hand-computed: cacheblend's TTFT over (its compute fraction x full's TTFT) per question, then the median:
+    1 / (0.2 x 4) = 1.25, 1 / (0.2 x 8) = 0.625, 5 / (0.2 x 10) = 2.5 -> 1.25; full's is 1 by definition."""
+    variants = [Variant("full"), Variant("cacheblend", (("r", 0.15),))]
+    records = [
+        _rec("a", "full", 4.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
+        _rec("b", "full", 8.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
+        _rec("c", "full", 10.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
+    ]
+    full, blend = summarise(records, variants)
+    assert full["ttft_over_share"] == 1.0 and blend["ttft_over_share"] == pytest.approx(1.25)
+    records[1] |= {"compute_fraction": 0.0}  # a method that computes nothing has no share to compare with
+    assert summarise(records, variants)[1]["ttft_over_share"] is None
+
+
 def test_planted_accuracy_counts_only_what_full_gets_right():
     variants = [Variant("full"), Variant("reuse")]
     hits = {"a": (True, True), "b": (True, False), "c": (False, True), "d": (True, False)}
@@ -253,12 +268,13 @@ def test_stage_table_orders_stages_and_marks_missing():
     def entry(method: str, stages: dict) -> dict:
         return {"method": method, "params": {}, **dict.fromkeys(METRIC_KEYS, 1.0), "stage_median_s": stages}
 
-    table = stage_table([entry("full", {"prefill": 2.0, "kv_load": 0.001}), entry("reuse", {"mlp": 0.0125, "kv_load": 0.5})])
+    full = entry("full", {"prefill": 2.0, "kv_load": 0.001}) | {"ttft_over_share": 1.0}
+    table = stage_table([full, entry("reuse", {"mlp": 0.0125, "kv_load": 0.5})])
     assert table.splitlines() == [
-        "| Method | TTFT median (ms) | kv_load (ms) | mlp (ms) | prefill (ms) |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        "| full | 1000 | 1 | – | 2000 |",
-        "| reuse | 1000 | 500 | 12 | – |",
+        "| Method | TTFT median (ms) | TTFT / share of full's | kv_load (ms) | mlp (ms) | prefill (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| full | 1000 | 1.000 | 1 | – | 2000 |",
+        "| reuse | 1000 | – | 500 | 12 | – |",
     ]
 
 

@@ -117,6 +117,8 @@ def stage_table(summary: Sequence[Entry]) -> str:
     """Markdown table of median milliseconds per prefill stage (entries' `stage_median_s`), one row per entry.
 
     Stages are those of `Answer.stages` plus "other" (TTFT outside them: decoder setup, first sampling).
+    "TTFT / share of full's" is each entry's `ttft_over_share` (the median over questions of its TTFT over
+    its compute fraction times full's; "–" where a summary has none).
     """
     summary = [e for e in summary if not e.get("noise_floor")]
     for entry in summary:
@@ -125,9 +127,9 @@ def stage_table(summary: Sequence[Entry]) -> str:
             raise ValueError(f"{label(entry)!r} has no 'stage_median_s' mapping: {dict(entry)!r}")
     seen = {name for e in summary for name in e["stage_median_s"]}
     stages = [s for s in STAGE_ORDER if s in seen] + sorted(seen - set(STAGE_ORDER))
-    header = ["Method", "TTFT median (ms)", *(f"{s} (ms)" for s in stages)]
+    header = ["Method", "TTFT median (ms)", "TTFT / share of full's", *(f"{s} (ms)" for s in stages)]
     rows = [
-        [label(e), f"{e['ttft_median_s'] * 1000:.0f}",
+        [label(e), f"{e['ttft_median_s'] * 1000:.0f}", _fmt(".3f")(e.get("ttft_over_share")),
          *(MISSING if s not in e["stage_median_s"] else f"{e['stage_median_s'][s] * 1000:.0f}" for s in stages)]
         for e in summary
     ]

@@ -406,6 +406,14 @@ def _stage_medians(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {name: float(np.median([r["stages"].get(name, 0.0) for r in records])) for name in names}
 
 
+def _ttft_over_share(records: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[str, Any]]) -> float | None:
+    """Median over questions of a method's TTFT over its share of full's: its compute fraction times full's
+    TTFT on the same question (1.0: as fast per token-layer as a full prefill; above it, the fixed costs
+    of fusing and the work a token-layer count misses). None if a question's fraction is 0."""
+    shares = [r["compute_fraction"] * reference[r["id"]]["ttft_s"] for r in records]
+    return median_ratio([r["ttft_s"] for r in records], shares) if all(s > 0 for s in shares) else None
+
+
 def _with_ci(name: str, values: Sequence[float | bool | None]) -> dict[str, Any]:
     """`name`: the mean of the present values, `name_ci`: its bootstrap CI (both None when none is present)."""
     present = [float(v) for v in values if v is not None]
@@ -462,6 +470,7 @@ def summarise(
             "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "n": ttft["n"],
             "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
             "speedup_vs_full": median_ratio([reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]),
+            "ttft_over_share": _ttft_over_share(mine, reference),
             "baseline": None if base is None else baseline.label,
             **_fidelity_columns(mine, base),
             **_planted(mine, reference),
