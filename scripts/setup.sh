@@ -7,10 +7,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
-# CPU FAISS ([cpu]; [gpu] is the CUDA build instead), and every other extra: the tests drive the server
-# ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/test_ray_indexing.py) and
+# Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/test_ray_indexing.py) and
 # the shared KV tier's client ([redis]).
-.venv/bin/python -m pip install -q -e ".[cpu,test,bench,serve,structured,ray,redis]"
+.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured,ray,redis]"
 # A real Redis server for tests/test_redis_tier.py, from Debian's package when there is none: as root, or
 # through sudo where there is one.
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -47,7 +47,8 @@ def bpe_tiny() -> ModelAdapter:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    texts = [f.read_text(encoding="utf-8") for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")]
+    demo = sorted((f for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")), key=lambda f: f.name)
+    texts = [f.read_text(encoding="utf-8") for f in demo]  # in one order: BPE breaks ties between merges by it
     trainer = trainers.BpeTrainer(
         vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )

@@ -239,11 +239,13 @@ def test_demo_data_ships_inside_the_package():
     assert "observatory.md" in names and all(n.endswith(".md") for n in names)
 
 
-def test_without_faiss_the_error_names_both_extras():
-    """FAISS is an extra ([cpu] or [gpu]): without it, opening an index says which to install."""
+def test_without_faiss_the_error_names_both_builds():
+    """faiss-cpu is a dependency a user may swap for the CUDA build: without either, opening an index
+    says what to install."""
     proc = _run("-c", "import sys; sys.modules['faiss'] = None; import rag_kvcache.index")
     assert proc.returncode == 1
-    assert "pip install 'rag-kvcache[cpu]' (faiss-cpu) or 'rag-kvcache[gpu]' (faiss-gpu-cu12" in proc.stderr
+    assert "pip install faiss-cpu, or the CUDA build in its place (pip uninstall faiss-cpu && pip install faiss-gpu-cu12)" \
+        in proc.stderr
 
 
 # ---- ask --json-schema: the answer decoded under a JSON Schema ([structured]) ------------------------------

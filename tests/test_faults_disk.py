@@ -115,8 +115,10 @@ def test_a_failed_counters_write_keeps_the_answer(index, monkeypatch, caplog):
 def test_a_corrupt_cache_that_cannot_be_removed_is_still_a_recomputed_miss(index, monkeypatch, caplog):
     """A reader of a read-only index that met a corrupt cache crashed removing it (EROFS) instead of
     recomputing: the entry stays where it is, and every answer is the intact index's."""
-    reference = FusedGenerator(index).ask(QUESTION, top_k=6).answer
-    victim = next((index.path / "kv").rglob("*.safetensors"))
+    asked = FusedGenerator(index).ask(QUESTION, top_k=6)
+    reference = asked.answer
+    (last,) = index.chunks.get([asked.chunks[-1].id])  # a cache the question reads, whatever the directory order
+    victim = index.store.disk.path(index.key(last.token_ids))
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))

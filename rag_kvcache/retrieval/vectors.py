@@ -7,9 +7,9 @@ stored embeddings. It is replaced atomically in two steps, so the caller can com
 between: `stage` writes and fsyncs a temporary file (created like any file, with the umask's mode),
 `publish` renames it over. A full disk is a `StorageFullError` naming the file.
 
-FAISS comes from one of two extras, never both (each installs the module `faiss`): `[cpu]`
-(faiss-cpu) or `[gpu]` (faiss-gpu-cu12). This module is the only one that imports it. With either,
-the index is searched on the CPU: the GPU build's own indexes are not used (see the README).
+FAISS is faiss-cpu, a plain dependency; its CUDA build (faiss-gpu-cu12) installs the same module
+`faiss` and may replace it (the README says how). This module is the only one that imports it. With
+either, the index is searched on the CPU: the GPU build's own indexes are not used.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ try:
     import faiss
 except ImportError as e:
     raise ImportError(
-        "rag-kvcache needs FAISS, which one of two extras installs: pip install 'rag-kvcache[cpu]' (faiss-cpu) "
-        "or 'rag-kvcache[gpu]' (faiss-gpu-cu12: Linux x86_64, CUDA 12, Python 3.10-3.13); not both"
+        "rag-kvcache needs FAISS (the module `faiss`), which is missing: pip install faiss-cpu, or the CUDA "
+        "build in its place (pip uninstall faiss-cpu && pip install faiss-gpu-cu12), never both"
     ) from e
 
 logger = logging.getLogger(__name__)

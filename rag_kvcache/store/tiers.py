@@ -164,7 +164,7 @@ class DiskTier(Backend):
         self._policy = EvictionPolicy(eviction)
         self._lock = threading.Lock()
         if budget is not None:
-            for path in sorted(self.files(), key=lambda p: p.stat().st_mtime):
+            for path in sorted(self.files(), key=lambda p: (p.stat().st_mtime_ns, p.name)):  # ties: not by directory order
                 self._policy.add(path.stem, path.stat().st_size)
 
     def path(self, key: str) -> Path:
