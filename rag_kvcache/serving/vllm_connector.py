@@ -1,0 +1,301 @@
+"""`RagKVCacheConnector`: rag-kvcache's chunk caches served inside vLLM, as a KV connector.
+
+The only module of the package that imports vLLM. Named in vLLM's `--kv-transfer-config`:
+
+    vllm serve MODEL_DIR --kv-transfer-config '{"kv_connector": "RagKVCacheConnector",
+      "kv_connector_module_path": "rag_kvcache.serving.vllm_connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"index": "IDX", "method": "prefix"}}'
+
+`index` is a folder `rag-kvcache index` built; `method` (default `prefix`) and any `FusionConfig` field
+(`ratio`, `epic_k`, ...) are the defaults, which a request overrides through its `kv_transfer_params`
+(OpenAI API: `extra_body={"kv_transfer_params": {"method": "reuse"}}`).
+
+Scheduler side: the request's prompt token ids are laid out as the embedded engine lays out any prompt
+(`FusedGenerator.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
+index's caches opened by `KVIndex.open_caches`, `FusionInput.build`), and the tokens from the start of the
+prompt to the end of the span the method provides are reported as matched (`loadable_end`); vLLM computes
+the rest. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
+again from the same ids, the span's K/V are produced, and vLLM's own cache writer for each attention layer
+(`impl.do_kv_cache_update`, the call its attention layers make) writes them into the paged KV cache
+through the slots of the request's blocks.
+
+- `prefix` (exact): the exactly cached head (system prefix, and the first chunk right behind it) is copied
+  as stored; no model runs.
+- every other method that reads caches (`reuse`, `cacheblend`, `epic`, `epic_match`, ...): the method runs
+  on the embedded engine (`engine.methods`, the same code `FusedGenerator` runs, on this package's own
+  transformers copy of the model) and its fused K/V up to the end of the last cached span are written;
+  vLLM computes the question on its own layers over them. The methods do not yet run on vLLM's layers.
+
+A load that fails in the worker reports the request's blocks as failed (`get_block_ids_with_load_errors`):
+with `kv_load_failure_policy: recompute` vLLM prefills them itself; with its default (`fail`) the request
+fails. Nothing half-written is ever served as a hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from ..config import FusionConfig
+from ..engine.fusion import FusionInput
+from ..engine.methods import get_method
+from ..engine.prompt import prefix_head
+from ..generator import FusedGenerator
+from ..index import KVIndex
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+FUSION_KEYS = frozenset(f.name for f in fields(FusionConfig))
+
+
+def fusion_config(base: FusionConfig, params: dict[str, Any] | None) -> FusionConfig:
+    """`base` with the fusion settings among `params` (a request's `kv_transfer_params` or the connector's
+    extra config) put over it; other keys are ignored. Raises ValueError naming a bad method or value."""
+    chosen = {k: v for k, v in (params or {}).items() if k in FUSION_KEYS}
+    if isinstance(chosen.get("repick_layers"), list):
+        chosen["repick_layers"] = tuple(chosen["repick_layers"])
+    fusion = replace(base, **chosen)
+    get_method(fusion.method)  # an unknown name raises, listing the registered ones
+    return fusion
+
+
+def loadable_end(inp: FusionInput, method: str) -> int:
+    """Prompt tokens [0, end) whose K/V the connector provides for `method`: for `prefix`, the leading run
+    of exactly cached segments (their caches equal a full prefill's); for any other method that reads
+    caches, everything up to the end of the last cached segment (the method fills the gaps); 0 for a
+    method that reads none."""
+    if not get_method(method).reads_cache:
+        return 0
+    if method == "prefix":
+        end = 0
+        for part in inp.parts:
+            if part.kv is None or not part.exact:
+                break
+            end = part.end
+        return end
+    return max((p.end for p in inp.parts if p.kv is not None), default=0)
+
+
+class Planner:
+    """An opened index and the layout of a prompt over it, the same in the scheduler and the worker."""
+
+    def __init__(self, index_path: Path) -> None:
+        if not (index_path / "index.sqlite").is_file():
+            raise ValueError(f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
+                             "(no index.sqlite): build one with `rag-kvcache index`")
+        self.index = KVIndex.open(index_path, rewrite=False)
+        self.generator = FusedGenerator(self.index)
+
+    def layout(self, ids: list[int], fusion: FusionConfig) -> FusionInput:
+        """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
+        segments = self.generator.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
+        caches = self.index.open_caches(segments)
+        return FusionInput.build(segments, caches.sources, caches.contexts)
+
+    @torch.inference_mode()
+    def span_kv(self, inp: FusionInput, fusion: FusionConfig, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K/V [H_kv, end - start, D] of prompt positions [start, end) for `fusion.method`."""
+        if fusion.method == "prefix":  # exact segments: their stored caches, as they are
+            out = []
+            for layer in range(self.index.adapter.layout.n_layers):
+                keys, values = [], []
+                for part in inp.parts:
+                    if part.end <= start or part.start >= end:
+                        continue
+                    if part.kv is None or not part.exact:
+                        raise RuntimeError(f"segment {part.segment.label!r} at [{part.start}, {part.end}) has no exact cache")
+                    k, v = part.kv.layer(layer)  # [H_kv, n, D]
+                    lo, hi = max(start, part.start) - part.start, min(end, part.end) - part.start
+                    keys.append(k[:, lo:hi])  # [H_kv, hi - lo, D]
+                    values.append(v[:, lo:hi])
+                out.append((torch.cat(keys, dim=1), torch.cat(values, dim=1)))  # [H_kv, end - start, D] x 2
+            return out
+        result = get_method(fusion.method)(self.index.adapter, inp, fusion)
+        return [(k[:, start:end], v[:, start:end]) for k, v in zip(result.keys, result.values)]  # [H_kv, end - start, D]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load, scheduler to worker: prompt positions [start, end) of `prompt` into `block_ids`."""
+
+    req_id: str
+    prompt: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+    fusion: FusionConfig
+
+
+@dataclass
+class RagKVCacheMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Match:
+    end: int  # prompt tokens [0, end) the connector provides
+    fusion: FusionConfig
+
+
+class RagKVCacheConnector(KVConnectorBase_V1):
+    """Reads rag-kvcache chunk caches into vLLM's paged KV cache (see the module's docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if "index" not in extra:
+            raise ValueError(f"RagKVCacheConnector needs kv_connector_extra_config 'index' (an index folder); got {extra!r}")
+        self._defaults = fusion_config(FusionConfig(method="prefix"), extra)
+        self._block_size = vllm_config.cache_config.block_size
+        self._planner = Planner(Path(extra["index"]).expanduser())
+        served = Path(vllm_config.model_config.model).expanduser()
+        if served.is_dir() and served.resolve() != Path(self._planner.index.adapter.model.name_or_path).resolve():
+            log.warning("vLLM serves %s but index %s was built with %s: unless they are the same weights, every "
+                        "cache read is wrong", served, extra["index"], self._planner.index.adapter.model.name_or_path)
+        # scheduler side
+        self._matches: dict[str, _Match] = {}  # per request: what get_num_new_matched_tokens found
+        self._pending: dict[str, tuple[Request, int, int]] = {}  # request, start, end: to load at its next step
+        self._loaded: dict[str, int] = {}  # tokens the connector was asked to load, per live request
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._failed_blocks: set[int] = set()
+        log.info("RagKVCacheConnector (%s) over index %s, method %s", role.name, extra["index"], self._defaults.method)
+
+    # ---- scheduler side ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        match = self._match(request)
+        if match is None or match.end <= num_computed_tokens:
+            return 0, False
+        return match.end - num_computed_tokens, False
+
+    def _match(self, request: Request) -> _Match | None:
+        """The span of the request's prompt the connector provides (memoised per request); None when the
+        request's own fusion settings are bad (logged: vLLM prefills it)."""
+        if request.request_id in self._matches:
+            return self._matches[request.request_id]
+        ids = list(request.prompt_token_ids or [])
+        try:
+            fusion = fusion_config(self._defaults, request.kv_transfer_params)
+        except (TypeError, ValueError) as err:
+            log.warning("request %s: bad kv_transfer_params %r (%s); prefilled by vLLM alone",
+                        request.request_id, request.kv_transfer_params, err)
+            return None
+        end = loadable_end(self._planner.layout(ids, fusion), fusion.method) if len(ids) > 1 else 0
+        self._matches[request.request_id] = match = _Match(end, fusion)
+        log.debug("request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method)
+        return match
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        end = self._matches[request.request_id].end
+        self._pending[request.request_id] = (request, end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = RagKVCacheMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._pending:
+                self._add_load(meta, new.req_id, new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if req_id in self._pending and req_id in cached.resumed_req_ids and blocks is not None:
+                self._add_load(meta, req_id, blocks[0])  # a resumed request's new blocks are all of its blocks
+        if self._pending:
+            raise RuntimeError(f"requests {sorted(self._pending)} were allocated a load but not scheduled")
+        return meta
+
+    def _add_load(self, meta: RagKVCacheMetadata, req_id: str, block_ids: list[int]) -> None:
+        request, start, end = self._pending.pop(req_id)
+        fusion = self._matches[req_id].fusion
+        meta.loads.append(LoadSpec(req_id, list(request.prompt_token_ids or []), start, end, list(block_ids), fusion))
+        self._loaded[req_id] = end - start
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its output's `kv_transfer_params` say how many prompt tokens came from rag-kvcache."""
+        match = self._matches.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        loaded = self._loaded.pop(request.request_id, 0)
+        if match is None:
+            return False, None
+        return False, {"rag_kvcache": {"method": match.fusion.method, "loaded_tokens": loaded, "matched_end": match.end}}
+
+    # ---- worker side ------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self._planner.index.adapter.layout
+        if len(kv_caches) != layout.n_layers:
+            raise ValueError(f"vLLM has {len(kv_caches)} KV cache layers, the index's model {layout.n_layers}: "
+                             "serve the model the index was built with")
+        self._kv_caches = kv_caches
+        name, cache = next(iter(kv_caches.items()))
+        log.info("vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d",
+                 len(kv_caches), name, tuple(cache.shape), cache.dtype, self._block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RagKVCacheMetadata):
+            raise TypeError(f"RagKVCacheConnector got metadata of type {type(meta).__name__}")
+        for spec in meta.loads:
+            try:
+                self._load(forward_context, spec)
+            except Exception:  # a failed load is recomputed by vLLM (or fails the request), never served
+                log.exception("loading %d tokens of request %s failed; its blocks are reported failed",
+                              spec.end - spec.start, spec.req_id)
+                first, last = spec.start // self._block_size, (spec.end - 1) // self._block_size
+                self._failed_blocks.update(spec.block_ids[first : last + 1])
+
+    def _load(self, forward_context: ForwardContext, spec: LoadSpec) -> None:
+        inp = self._planner.layout(spec.prompt, spec.fusion)
+        if (end := loadable_end(inp, spec.fusion.method)) != spec.end:
+            raise RuntimeError(f"the worker finds {end} loadable tokens where the scheduler found {spec.end} "
+                               "(the index changed in between?)")
+        kv = self._planner.span_kv(inp, spec.fusion, spec.start, spec.end)
+        positions = torch.arange(spec.start, spec.end)  # [T]
+        blocks = torch.tensor(spec.block_ids, dtype=torch.long)[positions // self._block_size]  # [T]
+        slots = blocks * self._block_size + positions % self._block_size  # [T]
+        for name, cache in self._kv_caches.items():
+            layer = forward_context.no_compile_layers[name]
+            keys, values = kv[extract_layer_index(name)]  # [H_kv, T, D]
+            slots = slots.to(cache.device)
+            layer.impl.do_kv_cache_update(  # vLLM's own writer: the paged layout is the backend's business
+                layer,
+                keys.transpose(0, 1).to(cache.device, cache.dtype).contiguous(),  # [T, H_kv, D]
+                values.transpose(0, 1).to(cache.device, cache.dtype).contiguous(),  # [T, H_kv, D]
+                cache, slots,
+            )
+        log.debug("request %s: wrote K/V of prompt positions [%d, %d) (%s)", spec.req_id, spec.start, spec.end,
+                  spec.fusion.method)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv wrote every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # chunk caches are made by `rag-kvcache index`, not from vLLM's prefills
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
