@@ -68,7 +68,7 @@ def test_rerotation_is_per_token_and_invertible(tiny):
 
 
 def test_rerotation_in_place_and_identity_are_exact(tiny):
-    """`assemble` rotates a layer's keys in place over the span of moved segments, with the identity for the
+    """`KVLayout.place` rotates a layer's keys in place over the span of moved segments, with the identity for the
     tokens in it that do not move: in place equals out of place, and the identity leaves keys bit for bit."""
     k = torch.randn(2, 5, 16)
     cos, sin = rotation(torch.tensor([0, 3, -7, 0, 2048]), tiny.inv_freq)
@@ -256,3 +256,12 @@ def test_gqa_caches_stay_per_kv_head(tiny):
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown fusion method 'nope'"):
         get_method("nope")
+
+
+def test_an_active_set_without_every_uncached_token_is_refused(tiny):
+    """Positions without a cache are not written by the layout (their memory is stale until the layer
+    computes them): a method that leaves one out of its active set is refused, not served garbage."""
+    inp = rag_prompt(tiny)
+    fresh = inp.fresh.nonzero()[:, 0]  # [F]
+    with pytest.raises(ValueError, match="every token without a cache"):
+        selective_prefill(tiny, inp, fresh[1:])

@@ -32,7 +32,6 @@ from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.metrics import contains_answer, teacher_forced
 from rag_kvcache.bench.runner import greedy_answer_ids, place_evidence
 from rag_kvcache.config import FusionConfig
-from rag_kvcache.engine.cache import LayerKV
 from rag_kvcache.engine.fusion import DirectReader, FusionInput, LayerReader, SegmentKV, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import register
@@ -57,10 +56,14 @@ class ScaledKeys:
 
     def __init__(self, base: LayerReader, inp: FusionInput, s: float) -> None:
         self.base, self.s = base, s
-        self.scaled = [p.kv is not None and not p.exact for p in inp.parts]
+        cached = [p for p in inp.parts if p.kv is not None]  # the pack holds these, in order
+        self.scaled = torch.cat([torch.full((len(p.segment.ids),), not p.exact) for p in cached])  # [C]
 
-    def get(self, layer: int) -> LayerKV:
-        return [kv if kv is None or not sc else (kv[0] * self.s, kv[1]) for kv, sc in zip(self.base.get(layer), self.scaled)]
+    def get(self, layer: int) -> torch.Tensor | None:
+        packed = self.base.get(layer)  # [2, H_kv, C, D]
+        if packed is not None:
+            packed[0, :, self.scaled] *= self.s
+        return packed
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.base.buffer(shape, dtype)

@@ -81,10 +81,15 @@ def main() -> None:
                 runs[method].append((time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction,
                                      fused.prompt_tokens))
 
-    if args.profile:
-        for method in METHODS:
+    dispatched = {}  # method -> PyTorch operators dispatched per layer, the host's work the issue counts
+    n_layers = index.adapter.layout.n_layers
+    for method in METHODS:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            generator.fuse(segments, FusionConfig(method=method))  # the last question's prompt
+        dispatched[method] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / n_layers
+        if args.profile:
             with torch.profiler.profile(activities=torch.profiler.supported_activities()) as prof:
-                generator.fuse(segments, FusionConfig(method=method))  # the last question's prompt
+                generator.fuse(segments, FusionConfig(method=method))
             sort = "self_cuda_time_total" if index.adapter.device.type == "cuda" else "self_cpu_time_total"
             print(f"\n## {method}\n" + prof.key_averages().table(sort_by=sort, row_limit=12))
 
@@ -92,14 +97,14 @@ def main() -> None:
     print(f"{args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
           f"tokens (median), {args.threads} threads, load average {load_before} before the timed runs, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
-    print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | stages (ms) |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | aten ops / layer | stages (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for method, rows in runs.items():
         seconds = statistics.median(r[0] for r in rows)
         fraction = statistics.mean(r[2] for r in rows)
         stages = {name: statistics.median(r[1].get(name, 0.0) for r in rows) for name in rows[0][1]}
         print(f"| {method} | {seconds * 1e3:.0f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
-              f"{seconds / (fraction * full_s):.2f} | " + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items()) + " |")
+              f"{seconds / (fraction * full_s):.2f} | {dispatched[method]:.0f} | " + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items()) + " |")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     return [None if kv is None else (placed(kv[0]), placed(kv[1])) for kv in layers]
 
 
+def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> torch.Tensor | None:
+    """One layer of every cached segment, packed end to end in segment order on `device`: keys and
+    values [2, H_kv, C, D] for the C cached tokens of the prompt (None: no segment has a cache). Two
+    concatenations whatever the number of segments; `KVLayout.place` puts the pack in the prompt."""
+    layers = [kv for kv in read_layer(sources, layer, device) if kv is not None]  # per cached segment: [H_kv, T, D] x 2
+    if not layers:
+        return None
+    h_kv, _, d = layers[0][0].shape
+    n = sum(k.shape[1] for k, _ in layers)
+    packed = torch.empty(2, h_kv, n, d, dtype=layers[0][0].dtype, device=layers[0][0].device)  # [2, H_kv, C, D]
+    torch.cat([k for k, _ in layers], dim=1, out=packed[0])  # [H_kv, C, D]
+    torch.cat([v for _, v in layers], dim=1, out=packed[1])  # [H_kv, C, D]
+    return packed
+
+
 @dataclass(frozen=True)
 class SliceKV:
     """Tokens [start, stop) of a cache: the part of a chunk that a prompt holds (a matched span)."""

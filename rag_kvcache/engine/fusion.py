@@ -3,9 +3,11 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 
 `FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
-store's pipelined feed, or a plain read in the caller's thread), with the memory each layer's K/V of
-the whole prompt are assembled in: one [2, H_kv, N, D] buffer taken when the layer starts (from the
-query path's `KVBufferPool`, kept across prompts) and written in place.
+store's pipelined feed, or a plain read in the caller's thread), each layer's caches packed into one
+[2, H_kv, C, D] tensor, with the memory each layer's K/V of the whole prompt are assembled in: one
+[2, H_kv, N, D] buffer taken when the layer starts (from the query path's `KVBufferPool`, kept across
+prompts). Where the pack goes is laid out once per prompt (`KVLayout`): per layer, one rotation of
+the moved keys and one indexed copy, however many segments the prompt has.
 Recomputed tokens attend with the exact causal mask over their original positions.
 """
 
@@ -18,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .buffers import KVBufferPool
-from .cache import LayerKV, LayerSource, read_layer
+from .cache import LayerSource, pack_layer
 from .model import ModelAdapter
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -97,50 +99,58 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
-    def key_rotation(self, inv_freq: torch.Tensor) -> Rotation | None:
-        """The RoPE rotation that moves every cached key to its place in the prompt, the same for every
-        layer: per token of the span from the first moved segment to the last (identity for the tokens
-        in it that do not move); None if no segment moves."""
-        moved = [p for p in self.parts if p.kv is not None and p.start != p.kv.position]
+    def kv_layout(self, inv_freq: torch.Tensor) -> KVLayout:
+        """Where each layer's packed caches go (`KVLayout`), the same for every layer: made once."""
+        cached = [p for p in self.parts if p.kv is not None]
+        device = self.ids.device
+        positions = torch.cat([torch.arange(p.start, p.end, device=device) for p in cached]) if cached else \
+            torch.zeros(0, dtype=torch.long, device=device)  # [C]
+        offsets = [0]  # where each cached segment starts in the pack
+        for p in cached:
+            offsets.append(offsets[-1] + len(p.segment.ids))
+        moved = [i for i, p in enumerate(cached) if p.start != p.kv.position]
         if not moved:
-            return None
-        start, end = moved[0].start, moved[-1].end
-        delta = torch.zeros(end - start, dtype=torch.long)  # [S]
-        for p in moved:
-            delta[p.start - start : p.end - start] = p.start - p.kv.position
-        return Rotation(start, end, *rotation(delta, inv_freq))
-
-    def assemble(self, loaded: LayerKV, keys: torch.Tensor, values: torch.Tensor, turn: Rotation | None) -> None:
-        """Write one layer's cached K/V into the prompt's buffers keys, values [H_kv, N, D], then rotate
-        the keys to their prompt positions in place (`key_rotation`), in one pass over the moved span.
-        Tokens without a cache get zeros; they are always recomputed before anything reads them."""
-        for p, kv in zip(self.parts, loaded):
-            if kv is None:
-                keys[:, p.start : p.end] = 0
-                values[:, p.start : p.end] = 0
-            else:
-                keys[:, p.start : p.end] = kv[0]  # [H_kv, n, D]
-                values[:, p.start : p.end] = kv[1]  # [H_kv, n, D]
-        if turn is not None:
-            span = keys[:, turn.start : turn.end]  # [H_kv, S, D]
-            rotate_keys(span, turn.cos, turn.sin, out=span)
+            return KVLayout(self.n_tokens, positions)
+        start, end = offsets[moved[0]], offsets[moved[-1] + 1]
+        delta = torch.zeros(end - start, dtype=torch.long)  # [M], zero for the segments in the span that stay
+        for i in moved:
+            delta[offsets[i] - start : offsets[i + 1] - start] = cached[i].start - cached[i].kv.position
+        return KVLayout(self.n_tokens, positions, start, end, *rotation(delta, inv_freq.to(device)))
 
 
 @dataclass(frozen=True)
-class Rotation:
-    """Cos/sin [S, D/2] (`ops.rotation`) that move the cached keys of prompt positions [start, end)."""
+class KVLayout:
+    """Where a prompt's cached K/V go, laid out once per prompt on the device. A layer's caches arrive
+    packed in segment order (`cache.pack_layer`, [2, H_kv, C, D]); packed keys [turn_start, turn_end)
+    hold every moved segment and are turned to their prompt positions by cos/sin [M, D/2] (RoPE
+    re-rotation, the same for every layer; identity for the segments in that span that stay); then
+    `positions` [C] says where each packed token goes. Tokens without a cache are not written: the
+    fusion computes them (they are in every layer's active set) before anything reads them."""
 
-    start: int
-    end: int
-    cos: torch.Tensor  # [S, D/2]
-    sin: torch.Tensor  # [S, D/2]
+    n_tokens: int
+    positions: torch.Tensor  # [C], prompt position of each packed token
+    turn_start: int = 0
+    turn_end: int = 0
+    cos: torch.Tensor | None = None  # [M, D/2], M = turn_end - turn_start
+    sin: torch.Tensor | None = None  # [M, D/2]
+
+    def place(self, packed: torch.Tensor | None, kv: torch.Tensor) -> None:
+        """Rotate the moved keys of `packed` [2, H_kv, C, D] in place and write the pack into the layer's
+        K/V kv [2, H_kv, N, D]: a constant number of operations per layer."""
+        if packed is None:
+            return
+        if self.cos is not None:
+            span = packed[0, :, self.turn_start : self.turn_end]  # [H_kv, M, D]
+            rotate_keys(span, self.cos, self.sin, out=span)
+        kv.index_copy_(2, self.positions, packed.to(kv.dtype))  # [2, H_kv, N, D]
 
 
 class LayerReader(Protocol):
-    """Delivers the cached K/V of every segment, one layer at a time, in layer order, and the memory
-    each layer's K/V of the whole prompt are assembled in."""
+    """Delivers the cached K/V of every segment, one layer at a time, in layer order, packed
+    (`cache.pack_layer`: [2, H_kv, C, D], None when no segment has a cache), and the memory each
+    layer's K/V of the whole prompt are assembled in."""
 
-    def get(self, layer: int) -> LayerKV: ...
+    def get(self, layer: int) -> torch.Tensor | None: ...
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
@@ -154,8 +164,8 @@ class DirectReader:
     device: torch.device | str
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
-    def get(self, layer: int) -> LayerKV:
-        return read_layer(self.sources, layer, self.device)
+    def get(self, layer: int) -> torch.Tensor | None:
+        return pack_layer(self.sources, layer, self.device)
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.pool.take(shape, dtype, self.device)
@@ -205,10 +215,12 @@ def selective_prefill(
         raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
     if initial.numel() == 0 or initial[-1].item() != n - 1:
         raise ValueError("the active set must include the last prompt token")
+    if not bool(inp.fresh[initial].sum() == inp.fresh.sum()):  # one sync, before the layer loop
+        raise ValueError("the active set must include every token without a cache (they are computed, not read)")
     positions = torch.arange(n, device=inp.ids.device)  # [N]
     inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
     cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
-    turn = inp.key_rotation(inv_freq)
+    placement = inp.kv_layout(inv_freq)
     # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: where none is kept (`reader.buffer`
     # without a pool), glibc serves so large a block (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap
     # whose first-touch page faults cost more than the writes, while 4 MB per layer comes from memory
@@ -221,13 +233,14 @@ def selective_prefill(
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     for layer in range(layout.n_layers):
-        keys, values = reader.buffer(shape, adapter.dtype).unbind(0)  # [H_kv, N, D], every position written below
+        kv = reader.buffer(shape, adapter.dtype)  # [2, H_kv, N, D], every position written below
+        keys, values = kv.unbind(0)  # [H_kv, N, D]
         keys_all.append(keys)
         values_all.append(values)
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
-            loaded = reader.get(layer)
+            packed = reader.get(layer)  # [2, H_kv, C, D]
         with clock.stage("assemble_kv"):
-            inp.assemble(loaded, keys, values, turn)
+            placement.place(packed, kv)
         with clock.stage("qkv"):
             x = adapter.attention_input(layer, h)  # [A, E]
             k, v = adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, StorageConfig
-from ..engine.cache import ChunkKV, read_layer
+from ..engine.cache import ChunkKV, pack_layer
 from ..engine.model import ModelAdapter
 from .kvstore import KVStore
 
@@ -160,7 +160,7 @@ def calibrate(
         for key in keys:
             sources = [source_of(key)]
             for layer in range(layout.n_layers):
-                read_layer(sources, layer, adapter.device)  # what the fusion's reader does
+                pack_layer(sources, layer, adapter.device)  # what the fusion's reader does
         if adapter.device.type == "cuda":
             torch.cuda.synchronize(adapter.device)
         return time.perf_counter() - start

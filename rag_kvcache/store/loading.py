@@ -17,11 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.buffers import KVBufferPool
-from ..engine.cache import LayerKV, LayerSource, read_layer
+from ..engine.cache import LayerSource, pack_layer
 
 
 class LayerFeed:
-    """Per-layer cached K/V of a prompt's segments (None for segments without a cache), in layer order.
+    """Per-layer cached K/V of a prompt's segments, packed (`pack_layer`; None: no cache), in layer order.
 
     A context manager: leaving it stops a reader the fusion did not drain (it ended early or failed).
     Buffers come from `pool` (default: none kept, each one new).
@@ -38,7 +38,7 @@ class LayerFeed:
         self._device = device
         self._pool = pool or KVBufferPool(0)
         self._next = 0
-        self._queue: queue.Queue[LayerKV | BaseException] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[torch.Tensor | None | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-layer-reader", daemon=True)
         self._thread.start()
@@ -55,14 +55,14 @@ class LayerFeed:
                 if self._stop.is_set():
                     return
                 try:
-                    item: LayerKV | BaseException = read_layer(self._sources, layer, self._device)
+                    item: torch.Tensor | None | BaseException = pack_layer(self._sources, layer, self._device)
                 except BaseException as err:  # handed to the consumer, raised in its thread
                     item = err
                 self._queue.put(item)  # blocks while `depth` layers wait to be fused
                 if isinstance(item, BaseException):
                     return
 
-    def get(self, layer: int) -> LayerKV:
+    def get(self, layer: int) -> torch.Tensor | None:
         if layer != self._next:
             raise ValueError(f"a feed yields layers in order: asked for layer {layer}, the next is {self._next}")
         self._next += 1
