@@ -50,7 +50,7 @@ def test_ask_retrieves_and_fuses(index):
     assert answer.method == "cacheblend" and answer.cache_misses == 0
     assert 0 < answer.recomputed_tokens < answer.prompt_tokens
     assert answer.ttft_s > 0 and answer.generated_tokens <= 6
-    assert {"kv_load", "assemble_kv", "attention", "mlp"} <= set(answer.stages)
+    assert {"kv_load", "kv_wait", "attention", "mlp"} <= set(answer.stages)
 
 
 def test_exact_methods_answer_like_full(index):

@@ -8,7 +8,7 @@ import torch
 from test_kvstore import make_kv
 
 from rag_kvcache.config import StorageConfig
-from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.fusion import FusionInput, KVLayout
 from rag_kvcache.store.backend import Entry
 from rag_kvcache.store.codecs import get_codec
 from rag_kvcache.store.kvstore import KVStore
@@ -139,12 +139,20 @@ class _Slow:
         return self.kv.layer(i)
 
 
+def _layout(kv: ChunkKV, after: int) -> KVLayout:
+    """Where a prompt of `kv`'s tokens (at their cached positions) and `after` uncached ones puts the cache."""
+    h_kv, n, d = kv.keys[0].shape
+    return KVLayout((2, h_kv, n + after, d), kv.keys[0].dtype, torch.arange(n), ((0, 0, n),))
+
+
 def test_feed_reads_ahead_in_order_and_stops_when_closed():
     kv = make_kv(layers=6)
     seen: list[int] = []
-    feed = LayerFeed([_Slow(kv, seen), None], n_layers=6, device="cpu", depth=2)
-    k, v = feed.get(0)  # packed: the one cached segment's layer, the uncached one takes no room
-    assert torch.equal(k, kv.keys[0]) and torch.equal(v, kv.values[0]) and torch.equal(feed.get(1)[0], kv.keys[1])
+    feed = LayerFeed([_Slow(kv, seen), None], _layout(kv, 3), n_layers=6, depth=2)
+    k, v = feed.get(0)  # the prompt's layer [H_kv, N, D]: the cache in place, the uncached tokens left to the fusion
+    n = kv.n_tokens
+    assert torch.equal(k[:, :n], kv.keys[0]) and torch.equal(v[:, :n], kv.values[0]) and k.shape[1] == n + 3
+    assert torch.equal(feed.get(1)[0, :, :n], kv.keys[1])
     with pytest.raises(ValueError, match="in order"):
         feed.get(3)
     feed.close()
@@ -156,7 +164,7 @@ def test_feed_hands_reader_errors_to_the_consumer():
         def layer(self, i):
             raise OSError("device gone")
 
-    feed = LayerFeed([Broken(make_kv(), [])], n_layers=3, device="cpu", depth=1)
+    feed = LayerFeed([Broken(make_kv(), [])], _layout(make_kv(), 1), n_layers=3, depth=1)
     with pytest.raises(OSError, match="device gone"):
         feed.get(0)
 
@@ -177,7 +185,7 @@ def test_prefetching_feed_fuses_like_reading_on_demand(tiny):
     contexts = [()] * 3
     inp = FusionInput.build(segments, caches + [None], contexts + [()])
     direct = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3))
-    with LayerFeed(inp.sources, tiny.layout.n_layers, "cpu", depth=2) as feed:
+    with LayerFeed(inp.sources, inp.kv_layout(tiny), tiny.layout.n_layers, depth=2) as feed:
         fed = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3), reader=feed)
     assert fed.stages["kv_wait"] >= 0
     torch.testing.assert_close(direct.logits, fed.logits, atol=0, rtol=0)

@@ -146,6 +146,16 @@ def test_reuse_equals_the_embedded_engine(llm: LLM, built: Built) -> None:
     assert_close(first_logprobs(out), want)
 
 
+def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> None:
+    """CacheBlend recomputing every reusable token (ratio 1.0) is a full prefill of the chunks: the K/V it
+    writes, and vLLM's question over them, give vLLM's own answer."""
+    fused = generate(llm, built.prompt, params={"method": "cacheblend", "ratio": 1.0})
+    alone = generate(llm, built.prompt, alone=True)
+    assert loaded(fused) == len(built.prompt) - len(built.question)
+    assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_close(first_logprobs(fused), first_logprobs(alone))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -56,17 +56,12 @@ class ScaledKeys:
 
     def __init__(self, base: LayerReader, inp: FusionInput, s: float) -> None:
         self.base, self.s = base, s
-        cached = [p for p in inp.parts if p.kv is not None]  # the pack holds these, in order
-        self.scaled = torch.cat([torch.full((len(p.segment.ids),), not p.exact) for p in cached])  # [C]
+        self.scaled = inp.reusable  # [N], the tokens of inexact caches
 
-    def get(self, layer: int) -> torch.Tensor | None:
-        packed = self.base.get(layer)  # [2, H_kv, C, D]
-        if packed is not None:
-            packed[0, :, self.scaled] *= self.s
-        return packed
-
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self.base.buffer(shape, dtype)
+    def get(self, layer: int) -> torch.Tensor:
+        kv = self.base.get(layer)  # [2, H_kv, N, D]
+        kv[0, :, self.scaled] *= self.s
+        return kv
 
 
 def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
@@ -86,7 +81,7 @@ def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
             def refine(layer, act, fresh_kv, cache):  # from layer `arg` on, only EPIC's tokens go on
                 return base[act].nonzero()[:, 0] if layer == int(arg) else None
         if kind == "scaled":
-            reader = ScaledKeys(reader or DirectReader(inp.sources, inp.ids.device), inp, float(arg))
+            reader = ScaledKeys(reader or DirectReader(inp.sources, inp.kv_layout(adapter)), inp, float(arg))
         return selective_prefill(adapter, inp, active.nonzero()[:, 0], refine, clock=clock, reader=reader)
 
     return name

@@ -110,7 +110,7 @@ def markdown_table(summary: Sequence[Entry]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
-STAGE_ORDER = ("match", "kv_load", "kv_wait", "assemble_kv", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
+STAGE_ORDER = ("match", "kv_load", "kv_wait", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
 
 
 def stage_table(summary: Sequence[Entry]) -> str:

@@ -3,11 +3,12 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 
 `FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
-store's pipelined feed, or a plain read in the caller's thread), each layer's caches packed into one
-[2, H_kv, C, D] tensor, with the memory each layer's K/V of the whole prompt are assembled in: one
-[2, H_kv, N, D] buffer taken when the layer starts (from the query path's `KVBufferPool`, kept across
-prompts). Where the pack goes is laid out once per prompt (`KVLayout`): per layer, one rotation of
-the moved keys and one indexed copy, however many segments the prompt has.
+store's pipelined feed, or a plain read in the caller's thread) already assembled: one [2, H_kv, N, D]
+buffer per layer (from the query path's `KVBufferPool`, kept across prompts) holding every cached
+token at its prompt position, keys re-rotated. Where they go is laid out once per prompt (`KVLayout`);
+per layer the reader packs the caches in two concatenations, rotates the moved keys in one pass and
+places the pack, however many segments the prompt has, so the fusion's own thread does no per-layer
+work for the caches beyond waiting for them.
 Recomputed tokens attend with the exact causal mask over their original positions.
 """
 
@@ -99,23 +100,30 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
-    def kv_layout(self, inv_freq: torch.Tensor) -> KVLayout:
+    def kv_layout(self, adapter: ModelAdapter) -> KVLayout:
         """Where each layer's packed caches go (`KVLayout`), the same for every layer: made once."""
+        shape = (2, adapter.layout.n_kv_heads, self.n_tokens, adapter.layout.head_dim)  # [2, H_kv, N, D]
         cached = [p for p in self.parts if p.kv is not None]
         device = self.ids.device
         positions = torch.cat([torch.arange(p.start, p.end, device=device) for p in cached]) if cached else \
             torch.zeros(0, dtype=torch.long, device=device)  # [C]
         offsets = [0]  # where each cached segment starts in the pack
+        runs: list[tuple[int, int, int]] = []  # (prompt start, pack start, length), adjacent segments merged
         for p in cached:
+            if runs and runs[-1][0] + runs[-1][2] == p.start:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + len(p.segment.ids))
+            else:
+                runs.append((p.start, offsets[-1], len(p.segment.ids)))
             offsets.append(offsets[-1] + len(p.segment.ids))
         moved = [i for i, p in enumerate(cached) if p.start != p.kv.position]
         if not moved:
-            return KVLayout(self.n_tokens, positions)
+            return KVLayout(shape, adapter.dtype, positions, tuple(runs))
         start, end = offsets[moved[0]], offsets[moved[-1] + 1]
         delta = torch.zeros(end - start, dtype=torch.long)  # [M], zero for the segments in the span that stay
         for i in moved:
             delta[offsets[i] - start : offsets[i + 1] - start] = cached[i].start - cached[i].kv.position
-        return KVLayout(self.n_tokens, positions, start, end, *rotation(delta, inv_freq.to(device)))
+        return KVLayout(shape, adapter.dtype, positions, tuple(runs), start, end,
+                        *rotation(delta, adapter.inv_freq.to(device)))
 
 
 @dataclass(frozen=True)
@@ -124,51 +132,64 @@ class KVLayout:
     packed in segment order (`cache.pack_layer`, [2, H_kv, C, D]); packed keys [turn_start, turn_end)
     hold every moved segment and are turned to their prompt positions by cos/sin [M, D/2] (RoPE
     re-rotation, the same for every layer; identity for the segments in that span that stay); then
-    `positions` [C] says where each packed token goes. Tokens without a cache are not written: the
-    fusion computes them (they are in every layer's active set) before anything reads them."""
+    the pack goes to its prompt positions in the layer's buffer `shape` [2, H_kv, N, D]: on CUDA one
+    index_copy over `positions` [C] (one kernel); elsewhere one slice copy per run of adjacent cached
+    segments (`runs`), which on a CPU costs a fifth of an indexed copy (2,500 tokens of a tiny Llama:
+    58 against 259 us). Tokens without a cache are not written: the fusion computes them (they are in
+    every layer's active set) before anything reads them."""
 
-    n_tokens: int
+    shape: tuple[int, int, int, int]  # [2, H_kv, N, D]
+    dtype: torch.dtype
     positions: torch.Tensor  # [C], prompt position of each packed token
+    runs: tuple[tuple[int, int, int], ...]  # (prompt start, pack start, length) of each run of cached tokens
     turn_start: int = 0
     turn_end: int = 0
     cos: torch.Tensor | None = None  # [M, D/2], M = turn_end - turn_start
     sin: torch.Tensor | None = None  # [M, D/2]
 
-    def place(self, packed: torch.Tensor | None, kv: torch.Tensor) -> None:
+    def place(self, packed: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
         """Rotate the moved keys of `packed` [2, H_kv, C, D] in place and write the pack into the layer's
-        K/V kv [2, H_kv, N, D]: a constant number of operations per layer."""
+        K/V kv [2, H_kv, N, D]; returns kv."""
         if packed is None:
-            return
+            return kv
         if self.cos is not None:
             span = packed[0, :, self.turn_start : self.turn_end]  # [H_kv, M, D]
             rotate_keys(span, self.cos, self.sin, out=span)
-        kv.index_copy_(2, self.positions, packed.to(kv.dtype))  # [2, H_kv, N, D]
+        if kv.device.type == "cuda":
+            return kv.index_copy_(2, self.positions, packed.to(kv.dtype))  # [2, H_kv, N, D]
+        for start, at, n in self.runs:
+            kv[:, :, start : start + n] = packed[:, :, at : at + n]  # [2, H_kv, n, D]
+        return kv
 
 
 class LayerReader(Protocol):
-    """Delivers the cached K/V of every segment, one layer at a time, in layer order, packed
-    (`cache.pack_layer`: [2, H_kv, C, D], None when no segment has a cache), and the memory each
-    layer's K/V of the whole prompt are assembled in."""
+    """Delivers each layer's K/V of the whole prompt [2, H_kv, N, D], in layer order, with every cached
+    token in place and its key re-rotated (`read_assembled`); the other positions are the fusion's to
+    write."""
 
-    def get(self, layer: int) -> torch.Tensor | None: ...
+    def get(self, layer: int) -> torch.Tensor: ...
 
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+def read_assembled(
+    sources: Sequence[LayerSource | None], layout: KVLayout, layer: int, pool: KVBufferPool,
+) -> torch.Tensor:
+    """One layer's K/V of the prompt [2, H_kv, N, D] in a buffer from `pool`: the caches packed, turned
+    and placed (`KVLayout`)."""
+    kv = pool.take(layout.shape, layout.dtype, layout.positions.device)  # [2, H_kv, N, D]
+    return layout.place(pack_layer(sources, layer, layout.positions.device), kv)
 
 
 @dataclass(frozen=True)
 class DirectReader:
-    """Reads each layer when asked, in the caller's thread (no overlap with the compute); buffers come
-    from `pool` (default: none kept, each one new)."""
+    """Reads and assembles each layer when asked, in the caller's thread (no overlap with the compute);
+    buffers come from `pool` (default: none kept, each one new)."""
 
     sources: Sequence[LayerSource | None]
-    device: torch.device | str
+    layout: KVLayout
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
-    def get(self, layer: int) -> torch.Tensor | None:
-        return pack_layer(self.sources, layer, self.device)
-
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self.pool.take(shape, dtype, self.device)
+    def get(self, layer: int) -> torch.Tensor:
+        return read_assembled(self.sources, self.layout, layer, self.pool)
 
 
 @dataclass
@@ -205,11 +226,11 @@ def selective_prefill(
     Q is projected after `refine`, for the tokens that go on only. The last layer computes the K/V of
     its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
     output (the logits are the last token's).
-    `reader` delivers the cached layers and the buffers they are assembled in (default: read when
-    needed, in this thread, into new memory); the time spent waiting for them is the stage `kv_wait`.
+    `reader` delivers each layer's K/V with the cached tokens assembled (default: read when needed,
+    in this thread, into new memory); the time spent waiting for them is the stage `kv_wait`.
     """
     clock = clock or StageClock(adapter.device)
-    reader = reader or DirectReader(inp.sources, inp.ids.device)
+    reader = reader or DirectReader(inp.sources, inp.kv_layout(adapter))
     n, layout = inp.n_tokens, adapter.layout
     if adapter.sliding_window is not None and n > adapter.sliding_window:
         raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
@@ -218,14 +239,7 @@ def selective_prefill(
     if not bool(inp.fresh[initial].sum() == inp.fresh.sum()):  # one sync, before the layer loop
         raise ValueError("the active set must include every token without a cache (they are computed, not read)")
     positions = torch.arange(n, device=inp.ids.device)  # [N]
-    inv_freq = adapter.inv_freq.to(positions.device)  # [D/2]
-    cos_all, sin_all = rope_cos_sin(positions, inv_freq)  # [N, D]
-    placement = inp.kv_layout(inv_freq)
-    # One buffer per layer, not one [2, L, H_kv, N, D] for the prompt: where none is kept (`reader.buffer`
-    # without a pool), glibc serves so large a block (126 MB for 2,730 SmolLM2 tokens) by a fresh mmap
-    # whose first-touch page faults cost more than the writes, while 4 MB per layer comes from memory
-    # freed before (reuse's assemble_kv 91 -> 35-45 ms on 3 MuSiQue prompts, 1 thread).
-    shape = (2, layout.n_kv_heads, n, layout.head_dim)
+    cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device))  # [N, D]
     keys_all, values_all = [], []  # L x [H_kv, N, D]
     active = initial  # [A], token positions in ascending order
     h = adapter.embed(inp.ids[active])  # [A, E]
@@ -233,14 +247,10 @@ def selective_prefill(
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     for layer in range(layout.n_layers):
-        kv = reader.buffer(shape, adapter.dtype)  # [2, H_kv, N, D], every position written below
-        keys, values = kv.unbind(0)  # [H_kv, N, D]
+        with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
+            keys, values = reader.get(layer).unbind(0)  # [H_kv, N, D], cached tokens in place
         keys_all.append(keys)
         values_all.append(values)
-        with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
-            packed = reader.get(layer)  # [2, H_kv, C, D]
-        with clock.stage("assemble_kv"):
-            placement.place(packed, kv)
         with clock.stage("qkv"):
             x = adapter.attention_input(layer, h)  # [A, E]
             k, v = adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D]

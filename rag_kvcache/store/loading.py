@@ -4,8 +4,9 @@ The fusion needs layer i's cached K/V only when it reaches layer i. A `LayerFeed
 background thread that reads layers in order into a queue of at most `depth` layers, so while
 layer i is being recomputed, layers i+1..i+depth are being read (and verified, and decoded); asking
 for layer i waits only for layer i. Reading releases the GIL (see `tiers`), so the overlap is real
-even on CPU. The fusion engine times its waits (`kv_wait`). The buffers each layer is assembled in
-come from the query path's pool, in the fusion's thread.
+even on CPU. Each layer is assembled here too (packed, keys turned, placed in a buffer from the query
+path's pool: `engine.fusion.read_assembled`), so the fusion's thread only computes. The fusion times
+its waits (`kv_wait`).
 """
 
 from __future__ import annotations
@@ -17,28 +18,29 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.buffers import KVBufferPool
-from ..engine.cache import LayerSource, pack_layer
+from ..engine.cache import LayerSource
+from ..engine.fusion import KVLayout, read_assembled
 
 
 class LayerFeed:
-    """Per-layer cached K/V of a prompt's segments, packed (`pack_layer`; None: no cache), in layer order.
+    """Each layer's K/V of a prompt [2, H_kv, N, D] with its segments' caches assembled, in layer order.
 
     A context manager: leaving it stops a reader the fusion did not drain (it ended early or failed).
     Buffers come from `pool` (default: none kept, each one new).
     """
 
     def __init__(
-        self, sources: Sequence[LayerSource | None], n_layers: int, device: torch.device | str, depth: int,
+        self, sources: Sequence[LayerSource | None], layout: KVLayout, n_layers: int, depth: int,
         pool: KVBufferPool | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"a feed reads ahead by at least one layer, got depth {depth!r}")
         self._sources = list(sources)
+        self._layout = layout
         self._n_layers = n_layers
-        self._device = device
         self._pool = pool or KVBufferPool(0)
         self._next = 0
-        self._queue: queue.Queue[torch.Tensor | None | BaseException] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[torch.Tensor | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-layer-reader", daemon=True)
         self._thread.start()
@@ -55,14 +57,14 @@ class LayerFeed:
                 if self._stop.is_set():
                     return
                 try:
-                    item: torch.Tensor | None | BaseException = pack_layer(self._sources, layer, self._device)
+                    item: torch.Tensor | BaseException = read_assembled(self._sources, self._layout, layer, self._pool)
                 except BaseException as err:  # handed to the consumer, raised in its thread
                     item = err
                 self._queue.put(item)  # blocks while `depth` layers wait to be fused
                 if isinstance(item, BaseException):
                     return
 
-    def get(self, layer: int) -> torch.Tensor | None:
+    def get(self, layer: int) -> torch.Tensor:
         if layer != self._next:
             raise ValueError(f"a feed yields layers in order: asked for layer {layer}, the next is {self._next}")
         self._next += 1
@@ -70,9 +72,6 @@ class LayerFeed:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._pool.take(shape, dtype, self._device)
 
     def close(self) -> None:
         """Stop reading ahead and let the reader thread finish."""
