@@ -336,7 +336,7 @@ class FusedGenerator:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
             inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
         depth = self.index.config.storage.prefetch_layers
-        layout = inp.kv_layout(self.adapter)
+        layout = inp.placement(self.adapter)
         if caches is None or depth == 0:
             reader = DirectReader(inp.sources, layout, self.buffers)
             result = method(self.adapter, inp, fusion, clock, reader)

@@ -86,7 +86,7 @@ def test_pooled_fusion_equals_fresh_memory_and_kept_results_do_not_change(tiny):
     method, cfg = get_method("cacheblend"), FusionConfig(method="cacheblend", ratio=0.3)
 
     def fused(inp, pool):
-        return method(tiny, inp, cfg, reader=DirectReader(inp.sources, inp.kv_layout(tiny), pool))
+        return method(tiny, inp, cfg, reader=DirectReader(inp.sources, inp.placement(tiny), pool))
 
     first = fused(first_in, pool)
     snapshot = [t.clone() for t in first.keys + first.values]

@@ -68,7 +68,7 @@ def test_rerotation_is_per_token_and_invertible(tiny):
 
 
 def test_rerotation_in_place_and_identity_are_exact(tiny):
-    """`KVLayout.place` rotates a layer's keys in place over the span of moved segments, with the identity for the
+    """`KVPlacement.place` rotates a layer's keys in place over the span of moved segments, with the identity for the
     tokens in it that do not move: in place equals out of place, and the identity leaves keys bit for bit."""
     k = torch.randn(2, 5, 16)
     cos, sin = rotation(torch.tensor([0, 3, -7, 0, 2048]), tiny.inv_freq)

@@ -8,7 +8,7 @@ import torch
 from test_kvstore import make_kv
 
 from rag_kvcache.config import StorageConfig
-from rag_kvcache.engine.fusion import FusionInput, KVLayout
+from rag_kvcache.engine.fusion import FusionInput, KVPlacement
 from rag_kvcache.store.backend import Entry
 from rag_kvcache.store.codecs import get_codec
 from rag_kvcache.store.kvstore import KVStore
@@ -139,10 +139,10 @@ class _Slow:
         return self.kv.layer(i)
 
 
-def _layout(kv: ChunkKV, after: int) -> KVLayout:
+def _layout(kv: ChunkKV, after: int) -> KVPlacement:
     """Where a prompt of `kv`'s tokens (at their cached positions) and `after` uncached ones puts the cache."""
     h_kv, n, d = kv.keys[0].shape
-    return KVLayout((2, h_kv, n + after, d), kv.keys[0].dtype, torch.arange(n), ((0, 0, n),))
+    return KVPlacement((2, h_kv, n + after, d), kv.keys[0].dtype, torch.arange(n), ((0, 0, n),))
 
 
 def test_feed_reads_ahead_in_order_and_stops_when_closed():
@@ -185,7 +185,7 @@ def test_prefetching_feed_fuses_like_reading_on_demand(tiny):
     contexts = [()] * 3
     inp = FusionInput.build(segments, caches + [None], contexts + [()])
     direct = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3))
-    with LayerFeed(inp.sources, inp.kv_layout(tiny), tiny.layout.n_layers, depth=2) as feed:
+    with LayerFeed(inp.sources, inp.placement(tiny), tiny.layout.n_layers, depth=2) as feed:
         fed = get_method("cacheblend")(tiny, inp, FusionConfig(ratio=0.3), reader=feed)
     assert fed.stages["kv_wait"] >= 0
     torch.testing.assert_close(direct.logits, fed.logits, atol=0, rtol=0)

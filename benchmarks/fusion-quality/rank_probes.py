@@ -81,7 +81,7 @@ def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
             def refine(layer, act, fresh_kv, cache):  # from layer `arg` on, only EPIC's tokens go on
                 return base[act].nonzero()[:, 0] if layer == int(arg) else None
         if kind == "scaled":
-            reader = ScaledKeys(reader or DirectReader(inp.sources, inp.kv_layout(adapter)), inp, float(arg))
+            reader = ScaledKeys(reader or DirectReader(inp.sources, inp.placement(adapter)), inp, float(arg))
         return selective_prefill(adapter, inp, active.nonzero()[:, 0], refine, clock=clock, reader=reader)
 
     return name

@@ -88,7 +88,7 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
 def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> torch.Tensor | None:
     """One layer of every cached segment, packed end to end in segment order on `device`: keys and
     values [2, H_kv, C, D] for the C cached tokens of the prompt (None: no segment has a cache). Two
-    concatenations whatever the number of segments; `KVLayout.place` puts the pack in the prompt."""
+    concatenations whatever the number of segments; `KVPlacement.place` puts the pack in the prompt."""
     layers = [kv for kv in read_layer(sources, layer, device) if kv is not None]  # per cached segment: [H_kv, T, D] x 2
     if not layers:
         return None

@@ -5,7 +5,7 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
 store's pipelined feed, or a plain read in the caller's thread) already assembled: one [2, H_kv, N, D]
 buffer per layer (from the query path's `KVBufferPool`, kept across prompts) holding every cached
-token at its prompt position, keys re-rotated. Where they go is laid out once per prompt (`KVLayout`);
+token at its prompt position, keys re-rotated. Where they go is laid out once per prompt (`KVPlacement`);
 per layer the reader packs the caches in two concatenations, rotates the moved keys in one pass and
 places the pack, however many segments the prompt has, so the fusion's own thread does no per-layer
 work for the caches beyond waiting for them.
@@ -100,8 +100,8 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
-    def kv_layout(self, adapter: ModelAdapter) -> KVLayout:
-        """Where each layer's packed caches go (`KVLayout`), the same for every layer: made once."""
+    def placement(self, adapter: ModelAdapter) -> KVPlacement:
+        """Where each layer's packed caches go (`KVPlacement`), the same for every layer: made once."""
         shape = (2, adapter.layout.n_kv_heads, self.n_tokens, adapter.layout.head_dim)  # [2, H_kv, N, D]
         cached = [p for p in self.parts if p.kv is not None]
         device = self.ids.device
@@ -117,17 +117,17 @@ class FusionInput:
             offsets.append(offsets[-1] + len(p.segment.ids))
         moved = [i for i, p in enumerate(cached) if p.start != p.kv.position]
         if not moved:
-            return KVLayout(shape, adapter.dtype, positions, tuple(runs))
+            return KVPlacement(shape, adapter.dtype, positions, tuple(runs))
         start, end = offsets[moved[0]], offsets[moved[-1] + 1]
         delta = torch.zeros(end - start, dtype=torch.long)  # [M], zero for the segments in the span that stay
         for i in moved:
             delta[offsets[i] - start : offsets[i + 1] - start] = cached[i].start - cached[i].kv.position
-        return KVLayout(shape, adapter.dtype, positions, tuple(runs), start, end,
+        return KVPlacement(shape, adapter.dtype, positions, tuple(runs), start, end,
                         *rotation(delta, adapter.inv_freq.to(device)))
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVPlacement:
     """Where a prompt's cached K/V go, laid out once per prompt on the device. A layer's caches arrive
     packed in segment order (`cache.pack_layer`, [2, H_kv, C, D]); packed keys [turn_start, turn_end)
     hold every moved segment and are turned to their prompt positions by cos/sin [M, D/2] (RoPE
@@ -171,10 +171,10 @@ class LayerReader(Protocol):
 
 
 def read_assembled(
-    sources: Sequence[LayerSource | None], layout: KVLayout, layer: int, pool: KVBufferPool,
+    sources: Sequence[LayerSource | None], layout: KVPlacement, layer: int, pool: KVBufferPool,
 ) -> torch.Tensor:
     """One layer's K/V of the prompt [2, H_kv, N, D] in a buffer from `pool`: the caches packed, turned
-    and placed (`KVLayout`)."""
+    and placed (`KVPlacement`)."""
     kv = pool.take(layout.shape, layout.dtype, layout.positions.device)  # [2, H_kv, N, D]
     return layout.place(pack_layer(sources, layer, layout.positions.device), kv)
 
@@ -185,7 +185,7 @@ class DirectReader:
     buffers come from `pool` (default: none kept, each one new)."""
 
     sources: Sequence[LayerSource | None]
-    layout: KVLayout
+    layout: KVPlacement
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
     def get(self, layer: int) -> torch.Tensor:
@@ -230,7 +230,7 @@ def selective_prefill(
     in this thread, into new memory); the time spent waiting for them is the stage `kv_wait`.
     """
     clock = clock or StageClock(adapter.device)
-    reader = reader or DirectReader(inp.sources, inp.kv_layout(adapter))
+    reader = reader or DirectReader(inp.sources, inp.placement(adapter))
     n, layout = inp.n_tokens, adapter.layout
     if adapter.sliding_window is not None and n > adapter.sliding_window:
         raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")

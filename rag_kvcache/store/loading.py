@@ -19,7 +19,7 @@ import torch
 
 from ..engine.buffers import KVBufferPool
 from ..engine.cache import LayerSource
-from ..engine.fusion import KVLayout, read_assembled
+from ..engine.fusion import KVPlacement, read_assembled
 
 
 class LayerFeed:
@@ -30,7 +30,7 @@ class LayerFeed:
     """
 
     def __init__(
-        self, sources: Sequence[LayerSource | None], layout: KVLayout, n_layers: int, depth: int,
+        self, sources: Sequence[LayerSource | None], layout: KVPlacement, n_layers: int, depth: int,
         pool: KVBufferPool | None = None,
     ) -> None:
         if depth < 1:
