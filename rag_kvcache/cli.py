@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import statistics
 import sys
 from dataclasses import asdict, replace
@@ -111,6 +112,13 @@ def main(
     logging.getLogger("rag_kvcache").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def _path(value: str, name: str) -> Path:
+    """A path argument, refused when empty (an empty string would mean the current directory)."""
+    if not value.strip():
+        _fail(f"{name} is empty: name a folder (use '.' for the current one)")
+    return Path(value)
+
+
 def _fail(message: str) -> None:
     err.print(f"[red]error:[/red] {escape(message)}", highlight=False)  # escaped: "rag-kvcache[serve]" is no markup
     raise typer.Exit(2)
@@ -142,8 +150,8 @@ def _check_method(name: str) -> None:
 @app.command()
 def index(
     ctx: typer.Context,
-    docs_dir: Annotated[Path, typer.Argument(help="Folder of text documents.")],
-    index_dir: Annotated[Path, typer.Option("--index", help="Where the index and KV caches go.")],
+    docs_arg: Annotated[str, typer.Argument(metavar="DOCS_DIR", help="Folder of text documents.")],
+    index_arg: Annotated[str, typer.Option("--index", help="Where the index and KV caches go.")],
     chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
     model: Annotated[str, option(Config, "model")] = default(Config, "model"),
     embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
@@ -171,9 +179,11 @@ def index(
     from .index import KVIndex
     from .retrieval import chunk_index
 
-    _model_process()
+    docs_dir, index_dir = _path(docs_arg, "DOCS_DIR"), _path(index_arg, "--index")
     if not docs_dir.is_dir():
         _fail(f"documents folder not found or not a folder: {docs_dir}")
+    _model_process()
+    new_index = not index_dir.exists()
     given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
                                              ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks),
                                              ("dtype", dtype.value)] if _given(ctx, name)}
@@ -198,6 +208,8 @@ def index(
             with RayWorkers(idx) as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
+        if new_index and index_dir.is_dir():  # made by this command: leave nothing of a failed first run behind
+            shutil.rmtree(index_dir)
         _fail(str(e))
     out.print(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "

@@ -305,3 +305,22 @@ def test_ask_json_schema_without_the_extra_names_it(built, monkeypatch):
     result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--json-schema", '{"type": "object"}'])
     assert result.exit_code == 2
     assert "--json-schema needs llguidance: pip install 'rag-kvcache[structured]'" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("empty", ["DOCS_DIR", "--index"])
+def test_index_refuses_an_empty_path(tmp_path, monkeypatch, empty):
+    """`index ""` meant the current directory: a silent run over whatever is there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("Some text.")
+    docs, idx = ("", "idx") if empty == "DOCS_DIR" else (".", "")
+    result = runner.invoke(app, ["index", docs, "--index", idx])
+    assert result.exit_code == 2 and f"{empty} is empty" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # nothing indexed, nothing created
+
+
+def test_a_failed_first_index_leaves_no_index_folder(tmp_path, model_dir):
+    """Indexing an empty folder failed but left an empty index folder behind."""
+    (tmp_path / "empty").mkdir()
+    result = runner.invoke(app, ["index", str(tmp_path / "empty"), "--index", str(tmp_path / "idx"),
+                                 "--model", str(model_dir), "--chunk-tokens", "32"])
+    assert result.exit_code == 2 and not (tmp_path / "idx").exists()
