@@ -108,3 +108,16 @@ def test_merge_attention_into_a_strided_view_equals_attention_over_the_union(dty
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16: its rounding
     torch.testing.assert_close(out.permute(1, 0, 2), ref, **tol)
     torch.testing.assert_close(merge_attention(o_a, lse_a, o_b, lse_b), ref, **tol)
+
+
+def test_a_single_call_plan_equals_the_mask():
+    """The plan CUDA gets for scattered queries (one masked call per layer, not a call per run), made
+    here on the CPU: one run over every key up to the last query, and the result equals the mask."""
+    positions = torch.tensor(scattered(600, 90, 12, seed=3))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, len(positions), 8, generator=g)  # GQA: 6 query heads over 2 KV heads
+    k, v = torch.randn(2, 600, 8, generator=g), torch.randn(2, 600, 8, generator=g)
+    plan = attention_plan(positions, 600, 3, q.dtype, single_call=True)
+    assert [(r.start, r.end, r.open_end) for r in plan.runs] == [(0, len(positions), 0)]
+    ref = attend(q, k, v, causal_mask_for(positions, torch.arange(600)), 0.35)  # [102, 6 * 8]
+    torch.testing.assert_close(causal_attend(q, k, v, plan, 0.35), ref)

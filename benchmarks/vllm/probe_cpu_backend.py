@@ -49,8 +49,8 @@ class ProbeConnector(RagKVCacheConnector):
                forward_slot_mapping=None if forward_context.slot_mapping is None else describe(forward_context.slot_mapping))
         super().start_load_kv(forward_context, **kwargs)
         for spec in self._get_connector_metadata().loads:
-            inp = self._planner.layout(spec.prompt, spec.fusion)
-            kv = self._planner.span_kv(inp, spec.fusion, spec.start, spec.end)
+            segments, inp = self._planner.layout(spec.prompt, spec.fusion)
+            kv = self._planner.span_kv(segments, inp, spec.fusion, spec.start, spec.end)
             name, cache = next(iter(self._kv_caches.items()))
             keys, values = kv[0]  # [H_kv, T, D]
             nb, h, bs, d2 = cache.shape

@@ -239,6 +239,7 @@ class AttentionPlan:
 
 def attention_plan(
     positions: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, block: int | None = None,
+    single_call: bool | None = None,
 ) -> AttentionPlan:
     """Plan the attention of queries at ascending `positions` [Q] (with `group` query heads per KV head)
     over keys 0..n_keys-1.
@@ -257,10 +258,18 @@ def attention_plan(
     unmasked call over the keys before them, computes no more scores than any runs would, and no padded
     rows: CacheBlend's first layer 170 -> 146 ms on a MuSiQue prompt (2,522 queries after 530 exact
     tokens, 1 thread).
+    `single_call` (default: on CUDA) plans scattered queries as one masked call over every key up to the
+    last query: per layer one kernel, whatever the runs.
     """
     pos = positions.tolist()  # one device sync, once per plan
     if positions.device.type == "cpu" and pos[-1] - pos[0] + 1 == len(pos):
         return AttentionPlan(positions, n_keys, (), pos[0])
+    if positions.device.type == "cuda" if single_call is None else single_call:
+        # One masked call for every query (the runs' bias rows, whole): on a GPU each call is a launch the
+        # host pays for, and the kernel skips no work the runs would save it; the bias is made once per plan.
+        keys = torch.arange(pos[-1] + 1, device=positions.device)  # [K]
+        bias = mask_bias(causal_mask_for(positions, keys), dtype).repeat(group, 1)  # [G * Q, K]
+        return AttentionPlan(positions, n_keys, (QueryRun(0, len(pos), 0, bias),))
     runs = plan_runs(pos, block)
     if sum((e - s) * (pos[e - 1] + 1) for s, e, _ in runs) >= n_keys * n_keys // 2:
         return AttentionPlan(positions, n_keys, ())

@@ -23,8 +23,8 @@ through the slots of the request's blocks.
 - `prefix` (exact): the exactly cached head (system prefix, and the first chunk right behind it) is copied
   as stored; no model runs.
 - every other method that reads caches (`reuse`, `cacheblend`, `epic`, `epic_match`, ...): the method runs
-  on the embedded engine (`engine.methods`, the same code `FusedGenerator` runs, on this package's own
-  transformers copy of the model) and its fused K/V up to the end of the last cached span are written;
+  on the embedded engine (`FusedGenerator.fuse`, the code `ask` runs, on this package's own transformers
+  copy of the model) and its fused K/V up to the end of the last cached span are written;
   vLLM computes the question on its own layers over them. The methods do not yet run on vLLM's layers.
 
 A load that fails in the worker reports the request's blocks as failed (`get_block_ids_with_load_errors`):
@@ -50,7 +50,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from ..config import FusionConfig
 from ..engine.fusion import FusionInput
 from ..engine.methods import get_method
-from ..engine.prompt import prefix_head
+from ..engine.prompt import Segment, prefix_head
 from ..generator import FusedGenerator
 from ..index import KVIndex
 
@@ -106,32 +106,36 @@ class Planner:
         self.index = KVIndex.open(index_path, rewrite=False)
         self.generator = FusedGenerator(self.index)
 
-    def layout(self, ids: list[int], fusion: FusionConfig) -> FusionInput:
+    def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
         segments = self.generator.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
         caches = self.index.open_caches(segments)
-        return FusionInput.build(segments, caches.sources, caches.contexts)
+        return segments, FusionInput.build(segments, caches.sources, caches.contexts)
 
     @torch.inference_mode()
-    def span_kv(self, inp: FusionInput, fusion: FusionConfig, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the K/V [H_kv, end - start, D] of prompt positions [start, end) for `fusion.method`."""
-        if fusion.method == "prefix":  # exact segments: their stored caches, as they are
-            out = []
-            for layer in range(self.index.adapter.layout.n_layers):
-                keys, values = [], []
-                for part in inp.parts:
-                    if part.end <= start or part.start >= end:
-                        continue
-                    if part.kv is None or not part.exact:
-                        raise RuntimeError(f"segment {part.segment.label!r} at [{part.start}, {part.end}) has no exact cache")
-                    k, v = part.kv.layer(layer)  # [H_kv, n, D]
-                    lo, hi = max(start, part.start) - part.start, min(end, part.end) - part.start
-                    keys.append(k[:, lo:hi])  # [H_kv, hi - lo, D]
-                    values.append(v[:, lo:hi])
-                out.append((torch.cat(keys, dim=1), torch.cat(values, dim=1)))  # [H_kv, end - start, D] x 2
-            return out
-        result = get_method(fusion.method)(self.index.adapter, inp, fusion)
-        return [(k[:, start:end], v[:, start:end]) for k, v in zip(result.keys, result.values)]  # [H_kv, end - start, D]
+    def span_kv(
+        self, segments: list[Segment], inp: FusionInput, fusion: FusionConfig, start: int, end: int,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K/V [H_kv, end - start, D] of prompt positions [start, end) for `fusion.method`:
+        for `prefix` the exact segments' stored caches as they are; for any other method the embedded
+        engine's fused cache (`FusedGenerator.fuse`, the code `ask` runs)."""
+        if fusion.method != "prefix":
+            result = self.generator.fuse(segments, fusion).result
+            return [(k[:, start:end], v[:, start:end]) for k, v in zip(result.keys, result.values)]  # [H_kv, T, D]
+        out = []
+        for layer in range(self.index.adapter.layout.n_layers):
+            keys, values = [], []
+            for part in inp.parts:
+                if part.end <= start or part.start >= end:
+                    continue
+                if part.kv is None or not part.exact:
+                    raise RuntimeError(f"segment {part.segment.label!r} at [{part.start}, {part.end}) has no exact cache")
+                k, v = part.kv.layer(layer)  # [H_kv, n, D]
+                lo, hi = max(start, part.start) - part.start, min(end, part.end) - part.start
+                keys.append(k[:, lo:hi])  # [H_kv, hi - lo, D]
+                values.append(v[:, lo:hi])
+            out.append((torch.cat(keys, dim=1), torch.cat(values, dim=1)))  # [H_kv, end - start, D] x 2
+        return out
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,7 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             log.warning("request %s: bad kv_transfer_params %r (%s); prefilled by vLLM alone",
                         request.request_id, request.kv_transfer_params, err)
             return None
-        end = loadable_end(self._planner.layout(ids, fusion), fusion.method) if len(ids) > 1 else 0
+        end = loadable_end(self._planner.layout(ids, fusion)[1], fusion.method) if len(ids) > 1 else 0
         self._matches[request.request_id] = match = _Match(end, fusion)
         log.debug("request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method)
         return match
@@ -265,22 +269,22 @@ class RagKVCacheConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(spec.block_ids[first : last + 1])
 
     def _load(self, forward_context: ForwardContext, spec: LoadSpec) -> None:
-        inp = self._planner.layout(spec.prompt, spec.fusion)
+        segments, inp = self._planner.layout(spec.prompt, spec.fusion)
         if (end := loadable_end(inp, spec.fusion.method)) != spec.end:
             raise RuntimeError(f"the worker finds {end} loadable tokens where the scheduler found {spec.end} "
                                "(the index changed in between?)")
-        kv = self._planner.span_kv(inp, spec.fusion, spec.start, spec.end)
+        kv = self._planner.span_kv(segments, inp, spec.fusion, spec.start, spec.end)
+        device = next(iter(self._kv_caches.values())).device
         positions = torch.arange(spec.start, spec.end)  # [T]
         blocks = torch.tensor(spec.block_ids, dtype=torch.long)[positions // self._block_size]  # [T]
-        slots = blocks * self._block_size + positions % self._block_size  # [T]
+        slots = (blocks * self._block_size + positions % self._block_size).to(device)  # [T]
         for name, cache in self._kv_caches.items():
             layer = forward_context.no_compile_layers[name]
             keys, values = kv[extract_layer_index(name)]  # [H_kv, T, D]
-            slots = slots.to(cache.device)
             layer.impl.do_kv_cache_update(  # vLLM's own writer: the paged layout is the backend's business
                 layer,
-                keys.transpose(0, 1).to(cache.device, cache.dtype).contiguous(),  # [T, H_kv, D]
-                values.transpose(0, 1).to(cache.device, cache.dtype).contiguous(),  # [T, H_kv, D]
+                keys.transpose(0, 1).to(device, cache.dtype).contiguous(),  # [T, H_kv, D]
+                values.transpose(0, 1).to(device, cache.dtype).contiguous(),  # [T, H_kv, D]
                 cache, slots,
             )
         log.debug("request %s: wrote K/V of prompt positions [%d, %d) (%s)", spec.req_id, spec.start, spec.end,
