@@ -5,10 +5,9 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
 store's pipelined feed, or a plain read in the caller's thread) already assembled: one [2, H_kv, N, D]
 buffer per layer (from the query path's `KVBufferPool`, kept across prompts) holding every cached
-token at its prompt position, keys re-rotated. Where they go is laid out once per prompt (`KVPlacement`);
-per layer the reader packs the caches in two concatenations, rotates the moved keys in one pass and
-places the pack, however many segments the prompt has, so the fusion's own thread does no per-layer
-work for the caches beyond waiting for them.
+token at its prompt position, keys re-rotated. Where they go is laid out once per prompt
+(`KVPlacement`); per layer the caches are packed in two concatenations (in the reader's thread), then
+the moved keys are rotated in one pass and the pack is placed, however many segments the prompt has.
 Recomputed tokens attend with the exact causal mask over their original positions.
 """
 
@@ -134,8 +133,8 @@ class KVPlacement:
     re-rotation, the same for every layer; identity for the segments in that span that stay); then
     the pack goes to its prompt positions in the layer's buffer `shape` [2, H_kv, N, D]: on CUDA one
     index_copy over `positions` [C] (one kernel); elsewhere one slice copy per run of adjacent cached
-    segments (`runs`), which on a CPU costs a fifth of an indexed copy (2,500 tokens of a tiny Llama:
-    58 against 259 us). Tokens without a cache are not written: the fusion computes them (they are in
+    segments (`runs`), which on a CPU costs a fraction of an indexed copy (benchmarks/RESULTS.md, issue
+    30). Tokens without a cache are not written: the fusion computes them (they are in
     every layer's active set) before anything reads them."""
 
     shape: tuple[int, int, int, int]  # [2, H_kv, N, D]
@@ -146,6 +145,10 @@ class KVPlacement:
     turn_end: int = 0
     cos: torch.Tensor | None = None  # [M, D/2], M = turn_end - turn_start
     sin: torch.Tensor | None = None  # [M, D/2]
+
+    def assemble(self, packed: torch.Tensor | None, pool: KVBufferPool) -> torch.Tensor:
+        """One layer's K/V of the prompt [2, H_kv, N, D] in a buffer from `pool`, `packed` placed in it."""
+        return self.place(packed, pool.take(self.shape, self.dtype, self.positions.device))
 
     def place(self, packed: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
         """Rotate the moved keys of `packed` [2, H_kv, C, D] in place and write the pack into the layer's
@@ -164,19 +167,10 @@ class KVPlacement:
 
 class LayerReader(Protocol):
     """Delivers each layer's K/V of the whole prompt [2, H_kv, N, D], in layer order, with every cached
-    token in place and its key re-rotated (`read_assembled`); the other positions are the fusion's to
-    write."""
+    token in place and its key re-rotated (`KVPlacement.assemble`); the other positions are the
+    fusion's to write."""
 
     def get(self, layer: int) -> torch.Tensor: ...
-
-
-def read_assembled(
-    sources: Sequence[LayerSource | None], layout: KVPlacement, layer: int, pool: KVBufferPool,
-) -> torch.Tensor:
-    """One layer's K/V of the prompt [2, H_kv, N, D] in a buffer from `pool`: the caches packed, turned
-    and placed (`KVPlacement`)."""
-    kv = pool.take(layout.shape, layout.dtype, layout.positions.device)  # [2, H_kv, N, D]
-    return layout.place(pack_layer(sources, layer, layout.positions.device), kv)
 
 
 @dataclass(frozen=True)
@@ -189,7 +183,7 @@ class DirectReader:
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
     def get(self, layer: int) -> torch.Tensor:
-        return read_assembled(self.sources, self.layout, layer, self.pool)
+        return self.layout.assemble(pack_layer(self.sources, layer, self.layout.positions.device), self.pool)
 
 
 @dataclass

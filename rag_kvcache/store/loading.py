@@ -4,9 +4,10 @@ The fusion needs layer i's cached K/V only when it reaches layer i. A `LayerFeed
 background thread that reads layers in order into a queue of at most `depth` layers, so while
 layer i is being recomputed, layers i+1..i+depth are being read (and verified, and decoded); asking
 for layer i waits only for layer i. Reading releases the GIL (see `tiers`), so the overlap is real
-even on CPU. Each layer is assembled here too (packed, keys turned, placed in a buffer from the query
-path's pool: `engine.fusion.read_assembled`), so the fusion's thread only computes. The fusion times
-its waits (`kv_wait`).
+even on CPU. The thread packs each layer's caches (`pack_layer`); `get` places the pack in a buffer
+from the query path's pool, in the fusion's thread (`KVPlacement.assemble`): placed by the reader too,
+the fusion's many small operations waited on the reader's for Python's GIL (benchmarks/RESULTS.md,
+issue 30). The fusion times its waits (`kv_wait`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.buffers import KVBufferPool
-from ..engine.cache import LayerSource
-from ..engine.fusion import KVPlacement, read_assembled
+from ..engine.cache import LayerSource, pack_layer
+from ..engine.fusion import KVPlacement
 
 
 class LayerFeed:
@@ -40,7 +41,7 @@ class LayerFeed:
         self._n_layers = n_layers
         self._pool = pool or KVBufferPool(0)
         self._next = 0
-        self._queue: queue.Queue[torch.Tensor | BaseException] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[torch.Tensor | None | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-layer-reader", daemon=True)
         self._thread.start()
@@ -57,7 +58,8 @@ class LayerFeed:
                 if self._stop.is_set():
                     return
                 try:
-                    item: torch.Tensor | BaseException = read_assembled(self._sources, self._layout, layer, self._pool)
+                    item: torch.Tensor | None | BaseException = pack_layer(
+                        self._sources, layer, self._layout.positions.device)
                 except BaseException as err:  # handed to the consumer, raised in its thread
                     item = err
                 self._queue.put(item)  # blocks while `depth` layers wait to be fused
@@ -71,7 +73,7 @@ class LayerFeed:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        return self._layout.assemble(item, self._pool)
 
     def close(self) -> None:
         """Stop reading ahead and let the reader thread finish."""
