@@ -320,7 +320,8 @@ class FusedGenerator:
         none), the fusion method blends them, reading cached layers `prefetch_layers` ahead.
 
         Stages: `kv_load` (opening entries, and recomputing missing ones), `kv_wait` (the fusion
-        waiting for cached layers: what the recompute did not hide), then the method's own.
+        waiting for cached layers, what the recompute did not hide, and placing each one in the prompt's
+        K/V: `KVPlacement`), then the method's own.
         The K/V are written into this generator's `buffers`: a `Fused` kept by the caller keeps its
         buffers, which the pool hands out again only once nothing else holds them.
         """

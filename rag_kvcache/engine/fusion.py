@@ -221,7 +221,8 @@ def selective_prefill(
     its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
     output (the logits are the last token's).
     `reader` delivers each layer's K/V with the cached tokens assembled (default: read when needed,
-    in this thread, into new memory); the time spent waiting for them is the stage `kv_wait`.
+    in this thread, into new memory); the time spent waiting for them and placing them is the stage
+    `kv_wait`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))

@@ -204,7 +204,12 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             log.warning("request %s: bad kv_transfer_params %r (%s); prefilled by vLLM alone",
                         request.request_id, request.kv_transfer_params, err)
             return None
-        end = loadable_end(self._planner.layout(ids, fusion)[1], fusion.method) if len(ids) > 1 else 0
+        try:
+            end = loadable_end(self._planner.layout(ids, fusion)[1], fusion.method) if len(ids) > 1 else 0
+        except Exception:  # a fault in the index (an unreadable database, a cache that cannot be recomputed)
+            log.exception("request %s: laying its prompt out over the index failed; prefilled by vLLM alone",
+                          request.request_id)  # fails this request's reuse, never the engine's scheduler
+            return None
         self._matches[request.request_id] = match = _Match(end, fusion)
         log.debug("request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method)
         return match
