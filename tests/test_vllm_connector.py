@@ -33,6 +33,7 @@ from rag_kvcache.config import Config, FusionConfig  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
+from rag_kvcache.store.controller import calibration_path  # noqa: E402
 
 pytestmark = pytest.mark.smollm2
 
@@ -152,6 +153,23 @@ def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> No
     fused = generate(llm, built.prompt, params={"method": "cacheblend", "ratio": 1.0})
     alone = generate(llm, built.prompt, alone=True)
     assert loaded(fused) == len(built.prompt) - len(built.question)
+    assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_close(first_logprobs(fused), first_logprobs(alone))
+
+
+def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
+    """A load that fails in the worker (here CacheBlend with `ratio: auto` on a machine without a calibration:
+    the scheduler matches the chunks, the worker's fusion raises) reports the request's blocks as failed, and
+    with `kv_load_failure_policy: recompute` vLLM prefills them itself: vLLM's own answer, never garbage."""
+    index = KVIndex.open(built.path)
+    try:
+        calibrated = calibration_path(index.config.cache_dir, index.adapter, index.config.storage.codec).is_file()
+    finally:
+        index.close()
+    if calibrated:
+        pytest.skip("this machine has a calibration for the index's model: ratio 'auto' would not fail")
+    fused = generate(llm, built.prompt, params={"method": "cacheblend", "ratio": "auto"})
+    alone = generate(llm, built.prompt, alone=True)
     assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
     assert_close(first_logprobs(fused), first_logprobs(alone))
 
