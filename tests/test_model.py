@@ -56,6 +56,22 @@ def test_fingerprint_tracks_weights(tokenizer):
     assert a != ModelAdapter(tiny_llama(seed=1), tokenizer, "a").fingerprint
 
 
+def test_fingerprint_ignores_the_transformers_release_that_wrote_the_config(tokenizer, monkeypatch):
+    """An index built under one transformers release missed every cache under another (the vLLM venv pins an
+    older one): the config's `transformers_version` (the running release's, written by `to_dict`) changes no
+    K/V. Any other config value still counts."""
+    from conftest import tiny_llama
+    from transformers import configuration_utils
+
+    a = ModelAdapter(tiny_llama(seed=0), tokenizer, "a").fingerprint
+    monkeypatch.setattr(configuration_utils, "__version__", "5.19.0")
+    assert tiny_llama(seed=0).config.to_diff_dict()["transformers_version"] == "5.19.0"
+    assert ModelAdapter(tiny_llama(seed=0), tokenizer, "a").fingerprint == a
+    other_eps = tiny_llama(seed=0)
+    other_eps.config.rms_norm_eps = 1e-3
+    assert ModelAdapter(other_eps, tokenizer, "a").fingerprint != a
+
+
 def test_kv_bytes_per_token(tiny):
     assert tiny.layout.bytes_per_token == 2 * 4 * 2 * 16 * 4
 

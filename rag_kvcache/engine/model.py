@@ -190,9 +190,12 @@ class ModelAdapter:
         return cls(model.to(config.device), tokenizer, config.model)
 
     def _fingerprint(self) -> str:
-        """Identity of the weights, architecture and dtype: part of every cache key."""
+        """Identity of the weights, architecture and dtype: part of every cache key. The config's
+        `transformers_version` (the release that wrote it) is left out: it changes no K/V, and with it every
+        cache missed after a transformers upgrade, or between .venv and .venv-vllm (5.24 and 5.19)."""
         h = xxhash.xxh3_128()
-        h.update(json.dumps(self.model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+        config = {k: v for k, v in self.model.config.to_diff_dict().items() if k != "transformers_version"}
+        h.update(json.dumps(config, sort_keys=True, default=str).encode())
         h.update(str(self.dtype).encode())
         with torch.no_grad():
             for name, p in self.model.named_parameters():
