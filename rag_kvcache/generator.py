@@ -337,11 +337,11 @@ class FusedGenerator:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
             inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
         depth = self.index.config.storage.prefetch_layers
-        layout = inp.placement(self.adapter)
+        placement = inp.placement(self.adapter)
         if caches is None or depth == 0:
-            reader = DirectReader(inp.sources, layout, self.buffers)
+            reader = DirectReader(inp.sources, placement, self.buffers)
             result = method(self.adapter, inp, fusion, clock, reader)
         else:
-            with LayerFeed(inp.sources, layout, self.adapter.layout.n_layers, depth, self.buffers) as feed:
+            with LayerFeed(inp.sources, placement, self.adapter.layout.n_layers, depth, self.buffers) as feed:
                 result = method(self.adapter, inp, fusion, clock, feed)
         return Fused(result, inp.n_tokens, 0 if caches is None else caches.repaired)

@@ -179,11 +179,11 @@ class DirectReader:
     buffers come from `pool` (default: none kept, each one new)."""
 
     sources: Sequence[LayerSource | None]
-    layout: KVPlacement
+    placement: KVPlacement
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
 
     def get(self, layer: int) -> torch.Tensor:
-        return self.layout.assemble(pack_layer(self.sources, layer, self.layout.positions.device), self.pool)
+        return self.placement.assemble(pack_layer(self.sources, layer, self.placement.positions.device), self.pool)
 
 
 @dataclass

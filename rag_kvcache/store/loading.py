@@ -31,13 +31,13 @@ class LayerFeed:
     """
 
     def __init__(
-        self, sources: Sequence[LayerSource | None], layout: KVPlacement, n_layers: int, depth: int,
+        self, sources: Sequence[LayerSource | None], placement: KVPlacement, n_layers: int, depth: int,
         pool: KVBufferPool | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"a feed reads ahead by at least one layer, got depth {depth!r}")
         self._sources = list(sources)
-        self._layout = layout
+        self._placement = placement
         self._n_layers = n_layers
         self._pool = pool or KVBufferPool(0)
         self._next = 0
@@ -59,7 +59,7 @@ class LayerFeed:
                     return
                 try:
                     item: torch.Tensor | None | BaseException = pack_layer(
-                        self._sources, layer, self._layout.positions.device)
+                        self._sources, layer, self._placement.positions.device)
                 except BaseException as err:  # handed to the consumer, raised in its thread
                     item = err
                 self._queue.put(item)  # blocks while `depth` layers wait to be fused
@@ -73,7 +73,7 @@ class LayerFeed:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        return self._layout.assemble(item, self._pool)
+        return self._placement.assemble(item, self._pool)
 
     def close(self) -> None:
         """Stop reading ahead and let the reader thread finish."""
