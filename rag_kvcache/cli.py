@@ -24,6 +24,7 @@ from typing import Annotated, Any, Optional, get_args, get_type_hints
 
 import typer
 from rich.console import Console
+from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Table
 
@@ -214,7 +215,8 @@ def index(
     out.print(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
         f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
-        f"KV {idx.kv_bytes_per_token / 1024:.1f} KiB/token", highlight=False,
+        f"KV caches {decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))} "
+        f"({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)", highlight=False,
     )
 
 

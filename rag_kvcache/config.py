@@ -126,8 +126,11 @@ class StorageConfig:
 
     A memory tier (`memory_bytes`, 0 disables it) sits over the disk tier (`disk_bytes`, None for no
     limit); both evict by `eviction` (least recently or least frequently used) when over budget.
-    `codec` is how caches are stored on disk (int8 with per-channel or per-token scales, fp8 e4m3);
-    an index records it when built. `prefetch_layers` is how many layers the background reader
+    `codec` is how caches are stored on disk: by default int8 with per-channel scales (its caches' answers
+    match float32 caches' within noise, `benchmarks/fusion-quality/codec20-results.md`), or int8 with
+    per-token scales, fp8 e4m3, or `none` (as computed: the only lossless codec, with which `prefix`
+    and the first chunk are bit-exact). An index records it when built and is read with what it
+    records. `prefetch_layers` is how many layers the background reader
     may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
     `quality_floor` is the smallest recompute ratio the loading controller will pick.
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
@@ -139,7 +142,10 @@ class StorageConfig:
     memory_bytes: int = 256 << 20
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
-    codec: str = setting("none", "How KV caches are stored on disk: as computed, int8 with per-channel or per-token scales, or fp8.")
+    codec: str = setting(
+        "int8-channel", "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
+        "of float32), int8 with per-token scales, fp8, or as computed (none: the only lossless one).",
+    )
     prefetch_layers: int = 2
     quality_floor: float = 0.15
     remote: str | None = setting(

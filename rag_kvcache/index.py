@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 from filelock import FileLock, Timeout
+from rich.filesize import decimal
 from tqdm.auto import tqdm
 
 from .build.precompute import WriteBehind, compute_caches, pack_tokens
@@ -73,6 +74,10 @@ class KVIndex:
 
     def __init__(self, path: Path, config: Config, chunks: ChunkIndex, adapter: ModelAdapter) -> None:
         self.path = path
+        if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:  # what the index records wins
+            log.info("index %s stores KV caches as %r: reading and writing them so, not as %r", path, codec,
+                     config.storage.codec)
+            config = replace(config, storage=replace(config.storage, codec=codec))
         self.config = config
         self.chunks = chunks
         self.adapter = adapter
@@ -86,11 +91,6 @@ class KVIndex:
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
                 "chunk and prefill it at query time, keeping it in this process's memory, not in the index", path, chunks.meta.get("model"), built_with, config.model,
                 adapter.fingerprint,
-            )
-        if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:
-            raise ValueError(
-                f"index {path} stores KV caches with codec {codec!r}, not {config.storage.codec!r}: open it with "
-                f"StorageConfig(codec={codec!r}) (KVIndex.config_of does), or build another index"
             )
         if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
             raise ValueError(
@@ -265,6 +265,9 @@ class KVIndex:
                     f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
                 )
             return len(todo)
+        if todo:
+            log.info("computing the KV caches of %d chunks (%d tokens): about %s on disk (codec %s)", len(todo),
+                     sum(map(len, todo)), decimal(self.kv_bytes(map(len, todo))), self.store.codec.name)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
             for i, kv in self.compute(todo, self.chunk_context):
@@ -439,9 +442,17 @@ class KVIndex:
     def search(self, query: str, k: int) -> list[Hit]:
         return self.chunks.search(query, k)
 
+    def kv_bytes(self, lengths: Iterable[int]) -> int:
+        """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them
+        (payload and scales; the few hundred bytes of each file's header aside)."""
+        layout, codec = self.adapter.layout, self.store.codec
+        per_tensor = partial(codec.nbytes, layout.n_kv_heads, d=layout.head_dim, dtype=layout.dtype)
+        return sum(2 * layout.n_layers * per_tensor(t=n) for n in lengths)  # K and V of every layer
+
     @property
-    def kv_bytes_per_token(self) -> int:
-        return self.adapter.layout.bytes_per_token
+    def kv_bytes_per_token(self) -> float:
+        """Disk bytes a token of a full-size chunk takes (`kv_bytes`)."""
+        return self.kv_bytes([self.config.chunk_tokens]) / self.config.chunk_tokens
 
 
 @contextmanager

@@ -26,6 +26,10 @@ class Codec(Protocol):
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
 
+    def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
+        """Bytes stored for one tensor [H_kv, T, D] of `dtype` (payload and side data)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Raw:
@@ -36,6 +40,9 @@ class Raw:
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return parts[""].to(dtype)
+
+    def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
+        return h_kv * t * d * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,10 @@ class Scaled:
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts[""].float() * parts["scale"]).to(dtype)  # [H_kv, T, D]
+
+    def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
+        scales = h_kv * d if self.reduce_dim == 1 else h_kv * t  # float32 each
+        return h_kv * t * d + 4 * scales  # int8 and fp8 take one byte an element
 
 
 CODECS: dict[str, Codec] = {
