@@ -8,8 +8,8 @@ PY=${PYTHON:-python3}
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
 # Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/test_ray_indexing.py) and
-# the shared KV tier's client ([redis]).
-.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured,ray,redis]"
+# the shared KV tier's client ([redis]), and the documentation site's builder ([docs], mkdocs in `make test`).
+.venv/bin/python -m pip install -q -e ".[test,bench,serve,structured,ray,redis,docs]"
 # A real Redis server for tests/test_redis_tier.py, from Debian's package when there is none: as root, or
 # through sudo where there is one.
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
