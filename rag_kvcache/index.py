@@ -16,6 +16,16 @@ behind-prefix one (`BlendKV`): the deviations particular to each context partly 
 `benchmarks/fusion-quality/RESULTS.md`, "Session 8"). The chosen neighbours are recorded in
 `neighbours.json`. The first chunk, or one without recorded neighbours (indexed by a run killed before it
 recorded them), uses its behind-prefix cache, which every index stores.
+`chunk_prefill="cached_neighbours"` stores the same caches (same contexts, same neighbours, read the same
+way), each computed behind the neighbours' *cached* K/V instead of their recomputed text: the prefix's
+cache, then each neighbour's behind-prefix cache re-rotated to the position it takes in the context,
+with the separator between two of them read from the separator's own cache behind the prefix, and the
+separator just before the chunk computed with the chunk (`compute_behind_cached`). Only the chunk's own
+tokens are computed for each context, so a context costs about a plain forward over the chunk (the
+recomputed text costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's
+cached tokens have not seen the neighbours before it), so they live under their own keys (the namespace
+holds `chunk_prefill`). With one neighbour the context is exact (the neighbour's cache is its own,
+right after the prefix), and so is the chunk's cache behind it.
 
 Consistency. Indexers are serialised by a lock file (`.writer.lock`): a second indexer waits, then
 finds the work done. A sync stores the new chunks' caches *before* it commits them, so every chunk
@@ -47,7 +57,7 @@ from filelock import FileLock, Timeout
 from rich.filesize import decimal
 from tqdm.auto import tqdm
 
-from .build.precompute import WriteBehind, compute_caches, pack_tokens
+from .build.precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 from .config import Config
 from .engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
@@ -163,7 +173,8 @@ class KVIndex:
                 prune=prune,
                 max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
             )
-            if self.config.chunk_prefill == "neighbours":
+            self._pending_path.unlink(missing_ok=True)  # committed: the run's caches are the index's now
+            if self.with_neighbours:
                 self.precompute_neighbours(self.unrecorded_chunks(), progress)
             self.collect(used)
         self.flush_stats()
@@ -180,7 +191,8 @@ class KVIndex:
                 documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress,
                 before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
             )
-            if self.config.chunk_prefill == "neighbours":
+            self._pending_path.unlink(missing_ok=True)  # committed: the run's caches are the index's now
+            if self.with_neighbours:
                 self.precompute_neighbours(self.unrecorded_chunks(), progress)
             self.collect(used)
         self.flush_stats()
@@ -196,9 +208,12 @@ class KVIndex:
 
     def live_keys(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every cache the index uses, as store key -> (token ids, context): the prefix's, each chunk's
-        behind its context and, with `chunk_prefill="neighbours"`, behind each number of its recorded neighbours."""
+        behind its context and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of
+        its recorded neighbours."""
         prefix = self.format.prefix_ids
-        live = {self.key(prefix, ()): (prefix, ())}
+        live = {self.key(prefix, ()): (prefix, ())} | self.pending()
+        if self.config.chunk_prefill == "cached_neighbours" and self.format.separator_ids:
+            live[self.key(self.format.separator_ids, prefix)] = (self.format.separator_ids, prefix)
         for ids in self.chunks.token_ids():
             live[self.key(ids)] = (ids, self.chunk_context)
             for context in self._neighbour_contexts(self._neighbours.get(self._neighbour_key(ids), [])):
@@ -257,6 +272,10 @@ class KVIndex:
         if self.key(prefix, ()) not in self.store:
             self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
         todo = list({ids for ids in chunks if self.key(ids) not in self.store})
+        pending = self.pending() | {self.key(ids): (ids, self.chunk_context) for ids in todo}
+        tmp = self._pending_path.with_suffix(".json.tmp")  # until the run commits: resumable work, not garbage
+        tmp.write_text(json.dumps({key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()}), encoding="utf-8")
+        os.replace(tmp, self._pending_path)
         if workers is not None:
             workers.store(todo, self.chunk_context, progress)
             if lost := [ids for ids in todo if self.key(ids) not in self.store]:
@@ -276,27 +295,44 @@ class KVIndex:
         bar.close()
         return len(todo)
 
+    def pending(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The caches an `index` run computed for chunks it had not committed when it was interrupted (Ctrl-C,
+        a crash), as store key -> (token ids, context): kept (not orphans), and read again by the next run."""
+        if not self._pending_path.is_file():
+            return {}
+        table = json.loads(self._pending_path.read_text(encoding="utf-8"))
+        return {key: (tuple(ids), tuple(ctx)) for key, (ids, ctx) in table.items()}
+
+    @property
+    def _pending_path(self) -> Path:
+        return self.path / "pending.json"
+
     def unrecorded_chunks(self) -> list[ChunkRecord]:
-        """`chunk_prefill="neighbours"`: the indexed chunks without recorded neighbours: this run's new
-        ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
+        """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:
+        this run's new ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
         table = self._neighbours
         return [c for c in self.chunks.all_chunks() if self._neighbour_key(c.token_ids) not in table]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
-        """`chunk_prefill="neighbours"`: for each of `chunks` (already in the index), find its
-        `context_chunks` most similar other chunks, store its caches computed behind the prefix and its
-        j most similar of them for each j (`_neighbour_contexts`), and record them in `neighbours.json`;
-        returns how many caches were computed."""
+        """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
+        find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
+        its j most similar of them for each j (`_neighbour_contexts`, made by `_behind_neighbours`), and
+        record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
+        whole cache entries and the old table: the next run finds the same neighbours and skips the
+        caches already stored."""
         table = self._neighbours
+        sep, prefix = self.format.separator_ids, self.format.prefix_ids
+        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and self.key(sep, prefix) not in self.store:
+            self.store.put(self.key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
         for chunk in chunks:
             hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][: self.config.context_chunks]
             table[self._neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            for ctx in self._neighbour_contexts(near):
+            for j, ctx in enumerate(self._neighbour_contexts(near), 1):
                 if self.key(chunk.token_ids, ctx) not in self.store:
-                    self.store.put(self.key(chunk.token_ids, ctx), next(self.compute([chunk.token_ids], ctx))[1])
+                    self.store.put(self.key(chunk.token_ids, ctx), self._behind_neighbours(chunk.token_ids, near[:j]))
                     done += 1
             bar.update(1)
         bar.close()
@@ -304,6 +340,36 @@ class KVIndex:
         tmp.write_text(json.dumps(table), encoding="utf-8")
         os.replace(tmp, self._neighbours_path)  # atomic: readers see the old table or the new one
         return done
+
+    def _behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
+        """The cache of chunk `ids` behind `_neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
+        computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
+        cache, the separator's behind-prefix cache between them; the last separator computed with the
+        chunk), else behind the context's recomputed text."""
+        if self.config.chunk_prefill != "cached_neighbours":
+            return next(self.compute([ids], self._neighbour_context(near)))[1]
+        prefix, sep = self.format.prefix_ids, self.format.separator_ids
+        between = [self._cached(sep, prefix)] if sep else []
+        sources = [self._cached(prefix, ())]
+        for i, n in enumerate(reversed(near)):
+            sources += [*(between if i else []), self._cached(tuple(n), prefix)]
+        return compute_behind_cached(self.adapter, ids, sources, sep)
+
+    def _cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
+        """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
+        recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
+        key = self.key(ids, context)
+        entry = self.store.open(key)
+        if entry is None:
+            return self._repair(key, ids, context)
+        return entry if isinstance(entry, ChunkKV) else _Repairing(entry, partial(self._repair, key, ids, context))
+
+    def _compute_one(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+        """The cache of `ids` behind `context`, made as the index makes it: behind one of the chunk's recorded
+        neighbour contexts, as `_behind_neighbours` makes it; else a prefill behind the context's tokens."""
+        near = self._neighbours.get(self._neighbour_key(ids), [])
+        j = next((j for j in range(1, len(near) + 1) if self._neighbour_context(near[:j]) == context), None)
+        return next(self.compute([ids], context))[1] if j is None else self._behind_neighbours(ids, near[:j])
 
     def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
         """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
@@ -317,13 +383,19 @@ class KVIndex:
         return () if self.config.chunk_prefill == "isolated" else self.format.prefix_ids
 
     @property
+    def with_neighbours(self) -> bool:
+        """Whether chunks also have caches behind their most similar chunks (recomputed or cached context)."""
+        return self.config.chunk_prefill in ("neighbours", "cached_neighbours")
+
+    @property
     def _neighbours_path(self) -> Path:
         return self.path / "neighbours.json"
 
     @cached_property
     def _neighbours(self) -> dict[str, list[list[int]]]:
-        """`chunk_prefill="neighbours"`: chunk (by `_neighbour_key`) -> its recorded neighbours' token ids."""
-        if self.config.chunk_prefill != "neighbours" or not self._neighbours_path.exists():
+        """`chunk_prefill="neighbours"` or "cached_neighbours": chunk (by `_neighbour_key`) -> its recorded
+        neighbours' token ids."""
+        if not self.with_neighbours or not self._neighbours_path.exists():
             return {}
         return json.loads(self._neighbours_path.read_text(encoding="utf-8"))
 
@@ -341,8 +413,8 @@ class KVIndex:
 
     def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
-        prompt: with `chunk_prefill="neighbours"`, behind its min(depth, recorded) most similar chunks (a
-        context of as many chunks as it meets) and behind the prefix (`chunk_context`), except for the
+        prompt: with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind its min(depth, recorded) most
+        similar chunks (a context of as many chunks as it meets) and behind the prefix (`chunk_context`), except for the
         first chunk (depth 0), whose behind-prefix cache is exact right after the prefix; otherwise the
         index's `chunk_context` alone. `open_caches` reads one alone where the prompt reproduces it."""
         near = self._neighbours.get(self._neighbour_key(ids))
@@ -350,11 +422,13 @@ class KVIndex:
             return (self.chunk_context,)
         return self._neighbour_context(near[:depth]), self.chunk_context
 
-    def key(self, ids: Sequence[int], context: Sequence[int] | None = None) -> str:
-        """The store key of the cache of `ids` computed behind `context` (default: a chunk's)."""
-        return cache_key(self.namespace, self.chunk_context if context is None else context, ids)
+    def key(self, ids: Sequence[int], context: Sequence[int] | None = None, salt: str = "") -> str:
+        """The store key of the cache of `ids` computed behind `context` (default: a chunk's); a `salt`
+        (a tenant's) gives a cache of request text a key no other salt addresses."""
+        namespace = f"{self.namespace}|{salt}" if salt else self.namespace
+        return cache_key(namespace, self.chunk_context if context is None else context, ids)
 
-    def open_caches(self, segments: Sequence[Segment]) -> PromptCaches:
+    def open_caches(self, segments: Sequence[Segment], salt: str = "") -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
         ones `contexts_at` names for the number of other stored sequences read before it (its depth):
@@ -368,13 +442,16 @@ class KVIndex:
         The first chunk behind another head than the system prefix (a pipeline's own instructions,
         cached at position 0, then computed text) gets the cache of its run behind exactly the prompt's
         tokens before it: exact, as the first chunk behind the system prefix is, computed and stored by
-        the first prompt with that head and chunk and read by the next ones (prefix caching).
+        the first prompt with that head and chunk and read by the next ones (prefix caching). Those two
+        hold request text, not indexed text: with a `salt` (the server's tenant) they are stored and read
+        under keys of that salt alone, so that no other tenant can hit them (a hit is measurably faster: a
+        guessed secret in a shared head would be confirmed by the time to the first token).
         """
         sources: list[LayerSource | None] = []
         contexts: list[tuple[int, ...]] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
-        missing = start = 0
+        missing = start = computed = 0
         head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
         in_head = head  # still in a head and the computed text after it, before its first chunk
         read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
@@ -390,18 +467,20 @@ class KVIndex:
             ctx = ctxs[0]
             source: LayerSource | None = None
             if seg.cacheable:
-                keys = [self.key(whole, c) for c in ctxs]
+                request_text = behind_head or (head and start == 0)
+                keys = [self.key(whole, c, salt if request_text else "") for c in ctxs]
                 for key, c in zip(keys, ctxs):
                     if key not in opened:
                         entry = self.store.open(key)
                         if entry is None:
-                            opened[key] = self._repair(key, whole, c, first_use=behind_head or (head and start == 0))
+                            opened[key] = self._repair(key, whole, c, first_use=request_text)
                             recomputed.add(key)
                         else:
                             opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
                                 entry, partial(self._repair, key, whole, c))
                     # per segment; neither the prefix nor a chunk's first cache behind a new head is a missing one
                     missing += start > 0 and key in recomputed and not behind_head
+                computed += len(seg.ids) if any(k in recomputed for k in keys) else 0
                 source = opened[keys[0]] if len(keys) == 1 else BlendKV(  # turns made where stored caches live
                     tuple(opened[k] for k in keys), self.adapter.inv_freq.cpu())
                 if len(seg.ids) < len(whole):
@@ -414,13 +493,13 @@ class KVIndex:
             start += len(seg.ids)
             prompt.extend(seg.ids)
             in_head = in_head and not behind_head
-        return PromptCaches(sources, contexts, missing, list(opened.values()))
+        return PromptCaches(sources, contexts, missing, list(opened.values()), computed)
 
     def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
         the recomputed cache serves the query that found the fault); `first_use`: a cache made on demand
         (a new prompt head, or a chunk behind it), computed for the first time, not repaired."""
-        kv = next(self.compute([ids], context))[1]
+        kv = self._compute_one(ids, context)
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
             return kv
@@ -487,6 +566,7 @@ class PromptCaches:
     contexts: list[tuple[int, ...]]  # per segment: the tokens its cache was computed behind
     missing: int  # chunk caches that were missing when opened (recomputed and stored)
     opened: list[LayerSource]  # each stored cache opened, once (segments may read slices of one)
+    computed_tokens: int  # prompt tokens of the segments whose cache was computed now (first use or repair)
 
     @property
     def repaired(self) -> int:

@@ -14,6 +14,11 @@ process or spread over a cluster stores identical caches, given the same torch t
 another, BLAS may pick other kernels on small shapes: a 3-token chunk's cache differed by 7e-8
 between 1 and 2 threads). The writer keeps at most `depth` caches waiting (memory stays bounded); a
 failed write (`StorageFullError`) is raised to the caller at the next `put` or at `flush`.
+
+`compute_behind_cached` prefills a chunk behind a context read from caches instead of recomputed from
+its text (`chunk_prefill="cached_neighbours"`): the context's K/V are stored caches laid end to end,
+each one's keys re-rotated to the positions it takes there (`cached_context`), so only the chunk's own
+tokens (and a short tail before it, such as a separator) are computed, attending to the longer context.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
+import torch
+
 from ..config import Config
-from ..engine.cache import ChunkKV
+from ..engine.cache import ChunkKV, LayerSource
 from ..engine.model import ModelAdapter
+from ..engine.ops import rotate_keys, rotation
 from ..store.kvstore import KVStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,50 @@ def compute_caches(
     for pack in token_packs(chunks, max_tokens):
         for i, (keys, values) in zip(pack, adapter.prefill_packed([chunks[i] for i in pack], past)):
             yield i, ChunkKV(keys, values, len(context))
+
+
+def cached_context(
+    sources: Sequence[LayerSource], inv_freq: torch.Tensor, device: torch.device | str, dtype: torch.dtype,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-layer K/V [H_kv, P, D] of a context made of cached sequences: `sources` laid end to end from
+    position 0, each one's keys moved from the position it was computed at to the one it takes here (one
+    `rotation` per source, made once and applied to every layer; RoPE composes, so a source already in
+    place is exact). Nothing is computed but the rotations."""
+    if not sources:
+        raise ValueError("a cached context needs at least one cached sequence, got none")
+    layers = {s.n_layers for s in sources}
+    if len(layers) != 1:
+        raise ValueError(f"the cached sequences of a context have different layer counts {sorted(layers)}")
+    starts = [0]
+    for s in sources[:-1]:
+        starts.append(starts[-1] + s.n_tokens)
+    freq = inv_freq.to(device)  # [D/2]
+    turns = [None if s.position == at else rotation(at - s.position, freq) for s, at in zip(sources, starts)]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for layer in range(layers.pop()):
+        read = [s.layer(layer) for s in sources]  # per source: [H_kv, T_i, D] x 2
+        ks = [k.to(device, dtype) for k, _ in read]  # [H_kv, T_i, D]
+        keys.append(torch.cat([k if t is None else rotate_keys(k, *t) for k, t in zip(ks, turns)], 1))  # [H_kv, P, D]
+        values.append(torch.cat([v.to(device, dtype) for _, v in read], 1))  # [H_kv, P, D]
+    return keys, values
+
+
+def compute_behind_cached(
+    adapter: ModelAdapter, chunk: Sequence[int], sources: Sequence[LayerSource], tail: Sequence[int] = (),
+) -> ChunkKV:
+    """The cache of `chunk` computed behind a context read from caches (`cached_context` of `sources`) and
+    then the `tail` tokens, which are computed in the same forward as the chunk (one `prefill_packed` over
+    tail + chunk) and dropped from the result: the chunk's keys/values [H_kv, T, D] at positions
+    P + len(tail) onwards. Where `sources` hold exactly what a prefill of their tokens gives, this equals
+    `compute_caches` behind their tokens and the tail, to float tolerance."""
+    if not chunk:
+        raise ValueError("compute_behind_cached needs a non-empty chunk, got 0 tokens")
+    past = cached_context(sources, adapter.inv_freq, adapter.device, adapter.dtype)  # L x [H_kv, P, D] each
+    ((keys, values),) = adapter.prefill_packed([(*tail, *chunk)], past)  # L x [H_kv, len(tail) + T, D]
+    t = len(tail)
+    return ChunkKV([k[:, t:].contiguous() for k in keys], [v[:, t:].contiguous() for v in values],
+                   past[0][0].shape[1] + t)
 
 
 def token_packs(chunks: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:

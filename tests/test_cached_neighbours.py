@@ -1,0 +1,226 @@
+"""`chunk_prefill="cached_neighbours"` (issue 33): a chunk's caches behind its 1..N most similar chunks,
+computed behind the neighbours' *cached* K/V (re-rotated to where they sit in the context) instead of
+their recomputed text. Exact where the cached context is exact (one neighbour: its behind-prefix cache is
+its own, right after the prefix); inexact in general, so stored under keys of its own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from test_fusion import ATOL
+
+from rag_kvcache.build.precompute import cached_context, compute_behind_cached, compute_caches
+from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.engine.cache import BlendKV, ChunkKV
+from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.ops import rerotate_keys
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+
+# caches stored as computed: the exactness checks compare K/V to float tolerance
+CACHED = Config(chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2,
+                storage=StorageConfig(codec="none"))
+DOCS = {
+    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
+                      "passed the point, the weather each morning, and the state of the lamp and its oil.",
+    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor "
+                       "built in 1911 and it still observes double stars on clear winter nights.",
+    "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day, and on Sundays "
+                  "it bakes small honey cakes for the children of the harbour families.",
+}
+
+
+def write_docs(folder) -> None:
+    folder.mkdir(exist_ok=True)
+    for name, text in DOCS.items():
+        (folder / name).write_text(text)
+
+
+@pytest.fixture(params=["tiny", "bpe_tiny"])
+def model(request):
+    """The tiny model under MiniLM's WordPiece (whose chunk separator is no token) and under a byte-level BPE
+    (whose separator is a token: read between neighbours from its cache, computed before the chunk)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture()
+def index(tiny, tmp_path) -> KVIndex:
+    write_docs(tmp_path / "docs")
+    return KVIndex.build(tmp_path / "docs", tmp_path / "idx", CACHED, adapter=tiny, progress=False)
+
+
+@pytest.fixture()
+def any_index(model, tmp_path) -> KVIndex:
+    write_docs(tmp_path / "docs")
+    return KVIndex.build(tmp_path / "docs", tmp_path / "idx", CACHED, adapter=model, progress=False)
+
+
+def recorded(index: KVIndex, ids) -> list[tuple[int, ...]]:
+    table = json.loads((index.path / "neighbours.json").read_text())
+    return [tuple(n) for n in table[index._neighbour_key(ids)]]
+
+
+def text_cache(tiny, ids, context) -> ChunkKV:
+    return next(compute_caches(tiny, [ids], context, 4096))[1]
+
+
+def assert_same(a: ChunkKV, b: ChunkKV) -> None:
+    assert a.position == b.position and a.n_layers == b.n_layers
+    for layer in range(a.n_layers):
+        torch.testing.assert_close(a.keys[layer], b.keys[layer], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.values[layer], b.values[layer], atol=ATOL, rtol=0)
+
+
+def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, any_index):
+    """The invariant: a cached context whose caches hold what a prefill of its tokens gives (the prefix,
+    then the first chunk behind it) yields the chunk's cache a prefill behind that text yields."""
+    tiny, index = model, any_index
+    fmt = index.format
+    assert bool(fmt.separator_ids) == (tiny.name == "tiny-llama-bpe")  # BPE: the separator is tokens
+    chunk = next(index.chunks.all_chunks())
+    near = recorded(index, chunk.token_ids)[0]
+    prefix, first = text_cache(tiny, fmt.prefix_ids, ()), text_cache(tiny, near, fmt.prefix_ids)
+    past = cached_context([prefix, first], tiny.inv_freq, tiny.device, tiny.dtype)
+    whole = tiny.prefill_packed([fmt.prefix_ids + near])[0]
+    for layer in range(tiny.layout.n_layers):  # nothing moved: the context is the prefill's
+        torch.testing.assert_close(past[0][layer], whole[0][layer], atol=ATOL, rtol=0)
+        torch.testing.assert_close(past[1][layer], whole[1][layer], atol=ATOL, rtol=0)
+    context = fmt.prefix_ids + near + fmt.separator_ids
+    cached = compute_behind_cached(tiny, chunk.token_ids, [prefix, first], fmt.separator_ids)
+    assert_same(cached, text_cache(tiny, chunk.token_ids, context))
+    stored = index.store.get(index.key(chunk.token_ids, context))  # the index's own, read back
+    assert_same(stored, text_cache(tiny, chunk.token_ids, context))
+
+
+def test_a_cache_moved_into_the_context_is_re_rotated(tiny, index):
+    """A cached sequence computed at p and laid at q reads as its keys rotated by q - p (values as they are)."""
+    fmt = index.format
+    a, b = (tuple(c.token_ids) for c in list(index.chunks.all_chunks())[:2])
+    kv_a, kv_b = text_cache(tiny, a, fmt.prefix_ids), text_cache(tiny, b, fmt.prefix_ids)
+    prefix = text_cache(tiny, fmt.prefix_ids, ())
+    keys, values = cached_context([prefix, kv_a, kv_b], tiny.inv_freq, tiny.device, tiny.dtype)
+    at = len(fmt.prefix_ids) + len(a)  # where b sits; computed at len(prefix)
+    moved = text_cache(tiny, b, tuple(range(1000, 1000 + at)))  # b behind any `at` tokens: same positions
+    for layer in range(tiny.layout.n_layers):
+        assert keys[layer].shape[1] == at + len(b)
+        torch.testing.assert_close(keys[layer][:, at:], rerotate_keys(kv_b.keys[layer], at - len(fmt.prefix_ids),
+                                                                      tiny.inv_freq), atol=ATOL, rtol=0)
+        assert torch.equal(values[layer][:, at:], kv_b.values[layer])
+        if layer > 0:  # layer 0's keys see no context; later ones are not what b's keys behind a's would be
+            assert not torch.allclose(keys[layer][:, at:], moved.keys[layer], atol=ATOL)
+    with pytest.raises(ValueError, match="at least one cached sequence"):
+        cached_context([], tiny.inv_freq, tiny.device, tiny.dtype)
+    with pytest.raises(ValueError, match="non-empty chunk"):
+        compute_behind_cached(tiny, (), [prefix])
+
+
+def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_index, tmp_path):
+    """Behind one neighbour the cached context is exact, so the cache equals the recomputed-text index's;
+    behind two the second neighbour's cache has not seen the first, so the chunk's K/V differ; the
+    recomputed-text index addresses neither of these caches (another namespace)."""
+    tiny, index = model, any_index
+    text = KVIndex.build(tmp_path / "docs", tmp_path / "idx-text", replace(CACHED, chunk_prefill="neighbours"),
+                         adapter=tiny, progress=False)
+    chunk = next(index.chunks.all_chunks())
+    near = recorded(index, chunk.token_ids)
+    assert near == recorded(text, chunk.token_ids) and len(near) == 2
+    one, two = index._neighbour_contexts(near)
+    assert index.contexts_at(1, chunk.token_ids) == (one, index.format.prefix_ids)
+    assert_same(index.store.get(index.key(chunk.token_ids, one)), text.store.get(text.key(chunk.token_ids, one)))
+    mine, theirs = index.store.get(index.key(chunk.token_ids, two)), text.store.get(text.key(chunk.token_ids, two))
+    assert mine.position == theirs.position == len(two)
+    assert (mine.keys[-1] - theirs.keys[-1]).abs().max() > 1e-3
+    assert index.key(chunk.token_ids, two) != text.key(chunk.token_ids, two)
+    assert index.key(chunk.token_ids, two) not in text.store
+
+
+def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    assert reopened.config.chunk_prefill == "cached_neighbours" and reopened.config.context_chunks == 2
+    assert KVIndex.config_of(index.path).chunk_prefill == "cached_neighbours"
+    assert reopened.unrecorded_chunks() == []
+    question = "Who kept the lighthouse diary of ships?"
+    fmt = reopened.format
+    segments = fmt.segments([h.chunk.token_ids for h in reopened.search(question, 3)],
+                            fmt.question_ids(reopened.adapter.tokenizer, question))
+    caches = reopened.open_caches(segments)
+    assert caches.missing == 0 and isinstance(caches.sources[3], BlendKV)
+    chunks = [p for p in FusionInput.build(segments, caches.sources, caches.contexts).parts
+              if p.segment.label.startswith("chunk")]
+    assert chunks[0].exact and not any(p.exact for p in chunks[1:])
+    gen = FusedGenerator(reopened)
+    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
+                               gen.fuse(segments, FusionConfig(method="full")).result.logits, atol=ATOL, rtol=0)
+    assert reopened.orphans() == []
+
+
+def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, monkeypatch):
+    """A run killed after some neighbour caches were stored (and before the table was written) is completed
+    by the next: it finds the same neighbours, keeps what was stored and computes the rest; the caches equal
+    those of an uninterrupted run."""
+    write_docs(tmp_path / "docs")
+    whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
+    index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
+    real, calls = index._behind_neighbours, []
+
+    def dies_on_the_fourth(ids, near):
+        calls.append(ids)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed while computing neighbour caches")
+        return real(ids, near)
+
+    monkeypatch.setattr(index, "_behind_neighbours", dies_on_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        index.update(tmp_path / "docs", progress=False)
+    monkeypatch.undo()
+    assert not (index.path / "neighbours.json").exists()
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    assert len(reopened.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
+    done = reopened.precompute_neighbours(reopened.unrecorded_chunks(), progress=False)
+    total = sum(len(whole._neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks())
+    assert done == total - 3  # the three stored before the kill are kept
+    assert reopened.unrecorded_chunks() == [] and set(reopened.live_keys()) == set(whole.live_keys())
+    for key in whole.live_keys():
+        assert_same(reopened.store.get(key), whole.store.get(key))
+
+
+def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_index, caplog):
+    """Fault: a neighbour's behind-prefix cache (and the separator's, where it is a token) gone when a context
+    is built from it is recomputed, stored again and logged; the chunk's cache comes out the same."""
+    index = any_index
+    chunk = next(index.chunks.all_chunks())
+    near = recorded(index, chunk.token_ids)
+    before = index.store.get(index.key(chunk.token_ids, index._neighbour_context(near)))
+    fmt = index.format
+    gone = [near[1], *([fmt.separator_ids] if fmt.separator_ids else [])]
+    for ids in gone:
+        index.store.memory.remove(index.key(ids, fmt.prefix_ids))
+        index.store.disk.remove(index.key(ids, fmt.prefix_ids))
+    with caplog.at_level(logging.WARNING):
+        after = index._behind_neighbours(chunk.token_ids, near)
+    assert caplog.text.count("recomputed and rewrote") == len(gone)
+    assert all(index.key(ids, fmt.prefix_ids) in index.store for ids in gone)
+    assert all(index.key(ids, fmt.prefix_ids) in index.live_keys() for ids in gone)  # never collected
+    assert_same(after, before)
+
+
+def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path):
+    """An index built with chunk_prefill="neighbours" opens as that and reads its caches, none missing."""
+    write_docs(tmp_path / "docs")
+    old = KVIndex.build(tmp_path / "docs", tmp_path / "old", replace(CACHED, chunk_prefill="neighbours"),
+                        adapter=tiny, progress=False)
+    reopened = KVIndex.open(old.path, adapter=tiny)
+    assert reopened.config.chunk_prefill == "neighbours"
+    question = "Who kept the lighthouse diary of ships?"
+    segments = reopened.format.segments([h.chunk.token_ids for h in reopened.search(question, 3)],
+                                        reopened.format.question_ids(tiny.tokenizer, question))
+    assert reopened.open_caches(segments).missing == 0
+
+
+def test_config_names_the_bad_value():
+    with pytest.raises(ValueError, match="cached_neighbours.*got 'cached'"):
+        Config(chunk_prefill="cached")
