@@ -16,6 +16,7 @@ from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from .store.codecs import CODECS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents in the user's message. "
@@ -23,7 +24,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 Deviation = Literal["k", "v"]
-ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours"]
+ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
@@ -89,10 +90,11 @@ class FusionConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding after the fused prefill: sampled when `temperature` > 0, greedy at 0."""
+    """Decoding after the fused prefill: sampled at a `temperature` of `GREEDY_BELOW` or more, greedy below
+    (logits divided by a smaller one overflow float32; vLLM draws the same line)."""
 
     max_new_tokens: int = setting(64, "Most tokens to generate.")
-    temperature: float = setting(0.0, "Sampling temperature; 0 decodes greedily, above 0 samples.")
+    temperature: float = setting(0.0, "Sampling temperature; 0 (or below 1e-5) decodes greedily, above samples.")
     top_p: float = setting(0.9, "Nucleus sampling: sample from the smallest set of tokens holding this probability.")
     seed: int | None = setting(None, "Seed for sampling (none: a fresh random seed).")
     stop: tuple[str, ...] = setting((), "Stop string: generation ends before it (repeatable).")
@@ -108,6 +110,10 @@ class GenerationConfig:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
     def with_options(
         self, *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
@@ -195,10 +201,13 @@ class Config:
     chunk_prefill: ChunkPrefill = setting(
         "behind_prefix", "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
         "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
-        "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost)."
+        "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
+        "cached_neighbours: the same, but behind the neighbours' cached K/V instead of their recomputed text, so only "
+        "the chunk's own tokens are computed for each context)."
     )
     context_chunks: int = setting(
-        3, "chunk_prefill=neighbours: a chunk's caches are computed behind its 1, 2, ... this many most similar chunks; "
+        3, "chunk_prefill=neighbours or cached_neighbours: a chunk's caches are computed behind its 1, 2, ... this many "
+        "most similar chunks; "
         "a chunk with r chunks before it in a prompt reads the one behind min(r, this)."
     )
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")

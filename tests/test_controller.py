@@ -10,11 +10,12 @@ from conftest import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
-from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.controller import (
     Calibration,
+    NotCalibratedError,
     calibrate,
     choose_ratio,
     choose_tier,
@@ -58,13 +59,13 @@ def test_calibrate_saves_what_resolve_ratio_uses(tiny, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("The main telescope of the Veldmark Observatory is named Harrow's Eye. " * 4)
-    cfg = Config(chunk_tokens=32, cache_dir=tmp_path / "cache")
+    cfg = Config(chunk_tokens=32, cache_dir=tmp_path / "cache").with_storage(codec="none")
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
     auto = index.config.with_fusion(ratio="auto")
     assert resolve_ratio(index.config, index.adapter) == (index.config, None)  # a number is kept
-    with pytest.raises(FileNotFoundError, match="rag-kvcache calibrate"):
+    with pytest.raises(NotCalibratedError, match="rag-kvcache calibrate"):
         resolve_ratio(auto, index.adapter)
-    cal = calibrate(tiny, tmp_path / "idx", StorageConfig(), cfg.cache_dir, n_tokens=32, entries=2, repeats=1)
+    cal = calibrate(tiny, tmp_path / "idx", cfg.storage, cfg.cache_dir, n_tokens=32, entries=2, repeats=1)
     assert set(cal.read_bytes_per_s) == {"memory", "page_cache", "disk"} and cal.prefill_s_per_token_layer > 0
     assert cal.bytes_per_token_layer > tiny.layout.bytes_per_token / tiny.layout.n_layers  # + header
     assert load_calibration(cfg.cache_dir, tiny, "none") == cal

@@ -95,10 +95,13 @@ def test_counters_persist_across_processes(tmp_path):
 @pytest.mark.parametrize("codec, tol", [("int8-channel", 0.02), ("int8-token", 0.02), ("fp8", 0.08)])
 def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     kv = make_kv(layers=2, tokens=64)
-    raw = KVStore(tmp_path / "raw", StorageConfig(memory_bytes=0))
+    raw = KVStore(tmp_path / "raw", StorageConfig(memory_bytes=0, codec="none"))
     packed = KVStore(tmp_path / codec, StorageConfig(memory_bytes=0, codec=codec))
     raw.put(KEYS[0], kv)
     packed.put(KEYS[0], kv)
+    for store in (raw, packed):  # what the codec says it stores is the file, but for its header
+        payload = 2 * 2 * store.codec.nbytes(2, 64, 8, torch.float32)  # K and V of 2 layers, [2, 64, 8] each
+        assert 0 < store.path(KEYS[0]).stat().st_size - payload < 2048
     # head_dim 8 here: a per-token fp32 scale costs half as much as the int8 payload (1/16 at head_dim 64)
     assert packed.path(KEYS[0]).stat().st_size < 0.45 * raw.path(KEYS[0]).stat().st_size
     got = packed.get(KEYS[0])
@@ -106,7 +109,7 @@ def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
         assert a.dtype == b.dtype and ((a - b).abs().max() / b.abs().max()).item() < tol
     # the file says how it is stored: a store configured otherwise still reads it
     assert torch.equal(raw.disk.open(KEYS[0]).layer(0)[0], kv.keys[0])
-    assert KVStore(tmp_path / codec, StorageConfig(memory_bytes=0)).get(KEYS[0]) is not None
+    assert KVStore(tmp_path / codec, StorageConfig(memory_bytes=0, codec="none")).get(KEYS[0]) is not None
 
 
 def test_unknown_codec_and_bad_storage_config():

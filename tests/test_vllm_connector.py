@@ -56,7 +56,8 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     path = tmp_path_factory.mktemp("vllm-index")
-    index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, Config(chunk_tokens=128), progress=False)
+    config = Config(chunk_tokens=128).with_storage(codec="none")  # lossless caches: `prefix` is then exact
+    index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, config, progress=False)
     records = list(index.chunks.all_chunks())
     picked = [next(r for r in records if r.source.endswith(name)) for name in ("harbour.md", "observatory.md", "tessaly.md")]
     fmt = index.format

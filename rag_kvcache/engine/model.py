@@ -10,6 +10,7 @@ cache (`DecodeCache`, `decode_rows`).
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import logging
@@ -75,8 +76,17 @@ def resolve_model_source(name: str, cache_dir: Path) -> Path | str:
         gguf = Path(name).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
-    else:
-        return Path(name) if Path(name).expanduser().is_dir() else name  # local dir or hub id
+    elif Path(name).expanduser().is_dir():
+        return Path(name)
+    elif "/" in name:
+        return name  # a hub id, org/name
+    else:  # refused now, not after the hub's retries on a machine that cannot reach it
+        near = difflib.get_close_matches(name, [DEFAULT_MODEL], n=1, cutoff=0.6)
+        raise FileNotFoundError(
+            f"model {name!r} is not a local folder, a .gguf file, a Hugging Face id (org/name, e.g. "
+            f"HuggingFaceTB/SmolLM2-360M-Instruct) or the default {DEFAULT_MODEL!r}"
+            + (f": did you mean {DEFAULT_MODEL!r}?" if near else "")
+        )
     with gguf.open("rb") as f:  # identity: size and the header (metadata + first tensors), not the path
         tag = xxhash.xxh3_64_hexdigest(f.read(4 << 20) + str(gguf.stat().st_size).encode())
     target = cache_dir / "models" / f"{gguf.stem}-{tag}"

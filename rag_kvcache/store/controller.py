@@ -126,10 +126,15 @@ def calibration_path(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Path
     return Path(cache_dir) / "calibration" / f"{machine_id(adapter.device)}-{adapter.fingerprint[:16]}-{codec}.json"
 
 
+class NotCalibratedError(ValueError):
+    """`ratio="auto"` asked on a machine where the model was never calibrated: a setting the request (or the
+    command) chose, not a fault of the server's files."""
+
+
 def load_calibration(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Calibration:
     path = calibration_path(cache_dir, adapter, codec)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise NotCalibratedError(
             f"no calibration for model {adapter.name} (codec {codec}) on this machine at {path}: "
             "run `rag-kvcache calibrate --index INDEX` first"
         )
