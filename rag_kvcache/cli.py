@@ -185,6 +185,7 @@ def index(
         _fail(f"documents folder not found or not a folder: {docs_dir}")
     _model_process()
     new_index = not index_dir.exists()
+    idx = None
     given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
                                              ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks),
                                              ("dtype", dtype.value)] if _given(ctx, name)}
@@ -208,6 +209,11 @@ def index(
 
             with RayWorkers(idx) as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)
+    except KeyboardInterrupt:
+        kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.pending())
+        err.print(f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
+                  "computed are kept, and running the same command again resumes with them", highlight=False)
+        raise typer.Exit(130) from None
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         if new_index and index_dir.is_dir():  # made by this command: leave nothing of a failed first run behind
             shutil.rmtree(index_dir)
@@ -376,6 +382,8 @@ def check(
         out.print(f"[red]found:[/red] {problem}", highlight=False)
     for garbage in report.garbage:
         out.print(f"[yellow]garbage:[/yellow] {garbage} (`rag-kvcache gc` deletes it)", highlight=False)
+    for work in report.resumable:
+        out.print(f"resumable: {work}", highlight=False)
     for done in report.repaired:
         out.print(f"[green]repaired:[/green] {done}", highlight=False)
     for left in report.unrepaired:
@@ -571,13 +579,15 @@ def serve(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     host: Annotated[str, option(ServerConfig, "host")] = default(ServerConfig, "host"),
     port: Annotated[int, option(ServerConfig, "port", min=0, max=65535)] = default(ServerConfig, "port"),
-    api_key: Annotated[Optional[str], option(ServerConfig, "api_key", envvar="RAG_KVCACHE_API_KEY")] = None,
+    api_key: Annotated[Optional[list[str]], option(ServerConfig, "api_keys", envvar="RAG_KVCACHE_API_KEY")] = None,
     docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
     max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
     max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
         ServerConfig, "max_prompt_tokens"),
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
+    max_body_bytes: Annotated[int, option(ServerConfig, "max_body_bytes", min=1)] = default(
+        ServerConfig, "max_body_bytes"),
     kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
     dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
@@ -595,13 +605,14 @@ def serve(
 
     _model_process()
     try:
-        server_cfg = ServerConfig(host=host, port=port, api_key=api_key, docs_dir=docs, max_queue=max_queue,
-                                  max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens)
+        server_cfg = ServerConfig(host=host, port=port, api_keys=tuple(api_key or ()), docs_dir=docs, max_queue=max_queue,
+                                  max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
+                                  max_body_bytes=max_body_bytes)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(template_text=template_text)
         engine = Engine(index_dir, cfg.with_storage(remote=kv_remote))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
                   highlight=False)
     err.print(f"serving {index_dir} ({cfg.model}) on http://{host}:{port}/v1", highlight=False)

@@ -57,6 +57,7 @@ class Answer:
     generation_s: float
     generated_tokens: int
     cache_misses: int
+    cache_computed_tokens: int = 0  # prompt tokens whose cache was computed for this prompt (a new head, a repair)
     finish_reason: str = "stop"  # "length": stopped at max_new_tokens; "stop": end of sequence or a stop string
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
@@ -65,7 +66,7 @@ class Answer:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens whose K/V came from the cache (never computed at query time)."""
-        return self.prompt_tokens - self.recomputed_tokens
+        return self.prompt_tokens - self.recomputed_tokens - self.cache_computed_tokens
 
     @property
     def usage(self) -> dict[str, int]:
@@ -98,6 +99,7 @@ class Fused:
     result: FusionResult
     prompt_tokens: int
     cache_misses: int
+    cache_computed_tokens: int = 0  # prompt tokens of caches computed when opened (a new head, a repair)
 
 
 @dataclass(frozen=True)
@@ -276,11 +278,12 @@ class FusedGenerator:
 
     def start(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None,
+        generation: GenerationConfig | None = None, salt: str = "",
     ) -> Generation:
         """Fuse the prompt's caches and sample the first token: a `Generation` whose decoder takes that
         token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`);
-        `finish` gives its `Answer` once the decoder is done."""
+        `finish` gives its `Answer` once the decoder is done. `salt`: the tenant whose caches of request
+        text (a prompt head) this prompt may read and write (`KVIndex.open_caches`)."""
         fusion = fusion or self.index.config.fusion
         generation = generation or self.index.config.generation
         n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
@@ -290,7 +293,7 @@ class FusedGenerator:
                 f"the {limit} positions of model {self.adapter.name!r}: retrieve fewer chunks or shorten the question"
             )
         t0 = time.perf_counter()
-        fused = self.fuse(segments, fusion)
+        fused = self.fuse(segments, fusion, salt)
         result = fused.result
         decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
@@ -311,11 +314,12 @@ class FusedGenerator:
             answer="", method=live.method, ttft_s=live.ttft_s, retrieval_s=0.0, prompt_tokens=live.fused.prompt_tokens,
             recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
             generation_s=generation_s, generated_tokens=n_generated, cache_misses=live.fused.cache_misses,
+            cache_computed_tokens=live.fused.cache_computed_tokens,
             finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
             stages=result.stages, first_token_logits=result.logits,
         )
 
-    def fuse(self, segments: Sequence[Segment], fusion: FusionConfig) -> Fused:
+    def fuse(self, segments: Sequence[Segment], fusion: FusionConfig, salt: str = "") -> Fused:
         """The prompt's KV cache: the index opens the segments' caches (none for a method that reads
         none), the fusion method blends them, reading cached layers `prefetch_layers` ahead.
 
@@ -331,7 +335,7 @@ class FusedGenerator:
         clock = StageClock(self.adapter.device)
         with clock.stage("kv_load"):
             if method.reads_cache:
-                caches = self.index.open_caches(segments)
+                caches = self.index.open_caches(segments, salt)
                 sources, contexts = caches.sources, caches.contexts
             else:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
@@ -344,4 +348,4 @@ class FusedGenerator:
         else:
             with LayerFeed(inp.sources, placement, self.adapter.layout.n_layers, depth, self.buffers) as feed:
                 result = method(self.adapter, inp, fusion, clock, feed)
-        return Fused(result, inp.n_tokens, 0 if caches is None else caches.repaired)
+        return Fused(result, inp.n_tokens, *((0, 0) if caches is None else (caches.repaired, caches.computed_tokens)))

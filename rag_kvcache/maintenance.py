@@ -32,6 +32,7 @@ class CheckReport:
 
     problems: list[str] = field(default_factory=list)
     garbage: list[str] = field(default_factory=list)  # orphan caches and temp files: no damage, `gc` deletes them
+    resumable: list[str] = field(default_factory=list)  # an interrupted run's caches: kept for its resumption
     repaired: list[str] = field(default_factory=list)
     unrepaired: list[str] = field(default_factory=list)
     caches_checked: int = 0
@@ -148,6 +149,9 @@ def _cache_problem(index: KVIndex, key: str) -> str | None:
 def _count_garbage(index: KVIndex, report: CheckReport) -> None:
     """List the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes:
     garbage, not damage (a prompt head cached at query time is an orphan too)."""
+    if pending := index.pending():
+        report.resumable.append(f"{len(pending)} KV caches of an interrupted `index` run: kept, and read again when "
+                                "the same command runs (it resumes)")
     if orphans := index.orphans():
         size = sum(path.stat().st_size for path in orphans) / 2**20
         report.garbage.append(f"{len(orphans)} orphan KV caches ({size:.1f} MiB) that no indexed chunk uses")

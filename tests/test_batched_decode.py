@@ -161,3 +161,38 @@ def test_misuse_is_refused_with_the_bad_value(tiny):
         done.take(5)
     with pytest.raises(RuntimeError, match="already started"):
         done.start(keys, values)
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny):
+    """temperature 1.05e-37 passed validation; logits / T overflowed to inf and sampling raised (a 500)."""
+    ((keys, values, logits),) = prompts(tiny, (19,))
+    answers = []
+    for temperature in (0.0, 1.05e-37, 1e-300):
+        decoder = Decoder(tiny, GenerationConfig(max_new_tokens=6, temperature=temperature))
+        answers.append([s.token_id for s in decoder.steps(keys, values, logits, decoder.sample(logits))])
+    assert answers[1] == answers[2] == answers[0]
+
+
+def test_a_request_whose_sampling_fails_fails_alone_in_its_batch(tiny):
+    """One request's failing step (a sampler that raises on its row) failed every request in the batch."""
+    rows = prompts(tiny, (11, 29))
+    alone, together = [], []
+    for keys, values, logits in rows:
+        decoder = Decoder(tiny, GenerationConfig(max_new_tokens=5))
+        alone.append([s.token_id for s in decoder.steps(keys, values, logits, int(logits.argmax()))])
+    decoders = [Decoder(tiny, GenerationConfig(max_new_tokens=5)) for _ in rows]
+    for decoder, (keys, values, logits) in zip(decoders, rows):
+        decoder.start(keys, values)
+        together.append([s.token_id for s in decoder.take(int(logits.argmax()))])
+
+    def broken(row: torch.Tensor) -> int:
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    decoders[0].sample = broken
+    first = decode_together(decoders)
+    assert isinstance(first[0], RuntimeError) and decoders[0].done
+    together[1] += [s.token_id for s in first[1]]
+    while not decoders[1].done:  # the other goes on as if it had been alone
+        (released,) = decode_together([decoders[1]])
+        together[1] += [s.token_id for s in released]
+    assert together[1] == alone[1]

@@ -324,3 +324,57 @@ def test_a_failed_first_index_leaves_no_index_folder(tmp_path, model_dir):
     result = runner.invoke(app, ["index", str(tmp_path / "empty"), "--index", str(tmp_path / "idx"),
                                  "--model", str(model_dir), "--chunk-tokens", "32"])
     assert result.exit_code == 2 and not (tmp_path / "idx").exists()
+
+
+def test_a_typo_of_the_default_model_fails_at_once_naming_it(tmp_path, monkeypatch):
+    """`--model SmolLM2-135M` spent 54 s retrying the model hub before failing, without naming the default."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("Some text.")
+    result = runner.invoke(app, ["index", str(tmp_path / "docs"), "--index", str(tmp_path / "idx"),
+                                 "--model", "SmolLM2-135M"])
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "did you mean 'SmolLM2-135M-Instruct'?" in message, message
+    assert not (tmp_path / "idx").exists()
+
+
+def test_index_says_the_caches_size_and_codec(built):
+    """234 KB of documents became 3.0 GB of caches with no word before or after."""
+    root, output = built
+    assert "(int8-channel, " in output and "KiB/token)" in output and "KV caches " in output
+
+
+def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_path, model_dir, monkeypatch):
+    """Ctrl-C during `index` exited 130 without a word; `check` then called the caches it had computed garbage
+    and advised `gc`, which would have thrown away what the next run resumes with."""
+    from rag_kvcache.index import KVIndex
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, word in enumerate(["harbour", "lighthouse", "granite", "bakery"]):
+        (docs / f"{word}.txt").write_text(f"The {word} of Saltmere, number {i}, is old and well kept. " * 8)
+    args = ["index", str(docs), "--index", str(tmp_path / "idx"), "--model", str(model_dir), "--chunk-tokens", "32"]
+    compute = KVIndex.compute
+
+    def interrupted(self, chunks, context):
+        for n, item in enumerate(compute(self, chunks, context)):
+            if n == 2 and context:  # two chunk caches computed, then Ctrl-C
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(KVIndex, "compute", interrupted)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130 and "the 2 KV caches this run computed are kept" in " ".join(result.stderr.split())
+    files = sorted((tmp_path / "idx" / "kv").rglob("*.safetensors"))
+    assert len(files) == 3  # the system prefix's and two chunks'
+    check = runner.invoke(app, ["check", "--index", str(tmp_path / "idx")])
+    assert check.exit_code == 0 and "garbage" not in check.output and "interrupted `index` run" in check.output
+    assert runner.invoke(app, ["gc", "--index", str(tmp_path / "idx")]).exit_code == 0
+    assert sorted((tmp_path / "idx" / "kv").rglob("*.safetensors")) == files  # gc kept them
+    monkeypatch.setattr(KVIndex, "compute", compute)
+    mtimes = {p: p.stat().st_mtime_ns for p in files}
+    assert runner.invoke(app, args).exit_code == 0  # resumed: the kept caches are read, not computed again
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+    assert not (tmp_path / "idx" / "pending.json").exists()
+    check = runner.invoke(app, ["check", "--index", str(tmp_path / "idx")])
+    assert check.exit_code == 0 and "resumable" not in check.output and "garbage" not in check.output

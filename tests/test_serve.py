@@ -16,17 +16,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from conftest import tiny_llama
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
 from rag_kvcache.generator import Answer
@@ -123,7 +125,7 @@ def serving(adapter: ModelAdapter, root: Path, config: ServerConfig) -> Iterator
 @pytest.fixture(scope="module")
 def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("serve")
-    config = ServerConfig(api_key=KEY, docs_dir=root / "docs", max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
+    config = ServerConfig(api_keys=(KEY,), docs_dir=root / "docs", max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
     with serving(chat_adapter, root, config) as running:
         yield running
 
@@ -226,6 +228,34 @@ def test_reuse_is_transparent_for_a_prompt_that_quotes_indexed_text(running):
     assert plain.usage.prompt_tokens_details.cached_tokens <= len(running.engine.index.format.prefix_ids)  # prefix only
 
 
+def test_tenants_never_read_each_others_prompt_heads(running):
+    """A pipeline's cached prompt head (its instructions before the first chunk) was shared by every client:
+    a right guess of a secret in it loaded in 0 s, a wrong one computed for seconds. Each API key is a tenant
+    and `cache_salt` splits further: one's head is a miss for the others; and a head computed on first use
+    is no longer reported as cached."""
+    config = ServerConfig(api_keys=(KEY, "other-key"))
+    server, thread, url = start_server(create_app(running.engine, config))
+    hits = httpx.post(f"{url}/v1/retrieve", json={"query": QUESTION, "top_k": 2}, headers=running.headers()).json()["data"]
+    system = "You answer for the harbour office of Tessaly. The door code is 7391; never tell it to anyone. " * 2
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Documents:\n" + "\n\n".join(h["text"] for h in hits) + f"\n\nQuestion: {QUESTION}"}]
+
+    def cached(key: str, salt: str | None = None) -> int:
+        body = {"model": running.model, "messages": messages, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        first, again = cached(KEY), cached(KEY)
+        assert again > first  # the head, computed and stored by the first request, read by the second
+        assert cached("other-key") == first  # another tenant computes it: a miss, as for a wrong guess
+        assert cached(KEY, salt="team-b") == first  # the same key with another cache_salt too
+        assert cached("other-key") == cached(KEY, salt="team-b") == again  # each has its own now
+    finally:
+        stop_server(server, thread)
+
+
 def test_langchain_chat_openai(running):
     from langchain_openai import ChatOpenAI
 
@@ -293,6 +323,34 @@ def test_documents_added_over_http_are_retrieved_and_fused(running):
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_source"
 
 
+def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written(running, tmp_path):
+    """Each was a 500 (NUL byte, a file used as a folder, a 255-byte name: its temporary name is 260), or
+    wrote outside the folder (through a link inside it), or was written and never indexed (too large)."""
+    (running.docs / "harbour.md").write_text("The harbour has a red lighthouse.")
+    (running.docs / "afolder").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (running.docs / "linkdir").symlink_to(outside, target_is_directory=True)
+    before = sorted(p.relative_to(running.docs) for p in running.docs.rglob("*"))
+    limit = running.engine.index.config.max_file_bytes
+    try:
+        for source, text, param in [
+            ("nul\x00.txt", "x", "documents.source"), ("tab\tname.txt", "x", "documents.source"),
+            ("harbour.md/sub.txt", "x", "documents.source"), ("n" * 255, "x", "documents.source"),
+            ("linkdir/escaped.txt", "x", "documents.source"), ("afolder", "x", "documents.source"),
+            ("big.txt", "y" * (limit + 1), "documents.text"),
+        ]:
+            r = httpx.post(f"{running.url}/v1/documents", json={"documents": [{"source": source, "text": text}]},
+                           headers=running.headers(), timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (source, r.text)
+        assert not list(outside.iterdir())
+        assert sorted(p.relative_to(running.docs) for p in running.docs.rglob("*")) == before
+    finally:
+        (running.docs / "linkdir").unlink()
+        (running.docs / "harbour.md").unlink()
+        (running.docs / "afolder").rmdir()
+
+
 # ---- security, limits, bad requests ------------------------------------------------------------------
 def test_api_key_is_required_everywhere_but_health(running):
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
@@ -317,6 +375,9 @@ def test_api_key_is_required_everywhere_but_health(running):
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"ratio": 2.0}}, "rag_kvcache"),
+    # the index was never calibrated on this machine: a 500 FileNotFoundError once
+    ({"model": "M", "messages": [{"role": "user", "content": QUESTION}], "rag_kvcache": {"ratio": "auto"}},
+     "rag_kvcache"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"method": "nope"}},
      "rag_kvcache.method"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"chunk_ids": ["nope"]}},
@@ -333,6 +394,26 @@ def test_bad_requests_are_openai_400s(running, body, param):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert param is None or error["param"] == param, error
+
+
+def test_an_oversized_body_is_a_413_before_it_is_parsed(running):
+    """A 20 MB chat body was tokenised whole on the engine's thread (23-33 s) before the token limit answered
+    400, and a concurrent 2-token request waited behind it. Over max_body_bytes it is refused unread, whether
+    its size is declared (Content-Length) or only streamed (chunked)."""
+    config = ServerConfig(api_keys=(KEY,), max_body_bytes=1 << 20)
+    server, thread, url = start_server(create_app(running.engine, config))
+    body = json.dumps({"model": running.model, "messages": [{"role": "user", "content": "word " * (1 << 20)}]}).encode()
+    try:
+        declared = httpx.post(f"{url}/v1/chat/completions", content=body, headers=running.headers(), timeout=60)
+        streamed = httpx.post(f"{url}/v1/chat/completions", content=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
+                              headers=running.headers(), timeout=60)
+        for r in (declared, streamed):
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        small = httpx.post(f"{url}/v1/chat/completions", headers=running.headers(), timeout=60, json={
+            "model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2})
+        assert small.status_code == 200, small.text
+    finally:
+        stop_server(server, thread)
 
 
 def test_malformed_bodies_and_unknown_model(running):
@@ -416,7 +497,7 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
     and decoded together, up to `max_batch` at once: each answer equals `ask`'s alone, a client that
     leaves mid-batch is dropped from it, and /metrics counts the batched steps (none above 1 request
     with max_batch=1, one of 3 with max_batch=3)."""
-    config = ServerConfig(api_key=KEY, max_queue=8, max_batch=max_batch, max_prompt_tokens=400, max_tokens=LONG)
+    config = ServerConfig(api_keys=(KEY,), max_queue=8, max_batch=max_batch, max_prompt_tokens=400, max_tokens=LONG)
     server, thread, url = start_server(create_app(running.engine, config))
     batched = Running(url, running.engine, running.docs, running.model)
     ids = top_ids(running)
@@ -496,6 +577,47 @@ def test_a_failing_prefill_fails_only_its_own_request(running):
 
     first, refused, third = asyncio.run(serve_three())
     assert isinstance(refused, ValueError) and "must end with an uncached segment" in str(refused)
+    for got in (first, third):
+        assert got[:-1] == pieces
+        assert (got[-1].generated_tokens, got[-1].cached_tokens) == (want.generated_tokens, want.cached_tokens)
+    sample = metrics.registry.get_sample_value
+    assert sample("rag_kvcache_decode_batch_size_sum") > sample("rag_kvcache_decode_batch_size_count")  # batched
+
+
+def test_a_request_failing_mid_batch_fails_alone(running, monkeypatch):
+    """A request whose sampling failed at a batched step (temperature 1.05e-37 overflowed to NaN) failed every
+    request in the batch with a 500. Three requests decode together; the middle one's sampler raises at
+    its first batched step: it gets the error, the other two answer as alone."""
+    engine = running.engine
+    records = engine.run(engine.index.chunks.get, top_ids(running))
+    fmt = engine.index.format
+    segments = fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=6)
+    *pieces, want = list(engine.stream(segments, fusion, generation))
+    sample = Decoder.sample
+
+    def faulty(self: Decoder, logits: torch.Tensor) -> int:
+        if self.cfg.seed == 13 and self.ids:  # the marked request, past its first token (the prefill's)
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return sample(self, logits)
+
+    monkeypatch.setattr(Decoder, "sample", faulty)
+    metrics = ServerMetrics(engine.index.store.stats)
+
+    async def serve_three() -> list[object]:
+        scheduler = Scheduler(engine.generator, lambda fn, *args: asyncio.to_thread(engine.run, fn, *args), 3, metrics)
+
+        async def collect(gen: GenerationConfig) -> list[object]:
+            return [step async for step in scheduler.stream(segments, fusion, gen)]
+
+        try:
+            return await asyncio.gather(collect(generation), collect(replace(generation, seed=13)), collect(generation),
+                                        return_exceptions=True)
+        finally:
+            await scheduler.close()
+
+    first, failed, third = asyncio.run(serve_three())
+    assert isinstance(failed, RuntimeError) and "nan" in str(failed)
     for got in (first, third):
         assert got[:-1] == pieces
         assert (got[-1].generated_tokens, got[-1].cached_tokens) == (want.generated_tokens, want.cached_tokens)

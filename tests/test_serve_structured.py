@@ -40,7 +40,7 @@ def running(bpe_tiny: ModelAdapter, tmp_path_factory) -> Iterator[Running]:
     chat.chat_template = CHATML
     adapter = ModelAdapter(bpe_tiny.model, chat, name="tiny-bpe-chat")
     root = tmp_path_factory.mktemp("serve-structured")
-    with serving(adapter, root, ServerConfig(api_key=KEY, max_tokens=200)) as running:
+    with serving(adapter, root, ServerConfig(api_keys=(KEY,), max_tokens=200)) as running:
         yield running
 
 

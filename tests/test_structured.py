@@ -78,6 +78,14 @@ def test_a_schema_that_is_not_one_is_refused(bpe_tiny: ModelAdapter) -> None:
         Decoder(bpe_tiny, GenerationConfig(json_schema="{'type': 'object'}"))
 
 
+@pytest.mark.parametrize("levels", [450, 100_000])
+def test_a_schema_nested_too_deeply_is_refused_not_a_recursion_error(bpe_tiny: ModelAdapter, levels: int) -> None:
+    """A schema nested 500-900 levels raised RecursionError (a 500 through the server)."""
+    schema = '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+    with pytest.raises(ValueError, match=r"json_schema nests .* deep; at most 64"):
+        Decoder(bpe_tiny, GenerationConfig(json_schema=schema))
+
+
 def test_objects_are_closed_unless_the_schema_says_otherwise() -> None:
     schema = {
         "type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}, "free": {"type": "object"}},

@@ -19,14 +19,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+MAX_SCHEMA_DEPTH = 64  # a JSON Schema nested deeper is refused (500-900 levels once raised RecursionError)
+
+
 def sample_token(
     logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generator | None, allowed: torch.Tensor | None = None
 ) -> int:
-    """Greedy argmax at temperature 0, else temperature + nucleus (top-p) sampling, of next-token logits [V],
+    """Greedy argmax (`cfg.greedy`), else temperature + nucleus (top-p) sampling, of next-token logits [V],
     among the `allowed` tokens (bool [V]) when given."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))  # [V]
-    if cfg.temperature == 0:
+    if cfg.greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [V]
     sorted_p, order = probs.sort(descending=True)  # [V]
@@ -52,6 +55,11 @@ class JsonSchemaConstraint:
             document = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"json_schema is not JSON: {e}: {schema[:200]!r}") from e
+        except RecursionError:
+            document = None  # deeper than the parser goes: refused below
+        if document is None or (depth := _depth(document)) > MAX_SCHEMA_DEPTH:
+            levels = "more levels than the JSON parser reads" if document is None else f"{depth} levels"
+            raise ValueError(f"json_schema nests {levels} deep; at most {MAX_SCHEMA_DEPTH} are accepted")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_closed(document), defaults={"whitespace_flexible": False})
         self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer, tuple(sorted(eos_token_ids))), grammar, log_level=0)
         if self.matcher.is_error():
@@ -69,6 +77,17 @@ class JsonSchemaConstraint:
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise ValueError(f"token {token} does not continue the JSON Schema's grammar: {self.matcher.get_error()}")
+
+
+def _depth(document: object) -> int:
+    """How deeply a JSON document nests lists and objects (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(document, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _closed(schema: object) -> object:
@@ -124,7 +143,7 @@ class Decoder:
         if cfg.json_schema is not None:
             self.constraint = JsonSchemaConstraint(adapter.tokenizer, adapter.eos_token_ids, cfg.json_schema)
         self.rng = None
-        if cfg.temperature > 0:
+        if not cfg.greedy:
             self.rng = torch.Generator(device=adapter.device)
             if cfg.seed is not None:
                 self.rng.manual_seed(cfg.seed)
@@ -196,12 +215,16 @@ class Decoder:
             if self.done:
                 return
             (released,) = decode_together([self])
+            if isinstance(released, Exception):
+                raise released
 
 
-def decode_together(decoders: Sequence[Decoder]) -> list[list[Step]]:
+def decode_together(decoders: Sequence[Decoder]) -> list[list[Step] | Exception]:
     """Advance started, unfinished decoders of one model by one token with one batched step
     (`ModelAdapter.decode_rows`): each feeds its last token, samples the next from its own row of
-    logits by its own rule (generator, constraint) and takes it. Returns the steps each released."""
+    logits by its own rule (generator, constraint) and takes it. Returns the steps each released, or
+    in its place the error a decoder's own sampling raised: that decoder is done, and the others'
+    rows are untouched by it (one request's failure stays its own)."""
     if not decoders:
         raise ValueError("decode_together needs at least one decoder")
     idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not d.ids]
@@ -209,7 +232,16 @@ def decode_together(decoders: Sequence[Decoder]) -> list[list[Step]]:
         raise ValueError(f"decoders {idle} cannot step: not started, complete, or without a first token")
     adapter = decoders[0].adapter
     logits = adapter.decode_rows([d.ids[-1] for d in decoders], [d.cache for d in decoders])  # [B, V]
-    return [d.take(d.sample(row)) for d, row in zip(decoders, logits)]
+    return [_advance(d, row) for d, row in zip(decoders, logits)]
+
+
+def _advance(decoder: Decoder, logits: torch.Tensor) -> list[Step] | Exception:
+    """`decoder` samples from its row of logits [V] and takes the token; its error, if any, returned."""
+    try:
+        return decoder.take(decoder.sample(logits))
+    except Exception as err:  # its own rule failed on its own row (a constraint, a sampler): it alone ends
+        decoder.done = True
+        return err
 
 
 @torch.inference_mode()

@@ -10,12 +10,14 @@ become cacheable runs of those chunks (`prefix_head`, `with_runs`).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 _PLACEHOLDER = "\x00RAGKV-USER-CONTENT\x00"
 _CHUNK_MARK = re.compile("\x00RAGKV-CHUNK-([0-9]+)\x00")
+_LITERAL_MARK = re.compile("\x01([0-9]+)\x02")  # delimiters apart from the chunk marks' NUL
 _SEPARATOR = "\n\n"
 _DOCUMENTS_HEAD = "Documents:\n"
 _QUESTION_HEAD = "Question: "
@@ -133,7 +135,8 @@ def chat_segments(tokenizer, system_prompt: str, turns: Sequence[ChatTurn]) -> l
     if merged[0].role != "system":
         merged.insert(0, ChatTurn("system", (system_prompt,)))
     chunks: list[ChunkPart] = []
-    messages = [{"role": turn.role, "content": _render_parts(turn.parts, chunks)} for turn in merged]
+    literals: list[str] = []
+    messages = [{"role": turn.role, "content": _render_parts(turn.parts, chunks, tokenizer, literals)} for turn in merged]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     pieces = _CHUNK_MARK.split(text)  # text, chunk number, text, chunk number, ..., text
     order = [int(n) for n in pieces[1::2]]
@@ -144,7 +147,7 @@ def chat_segments(tokenizer, system_prompt: str, turns: Sequence[ChatTurn]) -> l
         if i:
             segments.append(Segment(chunks[i - 1].ids, cacheable=True, label=chunks[i - 1].label))
         if piece:
-            segments.append(Segment(tuple(tokenizer(piece, add_special_tokens=False).input_ids), False, "text"))
+            segments.append(Segment(tokenize_rendered(tokenizer, piece, literals), False, "text"))
     if segments[0].ids == PromptFormat.build(tokenizer, system_prompt).prefix_ids:
         segments[0] = replace(segments[0], cacheable=True, label="prefix")
     return segments
@@ -154,21 +157,57 @@ def render_prompt(tokenizer, system_prompt: str, prompt: str | Sequence[Mapping[
     """A prompt's token ids, the whole rendered text tokenised at once: a string is one user message
     and messages are taken as they are, both through the chat template (with `system_prompt` when
     they bring no system message); a tokenizer without a chat template takes a string as it is."""
+    literals: list[str] = []
     if isinstance(prompt, str):
         if not tokenizer.chat_template:
             if not prompt.strip():
                 raise ValueError("the prompt is empty")
-            return tuple(tokenizer(prompt, add_special_tokens=False).input_ids)
+            return tokenize_rendered(tokenizer, shield(tokenizer, prompt, literals), literals)
         prompt = [{"role": "user", "content": prompt}]
     if not tokenizer.chat_template:
         raise ValueError(f"chat messages need a chat template; tokenizer {tokenizer.name_or_path!r} has none")
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     if not messages or not any(m["content"].strip() for m in messages):
         raise ValueError(f"no text to answer in the messages {messages!r}")
+    messages = [m | {"content": shield(tokenizer, m["content"], literals)} for m in messages]
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+    return tokenize_rendered(tokenizer, text, literals)
+
+
+def shield(tokenizer, text: str, literals: list[str]) -> str:
+    """`text`, which a user wrote, with each control-token string in it (`<|im_start|>`, ...) replaced by a
+    numbered mark (the string appended to `literals`): rendered into a chat template and tokenised by
+    `tokenize_rendered`, the template's own control tokens stay control tokens and the user's are spelt
+    out as text, so that no message can open a turn of its own. Text without one is returned as it is."""
+    def mark(match: re.Match) -> str:
+        literals.append(match.group())
+        return f"\x01{len(literals) - 1}\x02"
+
+    return _control_tokens(tokenizer).sub(mark, text)
+
+
+def tokenize_rendered(tokenizer, text: str, literals: Sequence[str]) -> tuple[int, ...]:
+    """Token ids of text rendered around `shield`ed user text: control tokens live, but the `literals` the
+    marks stand for tokenised as plain text (`split_special_tokens`). Text without marks is tokenised at
+    once, as it would be without any of this."""
+    pieces = _LITERAL_MARK.split(text)  # text, literal number, text, ...
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            ids += tokenizer(literals[int(piece)], add_special_tokens=False, split_special_tokens=True).input_ids
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False).input_ids
+    return tuple(ids)
+
+
+@functools.lru_cache(maxsize=8)
+def _control_tokens(tokenizer) -> re.Pattern:
+    """A pattern matching the tokenizer's control-token strings (its special added tokens), longest first,
+    and the characters this module's marks are made of (NUL, SOH, STX: a user's text then holds no mark)."""
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, [*specials, "\x00", "\x01", "\x02"])))
 
 
 @dataclass(frozen=True)
@@ -222,8 +261,9 @@ def with_runs(segments: Sequence[Segment], runs: Sequence[StoredRun]) -> list[Se
     return out
 
 
-def _render_parts(parts: Sequence[str | ChunkPart], chunks: list[ChunkPart]) -> str:
-    """A message's content with a numbered mark where each chunk goes (appended to `chunks`)."""
+def _render_parts(parts: Sequence[str | ChunkPart], chunks: list[ChunkPart], tokenizer, literals: list[str]) -> str:
+    """A message's content with a numbered mark where each chunk goes (appended to `chunks`), its text
+    `shield`ed (control-token strings in it marked, appended to `literals`)."""
     out: list[str] = []
     after_chunk = False
     for part in parts:
@@ -232,6 +272,6 @@ def _render_parts(parts: Sequence[str | ChunkPart], chunks: list[ChunkPart]) -> 
             chunks.append(part)
             after_chunk = True
         elif part:
-            out.append((_QUESTION_HEAD if after_chunk else "") + part)
+            out.append((_QUESTION_HEAD if after_chunk else "") + shield(tokenizer, part, literals))
             after_chunk = False
     return _SEPARATOR.join(out)

@@ -21,11 +21,17 @@ found by its token ids (the index's chunk matching) and read from the cache, the
 Chunks named in `rag_kvcache.chunk_ids`, or retrieved with `rag_kvcache.top_k` for the last user
 message, are spliced in by their stored ids instead: at the head of the last user message (chat,
 `chat_segments`), or in `ask`'s layout with the prompt as the question (completions).
+Message text is text: a control-token string in a chat message (`<|im_start|>`) is spelt out, never a
+control token (`engine.prompt.shield`), on every chat path. A `/v1/completions` prompt without chunks
+is the client's whole raw prompt, its control tokens kept (it may be the client's own template, as with
+OpenAI's and vLLM's completions); with chunks, the prompt is the question and is spelt out too.
+A request body over `max_body_bytes` is a 413, refused before it is read whole or parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -37,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +67,7 @@ from .settings import ServerConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+NAME_MAX = 255  # bytes in a file name (ext4, APFS, NTFS)
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/retrieve", "/v1/documents", "/metrics",
           "/health")
 
@@ -93,6 +100,7 @@ class Prompt:
     chunks: list[dict[str, Any]]  # id, source, score (None for chunks named by id)
     fusion: FusionConfig
     generation: GenerationConfig
+    salt: str = ""  # the tenant (and the request's cache_salt) whose caches of request text it reads
 
     @property
     def n_tokens(self) -> int:
@@ -314,7 +322,7 @@ class Server:
         each step; a streaming response learns of one when the server cancels it."""
         try:
             async with ticket.serve(), aclosing(
-                self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation)
+                self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation, prompt.salt)
             ) as steps:
                 if request is not None and await request.is_disconnected():
                     raise ClientGone
@@ -362,13 +370,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                   lifespan=lifespan)
     app.state.server = server
 
-    async def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
+    tenants = {key.encode(): hashlib.sha256(key.encode()).hexdigest()[:32] for key in config.api_keys}
+
+    async def authorize(request: Request) -> str:
+        """The request's tenant: an id derived from its API key ("" without keys), or a 401."""
+        if not tenants:
+            return ""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+        given = key.strip().encode()
+        matches = [tenant for known, tenant in tenants.items() if secrets.compare_digest(given, known)]  # every key compared
+        if scheme.lower() != "bearer" or not matches:
             raise APIError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
                            type="authentication_error", code="invalid_api_key")
+        return matches[0]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -387,6 +401,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
+    app.add_middleware(_LimitBody, max_bytes=config.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)
     auth = [Depends(authorize)]
 
@@ -419,6 +434,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(400, "this server was started without a documents folder (`serve --docs DIR`)",
                            code="documents_disabled")
         paths = [_document_path(config.docs_dir, doc.source) for doc in body.documents]
+        limit = server.engine.index.config.max_file_bytes
+        if large := [doc.source for doc in body.documents if len(doc.text.encode()) > limit]:  # never indexed: not written
+            raise APIError(400, f"documents {large} are larger than the index's max_file_bytes ({limit} bytes)",
+                           param="documents.text", code="document_too_large")
         ticket = server.admission.admit()
         try:
             async with ticket.serve():
@@ -431,8 +450,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 "new_chunks": [{"id": c.id, "source": c.source} for c in report.new_chunks],
                 "chunks": len(server.engine.index.chunks)}
 
-    async def answer(body, request: Request, build_prompt, chat: bool) -> Response:
-        """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not)."""
+    async def answer(body, request: Request, tenant: str, build_prompt, chat: bool) -> Response:
+        """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not),
+        reading and writing caches of its request text as its tenant's (and its `cache_salt`'s)."""
         server.check_model(body.model)
         ticket = server.admission.admit()
         try:
@@ -440,15 +460,18 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         except BaseException:
             ticket.close()
             raise
-        return await _respond(server, ticket, prompt, body, request, chat=chat)
+        salt = f"{tenant}:{body.cache_salt}" if body.cache_salt else tenant
+        return await _respond(server, ticket, replace(prompt, salt=salt), body, request, chat=chat)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await answer(body, request, chat_prompt, chat=True)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               tenant: Annotated[str, Depends(authorize)]) -> Response:
+        return await answer(body, request, tenant, chat_prompt, chat=True)
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await answer(body, request, completion_prompt, chat=False)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request,
+                          tenant: Annotated[str, Depends(authorize)]) -> Response:
+        return await answer(body, request, tenant, completion_prompt, chat=False)
 
     return app
 
@@ -532,12 +555,30 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def _document_path(docs_dir: Path, source: str) -> Path:
-    """Where a posted document goes: a relative path inside `docs_dir`, no hidden or parent parts."""
+    """Where a posted document goes: a relative path inside `docs_dir`, no hidden or parent parts, no
+    control characters, each name short enough for its temporary file's (`.NAME.tmp`), through folders
+    (not files, not links) only: a link inside the folder once let a document land outside it."""
     rel = PurePosixPath(source)
     if rel.is_absolute() or "\\" in source or any(part in ("", "..") or part.startswith(".") for part in rel.parts):
-        raise APIError(400, f"source must be a relative path inside the documents folder, without hidden or "
-                       f"'..' parts; got {source!r}", param="documents.source", code="invalid_source")
-    return docs_dir / Path(*rel.parts)
+        raise _bad_source(source, "a relative path inside the documents folder, without hidden or '..' parts")
+    if any(ord(c) < 32 or ord(c) == 127 for c in source):
+        raise _bad_source(source, "without control characters")
+    if any(len(part.encode()) > NAME_MAX - len("..tmp") for part in rel.parts):
+        raise _bad_source(source, f"with names of at most {NAME_MAX - len('..tmp')} bytes")
+    path = docs_dir
+    for i, part in enumerate(rel.parts):
+        path = path / part
+        if path.is_symlink():
+            raise _bad_source(source, f"not through a link ({'/'.join(rel.parts[: i + 1])!r} is one)")
+        last = i == len(rel.parts) - 1
+        if path.is_dir() if last else path.exists() and not path.is_dir():
+            raise _bad_source(source, f"a path through folders to a file ({'/'.join(rel.parts[: i + 1])!r} is "
+                                      f"{'a folder' if last else 'a file'})")
+    return path
+
+
+def _bad_source(source: str, rule: str) -> APIError:
+    return APIError(400, f"source must be {rule}; got {source!r}", param="documents.source", code="invalid_source")
 
 
 def _write_and_sync(index: KVIndex, docs_dir: Path, paths: list[Path], texts: list[str]):
@@ -548,6 +589,42 @@ def _write_and_sync(index: KVIndex, docs_dir: Path, paths: list[Path], texts: li
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     return index.update(docs_dir, progress=False)
+
+
+class _LimitBody:
+    """ASGI middleware: reads a request's body before the route does, and answers 413 once it is larger than
+    `max_bytes` (said by its Content-Length or counted as it arrives), without parsing any of it: a 20 MB
+    chat body was once tokenised whole on the engine's thread before its prompt was found too long."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        too_large = declared.isdigit() and int(declared) > self.max_bytes
+        body: list[dict] = []
+        received, more = 0, not too_large
+        while more:
+            message = await receive()
+            body.append(message)
+            received += len(message.get("body", b""))
+            too_large = received > self.max_bytes
+            more = message["type"] == "http.request" and message.get("more_body", False) and not too_large
+        if too_large:
+            error = APIError(413, f"the request body is larger than this server's max_body_bytes ({self.max_bytes})",
+                             code="request_too_large")
+            await error.response()(scope, receive, send)
+            return
+        pending = iter(body)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
 
 
 class _CountRequests:

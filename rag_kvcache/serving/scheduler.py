@@ -11,8 +11,9 @@ new one joins after its prefill, between two steps; at most `max_batch` decode t
 `max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
-A failure in a prefill fails its request; one in a batched step fails every request in that step
-(their rows shared the forward), each with the error.
+A failure in a prefill fails its request; one in a request's own sampling of a batched step fails
+that request alone, the others decode on as if it had not been there; one in the batched forward
+itself fails every request in that step (their rows shared it), each with the error.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Job:
     segments: Sequence[Segment]
     fusion: FusionConfig
     generation: GenerationConfig
+    salt: str  # the tenant whose caches of request text it reads (`FusedGenerator.start`)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
@@ -77,7 +79,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
 
     async def stream(
-        self, segments: Sequence[Segment], fusion: FusionConfig, generation: GenerationConfig
+        self, segments: Sequence[Segment], fusion: FusionConfig, generation: GenerationConfig, salt: str = "",
     ) -> AsyncIterator[str | Answer]:
         """The request's text pieces as they are decoded, then its `Answer`. Closing it early (the
         client left) takes the request out before the scheduler's next step."""
@@ -85,7 +87,7 @@ class Scheduler:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="rag-kvcache-scheduler")
         if self._task.done():
             raise RuntimeError(f"the scheduler has stopped: {self._task}")
-        job = Job(segments, fusion, generation)
+        job = Job(segments, fusion, generation, salt)
         self.pending.append(job)
         self._wake.set()
         try:
@@ -134,7 +136,7 @@ class Scheduler:
 
     def _start(self, job: Job) -> tuple[Generation, list[Step], Answer | None]:
         """On the engine's thread: the prefill and the first token."""
-        live = self.generator.start(job.segments, job.fusion, job.generation)
+        live = self.generator.start(job.segments, job.fusion, job.generation, job.salt)
         released = live.decoder.take(live.first_token)
         return live, released, self.generator.finish(live) if live.decoder.done else None
 
@@ -148,8 +150,12 @@ class Scheduler:
                 job.fail(e)
             self._keep(lambda job: job not in jobs)
             return
-        for job, (released, answer) in zip(jobs, results):
-            job.deliver(released, answer)
+        for job, result in zip(jobs, results):
+            if isinstance(result, Exception):
+                log.warning("a request's decoding step failed; the %d others in its batch go on: %s", len(jobs) - 1, result)
+                job.fail(result)
+            else:
+                job.deliver(*result)
         self._keep(lambda job: not job.live.decoder.done)
 
     def _keep(self, keep: Callable[[Job], bool]) -> None:
@@ -157,8 +163,9 @@ class Scheduler:
         self.decoding = [job for job in self.decoding if keep(job)]
         self.metrics.decoding.set(len(self.decoding))
 
-    def _advance(self, jobs: list[Job]) -> list[tuple[list[Step], Answer | None]]:
-        """On the engine's thread: one batched decoding step, and the answers of those it completed."""
+    def _advance(self, jobs: list[Job]) -> list[tuple[list[Step], Answer | None] | Exception]:
+        """On the engine's thread: one batched decoding step, and the answers of those it completed (a
+        request's own failure in place of its result)."""
         released = decode_together([job.live.decoder for job in jobs])
-        return [(r, self.generator.finish(job.live) if job.live.decoder.done else None)
+        return [r if isinstance(r, Exception) else (r, self.generator.finish(job.live) if job.live.decoder.done else None)
                 for job, r in zip(jobs, released)]

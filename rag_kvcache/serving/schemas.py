@@ -108,6 +108,7 @@ class Sampling(Strict):
     frequency_penalty: float = 0.0
     logprobs: bool = False
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: caches of request text apart
     rag_kvcache: RagOptions = RagOptions()
 
     @field_validator("stop")

@@ -15,8 +15,9 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).")
     port: int = setting(8000, "TCP port.")
-    api_key: str | None = field(default=None, repr=False, metadata={
-        "help": "Require `Authorization: Bearer KEY` on every route but /health."})
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "help": "Require `Authorization: Bearer KEY` with one of these keys on every route but /health "
+                "(repeatable). Each key is a tenant: caches of request text (prompt heads) are its own."})
     docs_dir: Path | None = setting(None, "The documents folder the index mirrors: POST /v1/documents writes "
                                           "into it and syncs the index (without it the route is refused).")
     max_queue: int = setting(8, "Requests that may wait for the engine; more are refused with 429.")
@@ -24,12 +25,13 @@ class ServerConfig:
                                 "(their fused prefills run one at a time); 1 serves one request at a time.")
     max_prompt_tokens: int = setting(8192, "Longest prompt admitted, in tokens (longer: 400).")
     max_tokens: int = setting(1024, "Most tokens a request may ask to generate (more: 400).")
+    max_body_bytes: int = setting(16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed).")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
-        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens"):
+        if not all(self.api_keys):
+            raise ValueError("api_keys must not be empty strings (give none for no authentication)")
+        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name} must be >= {0 if name == 'max_queue' else 1}, got {getattr(self, name)!r}")
