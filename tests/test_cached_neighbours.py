@@ -224,3 +224,18 @@ def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path)
 def test_config_names_the_bad_value():
     with pytest.raises(ValueError, match="cached_neighbours.*got 'cached'"):
         Config(chunk_prefill="cached")
+
+
+def test_bench_and_cli_name_it():
+    """`method@cached_neighbours` runs a method on an index built with it; the CLI offers it."""
+    from typer.testing import CliRunner
+
+    from rag_kvcache.bench.runner import made_with, parse_variant
+    from rag_kvcache.cli import app
+
+    variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config())
+    assert variant.caches == "cached_neighbours" and variant.label == "epic_match@cached_neighbours k=16"
+    assert made_with(Config(), "cached_neighbours").chunk_prefill == "cached_neighbours"
+    assert parse_variant("reuse@cached_neighbours", FusionConfig(), replace(CACHED)).caches is None  # the run's own
+    result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "cached_neighbours" in result.output
