@@ -502,7 +502,7 @@ def bench(
                                          "must include full. METHOD:PARAM=VALUE sets its parameter (epic:k=19, "
                                          "cacheblend:r=0.5); METHOD@CACHES runs METHOD on the caches of an index "
                                          "over the same corpus built with --chunk-prefill or --kv-codec CACHES, "
-                                         "e.g. reuse@neighbours, cacheblend@int8-channel.")] = BENCH_METHODS,
+                                         "e.g. reuse@neighbours, cacheblend@none.")] = BENCH_METHODS,
     baseline: Annotated[str, typer.Option(help="Method the others' fidelity is compared with, question by question.")] = "cacheblend",
     chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
     top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),

@@ -42,6 +42,7 @@ tokens, and `open_caches` opens (and, where needed, repairs) the caches of a pro
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -68,6 +69,7 @@ from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore, cache_key
 from .store.backend import CorruptEntryError
+from .store.tiers import StorageFullError
 
 if TYPE_CHECKING:
     from .build.cluster import RayWorkers
@@ -272,10 +274,7 @@ class KVIndex:
         if self.key(prefix, ()) not in self.store:
             self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
         todo = list({ids for ids in chunks if self.key(ids) not in self.store})
-        pending = self.pending() | {self.key(ids): (ids, self.chunk_context) for ids in todo}
-        tmp = self._pending_path.with_suffix(".json.tmp")  # until the run commits: resumable work, not garbage
-        tmp.write_text(json.dumps({key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()}), encoding="utf-8")
-        os.replace(tmp, self._pending_path)
+        self._record_pending(self.pending() | {self.key(ids): (ids, self.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.chunk_context, progress)
             if lost := [ids for ids in todo if self.key(ids) not in self.store]:
@@ -306,6 +305,20 @@ class KVIndex:
     @property
     def _pending_path(self) -> Path:
         return self.path / "pending.json"
+
+    def _record_pending(self, pending: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Record a run's caches before it computes them (atomically): until it commits they are resumable work,
+        not garbage. Raises `StorageFullError` (nothing recorded) when the disk is full."""
+        tmp = self._pending_path.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(json.dumps({key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()}), encoding="utf-8")
+            os.replace(tmp, self._pending_path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFullError(err.errno, f"no space left on the device of {self.path} while recording the "
+                                                  "caches this run computes: free space") from err
+            raise
 
     def unrecorded_chunks(self) -> list[ChunkRecord]:
         """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:

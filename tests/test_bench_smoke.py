@@ -35,7 +35,8 @@ def bench_out(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     write_jsonl(synthetic_multihop(3), root / "synthetic.jsonl")
     args = ["bench", "--dataset", str(root / "synthetic.jsonl"), "--sweep", "--out", str(root / "out"),
-            "--top-k", "3", "--chunk-tokens", "128", "--max-new-tokens", "4"]
+            "--top-k", "3", "--chunk-tokens", "128", "--max-new-tokens", "4",
+            "--kv-codec", "none"]  # lossless caches: the exact methods score exactly
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
         result = CliRunner().invoke(app, args)
@@ -99,9 +100,9 @@ def test_plan_reads_the_caches_a_method_runs_on():
                              baseline="cacheblend@neighbours")
     variants = plan(settings, FusionConfig(ratio=0.15), Config())
     assert [v.label for v in variants] == ["full", "cacheblend r=0.15", "reuse@neighbours", "cacheblend@neighbours r=0.15",
-                                           "cacheblend@int8-channel r=0.15"]
+                                           "cacheblend@none r=0.15"]  # int8-channel: the run's own (the default)
     assert variants[2] == Variant("reuse", caches="neighbours")
-    assert runner.made_with(Config(), "int8-channel").storage.codec == "int8-channel"
+    assert runner.made_with(Config(), "none").storage.codec == "none"
     assert runner.made_with(Config(), "neighbours").chunk_prefill == "neighbours"
     with pytest.raises(ValueError, match="unknown chunk caches 'nearby'"):
         plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), Config())

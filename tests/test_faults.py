@@ -23,7 +23,8 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.store.tiers import StorageFullError
 
 TESTS = Path(__file__).resolve().parent
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0))
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6),
+             storage=StorageConfig(memory_bytes=0, codec="none"))  # lossless: a recomputed cache equals the stored one
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 WORDS = "harbour ferry granite lighthouse keeper diary telescope refractor bakery caraway regatta oar".split()
 
@@ -42,7 +43,8 @@ if delay:
     replace = os.replace
     os.replace = lambda a, b: (time.sleep(delay), replace(a, b))[1]
 adapter = ModelAdapter(tiny_llama(), AutoTokenizer.from_pretrained(MINILM_DIR), name="tiny-llama")
-KVIndex.build(sys.argv[1], sys.argv[2], Config(chunk_tokens=24), adapter=adapter, progress=False)
+KVIndex.build(sys.argv[1], sys.argv[2], Config(chunk_tokens=24).with_storage(codec="none"), adapter=adapter,
+              progress=False)
 """
 
 

@@ -6,7 +6,11 @@ import logging
 
 import torch
 
+from rag_kvcache.config import StorageConfig
 from rag_kvcache.store.kvstore import ChunkKV, KVStore, cache_key
+
+
+LOSSLESS = StorageConfig(codec="none")  # these tests read back exactly what they stored
 
 
 def make_kv(layers: int = 3, tokens: int = 5, position: int = 7, dtype=torch.float32) -> ChunkKV:
@@ -19,7 +23,7 @@ def make_kv(layers: int = 3, tokens: int = 5, position: int = 7, dtype=torch.flo
 
 
 def test_round_trip(tmp_path):
-    store, kv = KVStore(tmp_path), make_kv(dtype=torch.bfloat16)
+    store, kv = KVStore(tmp_path, LOSSLESS), make_kv(dtype=torch.bfloat16)
     key = cache_key("ns", (1, 2), (3, 4, 5))
     assert store.get(key) is None and key not in store
     store.put(key, kv)
@@ -37,7 +41,7 @@ def test_key_depends_on_namespace_context_and_ids():
 
 
 def test_bit_flip_is_detected_and_dropped(tmp_path, caplog):
-    store = KVStore(tmp_path)
+    store = KVStore(tmp_path, LOSSLESS)
     store.put("ab" * 16, make_kv())
     path = store.path("ab" * 16)
     raw = bytearray(path.read_bytes())
@@ -49,7 +53,7 @@ def test_bit_flip_is_detected_and_dropped(tmp_path, caplog):
 
 
 def test_truncated_file_is_a_miss(tmp_path, caplog):
-    store = KVStore(tmp_path)
+    store = KVStore(tmp_path, LOSSLESS)
     store.put("cd" * 16, make_kv())
     path = store.path("cd" * 16)
     path.write_bytes(path.read_bytes()[:100])

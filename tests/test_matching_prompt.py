@@ -23,7 +23,7 @@ DOCS = {
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye; it is a refractor with "
     "a lens ground by the optician Selma Voss, and it was moved to the hill above the town in 1902.",
 }
-CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5))
+CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5)).with_storage(codec="none")  # lossless: exact
 
 
 @pytest.fixture(scope="module")

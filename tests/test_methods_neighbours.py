@@ -13,14 +13,14 @@ import pytest
 import torch
 from test_fusion import ATOL
 
-from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rotate_keys, rotation
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
-NEIGHBOURS = Config(chunk_tokens=24, top_k=3, chunk_prefill="neighbours", context_chunks=2)
+NEIGHBOURS = Config(chunk_tokens=24, top_k=3, chunk_prefill="neighbours", context_chunks=2).with_storage(codec="none")
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
                       "passed the point, the weather each morning, and the state of the lamp and its oil.",
@@ -166,7 +166,7 @@ def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, inde
 
 
 def test_a_corrupt_cache_in_a_blend_is_recomputed_and_the_answer_unchanged(tiny, index, caplog):
-    index = KVIndex.open(index.path, replace(NEIGHBOURS, storage=StorageConfig(memory_bytes=0)), adapter=tiny)
+    index = KVIndex.open(index.path, replace(NEIGHBOURS, storage=replace(NEIGHBOURS.storage, memory_bytes=0)), adapter=tiny)
     question = "Who kept the lighthouse diary of ships?"
     fmt = index.format
     segments = fmt.segments([h.chunk.token_ids for h in index.search(question, 3)],

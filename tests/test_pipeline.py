@@ -21,7 +21,7 @@ DOCS = {
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
     "notes/harbour.txt": "Orrin's Ford harbour has a granite breakwater and a ferry to Tessaly twice a day. " * 3,
 }
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6))
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6)).with_storage(codec="none")  # lossless: exact
 
 
 @pytest.fixture()

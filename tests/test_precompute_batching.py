@@ -17,7 +17,7 @@ from rag_kvcache.store.kvstore import KVStore
 
 WORDS = "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()
 DOCS = {f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)}
-CFG = Config(chunk_tokens=24)
+CFG = Config(chunk_tokens=24).with_storage(codec="none")  # lossless: stored equals computed
 
 
 @pytest.fixture()
@@ -89,7 +89,7 @@ def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
 
 
 def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):
-    store = KVStore(tmp_path / "kv")
+    store = KVStore(tmp_path / "kv", CFG.storage)
     chunks = _chunks(7, (8,))
     with WriteBehind(store, depth=2) as writer:
         for i, kv in compute_caches(tiny, chunks, (), 20):

@@ -151,7 +151,7 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
 
 
 def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
-    first, second = (KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url)) for name in "ab")
+    first, second = (KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url, codec="none")) for name in "ab")
     mine, theirs = make_kv(), make_kv(position=3)
     first.put("k1", mine)
     second.put("k1", theirs)  # computed too, later: the remote keeps the first
@@ -193,7 +193,7 @@ def test_a_corrupt_remote_value_is_detected_and_repaired(shared, corpus, server,
 def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
     server = RedisServer(tmp_path / "redis", maxmemory="3mb")
     try:
-        tier = RedisTier(StorageConfig(remote=server.url))
+        tier = RedisTier(StorageConfig(remote=server.url, codec="none"))
         kvs = {f"k{i}": make_kv(layers=4, tokens=512, position=i) for i in range(24)}  # 256 KiB each
         for key, kv in kvs.items():
             tier.put(key, kv)
@@ -250,7 +250,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
 
 
 def test_an_entry_lost_mid_read_is_not_dropped(server):
-    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60))
+    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60, codec="none"))
     tier.put("k1", make_kv())
     entry = tier.open("k1")
     server.kill()

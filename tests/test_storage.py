@@ -19,7 +19,7 @@ KEYS = [f"{i:02x}" * 16 for i in range(6)]
 
 
 def test_one_layer_is_read_without_the_others(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=0))
+    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
     kv = make_kv(layers=4, tokens=6)
     store.put(KEYS[0], kv)
     entry = store.open(KEYS[0])
@@ -31,7 +31,7 @@ def test_one_layer_is_read_without_the_others(tmp_path):
 
 
 def test_memory_tier_serves_entries_read_whole(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=1 << 20))
+    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=1 << 20))
     kv = make_kv()
     store.put(KEYS[0], kv)
     assert len(store.memory) == 0  # writes do not fill the read cache
@@ -44,7 +44,7 @@ def test_memory_tier_serves_entries_read_whole(tmp_path):
 @pytest.mark.parametrize("kind, survivor", [("lru", KEYS[0]), ("lfu", KEYS[0])])
 def test_memory_tier_evicts_by_bytes(tmp_path, kind, survivor):
     kv = make_kv()
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=2 * kv.nbytes, eviction=kind))
+    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=2 * kv.nbytes, eviction=kind))
     for key in KEYS[:2]:
         store.put(key, kv)
         store.get(key)
@@ -69,11 +69,11 @@ def test_lfu_and_lru_differ():
 
 def test_disk_tier_evicts_to_its_budget_across_restarts(tmp_path):
     kv = make_kv()
-    store = KVStore(tmp_path / "s", StorageConfig(memory_bytes=0))
+    store = KVStore(tmp_path / "s", StorageConfig(codec="none", memory_bytes=0))
     store.put(KEYS[0], kv)
     entry_bytes = store.path(KEYS[0]).stat().st_size
     budget = 2 * entry_bytes
-    store = KVStore(tmp_path / "s", StorageConfig(memory_bytes=0, disk_bytes=budget))  # learns KEYS[0]
+    store = KVStore(tmp_path / "s", StorageConfig(codec="none", memory_bytes=0, disk_bytes=budget))  # learns KEYS[0]
     store.put(KEYS[1], kv)
     store.put(KEYS[2], kv)
     assert KEYS[0] not in store and KEYS[1] in store and KEYS[2] in store
@@ -81,12 +81,12 @@ def test_disk_tier_evicts_to_its_budget_across_restarts(tmp_path):
 
 
 def test_counters_persist_across_processes(tmp_path):
-    store = KVStore(tmp_path)
+    store = KVStore(tmp_path, StorageConfig(codec="none"))
     store.put(KEYS[0], make_kv())
     store.get(KEYS[0])
     store.get(KEYS[1])
     store.flush_stats()
-    again = KVStore(tmp_path)
+    again = KVStore(tmp_path, StorageConfig(codec="none"))
     again.get(KEYS[0])  # served by disk: the new process's memory tier is empty
     stats = again.stats()
     assert stats["disk"].hits == 2 and stats["disk"].misses == 1 and stats["disk"].bytes_written > 0
@@ -122,7 +122,7 @@ def test_unknown_codec_and_bad_storage_config():
 
 
 def test_page_cache_can_be_dropped(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=0))
+    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
     store.put(KEYS[0], make_kv())
     store.disk.drop_page_cache()
     assert store.get(KEYS[0]) is not None
@@ -200,7 +200,7 @@ def test_counters_taken_while_a_reader_counts_lose_nothing(tmp_path):
     """The fusion's background reader counts hits while the query thread flushes: no count is lost."""
     import threading
 
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=0))
+    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
     store.put("a" * 32, make_kv())
     stop = threading.Event()
     opened = []

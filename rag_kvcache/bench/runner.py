@@ -74,7 +74,7 @@ class Variant:
     """One method at one parameter setting, e.g. `cacheblend` with r=0.05, on the chunk caches of the
     run's index or, with `caches`, of an index over the same corpus whose caches are made another way:
     computed with that `chunk_prefill` or stored with that codec (written `method@caches` in a methods
-    list, e.g. `reuse@neighbours`, `cacheblend@int8-channel`)."""
+    list, e.g. `reuse@neighbours`, `cacheblend@none`)."""
 
     method: str
     params: tuple[tuple[str, float | int], ...] = ()

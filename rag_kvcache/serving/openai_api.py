@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -464,13 +464,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return await _respond(server, ticket, replace(prompt, salt=salt), body, request, chat=chat)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               tenant: Annotated[str, Depends(authorize)]) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(authorize)) -> Response:
         return await answer(body, request, tenant, chat_prompt, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request,
-                          tenant: Annotated[str, Depends(authorize)]) -> Response:
+    async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(authorize)) -> Response:
         return await answer(body, request, tenant, completion_prompt, chat=False)
 
     return app
