@@ -213,7 +213,7 @@ class KVIndex:
         behind its context and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of
         its recorded neighbours."""
         prefix = self.format.prefix_ids
-        live = {self.key(prefix, ()): (prefix, ())} | self.pending()
+        live = {self.key(prefix, ()): (prefix, ())}
         if self.config.chunk_prefill == "cached_neighbours" and self.format.separator_ids:
             live[self.key(self.format.separator_ids, prefix)] = (self.format.separator_ids, prefix)
         for ids in self.chunks.token_ids():
@@ -223,9 +223,9 @@ class KVIndex:
         return live
 
     def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
-        """The disk caches no indexed chunk uses (not in `live_keys`): all of them, or those among the
-        keys `candidates`."""
-        live = self.live_keys()
+        """The disk caches no indexed chunk uses (not in `live_keys`) and no interrupted run will resume with
+        (not `pending`): all of them, or those among the keys `candidates`."""
+        live = self.live_keys() | self.pending()
         if candidates is None:
             return [path for path in self.store.disk.files() if path.stem not in live]
         return [self.store.disk.path(key) for key in candidates if key not in live and key in self.store.disk]

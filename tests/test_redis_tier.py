@@ -225,8 +225,8 @@ def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
 def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, corpus, server, when, caplog):
     open_caches = shared.open_caches
 
-    def kill_after_opening(segments):  # every entry's header was read from the server; no layer yet
-        caches = open_caches(segments)
+    def kill_after_opening(segments, salt=""):  # every entry's header was read from the server; no layer yet
+        caches = open_caches(segments, salt)
         server.kill()
         return caches
 
