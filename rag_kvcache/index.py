@@ -271,9 +271,12 @@ class KVIndex:
         The writes run behind the compute (`WriteBehind`); with `workers`, the chunks' caches are computed
         on a Ray cluster, and each is checked to be in this index's store before this returns."""
         prefix = self.format.prefix_ids
-        if self.key(prefix, ()) not in self.store:
+        # Present means on this index's own disk: an entry in the shared tier proves only that some writer
+        # stored something under the key (one planted there before indexing was once never computed here).
+        held = self.store.disk if workers is None else self.store
+        if self.key(prefix, ()) not in held:
             self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
-        todo = list({ids for ids in chunks if self.key(ids) not in self.store})
+        todo = list({ids for ids in chunks if self.key(ids) not in held})
         self._record_pending(self.pending() | {self.key(ids): (ids, self.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.chunk_context, progress)

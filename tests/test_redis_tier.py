@@ -294,3 +294,25 @@ def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
 def test_a_remote_that_is_not_a_redis_url_is_refused():
     with pytest.raises(ValueError, match="'http://cache:6379'"):
         StorageConfig(remote="http://cache:6379")
+
+
+def test_an_entry_planted_in_the_shared_tier_before_indexing_is_not_taken_as_computed(tiny, tmp_path, server, corpus):
+    """A validly encoded entry holding another chunk's K/V, planted under a chunk's key before `index` ran,
+    was taken as present: the indexer never computed that chunk, and its own machine then answered from
+    the planted entry (prefix differed from full by 4.93 in first-token logits). The indexer counts only
+    its own disk: it computes every chunk there, and its answers read its disk first."""
+    docs = write_docs(tmp_path / "docs", 3)
+    cfg = replace(CFG, storage=remote_cfg(server.url))
+    probe = KVIndex.create(tmp_path / "probe", CFG, adapter=tiny)  # the keys the chunks will have
+    probe.update(docs, progress=False)
+    keys = [probe.key(ids) for ids in probe.chunks.token_ids()]
+    entries = [(probe.store.disk.path(k)).read_bytes() for k in keys]
+    tier = RedisTier(remote_cfg(server.url))
+    tier.client.flushdb()
+    for key, forged in zip(keys, entries[1:] + entries[:1]):  # each chunk's key holds another chunk's entry
+        tier.write(key, forged)
+    index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
+    assert all(key in index.store.disk for key in keys)  # computed here, not taken from the shared tier
+    got = ask(index)
+    assert got.cache_misses == 0 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
