@@ -10,6 +10,7 @@ demo: setup
 	.venv/bin/rag-kvcache demo
 
 test: setup
+	.venv/bin/ruff check rag_kvcache integrations tests benchmarks  # pyflakes, errors, import order (pyproject)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link fails
 	.venv/bin/python -m pytest -q
 	bash scripts/setup-vllm.sh

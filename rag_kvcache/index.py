@@ -67,8 +67,8 @@ from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument, exists
 from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
-from .store.kvstore import KVStore, cache_key
 from .store.backend import CorruptEntryError
+from .store.kvstore import KVStore, cache_key
 from .store.tiers import StorageFullError
 
 if TYPE_CHECKING:

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from rag_kvcache.engine.ops import (
-    RunCost, attend, attend_lse, attention_plan, causal_attend, causal_mask_for, merge_attention, plan_runs,
+    RunCost,
+    attend,
+    attend_lse,
+    attention_plan,
+    causal_attend,
+    causal_mask_for,
+    merge_attention,
+    plan_runs,
 )
 
 

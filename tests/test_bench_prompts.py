@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+from conftest import tiny_llama
 from synthetic import synthetic_multihop
 
-from conftest import tiny_llama
 from rag_kvcache.bench.prompts import LANGCHAIN_SYSTEM, PROMPT_STYLES, style_messages
 from rag_kvcache.bench.runner import BenchSettings, run_benchmark
 from rag_kvcache.config import Config, GenerationConfig

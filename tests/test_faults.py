@@ -306,9 +306,8 @@ def test_a_writer_opened_before_another_sync_does_not_drop_its_chunks(index, tin
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     from conftest import MINILM_DIR, tiny_llama
+    from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny-model")
     tiny_llama().save_pretrained(path)

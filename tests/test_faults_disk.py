@@ -16,13 +16,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.retrieval import chunk_index
 from rag_kvcache.retrieval.chunk_index import ForeignIndexError
 from rag_kvcache.store.tiers import StorageFullError
-from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
 NEW_DOC = "The regatta winners receive a silver oar that hangs in the town hall. " * 3
 
@@ -309,6 +309,7 @@ def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     """`ask --model X` wrote X's caches into the index: another model's are computed and used, and kept in
     the process's memory tier (a second question reuses them), never written to the index."""
     from conftest import tiny_llama
+
     from rag_kvcache.engine.model import ModelAdapter
 
     before = {p.name for p in index.store.disk.files()}

@@ -10,7 +10,14 @@ from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.methods import filter_schedule, get_method
 from rag_kvcache.engine.ops import (
-    attend, attention_plan, causal_attend, causal_mask_for, query_blocks, rerotate_keys, rotate_keys, rotation,
+    attend,
+    attention_plan,
+    causal_attend,
+    causal_mask_for,
+    query_blocks,
+    rerotate_keys,
+    rotate_keys,
+    rotation,
 )
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.store.kvstore import ChunkKV

@@ -9,7 +9,6 @@ import torch
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.store.kvstore import ChunkKV, KVStore, cache_key
 
-
 LOSSLESS = StorageConfig(codec="none")  # these tests read back exactly what they stored
 
 

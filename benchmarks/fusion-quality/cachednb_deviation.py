@@ -1,10 +1,13 @@
 """How close cached-neighbour caches come to the recomputed-text neighbour caches (issue 33 item 1): per chunk,
 per context j, per layer, relative L2 of K and V against the neighbours index's cache, for the cached_neighbours
 cache and for the chunk's behind-prefix cache moved to the same position (what plain reuse reads)."""
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 import numpy as np
 import torch
+
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.ops import rerotate_keys
@@ -12,11 +15,13 @@ from rag_kvcache.index import KVIndex
 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
-cfg = lambda m: Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
+def cfg(m):
+    return Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
 adapter = ModelAdapter.load(cfg("behind_prefix"))
 nb = KVIndex.open(out / "index-neighbours", cfg("neighbours"), adapter)
 cn = KVIndex.open(out / "index-cached_neighbours", cfg("cached_neighbours"), adapter)
-rel = lambda x, ref: float((x - ref).norm() / ref.norm())
+def rel(x, ref):
+    return float((x - ref).norm() / ref.norm())
 rows = {}  # j -> list of per-chunk [layer] arrays
 same = differ = 0
 for chunk in nb.chunks.all_chunks():

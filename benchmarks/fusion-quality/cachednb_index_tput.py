@@ -1,12 +1,16 @@
 """Indexing throughput of chunk_prefill behind_prefix, cached_neighbours, neighbours over the same documents
 (issue 33 item 1): one index each, built from scratch, each preceded by a plain-forward measurement."""
-import json, sys, time
+import json
+import sys
+import time
 from pathlib import Path
+
 import torch
+
+from rag_kvcache.bench.runner import forward_throughput
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
-from rag_kvcache.bench.runner import forward_throughput
 
 docs, out = Path(sys.argv[1]), Path(sys.argv[2])
 modes = sys.argv[3].split(",")

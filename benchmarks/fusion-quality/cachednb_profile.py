@@ -1,11 +1,16 @@
 """Where the time of cached-neighbour contexts goes: a few chunks' contexts recomputed (caches exist), profiled."""
-import cProfile, pstats, sys, time
+import cProfile
+import pstats
+import sys
+import time
 from pathlib import Path
+
 import torch
+
+from rag_kvcache.build.precompute import cached_context
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
-from rag_kvcache.build.precompute import cached_context
 
 torch.set_num_threads(2)
 cfg = Config(chunk_tokens=128, chunk_prefill="cached_neighbours", storage=StorageConfig(codec="none"))
@@ -15,11 +20,13 @@ chunks = [c for c in idx.chunks.all_chunks()][:6]
 work = [(c.token_ids, idx._neighbours[idx._neighbour_key(c.token_ids)]) for c in chunks]
 idx._behind_neighbours(*work[0][:1], work[0][1][:1])  # warm
 t = time.perf_counter()
-pr = cProfile.Profile(); pr.enable()
+pr = cProfile.Profile()
+pr.enable()
 n = 0
 for ids, near in work:
     for j in range(1, len(near) + 1):
-        idx._behind_neighbours(ids, near[:j]); n += len(ids)
+        idx._behind_neighbours(ids, near[:j])
+        n += len(ids)
 pr.disable()
 s = time.perf_counter() - t
 print(f"cached contexts: {n} chunk tokens in {s:.1f} s = {n/s:.1f} tok/s")
@@ -27,7 +34,8 @@ t = time.perf_counter()
 m = 0
 for ids, near in work:
     for j in range(1, len(near) + 1):
-        adapter.prefill_packed([ids]); m += len(ids)
+        adapter.prefill_packed([ids])
+        m += len(ids)
 print(f"plain single-chunk forwards: {m/(time.perf_counter()-t):.1f} tok/s")
 t = time.perf_counter()
 for ids, near in work[:2]:

@@ -1,10 +1,14 @@
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
+
 out = Path(sys.argv[1])
-cfg = lambda m: Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
+def cfg(m):
+     return Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
 a = ModelAdapter.load(cfg("neighbours"))
 nb = KVIndex.open(out / "index-neighbours", cfg("neighbours"), a)
 uniq = {c.token_ids for c in nb.chunks.all_chunks()}
@@ -16,4 +20,5 @@ r = {"unique_chunk_tokens": base, "contexts": len(ctxs), "prefix_tokens": len(nb
      "separator_tokens": len(nb.format.separator_ids),
      "computed_tokens": {"behind_prefix": base, "neighbours": base + text, "cached_neighbours": base + cached},
      "x_behind_prefix": {"neighbours": round((base + text) / base, 2), "cached_neighbours": round((base + cached) / base, 2)}}
-print(json.dumps(r, indent=1)); (out / "tokens.json").write_text(json.dumps(r, indent=1))
+print(json.dumps(r, indent=1))
+(out / "tokens.json").write_text(json.dumps(r, indent=1))

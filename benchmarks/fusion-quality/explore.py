@@ -30,12 +30,11 @@ from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.metrics import contains_answer, teacher_forced
 from rag_kvcache.bench.runner import build_index, greedy_answer_ids, place_evidence
 from rag_kvcache.config import Config
-from rag_kvcache.engine.cache import ChunkKV
 from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import get_method
-from rag_kvcache.engine.ops import kv_deviation
 from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.ops import kv_deviation
 from rag_kvcache.generator import Fused
 
 

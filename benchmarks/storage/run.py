@@ -34,11 +34,11 @@ from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
 from rag_kvcache.bench.runner import write_corpus
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, StorageConfig
+from rag_kvcache.engine.cache import LayerSource
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.codecs import CODECS
 from rag_kvcache.store.kvstore import KVStore
-from rag_kvcache.engine.cache import LayerSource
 
 log = logging.getLogger("storage-bench")
 

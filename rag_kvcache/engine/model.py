@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import xxhash
-from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, PreTrainedModel, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Cache,
+    DynamicCache,
+    PreTrainedModel,
+    StaticCache,
+)
 
 from ..config import DEFAULT_MODEL, Config
 from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin

@@ -36,8 +36,8 @@ from sentence_transformers import SentenceTransformer
 from ..store.tiers import StorageFullError
 from . import vectors as faiss_file
 from .chunking import Chunk
-from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
 from .documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES, Skipped, SourceFile, read_documents
+from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
 
 if TYPE_CHECKING:

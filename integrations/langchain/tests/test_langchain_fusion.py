@@ -7,9 +7,9 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
-
-from langchain_rag_kvcache.chat_models import _segments
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
+from langchain_rag_kvcache.chat_models import _segments
+
 from rag_kvcache import Engine, FusionConfig, GenerationConfig
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M

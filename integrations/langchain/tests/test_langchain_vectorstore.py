@@ -71,7 +71,8 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
         ("human", "{question}"),
     ])
     retriever = store.as_retriever(search_kwargs={"k": 3})
-    format_docs = lambda docs: "\n\n".join(d.page_content for d in docs)
+    def format_docs(docs):
+        return "\n\n".join(d.page_content for d in docs)
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model
     answer = chain.invoke(QUESTION)
     assert "Harrow" in answer.text
