@@ -375,6 +375,8 @@ def test_api_key_is_required_everywhere_but_health(running):
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"ratio": 2.0}}, "rag_kvcache"),
+    # JSON's \ud800 escape decodes to an unpaired surrogate, which the tokenizer refused with a TypeError (a 500)
+    ({"model": "M", "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
     # the index was never calibrated on this machine: a 500 FileNotFoundError once
     ({"model": "M", "messages": [{"role": "user", "content": QUESTION}], "rag_kvcache": {"ratio": "auto"}},
      "rag_kvcache"),
@@ -389,7 +391,8 @@ def test_api_key_is_required_everywhere_but_health(running):
 def test_bad_requests_are_openai_400s(running, body, param):
     if "model" in body:
         body = body | {"model": running.model}
-    r = httpx.post(f"{running.url}/v1/chat/completions", json=body, headers=running.headers())
+    r = httpx.post(f"{running.url}/v1/chat/completions", content=json.dumps(body),  # ASCII: \ud800 escaped
+                   headers=running.headers() | {"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]

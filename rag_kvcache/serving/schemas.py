@@ -20,6 +20,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        """Every string must be Unicode text: JSON's `\\ud800` escapes decode to unpaired surrogates, which no
+        tokenizer and no file takes (they were 500s)."""
+        todo = [value]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, str) and not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("holds an unpaired surrogate (\\ud800-\\udfff): not Unicode text") from None
+            elif isinstance(item, (list, tuple)):
+                todo.extend(item)
+            elif isinstance(item, dict):
+                todo.extend(item)
+                todo.extend(item.values())
+        return value
+
 
 class RagOptions(Strict):
     """The `rag_kvcache` request field: fusion method and parameters; chunks named or retrieved."""
