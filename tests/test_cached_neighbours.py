@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from test_fusion import ATOL
+from test_methods_neighbours import DOCS
 
 from rag_kvcache.build.precompute import cached_context, compute_behind_cached, compute_caches
 from rag_kvcache.config import Config, FusionConfig, StorageConfig
@@ -24,14 +25,6 @@ from rag_kvcache.index import KVIndex
 # caches stored as computed: the exactness checks compare K/V to float tolerance
 CACHED = Config(chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2,
                 storage=StorageConfig(codec="none"))
-DOCS = {
-    "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
-                      "passed the point, the weather each morning, and the state of the lamp and its oil.",
-    "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor "
-                       "built in 1911 and it still observes double stars on clear winter nights.",
-    "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day, and on Sundays "
-                  "it bakes small honey cakes for the children of the harbour families.",
-}
 
 
 def write_docs(folder) -> None:

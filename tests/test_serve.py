@@ -30,7 +30,7 @@ from conftest import tiny_llama
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, chat_segments
+from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.generator import Answer
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
@@ -555,48 +555,59 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
         stop_server(server, thread)
 
 
-def test_a_failing_prefill_fails_only_its_own_request(running):
-    """Three requests in one scheduler: the middle one's prompt is refused by the fusion (it ends with a
-    cached chunk); it gets that error, and the other two still decode together and answer as alone."""
+def three_in_one_scheduler(running: Running, jobs: list[tuple[list[Segment], GenerationConfig]]):
+    """The RAG prompt's segments over the top chunks, `ask`'s answer to them alone (its pieces and `Answer`), and
+    the results of three `jobs` (segments, generation) served by one scheduler of max_batch 3, with its metrics."""
     engine = running.engine
-    records = engine.run(engine.index.chunks.get, top_ids(running))
-    fmt = engine.index.format
-    segments = fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=6)
-    *pieces, want = list(engine.stream(segments, fusion, generation))
+    fusion = FusionConfig(method="cacheblend")
     metrics = ServerMetrics(engine.index.store.stats)
 
-    async def serve_three() -> list[object]:
+    async def serve() -> list[object]:
         scheduler = Scheduler(engine.generator, lambda fn, *args: asyncio.to_thread(engine.run, fn, *args), 3, metrics)
 
-        async def collect(segs) -> list[object]:
-            return [step async for step in scheduler.stream(segs, fusion, generation)]
+        async def collect(segments: list[Segment], generation: GenerationConfig) -> list[object]:
+            return [step async for step in scheduler.stream(segments, fusion, generation)]
 
         try:
-            return await asyncio.gather(collect(segments), collect(segments[:-1]), collect(segments),
-                                        return_exceptions=True)
+            return await asyncio.gather(*(collect(*job) for job in jobs), return_exceptions=True)
         finally:
             await scheduler.close()
 
-    first, refused, third = asyncio.run(serve_three())
-    assert isinstance(refused, ValueError) and "must end with an uncached segment" in str(refused)
-    for got in (first, third):
+    return asyncio.run(serve()), metrics
+
+
+def rag_segments(running: Running) -> list[Segment]:
+    engine = running.engine
+    records = engine.run(engine.index.chunks.get, top_ids(running))
+    fmt = engine.index.format
+    return fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
+
+
+def assert_answered_as_alone(running: Running, segments: list[Segment], generation: GenerationConfig,
+                             results: list[object], metrics: ServerMetrics) -> None:
+    *pieces, want = list(running.engine.stream(segments, FusionConfig(method="cacheblend"), generation))
+    for got in results:
         assert got[:-1] == pieces
         assert (got[-1].generated_tokens, got[-1].cached_tokens) == (want.generated_tokens, want.cached_tokens)
     sample = metrics.registry.get_sample_value
     assert sample("rag_kvcache_decode_batch_size_sum") > sample("rag_kvcache_decode_batch_size_count")  # batched
 
 
+def test_a_failing_prefill_fails_only_its_own_request(running):
+    """Three requests in one scheduler: the middle one's prompt is refused by the fusion (it ends with a
+    cached chunk); it gets that error, and the other two still decode together and answer as alone."""
+    segments, generation = rag_segments(running), GenerationConfig(max_new_tokens=6)
+    (first, refused, third), metrics = three_in_one_scheduler(
+        running, [(segments, generation), (segments[:-1], generation), (segments, generation)])
+    assert isinstance(refused, ValueError) and "must end with an uncached segment" in str(refused)
+    assert_answered_as_alone(running, segments, generation, [first, third], metrics)
+
+
 def test_a_request_failing_mid_batch_fails_alone(running, monkeypatch):
     """A request whose sampling failed at a batched step (temperature 1.05e-37 overflowed to NaN) failed every
     request in the batch with a 500. Three requests decode together; the middle one's sampler raises at
     its first batched step: it gets the error, the other two answer as alone."""
-    engine = running.engine
-    records = engine.run(engine.index.chunks.get, top_ids(running))
-    fmt = engine.index.format
-    segments = fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=6)
-    *pieces, want = list(engine.stream(segments, fusion, generation))
+    segments, generation = rag_segments(running), GenerationConfig(max_new_tokens=6)
     sample = Decoder.sample
 
     def faulty(self: Decoder, logits: torch.Tensor) -> int:
@@ -605,27 +616,10 @@ def test_a_request_failing_mid_batch_fails_alone(running, monkeypatch):
         return sample(self, logits)
 
     monkeypatch.setattr(Decoder, "sample", faulty)
-    metrics = ServerMetrics(engine.index.store.stats)
-
-    async def serve_three() -> list[object]:
-        scheduler = Scheduler(engine.generator, lambda fn, *args: asyncio.to_thread(engine.run, fn, *args), 3, metrics)
-
-        async def collect(gen: GenerationConfig) -> list[object]:
-            return [step async for step in scheduler.stream(segments, fusion, gen)]
-
-        try:
-            return await asyncio.gather(collect(generation), collect(replace(generation, seed=13)), collect(generation),
-                                        return_exceptions=True)
-        finally:
-            await scheduler.close()
-
-    first, failed, third = asyncio.run(serve_three())
+    (first, failed, third), metrics = three_in_one_scheduler(
+        running, [(segments, generation), (segments, replace(generation, seed=13)), (segments, generation)])
     assert isinstance(failed, RuntimeError) and "nan" in str(failed)
-    for got in (first, third):
-        assert got[:-1] == pieces
-        assert (got[-1].generated_tokens, got[-1].cached_tokens) == (want.generated_tokens, want.cached_tokens)
-    sample = metrics.registry.get_sample_value
-    assert sample("rag_kvcache_decode_batch_size_sum") > sample("rag_kvcache_decode_batch_size_count")  # batched
+    assert_answered_as_alone(running, segments, generation, [first, third], metrics)
 
 
 def test_streamed_events_are_sse_with_usage_last(running):
