@@ -588,6 +588,7 @@ def serve(
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
     max_body_bytes: Annotated[int, option(ServerConfig, "max_body_bytes", min=1)] = default(
         ServerConfig, "max_body_bytes"),
+    max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
     kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
     dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
@@ -607,7 +608,7 @@ def serve(
     try:
         server_cfg = ServerConfig(host=host, port=port, api_keys=tuple(api_key or ()), docs_dir=docs, max_queue=max_queue,
                                   max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-                                  max_body_bytes=max_body_bytes)
+                                  max_body_bytes=max_body_bytes, max_per_key=max_per_key)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(template_text=template_text)
         engine = Engine(index_dir, cfg.with_storage(remote=kv_remote))
     except (FileNotFoundError, ValueError) as e:

@@ -477,6 +477,38 @@ def test_full_queue_answers_429_with_retry_after(running):
     assert running.metric("rag_kvcache_requests_rejected_total") >= 3
 
 
+def test_one_key_cannot_take_every_place(running):
+    """Each API key may have `max_per_key` requests waiting or served; beyond it a 429 (`key_busy`), while
+    another key is still admitted and served."""
+    config = ServerConfig(api_keys=(KEY, "other-key"), max_queue=8, max_batch=1, max_per_key=2)
+    server, thread, url = start_server(create_app(running.engine, config))
+    release = threading.Event()
+    blocker = threading.Thread(target=running.engine.run, args=(release.wait,))  # the engine is busy until released
+    blocker.start()
+    outcomes: dict[str, list[int]] = {KEY: [], "other-key": []}
+
+    def ask(key: str) -> None:
+        r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120, json={
+            "model": running.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        outcomes[key].append(r.status_code if r.status_code != 429 or r.json()["error"]["code"] == "key_busy" else -1)
+
+    clients = [threading.Thread(target=ask, args=(KEY,)) for _ in range(4)]
+    other = threading.Thread(target=ask, args=("other-key",))
+    try:
+        for c in clients:
+            c.start()
+        _wait(lambda: len(outcomes[KEY]) == 2, "two of the first key's four requests to be refused")
+        other.start()
+    finally:
+        release.set()
+        blocker.join()
+        for c in [*clients, other]:
+            if c.ident is not None:  # started
+                c.join(timeout=120)
+        stop_server(server, thread)
+    assert sorted(outcomes[KEY]) == [200, 200, 429, 429] and outcomes["other-key"] == [200]
+
+
 def test_disconnect_stops_the_generation(running):
     full = running.client().completions.create(model=running.model, prompt="Once upon a time", max_tokens=LONG)
     assert full.usage.completion_tokens == LONG  # this prompt runs to the limit when nobody leaves

@@ -110,26 +110,42 @@ class Prompt:
 # ---- admission --------------------------------------------------------------------------------------
 class Admission:
     """At most `max_batch` requests served at once (prefilled, then decoded together); at most
-    `max_queue` admitted requests waiting (FIFO)."""
+    `max_queue` admitted requests waiting (FIFO); at most `max_per_key` of them, waiting or served, one
+    tenant's (an API key's; 0: no limit; requests without a key are not counted)."""
 
-    def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics) -> None:
+    def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics, max_per_key: int = 0) -> None:
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.max_per_key = max_per_key
         self.metrics = metrics
         self.waiting = 0
         self.active = 0
+        self.in_flight: dict[str, int] = {}  # per tenant: its requests waiting or served
         self._slot = asyncio.Semaphore(max_batch)
         self._service_s = 1.0  # moving average of a request's service time, for Retry-After
 
-    def admit(self) -> Ticket:
-        """A place in the queue, or a 429 when the queue is full."""
+    def admit(self, tenant: str = "") -> Ticket:
+        """A place in the queue, or a 429 when the queue is full or `tenant` has its most requests in flight."""
+        retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
         if self.waiting >= self.max_queue and (self.active >= self.max_batch or self.waiting):
             self.metrics.rejected.inc()
-            retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
             raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
                            type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
+        if tenant and self.max_per_key and self.in_flight.get(tenant, 0) >= self.max_per_key:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"this API key has {self.max_per_key} requests in flight, the most this server allows "
+                           f"one key (max_per_key); retry in {retry} s", type="rate_limit_error", code="key_busy",
+                           headers={"Retry-After": str(retry)})
         self._set_waiting(+1)
-        return Ticket(self)
+        if tenant:
+            self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+        return Ticket(self, tenant)
+
+    def _left(self, tenant: str) -> None:
+        if tenant:
+            self.in_flight[tenant] -= 1
+            if not self.in_flight[tenant]:
+                del self.in_flight[tenant]
 
     def _set_waiting(self, delta: int) -> None:
         self.waiting += delta
@@ -146,9 +162,11 @@ class Admission:
 class Ticket:
     """An admitted request: waits for the engine in `serve()`; `close()` gives its place back."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, tenant: str = "") -> None:
         self._admission = admission
+        self._tenant = tenant
         self._queued = True
+        self._open = True
         self.admitted_at = time.perf_counter()
 
     @asynccontextmanager
@@ -168,9 +186,13 @@ class Ticket:
             adm.served(time.perf_counter() - started)
 
     def close(self) -> None:
+        """Give the place back (served or not); once."""
         if self._queued:
             self._queued = False
             self._admission._set_waiting(-1)
+        if self._open:
+            self._open = False
+            self._admission._left(self._tenant)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------
@@ -297,7 +319,7 @@ class Server:
         self.model_id = engine.index.config.model
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.index.store.stats)
-        self.admission = Admission(config.max_queue, config.max_batch, self.metrics)
+        self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
         self.scheduler = Scheduler(engine.generator, self.on_engine, config.max_batch, self.metrics)
@@ -454,7 +476,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not),
         reading and writing caches of its request text as its tenant's (and its `cache_salt`'s)."""
         server.check_model(body.model)
-        ticket = server.admission.admit()
+        ticket = server.admission.admit(tenant)
         try:
             prompt = await server.on_engine(build_prompt, server.engine.generator, body, config)
         except BaseException:

@@ -25,6 +25,8 @@ class ServerConfig:
                                 "(their fused prefills run one at a time); 1 serves one request at a time.")
     max_prompt_tokens: int = setting(8192, "Longest prompt admitted, in tokens (longer: 400).")
     max_tokens: int = setting(1024, "Most tokens a request may ask to generate (more: 400).")
+    max_per_key: int = setting(8, "Most requests one API key may have waiting or in service at once (more: 429), "
+                                  "so that one client cannot take every place; 0: no limit. Without keys, none.")
     max_body_bytes: int = setting(16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed).")
 
     def __post_init__(self) -> None:
@@ -32,6 +34,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if not all(self.api_keys):
             raise ValueError("api_keys must not be empty strings (give none for no authentication)")
-        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes"):
-            if getattr(self, name) < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name} must be >= {0 if name == 'max_queue' else 1}, got {getattr(self, name)!r}")
+        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
+            least = 0 if name in ("max_queue", "max_per_key") else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
