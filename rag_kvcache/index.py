@@ -310,18 +310,8 @@ class KVIndex:
         return self.path / "pending.json"
 
     def _record_pending(self, pending: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-        """Record a run's caches before it computes them (atomically): until it commits they are resumable work,
-        not garbage. Raises `StorageFullError` (nothing recorded) when the disk is full."""
-        tmp = self._pending_path.with_suffix(".json.tmp")
-        try:
-            tmp.write_text(json.dumps({key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()}), encoding="utf-8")
-            os.replace(tmp, self._pending_path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageFullError(err.errno, f"no space left on the device of {self.path} while recording the "
-                                                  "caches this run computes: free space") from err
-            raise
+        """Record a run's caches before it computes them: until it commits they are resumable work, not garbage."""
+        _write_json(self._pending_path, {key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()})
 
     def unrecorded_chunks(self) -> list[ChunkRecord]:
         """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:
@@ -352,9 +342,7 @@ class KVIndex:
                     done += 1
             bar.update(1)
         bar.close()
-        tmp = self._neighbours_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(table), encoding="utf-8")
-        os.replace(tmp, self._neighbours_path)  # atomic: readers see the old table or the new one
+        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         return done
 
     def _behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
@@ -548,6 +536,21 @@ class KVIndex:
     def kv_bytes_per_token(self) -> float:
         """Disk bytes a token of a full-size chunk takes (`kv_bytes`)."""
         return self.kv_bytes([self.config.chunk_tokens]) / self.config.chunk_tokens
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Write `data` as JSON at `path` atomically (a temporary file renamed over it); a full disk raises
+    `StorageFullError` and leaves the old file as it was."""
+    tmp = path.with_suffix(".json.tmp")
+    try:
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(err.errno, f"no space left on the device of {path.parent} while writing "
+                                              f"{path.name}: free space") from err
+        raise
 
 
 @contextmanager
