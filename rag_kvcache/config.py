@@ -142,7 +142,9 @@ class StorageConfig:
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
     disk: a Redis or Valkey server (`store.redis_tier`). A request to it that takes longer than
     `remote_timeout` seconds, or fails, counts as a miss; after a failure the tier is skipped for
-    `remote_retry` seconds.
+    `remote_retry` seconds. `conversation_bytes` bounds the conversation cache of the engines that
+    serve chats (`serving.engine.Engine`: the server and the integrations), which keeps answered
+    prompts' K/V for the turns that continue them (`store.conversations`).
     """
 
     memory_bytes: int = 256 << 20
@@ -160,6 +162,10 @@ class StorageConfig:
     )
     remote_timeout: float = 5.0
     remote_retry: float = 30.0
+    conversation_bytes: int = setting(
+        512 << 20, "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
+        "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
+    )
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0:
@@ -176,6 +182,8 @@ class StorageConfig:
             raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
         if self.remote is not None and urlsplit(self.remote).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
+        if self.conversation_bytes < 0:
+            raise ValueError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
         if self.remote_timeout <= 0 or self.remote_retry < 0:
             raise ValueError(
                 f"remote_timeout must be > 0 and remote_retry >= 0, got {self.remote_timeout!r} and {self.remote_retry!r}"

@@ -4,7 +4,9 @@ One question flows downhill: `ask` retrieves (or takes the given hits) and lays 
 `complete` takes any prompt (a string or chat messages), tokenises it whole and finds the indexed
 chunks in it by their token ids (`prompt_segments`, `find_chunks`), so pipelines that build their own prompts are
 fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
-decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last.
+decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last. With a
+`ConversationCache`, every answered prompt's K/V and its answer's are kept, and a prompt that continues
+one (a chat's next turn) reads them and computes only its new tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
 from .engine.fusion import DirectReader, FusionInput, FusionResult
 from .engine.generation import Decoder
-from .engine.methods import get_method
+from .engine.methods import Method, get_method
 from .engine.profiling import StageClock
 from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
 from .index import KVIndex
@@ -29,6 +31,7 @@ from .retrieval.chunk_index import EmptyIndexError, Hit
 from .retrieval.matching import MIN_SPAN
 from .retrieval.templates import TemplateSpans
 from .store.controller import resolve_ratio
+from .store.conversations import ConversationCache, ConversationHit
 from .store.loading import LayerFeed
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class Answer:
     generated_tokens: int
     cache_misses: int
     cache_computed_tokens: int = 0  # prompt tokens whose cache was computed for this prompt (a new head, a repair)
+    conversation_tokens: int = 0  # prompt tokens read from the conversation cache (an earlier turn's K/V)
     finish_reason: str = "stop"  # "length": stopped at max_new_tokens; "stop": end of sequence or a stop string
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
@@ -81,7 +85,8 @@ class Answer:
         """What the fusion did and what it cost (the integrations' response metadata)."""
         return {
             "method": self.method, "ttft_s": self.ttft_s, "recomputed_tokens": self.recomputed_tokens,
-            "compute_fraction": self.compute_fraction, "cache_misses": self.cache_misses,
+            "conversation_tokens": self.conversation_tokens, "compute_fraction": self.compute_fraction,
+            "cache_misses": self.cache_misses,
             "generation_s": self.generation_s, "stages": self.stages,
         }
 
@@ -100,6 +105,7 @@ class Fused:
     prompt_tokens: int
     cache_misses: int
     cache_computed_tokens: int = 0  # prompt tokens of caches computed when opened (a new head, a repair)
+    conversation_tokens: int = 0  # prompt tokens read from the conversation cache
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class Generation:
     fused: Fused
     started: float  # time.perf_counter() when the fusion began
     ttft_s: float
+    ids: tuple[int, ...]  # the prompt's tokens
+    salt: str  # the tenant (`FusedGenerator.start`)
 
 
 def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
@@ -157,6 +165,24 @@ def cached_head(segments: Sequence[Segment], tokenizer, min_tokens: int = MIN_SP
     return [Segment(head[:n], True, "prefix"), Segment(head[n:], False, "text"), *segments[first:]]
 
 
+def segments_after(segments: Sequence[Segment], n: int, read_caches: bool) -> list[Segment]:
+    """The segments of a prompt's tokens from position `n` on: those wholly after it as they are when
+    `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
+    the cut); without `read_caches`, one computed segment."""
+    if not read_caches:
+        return [Segment(tuple(t for seg in segments for t in seg.ids)[n:], False, "text")]
+    out: list[Segment] = []
+    start = 0
+    for seg in segments:
+        end = start + len(seg.ids)
+        if start >= n:
+            out.append(seg)
+        elif end > n:
+            out.append(Segment(seg.ids[n - start :], False, seg.label))
+        start = end
+    return out
+
+
 def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
     """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
     `unmatched` ids before its first run, as far as the head's text ends with it (character for
@@ -174,9 +200,12 @@ def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
 class FusedGenerator:
     """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex, conversations: ConversationCache | None = None) -> None:
+        """`conversations`: where answered prompts' K/V are kept for the turns that continue them (None:
+        nothing is kept, every prompt is fused from the chunk caches alone)."""
         self.index = index
         self.adapter = index.adapter
+        self.conversations = conversations
         self.templates = TemplateSpans()  # learned from the prompts this generator fuses
         self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
 
@@ -300,7 +329,7 @@ class FusedGenerator:
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values)  # the decoder holds its own copy: the fused K/V are let go
         stats = replace(fused, result=replace(result, keys=[], values=[]))
-        return Generation(decoder, first, fusion.method, stats, t0, ttft)
+        return Generation(decoder, first, fusion.method, stats, t0, ttft, tuple(t for s in segments for t in s.ids), salt)
 
     def finish(self, live: Generation) -> Answer:
         """The `Answer` of a generation whose decoder is done (its `answer` field empty: the text is
@@ -309,19 +338,41 @@ class FusedGenerator:
             raise RuntimeError(f"the generation is not complete ({len(live.decoder.ids)} tokens so far)")
         generation_s = time.perf_counter() - live.started - live.ttft_s
         self.index.flush_stats()  # a failure is logged: the answer is never lost for its counters
+        if self.conversations is not None:
+            self._remember(live)
         n_generated, result = len(live.decoder.ids), live.fused.result
         return Answer(
             answer="", method=live.method, ttft_s=live.ttft_s, retrieval_s=0.0, prompt_tokens=live.fused.prompt_tokens,
             recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
             generation_s=generation_s, generated_tokens=n_generated, cache_misses=live.fused.cache_misses,
-            cache_computed_tokens=live.fused.cache_computed_tokens,
+            cache_computed_tokens=live.fused.cache_computed_tokens, conversation_tokens=live.fused.conversation_tokens,
             finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
             stages=result.stages, first_token_logits=result.logits,
         )
 
+    def _remember(self, live: Generation) -> None:
+        """Keep the K/V of a finished generation's prompt and of the answer tokens fed back (all but the
+        last) in the conversation cache, for a prompt that continues them."""
+        cache, method = live.decoder.cache, get_method(live.method)
+        ids = live.ids + tuple(live.decoder.ids[: cache.length - len(live.ids)])
+        self.conversations.insert(live.salt, ids, cache.keys, cache.values, method.name, method.exact)
+
+    def _recall(self, segments: Sequence[Segment], method: Method, salt: str) -> ConversationHit | None:
+        """The conversation cache's K/V of the longest run of tokens this prompt begins with, when it holds
+        more of them than the prompt's own cached head: an exact method's own K/V only."""
+        if self.conversations is None:
+            return None
+        ids = [t for seg in segments for t in seg.ids]
+        hit = self.conversations.match(salt, ids, method.name if method.exact else None)
+        head = len(segments[0].ids) if segments[0].cacheable else 0
+        return hit if hit is not None and hit.n_tokens > head else None
+
     def fuse(self, segments: Sequence[Segment], fusion: FusionConfig, salt: str = "") -> Fused:
         """The prompt's KV cache: the index opens the segments' caches (none for a method that reads
-        none), the fusion method blends them, reading cached layers `prefetch_layers` ahead.
+        none), the fusion method blends them, reading cached layers `prefetch_layers` ahead. The tokens
+        a conversation cache holds the K/V of (an earlier turn of this chat) are read from it instead:
+        they come first, as one cached segment at position 0 that no method recomputes; a method that
+        computes every token computes the rest (prefix caching over its own earlier K/V).
 
         Stages: `kv_load` (opening entries, and recomputing missing ones), `kv_wait` (the fusion
         waiting for cached layers, what the recompute did not hide, and placing each one in the prompt's
@@ -334,9 +385,18 @@ class FusedGenerator:
             fusion = resolve_ratio(replace(self.index.config, fusion=fusion), self.adapter)[0].fusion
         clock = StageClock(self.adapter.device)
         with clock.stage("kv_load"):
+            hit = self._recall(segments, method, salt)
+            if hit is not None:
+                ids = tuple(t for seg in segments for t in seg.ids)
+                segments = [Segment(ids[: hit.n_tokens], True, "conversation"),
+                            *segments_after(segments, hit.n_tokens, method.reads_cache)]
+                method = method if method.reads_cache else get_method("prefix")  # exact over its own K/V
             if method.reads_cache:
-                caches = self.index.open_caches(segments, salt)
+                opened = segments if hit is None else [replace(segments[0], cacheable=False), *segments[1:]]
+                caches = self.index.open_caches(opened, salt)
                 sources, contexts = caches.sources, caches.contexts
+                if hit is not None:
+                    sources = [hit.kv, *sources[1:]]
             else:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
             inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
@@ -348,4 +408,5 @@ class FusedGenerator:
         else:
             with LayerFeed(inp.sources, placement, self.adapter.layout.n_layers, depth, self.buffers) as feed:
                 result = method(self.adapter, inp, fusion, clock, feed)
-        return Fused(result, inp.n_tokens, *((0, 0) if caches is None else (caches.repaired, caches.computed_tokens)))
+        repaired, computed = (0, 0) if caches is None else (caches.repaired, caches.computed_tokens)
+        return Fused(result, inp.n_tokens, repaired, computed, 0 if hit is None else hit.n_tokens)

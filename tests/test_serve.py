@@ -107,14 +107,15 @@ def chat_adapter(tokenizer) -> ModelAdapter:
 
 
 @contextmanager
-def serving(adapter: ModelAdapter, root: Path, config: ServerConfig) -> Iterator[Running]:
-    """DOCS in `root / "docs"`, indexed with `adapter` and served with `config` on a free loopback port."""
+def serving(adapter: ModelAdapter, root: Path, config: ServerConfig, conversation_bytes: int = 0) -> Iterator[Running]:
+    """DOCS in `root / "docs"`, indexed with `adapter` and served with `config` on a free loopback port;
+    without a conversation cache unless given its budget (answers are compared with a prompt fused alone)."""
     docs = root / "docs"
     docs.mkdir()
     for name, text in DOCS.items():
         (docs / name).write_text(text)
     KVIndex.build(docs, root / "idx", CFG, adapter=adapter, progress=False).close()
-    with Engine(root / "idx", CFG, adapter) as engine:
+    with Engine(root / "idx", CFG.with_storage(conversation_bytes=conversation_bytes), adapter) as engine:
         server, thread, url = start_server(create_app(engine, config))
         try:
             yield Running(url, engine, docs, engine.index.config.model)
@@ -681,7 +682,7 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
     KVIndex.build(docs, tmp_path / "idx", cfg, adapter=smollm2, progress=False).close()
     question = "What is the name of the main telescope of the Veldmark Observatory?"
     fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=12)
-    with Engine(tmp_path / "idx", cfg, smollm2) as engine:
+    with Engine(tmp_path / "idx", cfg.with_storage(conversation_bytes=0), smollm2) as engine:  # each prompt alone
         hits = engine.search(question, 3)
         context = "\n\n".join(h.chunk.text for h in hits)
         quoted = [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]

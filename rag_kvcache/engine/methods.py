@@ -37,11 +37,13 @@ MethodFn = Callable[[ModelAdapter, FusionInput, FusionConfig, "StageClock | None
 
 @dataclass(frozen=True)
 class Method:
-    """A registered fusion method; `reads_cache` is False for methods that compute every token."""
+    """A registered fusion method; `reads_cache` is False for methods that compute every token, `exact`
+    True for those whose K/V equal a full prefill's over the caches they read (to float rounding)."""
 
     name: str
     fn: MethodFn
     reads_cache: bool = True
+    exact: bool = False
 
     def __call__(
         self, adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
@@ -53,11 +55,11 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, reads_cache: bool = True) -> Callable[[MethodFn], MethodFn]:
+def register(name: str, reads_cache: bool = True, exact: bool = False) -> Callable[[MethodFn], MethodFn]:
     """Register a fusion method under `name` (replacing any method of that name)."""
 
     def deco(fn: MethodFn) -> MethodFn:
-        METHODS[name] = Method(name, fn, reads_cache)
+        METHODS[name] = Method(name, fn, reads_cache, exact)
         return fn
 
     return deco
@@ -69,7 +71,7 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-@register("full", reads_cache=False)
+@register("full", reads_cache=False, exact=True)
 @torch.inference_mode()
 def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """Ordinary prefill of the whole prompt: the quality reference; uses no cache."""
@@ -83,7 +85,7 @@ def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None,
     )
 
 
-@register("prefix")
+@register("prefix", exact=True)
 def prefix(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """Prefix caching: reuse the exactly-cached head, prefill everything after it."""
     return selective_prefill(adapter, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], clock=clock, reader=reader)

@@ -1,5 +1,8 @@
 """`Engine`: an opened index and its generator, confined to one worker thread.
 
+A chat's turns share work through the engine: its generator keeps answered prompts' K/V
+(`ConversationCache`, `StorageConfig.conversation_bytes`), read by the turns that continue them.
+
 An index owns a SQLite connection (bound to the thread that opened it) and one model that serves
 one request at a time, so everything that touches it runs on the engine's own worker thread; async
 callers, which run the sync methods from executor threads, work unchanged. An engine is an explicit
@@ -22,6 +25,7 @@ from ..engine.prompt import Segment
 from ..generator import Answer, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import Hit
+from ..store.conversations import ConversationCache
 
 T = TypeVar("T")
 
@@ -40,7 +44,8 @@ class Engine:
         except BaseException:
             self._worker.shutdown()
             raise
-        self.generator = FusedGenerator(self.index)
+        budget = self.index.config.storage.conversation_bytes
+        self.generator = FusedGenerator(self.index, ConversationCache(budget) if budget else None)
 
     def __enter__(self) -> Engine:
         return self

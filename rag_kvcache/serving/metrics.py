@@ -4,7 +4,8 @@ one process, as in the tests, never share counters).
 Latencies are histograms per fusion method; tokens are counters (`rate()` gives tokens per second)
 plus a per-request decode-speed histogram; the KV store's counters per tier (`TierStats`: hits,
 misses, bytes read and written, evictions, corrupt entries, a remote tier's failed requests) are read
-from the store when scraped (totals over every process that used the index).
+from the store when scraped (totals over every process that used the index), the conversation cache's
+(`ConversationStats`) from the engine's generator.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..generator import Answer
 from ..store.backend import TierStats
+from ..store.conversations import ConversationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 FRACTION_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -46,10 +48,30 @@ class _StoreCollector(Collector):
         yield from families.values()
 
 
+class _ConversationCollector(Collector):
+    def __init__(self, stats: Callable[[], ConversationStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s, name = self._stats(), "rag_kvcache_conversation_cache"
+        yield GaugeMetricFamily(f"{name}_bytes", "Bytes of K/V the conversation cache holds.", value=s.bytes)
+        yield GaugeMetricFamily(f"{name}_max_bytes", "The conversation cache's budget in bytes.", value=s.max_bytes)
+        yield GaugeMetricFamily(f"{name}_tokens", "Tokens whose K/V the conversation cache holds.", value=s.tokens)
+        yield CounterMetricFamily(f"{name}_lookups", "Prompts looked up in the conversation cache.", value=s.lookups)
+        yield CounterMetricFamily(f"{name}_hits", "Prompts that continued a stored conversation.", value=s.hits)
+        yield CounterMetricFamily(f"{name}_hit_tokens", "Prompt tokens read from the conversation cache.",
+                                  value=s.hit_tokens)
+        yield CounterMetricFamily(f"{name}_evicted_tokens", "Tokens evicted from the conversation cache.",
+                                  value=s.evicted_tokens)
+
+
 class ServerMetrics:
     """Every metric the server exports, in its own registry."""
 
-    def __init__(self, store_stats: Callable[[], dict[str, TierStats]]) -> None:
+    def __init__(
+        self, store_stats: Callable[[], dict[str, TierStats]],
+        conversation_stats: Callable[[], ConversationStats] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rag_kvcache_requests", "Requests answered, by route and status code.",
@@ -81,6 +103,8 @@ class ServerMetrics:
                                       registry=r)
         self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
         r.register(_StoreCollector(store_stats))
+        if conversation_stats is not None:
+            r.register(_ConversationCollector(conversation_stats))
 
     def observe(self, answer: Answer, e2e_s: float) -> None:
         """Record a finished generation."""

@@ -318,7 +318,8 @@ class Server:
         self.config = config
         self.model_id = engine.index.config.model
         self.created = int(time.time())
-        self.metrics = ServerMetrics(engine.index.store.stats)
+        conversations = engine.generator.conversations
+        self.metrics = ServerMetrics(engine.index.store.stats, None if conversations is None else lambda: conversations.stats)
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")

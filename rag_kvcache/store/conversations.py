@@ -1,0 +1,218 @@
+"""`ConversationCache`: the K/V of prompts already answered, with their answers, kept in memory and
+found by token ids, so that a chat's next turn (the same prompt, the answer, a new message) computes
+only what is new.
+
+A radix tree over token ids per tenant (SGLang's RadixAttention): each node holds the K/V of its run
+of tokens, computed behind every token on the path to it, so a prompt reads the longest path its
+tokens begin with and a branch (two answers to one prompt, two chats over the same documents) shares
+the common part once. A node records the fusion method that computed it. The K/V of an exact method
+(`full`, `prefix`) equal what that method computes for the same tokens without the cache (to float
+rounding), so an exact method reads only its own nodes, and writing a path with an exact method
+makes every node on it that method's (their K/V replaced). The K/V of an inexact method keep their
+approximation as the fusion made it (a chunk read from its cache stays the fused one); an inexact
+method reads any node, which is never worse than its own.
+
+The tree is bounded in bytes: over its budget, the least recently used leaves go first (their
+parents may follow once they are leaves). Tenants never share a tree: a hit is measurably faster,
+and a conversation holds its user's text.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class _Node:
+    """A run of tokens and its K/V [H_kv, T, D] per layer, computed behind the path from the root."""
+
+    ids: tuple[int, ...]
+    keys: list[torch.Tensor]  # L x [H_kv, T, D]
+    values: list[torch.Tensor]  # L x [H_kv, T, D]
+    method: str  # the fusion method that computed it
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)  # by first token
+    used: int = 0  # the cache's clock at its last read or write
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+
+@dataclass(frozen=True)
+class PathKV:
+    """The K/V of the first `n_tokens` of a path of nodes, read a layer at a time (a `LayerSource` at
+    position 0): each layer is its nodes' runs concatenated."""
+
+    parts: tuple[tuple[torch.Tensor, ...], ...]  # per layer: keys then values of each node's run [H_kv, t, D]
+    n_tokens: int
+    position: int = 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.parts)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        runs = self.parts[i]
+        half = len(runs) // 2
+        if half == 1:
+            return runs[0], runs[1]  # [H_kv, T, D]
+        return torch.cat(runs[:half], dim=1), torch.cat(runs[half:], dim=1)  # [H_kv, T, D]
+
+
+@dataclass(frozen=True)
+class ConversationHit:
+    """The longest stored run a prompt begins with: its length and its K/V."""
+
+    n_tokens: int
+    kv: PathKV
+
+
+@dataclass(frozen=True)
+class ConversationStats:
+    nodes: int
+    tokens: int  # tokens whose K/V are held
+    bytes: int
+    max_bytes: int
+    lookups: int
+    hits: int  # lookups that found at least one token
+    hit_tokens: int  # prompt tokens read from the cache
+    evicted_tokens: int
+
+
+class ConversationCache:
+    """The K/V of answered prompts and their answers, per tenant (`salt`), within `max_bytes` (see the module)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"a conversation cache needs a budget of at least 1 byte, got max_bytes={max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._roots: dict[str, _Node] = {}
+        self._lock = threading.Lock()
+        self._clock = self._bytes = self._tokens = self._nodes = 0
+        self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
+
+    def match(self, salt: str, ids: Sequence[int], method: str | None = None) -> ConversationHit | None:
+        """The longest path of `salt`'s tree that `ids` begin with, at most all but the last token (the
+        prompt's last token is always computed); `method` given: only that method's nodes (an exact
+        method's). None when no token matches."""
+        with self._lock:
+            self._lookups += 1
+            self._clock += 1
+            node, n, limit = self._roots.get(salt), 0, len(ids) - 1
+            runs: list[tuple[_Node, int]] = []
+            while node is not None and n < limit:
+                child = node.children.get(ids[n])
+                if child is None or (method is not None and child.method != method):
+                    break
+                k = _common(child.ids, ids[n:limit])
+                child.used = self._clock
+                runs.append((child, k))
+                n += k
+                node = child if k == len(child.ids) else None
+            if n == 0:
+                return None
+            self._hits += 1
+            self._hit_tokens += n
+            layers = tuple(
+                tuple(nd.keys[i][:, :k] for nd, k in runs) + tuple(nd.values[i][:, :k] for nd, k in runs)
+                for i in range(len(runs[0][0].keys))
+            )  # per layer: [H_kv, k, D] per run, keys then values
+            return ConversationHit(n, PathKV(layers, n))
+
+    def insert(
+        self, salt: str, ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], method: str,
+        exact: bool,
+    ) -> None:
+        """Keep the K/V of `ids`: `keys`/`values` per layer [H_kv, >= len(ids), D], position i the K/V of
+        ids[i] (a decoder's buffers: the stored runs are copies). Tokens already on a path are not stored
+        again, unless `exact` (an exact `method`) finds another method's node there: its K/V become this
+        method's. Then the least recently used leaves are evicted while the tree is over budget."""
+        ids = tuple(ids)
+        with self._lock:
+            self._clock += 1
+            node = self._roots.setdefault(salt, _Node((), [], [], "", None))
+            n = 0
+            while n < len(ids):
+                child = node.children.get(ids[n])
+                if child is None:
+                    self._add(node, ids[n:], [k[:, n:] for k in keys], [v[:, n:] for v in values], method)
+                    break
+                k = _common(child.ids, ids[n:])
+                if k < len(child.ids):
+                    child = self._split(child, k)
+                if exact and child.method != method:
+                    child.keys = [t[:, n : n + k].clone() for t in keys]  # L x [H_kv, k, D]
+                    child.values = [t[:, n : n + k].clone() for t in values]
+                    child.method = method
+                child.used = self._clock
+                node, n = child, n + k
+            self._evict()
+
+    @property
+    def stats(self) -> ConversationStats:
+        with self._lock:
+            return ConversationStats(self._nodes, self._tokens, self._bytes, self.max_bytes, self._lookups,
+                                     self._hits, self._hit_tokens, self._evicted_tokens)
+
+    # ---- the tree, under the lock --------------------------------------------------------------
+    def _add(self, parent: _Node, ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
+             method: str) -> _Node:
+        node = _Node(ids, [k[:, : len(ids)].clone() for k in keys], [v[:, : len(ids)].clone() for v in values],
+                     method, parent, used=self._clock)  # L x [H_kv, T, D], copies
+        parent.children[ids[0]] = node
+        self._nodes += 1
+        self._tokens += len(ids)
+        self._bytes += node.nbytes
+        return node
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut `node` after its first k tokens: a new node holding them takes its place, `node` keeps the
+        rest as its child. Returns the new node."""
+        head = _Node(node.ids[:k], [t[:, :k].clone() for t in node.keys], [t[:, :k].clone() for t in node.values],
+                     node.method, node.parent, used=node.used)  # L x [H_kv, k, D]
+        node.parent.children[head.ids[0]] = head
+        node.ids = node.ids[k:]
+        node.keys = [t[:, k:].clone() for t in node.keys]  # L x [H_kv, T - k, D]
+        node.values = [t[:, k:].clone() for t in node.values]
+        node.parent = head
+        head.children[node.ids[0]] = node
+        self._nodes += 1
+        return head
+
+    def _leaves(self) -> Iterator[_Node]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and node.parent is not None:
+                yield node
+
+    def _drop(self, node: _Node) -> None:
+        del node.parent.children[node.ids[0]]
+        self._nodes -= 1
+        self._tokens -= len(node.ids)
+        self._bytes -= node.nbytes
+
+    def _evict(self) -> None:
+        if self._bytes <= self.max_bytes:
+            return
+        heap = [(leaf.used, id(leaf), leaf) for leaf in self._leaves()]
+        heapq.heapify(heap)
+        while self._bytes > self.max_bytes and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self._drop(leaf)
+            self._evicted_tokens += len(leaf.ids)
+            parent = leaf.parent
+            if parent.parent is not None and not parent.children:
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -1,0 +1,151 @@
+"""The conversation cache: a chat's next turn reads the K/V of the turns before it (prompt and answer)
+and computes only its new tokens; exact methods stay exact, tenants never share, memory stays bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pipeline import docs, index  # noqa: F401
+
+from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.generator import FusedGenerator, _collected
+from rag_kvcache.store.conversations import ConversationCache
+
+L, H, D = 2, 2, 4
+
+
+def kv(n: int, fill: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K/V [H, n, D] whose value at position i is fill + i (keys) and -(fill + i) (values)."""
+    ramp = (fill + torch.arange(n, dtype=torch.float32))[None, :, None].expand(H, n, D)  # [H, n, D]
+    return [ramp.clone() for _ in range(L)], [-ramp.clone() for _ in range(L)]
+
+
+def read(hit) -> tuple[torch.Tensor, torch.Tensor]:
+    return hit.kv.layer(L - 1)
+
+
+def test_a_prompt_reads_the_longest_stored_run_it_begins_with_but_its_last_token():
+    cache = ConversationCache(1 << 20)
+    cache.insert("", range(10), *kv(10), "cacheblend", exact=False)
+    assert cache.match("", [7, 8]) is None
+    hit = cache.match("", list(range(6)) + [99])  # diverges after 6 tokens
+    assert hit.n_tokens == 6
+    k, v = read(hit)
+    assert torch.equal(k[0, :, 0], torch.arange(6.0)) and torch.equal(v[0, :, 0], -torch.arange(6.0))
+    assert cache.match("", range(10)).n_tokens == 9  # the last token is always computed
+    assert cache.match("", range(14)).n_tokens == 10
+
+
+def test_a_branch_is_split_and_shares_the_common_run():
+    cache = ConversationCache(1 << 20)
+    first = list(range(10))
+    other = list(range(6)) + [50, 51, 52]
+    cache.insert("", first, *kv(10), "reuse", exact=False)
+    cache.insert("", other, *kv(9, fill=100.0), "reuse", exact=False)
+    s = cache.stats
+    assert (s.nodes, s.tokens) == (3, 13)  # [0..5], [6..9], [50..52]: the shared run stored once
+    k, _ = read(cache.match("", other + [1]))
+    assert torch.equal(k[0, :, 0], torch.tensor([0.0, 1, 2, 3, 4, 5, 106, 107, 108]))  # shared run: the first's
+    k, _ = read(cache.match("", first + [1]))
+    assert torch.equal(k[0, :, 0], torch.arange(10.0))
+
+
+def test_an_exact_method_reads_only_its_own_nodes_and_makes_the_path_its_own():
+    cache = ConversationCache(1 << 20)
+    cache.insert("", range(8), *kv(8, fill=100.0), "cacheblend", exact=False)
+    assert cache.match("", range(9), "full") is None
+    assert cache.match("", range(9)).n_tokens == 8  # an inexact method reads anyone's
+    cache.insert("", range(8), *kv(8), "full", exact=True)
+    hit = cache.match("", range(9), "full")
+    assert hit.n_tokens == 8 and torch.equal(read(hit)[0][0, :, 0], torch.arange(8.0))
+    cache.insert("", range(4), *kv(4, fill=500.0), "cacheblend", exact=False)  # an inexact write changes nothing
+    assert torch.equal(read(cache.match("", range(9), "full"))[0][0, :, 0], torch.arange(8.0))
+
+
+def test_tenants_never_read_each_others_conversations():
+    cache = ConversationCache(1 << 20)
+    cache.insert("tenant-a", range(8), *kv(8), "reuse", exact=False)
+    assert cache.match("tenant-b", range(9)) is None and cache.match("", range(9)) is None
+    assert cache.match("tenant-a", range(9)).n_tokens == 8
+
+
+def test_over_budget_the_least_recently_used_leaves_go_first():
+    per_token = 2 * L * H * D * 4  # bytes of one token's K and V
+    cache = ConversationCache(25 * per_token)
+    cache.insert("", range(10), *kv(10), "reuse", exact=False)
+    cache.insert("", range(100, 110), *kv(10), "reuse", exact=False)
+    cache.match("", range(11))  # the first conversation is read again: the second is now the older
+    cache.insert("", range(200, 210), *kv(10), "reuse", exact=False)
+    s = cache.stats
+    assert s.bytes <= 25 * per_token and s.tokens == 20 and s.evicted_tokens == 10
+    assert cache.match("", range(101, 111)) is None
+    assert cache.match("", range(11)).n_tokens == 10 and cache.match("", range(200, 211)).n_tokens == 10
+
+
+def test_a_budget_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match="max_bytes=0"):
+        ConversationCache(0)
+
+
+# ---- through the generator ---------------------------------------------------------------------
+def turn(gen: FusedGenerator, segments: list[Segment], method: str, salt: str = ""):
+    """Answer `segments`; returns the answer and the prompt's and answer's tokens (the next turn's start)."""
+    live = gen.start(segments, FusionConfig(method=method), GenerationConfig(max_new_tokens=6), salt)
+    for _ in live.decoder.run(live.first_token):
+        pass
+    answer = gen.finish(live)
+    return answer, [t for s in segments for t in s.ids] + live.decoder.ids
+
+
+def chat(index, question: str) -> list[Segment]:
+    fmt = index.format
+    return fmt.segments([h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question))
+
+
+@pytest.mark.parametrize("method", ["full", "prefix"])
+def test_an_exact_methods_next_turn_equals_its_answer_without_the_cache(index, method):
+    """Turn 2 (turn 1's prompt, its answer, a new question) through the conversation cache computes only
+    the new tokens, and its first-token logits and answer equal the same prompt fused without the cache."""
+    tok = index.adapter.tokenizer
+    gen, cold = FusedGenerator(index, ConversationCache(1 << 30)), FusedGenerator(index)
+    first, before = turn(gen, chat(index, "Who kept the lighthouse diary?"), method)
+    assert first.conversation_tokens == 0
+    follow = tuple(tok("and in which year was it lit?", add_special_tokens=False)["input_ids"])
+    second = [Segment(tuple(before), False, "text"), Segment(follow, False, "question")]
+    warm, _ = turn(gen, second, method)
+    again = _collected(cold.stream(second, FusionConfig(method=method), GenerationConfig(max_new_tokens=6)), None)
+    n_stored = len(before) - (first.finish_reason == "length")  # cut at max_new_tokens: its last token never fed
+    assert warm.conversation_tokens == n_stored
+    assert warm.recomputed_tokens == warm.prompt_tokens - n_stored
+    assert warm.cached_tokens >= n_stored
+    torch.testing.assert_close(warm.first_token_logits, again.first_token_logits, atol=1e-4, rtol=1e-4)
+    assert turn(FusedGenerator(index), second, method)[1] == turn(gen, second, method)[1]
+
+
+def test_an_inexact_methods_next_turn_reads_the_fused_kv_as_it_was_used(index):
+    """CacheBlend's turn 2 reads turn 1's K/V (the fused chunks and the answer) unchanged, recomputes
+    none of it, and its logits equal a fusion whose cache for those tokens is that same K/V."""
+    tok = index.adapter.tokenizer
+    conversations = ConversationCache(1 << 30)
+    gen = FusedGenerator(index, conversations)
+    first, before = turn(gen, chat(index, "What does the bakery in Saltmere sell?"), "cacheblend")
+    stored = conversations.match("", before + [0])
+    assert stored.n_tokens == len(before) - (first.finish_reason == "length")
+    follow = tuple(tok("on which day?", add_special_tokens=False)["input_ids"])
+    segments = [Segment(tuple(before), False, "text"), Segment(follow, False, "question")]
+    live = gen.start(segments, FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=1))
+    assert live.fused.conversation_tokens == stored.n_tokens
+    assert live.fused.result.recomputed_tokens <= len(follow) + 1
+    for layer in range(index.adapter.layout.n_layers):
+        k, v = stored.kv.layer(layer)  # [H_kv, n, D]
+        torch.testing.assert_close(live.decoder.cache.keys[layer][:, : stored.n_tokens], k, atol=0, rtol=0)
+        torch.testing.assert_close(live.decoder.cache.values[layer][:, : stored.n_tokens], v, atol=0, rtol=0)
+
+
+def test_a_conversation_is_its_tenants_alone(index):
+    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    first, before = turn(gen, chat(index, "Who kept the lighthouse diary?"), "reuse", salt="a")
+    segments = [Segment(tuple(before), False, "text"), Segment((1000, 1001), False, "question")]
+    assert turn(gen, segments, "reuse", salt="b")[0].conversation_tokens == 0
+    assert turn(gen, segments, "reuse", salt="a")[0].conversation_tokens == len(before) - (first.finish_reason == "length")
