@@ -1,0 +1,86 @@
+"""A chat through `serve` with the `openai` client: each turn reads the turns before it from the
+conversation cache (`usage.prompt_tokens_details.cached_tokens`, the `rag_kvcache` field, `/metrics`),
+an exact method answers as the same messages sent to a server without one, and a conversation is its
+API key's alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from test_serve import KEY, Running, chat_adapter, serving  # noqa: F401
+
+from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.serving.settings import ServerConfig
+
+OTHER = "other-key"
+QUESTIONS = ("What is the telescope of the Veldmark Observatory named?", "What kind of telescope is it?",
+             "Who kept a diary?", "When was the lighthouse lit?")
+
+
+@pytest.fixture(scope="module")
+def chatting(chat_adapter, tmp_path_factory) -> Iterator[Running]:  # noqa: F811
+    root = tmp_path_factory.mktemp("chat")
+    config = ServerConfig(api_keys=(KEY, OTHER), max_prompt_tokens=1000)
+    with serving(chat_adapter, root, config, conversation_bytes=64 << 20) as running:
+        yield running
+
+
+def client(running: Running, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key=key, max_retries=0)
+
+
+def converse(running: Running, method: str, key: str = KEY, salt: str | None = None) -> list:
+    """The chat of QUESTIONS, each answer appended before the next question; the responses."""
+    messages, responses = [], []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        extra = {"rag_kvcache": {"method": method}} | ({"cache_salt": salt} if salt else {})
+        r = client(running, key).chat.completions.create(model=running.model, messages=messages, max_tokens=5,
+                                                         temperature=0, extra_body=extra)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        responses.append(r)
+    return responses
+
+
+def alone(running: Running, messages: list[dict], method: str) -> str:
+    """The answer to `messages` fused without a conversation cache, on the server's engine."""
+    gen = FusedGenerator(running.engine.index)
+    return running.engine.run(lambda: gen.complete(messages, fusion=FusionConfig(method=method),
+                                                   generation=GenerationConfig(max_new_tokens=5))).answer
+
+
+@pytest.mark.parametrize("method", ["full", "prefix"])
+def test_an_exact_methods_chat_reads_earlier_turns_and_answers_as_without_them(chatting, method):
+    responses = converse(chatting, method, salt=f"exact-{method}")
+    messages = []
+    for i, (question, r) in enumerate(zip(QUESTIONS, responses)):
+        messages.append({"role": "user", "content": question})
+        assert r.choices[0].message.content == alone(chatting, messages, method), f"turn {i + 1}"
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        read = r.model_extra["rag_kvcache"]["conversation_tokens"]
+        if i:  # the previous prompt and the answer tokens fed back (all but the last) come from the cache
+            before = responses[i - 1].usage
+            assert read >= before.prompt_tokens + before.completion_tokens - 1, f"turn {i + 1}"
+            assert r.usage.prompt_tokens_details.cached_tokens >= read
+    last = responses[-1].usage
+    assert last.prompt_tokens_details.cached_tokens / last.prompt_tokens > 0.75  # 4 short turns; more at 10
+
+
+def test_a_conversation_is_its_api_keys_alone(chatting):
+    mine = converse(chatting, "cacheblend", salt="tenancy")
+    theirs = converse(chatting, "cacheblend", key=OTHER, salt="tenancy")
+    assert mine[0].model_extra["rag_kvcache"]["conversation_tokens"] == 0
+    assert mine[1].model_extra["rag_kvcache"]["conversation_tokens"] > 0
+    assert theirs[0].model_extra["rag_kvcache"]["conversation_tokens"] == 0  # the same messages, another key
+    again = converse(chatting, "cacheblend", salt="tenancy")  # the first turn again: now a stored prompt
+    assert again[0].model_extra["rag_kvcache"]["conversation_tokens"] == again[0].usage.prompt_tokens - 1
+
+
+def test_metrics_show_the_conversation_cache(chatting):
+    converse(chatting, "reuse", salt="metrics")
+    assert chatting.metric("rag_kvcache_conversation_cache_bytes") > 0
+    assert chatting.metric("rag_kvcache_conversation_cache_max_bytes") == 64 << 20
+    assert chatting.metric("rag_kvcache_conversation_cache_hit_tokens_total") > 0
