@@ -110,8 +110,9 @@ class Prompt:
 # ---- admission --------------------------------------------------------------------------------------
 class Admission:
     """At most `max_batch` requests served at once (prefilled, then decoded together); at most
-    `max_queue` admitted requests waiting (FIFO); at most `max_per_key` of them, waiting or served, one
-    tenant's (an API key's; 0: no limit; requests without a key are not counted)."""
+    `max_queue` admitted requests waiting (FIFO) beyond the places free in the batch (a burst of requests
+    all waiting at once fills both); at most `max_per_key` of them, waiting or served, one tenant's (an
+    API key's; 0: no limit; requests without a key are not counted)."""
 
     def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics, max_per_key: int = 0) -> None:
         self.max_queue = max_queue
@@ -127,7 +128,7 @@ class Admission:
     def admit(self, tenant: str = "") -> Ticket:
         """A place in the queue, or a 429 when the queue is full or `tenant` has its most requests in flight."""
         retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
-        if self.waiting >= self.max_queue and (self.active >= self.max_batch or self.waiting):
+        if self.waiting >= self.max_queue + self.max_batch - self.active:
             self.metrics.rejected.inc()
             raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
                            type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
@@ -413,6 +414,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        try:  # the body is parsed before the route's dependencies run: a caller without a key learns nothing of it
+            await authorize(request)
+        except APIError as denied:
+            return denied.response()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

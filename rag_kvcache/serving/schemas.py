@@ -119,7 +119,7 @@ class Sampling(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)  # what torch's generator takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
