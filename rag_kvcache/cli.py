@@ -1,5 +1,6 @@
 """`rag-kvcache`: index a folder, ask with fused KV, run the demo. The only place that prints or reads
-environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live).
+environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live; `RAG_KVCACHE_KV_REMOTE_SECRET`: the
+key that authenticates the remote tier's entries).
 
 Options that set a `Config` field take their default and help from the field (`config.setting`), so
 config.py is the one source of both. torch, transformers and FAISS are imported inside the commands
@@ -70,6 +71,8 @@ KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote
 def _base_config(**changes: object) -> Config:
     cache_dir = os.environ.get("RAG_KVCACHE_CACHE_DIR")
     cfg = Config(**({"cache_dir": Path(cache_dir)} if cache_dir else {}))
+    if secret := os.environ.get("RAG_KVCACHE_KV_REMOTE_SECRET"):
+        cfg = cfg.with_storage(remote_secret=secret.encode())
     return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
 
 

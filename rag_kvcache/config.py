@@ -142,7 +142,11 @@ class StorageConfig:
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
     disk: a Redis or Valkey server (`store.redis_tier`). A request to it that takes longer than
     `remote_timeout` seconds, or fails, counts as a miss; after a failure the tier is skipped for
-    `remote_retry` seconds. `conversation_bytes` bounds the conversation cache of the engines that
+    `remote_retry` seconds. With `remote_secret` (a key every process of the cluster shares: the CLI reads
+    it from `RAG_KVCACHE_KV_REMOTE_SECRET`, never from its arguments) each remote entry carries an
+    HMAC-SHA256 over its key and bytes, and an entry that does not verify (forged by another writer,
+    moved from another key, or written without the secret) is dropped and recomputed; without one, the
+    tier trusts whoever can write to the server. `conversation_bytes` bounds the conversation cache of the engines that
     serve chats (`serving.engine.Engine`: the server and the integrations), which keeps answered
     prompts' K/V for the turns that continue them (`store.conversations`).
     """
@@ -162,6 +166,7 @@ class StorageConfig:
     )
     remote_timeout: float = 5.0
     remote_retry: float = 30.0
+    remote_secret: bytes | None = field(default=None, repr=False)  # authenticates the remote tier's entries (HMAC)
     conversation_bytes: int = setting(
         512 << 20, "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
         "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
@@ -182,6 +187,8 @@ class StorageConfig:
             raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
         if self.remote is not None and urlsplit(self.remote).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
+        if self.remote_secret is not None and len(self.remote_secret) < 16:
+            raise ValueError(f"remote_secret must be at least 16 bytes, got {len(self.remote_secret)}")
         if self.conversation_bytes < 0:
             raise ValueError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
         if self.remote_timeout <= 0 or self.remote_retry < 0:

@@ -316,3 +316,38 @@ def test_an_entry_planted_in_the_shared_tier_before_indexing_is_not_taken_as_com
     got = ask(index)
     assert got.cache_misses == 0 and got.answer == corpus[1].answer
     torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
+
+
+SECRET = b"cluster-secret-0123456789"
+
+
+@pytest.mark.parametrize("forgery", ["another_chunk_entry", "moved_authenticated_value"])
+def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp_path, server, corpus, forgery, caplog):
+    """With `remote_secret` every remote entry carries an HMAC over its key and bytes. A writer without
+    the secret planting another chunk's validly encoded entry under a key, or moving an authenticated
+    value to another key, is caught: the entry is dropped, recomputed and rewritten, the answer is the
+    reference's."""
+    cfg = replace(CFG, storage=replace(remote_cfg(server.url), remote_secret=SECRET))
+    a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", cfg, adapter=tiny, progress=False)
+    b = KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), cfg, adapter=tiny)
+    top, other = (b.key(h.chunk.token_ids) for h in b.search(QUESTION, 2))
+    name, other_name = b.store.remote.redis_key(top), b.store.remote.redis_key(other)
+    client = server.client()
+    if forgery == "another_chunk_entry":  # the project's own encoder, no secret: a valid entry of the wrong chunk
+        client.delete(name)
+        RedisTier(remote_cfg(server.url)).write(top, a.store.disk.path(other).read_bytes())
+    else:
+        client.set(name, client.get(other_name))
+    with caplog.at_level(logging.WARNING):
+        got = ask(b)
+    assert "does not verify with this cluster's secret" in caplog.text
+    assert got.cache_misses == 1 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
+    assert b.store.stats()["remote"].corrupt == 1
+    entry = RedisTier(cfg.storage).open(top)  # rewritten by the honest reader, and verifies
+    assert entry is not None and all(entry.layer(i) for i in range(entry.n_layers))
+
+
+def test_a_secret_shorter_than_16_bytes_is_refused():
+    with pytest.raises(ValueError, match="at least 16 bytes, got 6"):
+        StorageConfig(remote="redis://cache:6379", remote_secret=b"secret")

@@ -12,6 +12,12 @@ each layer against its checksums when read, as on disk.
 - Evicted by the server (`maxmemory` with an `allkeys-*` policy, see docs/scaling.md). One value per
   entry, so eviction takes an entry whole; an entry evicted, or replaced, between its opening and the
   reading of a layer reads short or fails its checksum: a corrupt entry, recomputed, never a wrong hit.
+- Authenticated when the cluster shares a secret (`StorageConfig.remote_secret`): a value is the entry
+  and an HMAC-SHA256 of its Redis key and bytes, read whole and verified before any layer is used. The
+  checksums prove an entry intact, not that it is the chunk its key names: without the secret, anyone
+  who can write to the server can plant another chunk's valid entry under a key (the trust boundary is
+  then the server's ACLs and TLS, docs/scaling.md). An entry that fails the check is dropped (and so
+  may be written again by an honest process) and recomputed.
 - The server going away never fails an answer: a request that fails or times out is a miss (an entry
   being read raises `UnreachableEntryError`, which the index recomputes), counted in `errors`, logged
   once; the tier is then skipped for `remote_retry` seconds before it is tried again.
@@ -19,6 +25,8 @@ each layer against its checksums when read, as on disk.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -38,6 +46,7 @@ from .codecs import get_codec
 log = logging.getLogger(__name__)
 
 _DOWN = (redis.ConnectionError, redis.TimeoutError)  # the server is unreachable: skip it for a while
+_TAG_BYTES = hashlib.sha256().digest_size
 
 
 class RedisTier(Backend):
@@ -54,6 +63,7 @@ class RedisTier(Backend):
             retry=Retry(NoBackoff(), 1),
         )
         self.retry = config.remote_retry
+        self._secret = config.remote_secret
         self._prefix = f"{FORMAT}:{config.codec}:"
         self._lock = threading.Lock()
         self._down_until: float | None = None  # monotonic time; None while the server answers
@@ -69,15 +79,34 @@ class RedisTier(Backend):
     def write(self, key: str, data: bytes) -> int:
         """Store `data` unless the key is already there (another process computed it first); returns
         the bytes written, 0 when it was there or the server did not take it."""
-        written = self._request(lambda: self.client.set(self.redis_key(key), data, nx=True), None)
+        name = self.redis_key(key)
+        value = data if self._secret is None else bytes(data) + self._tag(name, data)
+        written = self._request(lambda: self.client.set(name, value, nx=True), None)
         if not written:
             return 0
-        self.count(bytes_written=len(data))
-        return len(data)
+        self.count(bytes_written=len(value))
+        return len(value)
 
-    def blob(self, key: str) -> RedisBlob | None:
-        size = self.client.strlen(self.redis_key(key))
-        return RedisBlob(self, self.redis_key(key), size) if size else None
+    def blob(self, key: str) -> RedisBlob | VerifiedBlob | None:
+        """The entry's bytes on the server, read by ranges; with a secret, read whole and verified
+        (ValueError when the tag does not match: `Backend.open` drops the entry)."""
+        name = self.redis_key(key)
+        if self._secret is None:
+            size = self.client.strlen(name)
+            return RedisBlob(self, name, size) if size else None
+        value = self.client.get(name)
+        if value is None:
+            return None
+        data, tag = value[: -_TAG_BYTES], value[-_TAG_BYTES:]
+        if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, data)):
+            raise ValueError("its HMAC does not verify with this cluster's secret: written without it, by another "
+                             "writer, or for another key")
+        return VerifiedBlob(memoryview(data))
+
+    def _tag(self, name: str, data: bytes | bytearray | memoryview) -> bytes:
+        mac = hmac.new(self._secret, name.encode(), hashlib.sha256)
+        mac.update(data)
+        return mac.digest()
 
     def __contains__(self, key: str) -> bool:
         return bool(self._request(lambda: self.client.exists(self.redis_key(key)), 0))
@@ -173,3 +202,21 @@ class RedisBlob:
             n = min(len(value), len(buf))
             buf[:n] = np.frombuffer(value, dtype=np.uint8, count=n)
         return [len(value) for value in values]
+
+
+class VerifiedBlob:
+    """An entry's bytes, read whole from the server and authenticated."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data, self.size = data, len(data)
+
+    def read(self, offset: int, n: int) -> bytes:
+        return bytes(self._data[offset : offset + max(n, 0)])
+
+    def read_into(self, ranges: list[tuple[np.ndarray, int]]) -> list[int]:
+        got = []
+        for buf, offset in ranges:
+            part = self._data[offset : offset + len(buf)]
+            buf[: len(part)] = np.frombuffer(part, dtype=np.uint8)
+            got.append(len(part))
+        return got
