@@ -599,6 +599,7 @@ def serve(
         FusionConfig, "template_text"),
     conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
         StorageConfig, "conversation_bytes"),
+    request_bytes: Annotated[int, option(StorageConfig, "request_bytes", min=0)] = default(StorageConfig, "request_bytes"),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -615,7 +616,8 @@ def serve(
                                   max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
                                   max_body_bytes=max_body_bytes, max_per_key=max_per_key)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(template_text=template_text)
-        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, conversation_bytes=conversation_bytes))
+        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, conversation_bytes=conversation_bytes,
+                                                      request_bytes=request_bytes))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -167,6 +167,10 @@ class StorageConfig:
     remote_timeout: float = 5.0
     remote_retry: float = 30.0
     remote_secret: bytes | None = field(default=None, repr=False)  # authenticates the remote tier's entries (HMAC)
+    request_bytes: int = setting(
+        256 << 20, "Memory per API key for the caches of request text (a prompt head: a pipeline's instructions "
+        "before its first chunk, and the chunk behind it), least recently used evicted first; never written to disk.",
+    )
     conversation_bytes: int = setting(
         512 << 20, "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
         "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
@@ -189,6 +193,8 @@ class StorageConfig:
             raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
         if self.remote_secret is not None and len(self.remote_secret) < 16:
             raise ValueError(f"remote_secret must be at least 16 bytes, got {len(self.remote_secret)}")
+        if self.request_bytes < 0:
+            raise ValueError(f"request_bytes must be >= 0 (0: keep none), got {self.request_bytes!r}")
         if self.conversation_bytes < 0:
             raise ValueError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
         if self.remote_timeout <= 0 or self.remote_retry < 0:

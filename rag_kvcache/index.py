@@ -69,7 +69,7 @@ from .retrieval.chunking import chunk_document
 from .retrieval.embedder import load_embedder
 from .store.backend import CorruptEntryError
 from .store.kvstore import KVStore, cache_key
-from .store.tiers import StorageFullError
+from .store.tiers import MemoryTier, StorageFullError
 
 if TYPE_CHECKING:
     from .build.cluster import RayWorkers
@@ -94,6 +94,7 @@ class KVIndex:
         self.chunks = chunks
         self.adapter = adapter
         self.store = KVStore(path / "kv", config.storage)
+        self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text (`request_tier`)
         self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
@@ -447,9 +448,11 @@ class KVIndex:
         cached at position 0, then computed text) gets the cache of its run behind exactly the prompt's
         tokens before it: exact, as the first chunk behind the system prefix is, computed and stored by
         the first prompt with that head and chunk and read by the next ones (prefix caching). Those two
-        hold request text, not indexed text: with a `salt` (the server's tenant) they are stored and read
-        under keys of that salt alone, so that no other tenant can hit them (a hit is measurably faster: a
-        guessed secret in a shared head would be confirmed by the time to the first token).
+        hold request text, not indexed text: they are kept in memory only (`request_tier`, per API key,
+        within `StorageConfig.request_bytes`), never on disk or in the shared tier, and with a `salt` (the
+        server's tenant) under keys of that salt alone, so that no other tenant can hit them (a hit is
+        measurably faster: a guessed secret in a shared head would be confirmed by the time to the first
+        token).
         """
         sources: list[LayerSource | None] = []
         contexts: list[tuple[int, ...]] = []
@@ -475,9 +478,9 @@ class KVIndex:
                 keys = [self.key(whole, c, salt if request_text else "") for c in ctxs]
                 for key, c in zip(keys, ctxs):
                     if key not in opened:
-                        entry = self.store.open(key)
+                        entry = self.request_tier(salt).get(key) if request_text else self.store.open(key)
                         if entry is None:
-                            opened[key] = self._repair(key, whole, c, first_use=request_text)
+                            opened[key] = self._repair(key, whole, c, salt if request_text else None)
                             recomputed.add(key)
                         else:
                             opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
@@ -499,11 +502,24 @@ class KVIndex:
             in_head = in_head and not behind_head
         return PromptCaches(sources, contexts, missing, list(opened.values()), computed)
 
-    def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], first_use: bool = False) -> ChunkKV:
+    def request_tier(self, salt: str) -> MemoryTier:
+        """The memory that holds the caches of request text (prompt heads, a chunk behind one) of the API key
+        that `salt` names (the part before its first ':'; a request's `cache_salt` splits keys within it),
+        within `StorageConfig.request_bytes`, least recently used first out. Request text is never written
+        to disk or to the shared tier: no client can fill them, and no tenant's prompts are kept there."""
+        tenant = salt.partition(":")[0]
+        if tenant not in self.request_tiers:
+            self.request_tiers[tenant] = MemoryTier(self.config.storage.request_bytes, "lru")
+        return self.request_tiers[tenant]
+
+    def _repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], salt: str | None = None) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
-        the recomputed cache serves the query that found the fault); `first_use`: a cache made on demand
-        (a new prompt head, or a chunk behind it), computed for the first time, not repaired."""
+        the recomputed cache serves the query that found the fault); with `salt`, a cache of request text
+        made on first use (a new prompt head, or a chunk behind it), kept in that tenant's `request_tier`."""
         kv = self._compute_one(ids, context)
+        if salt is not None:
+            self.request_tier(salt).put(key, kv)
+            return kv
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
             return kv
@@ -512,10 +528,7 @@ class KVIndex:
         except OSError as err:
             log.warning("computed the KV cache %s but could not store it: %s", key, err)
         else:
-            if first_use:
-                log.info("stored the KV cache %s of a new prompt head or a chunk behind it (%d tokens)", key, len(ids))
-            else:
-                log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
+            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
         return kv
 
     def close(self) -> None:

@@ -121,9 +121,10 @@ def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
     reordered = "\n\n".join(c.text for c in reversed(chunk_texts(index)))
     assert generator.prompt_segments(f"{INSTRUCTIONS}{reordered}\n\nQuestion: why?\nAnswer:")[0].ids == head.ids
     key = index.key(head.ids, ())
-    assert key not in index.store
+    assert key not in index.request_tier("")
     ask(index, prompts[0], "reuse")
-    assert key in index.store  # computed and stored by the first prompt that had it
+    assert key in index.request_tier("")  # computed and kept by the first prompt that had it: request text,
+    assert key not in index.store  # in memory only, never on disk
     segments = generator.prompt_segments(prompts[1])
     assert segments[0].ids == head.ids
     second = ask(index, prompts[1], "reuse")
@@ -166,9 +167,9 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     generator = FusedGenerator(index)
     segments = generator.prompt_segments(prompts[1])
     keys = [index.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
-    assert segments[2].label.startswith("chunk:") and keys[0] not in index.store
+    assert segments[2].label.startswith("chunk:") and keys[0] not in index.request_tier("")
     first = ask(index, prompts[0], "reuse")
-    assert keys[0] in index.store and first.cache_misses == 0  # made now, and not a missing indexed cache
+    assert keys[0] in index.request_tier("") and first.cache_misses == 0  # made now, not a missing indexed cache
     caches = index.open_caches(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     head, edge, chunk = inp.parts[:3]
@@ -176,3 +177,29 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     exact, full = ask(index, prompts[1], "prefix"), ask(index, prompts[1], "full")
     torch.testing.assert_close(exact.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
     assert exact.recomputed_tokens == inp.n_tokens - len(head.segment.ids) - len(chunk.segment.ids)
+
+
+def test_request_text_caches_stay_in_memory_within_each_keys_budget(tiny, tmp_path):
+    """Each new prompt head stored ~94 MB on disk with no budget, so any client could fill it. Caches of
+    request text are now kept in memory per API key, least recently used out past `request_bytes`, never
+    on disk: a flood of heads from one key neither grows the disk nor evicts another key's head."""
+    (tmp_path / "docs").mkdir()
+    for name, text in DOCS.items():
+        (tmp_path / "docs" / name).write_text(text)
+    index = KVIndex.build(tmp_path / "docs", tmp_path / "idx", CFG.with_storage(request_bytes=150_000), adapter=tiny,
+                          progress=False)
+    on_disk = set((tmp_path / "idx" / "kv").rglob("*.safetensors"))
+    generator, context = FusedGenerator(index), "\n\n".join(c.text for c in chunk_texts(index))
+
+    def send(head: str, salt: str) -> list:
+        segments = generator.prompt_segments(f"{head}{context}\n\nQuestion: who ground the lens?\nAnswer:")
+        generator.start(segments, FusionConfig(method="reuse"), GenerationConfig(max_new_tokens=1), salt)
+        return segments
+
+    theirs = send(INSTRUCTIONS, "key-b")
+    for i in range(6):
+        send(f"Instructions number {i} for this pipeline. {INSTRUCTIONS}", f"key-a:salt-{i % 2}")
+    mine = index.request_tier("key-a")
+    assert 0 < mine.nbytes <= 150_000 and mine.stats.evictions > 0
+    assert index.key(theirs[0].ids, (), "key-b") in index.request_tier("key-b")
+    assert set((tmp_path / "idx" / "kv").rglob("*.safetensors")) == on_disk

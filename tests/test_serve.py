@@ -423,6 +423,26 @@ def test_an_oversized_body_is_a_413_before_it_is_parsed(running):
         stop_server(server, thread)
 
 
+@pytest.mark.parametrize(("route", "field"), [("chat/completions", "messages"), ("completions", "prompt")])
+def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenised(running, route, field, monkeypatch):
+    """A body under the byte limit may still hold far more text than the token limit: one with more characters
+    than `max_prompt_tokens` tokens of the vocabulary's longest entry can hold is a 400 naming its field, and
+    the tokenizer never sees it (a 15 MB prompt would hold the engine's thread for seconds)."""
+    tokenizer = running.engine.index.adapter.tokenizer
+    longest = max(map(len, tokenizer.get_vocab()))
+    text = "word " * (400 * longest // 5 + 1)  # one character over what 400 tokens can hold
+    seen: list[int] = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, t, *a, **k: seen.append(len(str(t))) or real(self, t, *a, **k))
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template",
+                        lambda self, *a, **k: pytest.fail("the oversized prompt was rendered"))
+    body = {"model": running.model, "max_tokens": 2} | (
+        {"messages": [{"role": "user", "content": text}]} if field == "messages" else {"prompt": text})
+    r = httpx.post(f"{running.url}/v1/{route}", json=body, headers=running.headers(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "characters" in r.json()["error"]["message"] and not [n for n in seen if n >= len(text)]
+
+
 def test_malformed_bodies_and_unknown_model(running):
     url = f"{running.url}/v1/chat/completions"
     for content in (b"{not json", b"", b"[1, 2]", b'"text"'):

@@ -319,6 +319,9 @@ class Server:
         self.config = config
         self.model_id = engine.index.config.model
         self.created = int(time.time())
+        # No token spans more characters than the vocabulary's longest entry (a byte-level entry's symbols are
+        # bytes, one or more per character): a prompt with more characters than this can never fit the limit.
+        self.max_prompt_chars = config.max_prompt_tokens * max(map(len, engine.index.adapter.tokenizer.get_vocab()))
         conversations = engine.generator.conversations
         self.metrics = ServerMetrics(engine.index.store.stats, None if conversations is None else lambda: conversations.stats)
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
@@ -482,6 +485,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not),
         reading and writing caches of its request text as its tenant's (and its `cache_salt`'s)."""
         server.check_model(body.model)
+        if (chars := body.prompt_chars()) > server.max_prompt_chars:  # refused before tokenising it
+            raise APIError(400, f"the prompt has {chars} characters, more than {config.max_prompt_tokens} tokens (this "
+                           f"server's limit) can hold in this model's vocabulary", param=body.prompt_field,
+                           code="context_length_exceeded")
         ticket = server.admission.admit(tenant)
         try:
             prompt = await server.on_engine(build_prompt, server.engine.generator, body, config)

@@ -181,6 +181,13 @@ class ChatCompletionRequest(Sampling):
     def json_schema(self) -> str | None:
         return None if self.response_format is None else self.response_format.schema_text()
 
+    @property
+    def prompt_field(self) -> str:
+        return "messages"
+
+    def prompt_chars(self) -> int:
+        return sum(len(part) for m in self.messages for part in m.text_parts())
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[str]
@@ -198,6 +205,13 @@ class CompletionRequest(Sampling):
     @property
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt"
+
+    def prompt_chars(self) -> int:
+        return len(self.text)
 
 
 class RetrieveRequest(Strict):

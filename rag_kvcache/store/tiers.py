@@ -116,6 +116,10 @@ class MemoryTier(Counted):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
     def get(self, key: str) -> ChunkKV | None:
         with self._lock:
             kv = self._items.get(key)
