@@ -25,9 +25,18 @@ from .engine.fusion import DirectReader, FusionInput, FusionResult
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
 from .engine.profiling import StageClock
-from .engine.prompt import Segment, StoredRun, prefix_head, render_prompt, with_runs
+from .engine.prompt import (
+    ChatTurn,
+    ChunkPart,
+    Segment,
+    StoredRun,
+    chat_segments,
+    prefix_head,
+    render_prompt,
+    with_runs,
+)
 from .index import KVIndex
-from .retrieval.chunk_index import EmptyIndexError, Hit
+from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
 from .retrieval.matching import MIN_SPAN
 from .retrieval.templates import TemplateSpans
 from .store.controller import resolve_ratio
@@ -253,6 +262,21 @@ class FusedGenerator:
         where it agrees with it, then `find_chunks`."""
         ids = render_prompt(self.adapter.tokenizer, self.index.config.system_prompt, prompt)
         return self.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
+
+    def chat_segments(
+        self, turns: Sequence[ChatTurn], chunks: Sequence[ChunkRecord] = (), fusion: FusionConfig | None = None
+    ) -> list[Segment]:
+        """The segments of a chat, as every front end builds them (the server, both integrations): `chunks`
+        (named or retrieved) at the head of the last turn, which must be the user's; the turns laid out by
+        `chat_segments` (chunk parts as their stored ids, text with control tokens spelt out); then every
+        indexed chunk quoted in their text found by its token ids (`find_chunks`)."""
+        if chunks:
+            if not turns or turns[-1].role != "user":
+                raise ValueError("chunks go at the head of the last message, which must be a user message; it is "
+                                 f"{turns[-1].role if turns else 'missing'!r}")
+            parts = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in chunks)
+            turns = [*turns[:-1], ChatTurn("user", parts + tuple(turns[-1].parts))]
+        return self.find_chunks(chat_segments(self.adapter.tokenizer, self.index.config.system_prompt, turns), fusion)
 
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
         """`segments` with every run of an indexed chunk's ids inside their computed text made a slice

@@ -54,7 +54,7 @@ from .. import __version__
 from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
-from ..engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+from ..engine.prompt import ChatTurn, Segment
 from ..generator import Answer, FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
@@ -246,25 +246,18 @@ def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRe
 
 
 def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig) -> Prompt:
-    """Chat messages as segments (runs on the engine's thread): chunks named or retrieved go at the
-    head of the last user message; without them, every indexed chunk quoted in the messages is found
-    by its token ids and read from the cache (`FusedGenerator.prompt_segments`)."""
+    """Chat messages as segments (runs on the engine's thread; `FusedGenerator.chat_segments`): chunks named or
+    retrieved go at the head of the last user message; every indexed chunk quoted in the messages is found by
+    its token ids and read from the cache."""
     index = generator.index
     turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
-    users = [i for i, turn in enumerate(turns) if turn.role == "user"]
+    users = [turn for turn in turns if turn.role == "user"]
     if not users:
         raise APIError(400, "messages need at least one user message", param="messages")
-    last = turns[users[-1]]
-    found = _chunks(index, request, "\n".join(p for p in last.parts if isinstance(p, str)))
+    found = _chunks(index, request, "\n".join(p for p in users[-1].parts if isinstance(p, str)))
     fusion = _fusion(index, request)
     try:
-        if found:
-            parts = tuple(ChunkPart(record.token_ids, label=f"chunk:{record.id}") for record, _ in found)
-            turns[users[-1]] = ChatTurn("user", parts + last.parts)
-            segments = chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns)
-        else:
-            messages = [{"role": t.role, "content": "\n\n".join(p for p in t.parts if isinstance(p, str))} for t in turns]
-            segments = generator.prompt_segments(messages, fusion)
+        segments = generator.chat_segments(turns, [record for record, _ in found], fusion)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config)), config)

@@ -44,7 +44,6 @@ from rag_kvcache import (
     FusionConfig,
     KVIndex,
     Segment,
-    chat_segments,
 )
 
 CHUNK_ID_KEY = "chunk_id"
@@ -265,9 +264,8 @@ def _json_schema(response_format: Mapping[str, Any] | type[BaseModel] | None) ->
 def _segments(generator: FusedGenerator, messages: Sequence[BaseMessage], fusion: FusionConfig) -> list[Segment]:
     """The prompt of `messages` as segments: chunk blocks as their stored token ids, and the indexed
     chunks found in the rest of the text read from their caches too."""
-    index = generator.index
-    turns = [ChatTurn(_role(message), tuple(_parts(index, message))) for message in messages]
-    return generator.find_chunks(chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns), fusion)
+    turns = [ChatTurn(_role(message), tuple(_parts(generator.index, message))) for message in messages]
+    return generator.chat_segments(turns, fusion=fusion)
 
 
 def _role(message: BaseMessage) -> str:

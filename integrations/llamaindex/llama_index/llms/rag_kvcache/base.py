@@ -38,7 +38,6 @@ from typing_extensions import Self
 from rag_kvcache import (
     Answer,
     ChatTurn,
-    ChunkPart,
     Engine,
     EngineHandle,
     FusedGenerator,
@@ -46,7 +45,6 @@ from rag_kvcache import (
     GenerationConfig,
     KVIndex,
     Segment,
-    chat_segments,
 )
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
@@ -234,15 +232,8 @@ class RagKVCacheLLM(CustomLLM):
 def _segments(
     generator: FusedGenerator, turns: list[ChatTurn], chunk_ids: list[str], fusion: FusionConfig
 ) -> list[Segment]:
-    """The prompt's segments, with the chunks named by id at the head of the last (user) turn, and the
-    indexed chunks found in the rest of the text read from their caches too."""
-    index = generator.index
-    if chunk_ids:
-        if not turns or turns[-1].role != "user":
-            raise ValueError("chunk_ids go into the last message, which must be a user message")
-        chunks = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in index.chunks.get(chunk_ids))
-        turns = [*turns[:-1], ChatTurn("user", chunks + turns[-1].parts)]
-    return generator.find_chunks(chat_segments(index.adapter.tokenizer, index.config.system_prompt, turns), fusion)
+    """The prompt's segments, the chunks named by id at the head of the last (user) turn."""
+    return generator.chat_segments(turns, generator.index.chunks.get(chunk_ids) if chunk_ids else (), fusion)
 
 
 def _role(message: ChatMessage) -> str:
