@@ -129,7 +129,7 @@ class FusionInput:
 class KVPlacement:
     """Where a prompt's cached K/V go, laid out once per prompt on the device. A layer's caches arrive
     packed in segment order (`cache.pack_layer`, [2, H_kv, C, D]); packed keys [turn_start, turn_end)
-    hold every moved segment and are turned to their prompt positions by cos/sin [M, D/2] (RoPE
+    hold every moved segment and are turned to their prompt positions by `rotation`'s cos/sin [M, D] (RoPE
     re-rotation, the same for every layer; identity for the segments in that span that stay); then
     the pack goes to its prompt positions in the layer's buffer `shape` [2, H_kv, N, D]: on CUDA one
     index_copy over `positions` [C] (one kernel); elsewhere one slice copy per run of adjacent cached
@@ -143,8 +143,8 @@ class KVPlacement:
     runs: tuple[tuple[int, int, int], ...]  # (prompt start, pack start, length) of each run of cached tokens
     turn_start: int = 0
     turn_end: int = 0
-    cos: torch.Tensor | None = None  # [M, D/2], M = turn_end - turn_start
-    sin: torch.Tensor | None = None  # [M, D/2]
+    cos: torch.Tensor | None = None  # [M, D], M = turn_end - turn_start
+    sin: torch.Tensor | None = None  # [M, D]
 
     def assemble(self, packed: torch.Tensor | None, pool: KVBufferPool) -> torch.Tensor:
         """One layer's K/V of the prompt [2, H_kv, N, D] in a buffer from `pool`, `packed` placed in it."""

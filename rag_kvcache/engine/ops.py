@@ -33,20 +33,20 @@ def rope_cos_sin(
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [H, T, D] by per-token angles given as `rope_cos_sin` tables [T, D] ("rotate half":
     x * cos plus (-x2, x1) * sin, the sign in the table), in float32: x * cos, plus the halves swapped
-    times the signed sin in one multiply-add."""
+    (one `roll`, a fraction of a `flip`'s cost on a CPU) times the signed sin in one multiply-add."""
     x32 = x if x.dtype == torch.float32 else x.float()  # [H, T, D]
-    swapped = x32.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [H, T, D], (x2, x1)
-    out = torch.addcmul(x32 * cos, swapped, sin)  # [H, T, D]
+    out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, -1), sin)  # [H, T, D]
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T or 1, D/2] (float32) of the RoPE rotation that moves keys by `delta` positions: an
-    int (one angle per frequency for all tokens) or a tensor [T]. Angles are formed in float64 so a
-    large shift adds no error of its own."""
+    """cos/sin [T or 1, D] (float32, the sin's first half negated as in `rope_cos_sin`) of the RoPE rotation
+    that moves keys by `delta` positions: an int (one angle per frequency for all tokens) or a tensor [T].
+    Angles are formed in float64 so a large shift adds no error of its own."""
     d = torch.as_tensor(delta, dtype=torch.float64, device=inv_freq.device).reshape(-1, 1)  # [T or 1, 1]
     angles = d * inv_freq.to(torch.float64)  # [T or 1, D/2]
-    return angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
+    cos, sin = angles.cos().float(), angles.sin().float()  # [T or 1, D/2]
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T or 1, D] x 2
 
 
 @torch.no_grad()  # writes through out=, which autograd refuses
@@ -55,15 +55,14 @@ def rotate_keys(
 ) -> torch.Tensor:
     """Apply a `rotation` to keys [H_kv, T, D] (into `out` if given; `out` may be `keys` itself). RoPE
     rotations compose, so rotating keys computed at positions p by the angle of `delta` equals computing
-    them at p + delta. Float32 math in four passes and one copy of half the keys, no other temporaries."""
-    half = keys.shape[-1] // 2
-    k1 = keys[..., :half].to(torch.float32, copy=True)  # [H_kv, T, D/2], a copy: `out` may overwrite it
-    k2 = keys[..., half:].to(torch.float32)  # [H_kv, T, D/2], read before `out`'s second half is written
-    out = torch.empty_like(keys) if out is None else out  # [H_kv, T, D]
-    o32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    torch.mul(k1, cos, out=o32[..., :half]).addcmul_(k2, sin, value=-1)  # [H_kv, T, D/2]
-    torch.mul(k2, cos, out=o32[..., half:]).addcmul_(k1, sin)  # [H_kv, T, D/2]
-    return out if o32 is out else out.copy_(o32)
+    them at p + delta. Float32 math: the halves swapped (one `roll`, a copy), then one product and one
+    multiply-add (into `out` itself when it is float32)."""
+    k32 = keys.float()  # [H_kv, T, D], no copy for float32
+    swapped = k32.roll(keys.shape[-1] // 2, -1)  # [H_kv, T, D], (k2, k1): read before `out` is written
+    if out is not None and out.dtype == torch.float32:
+        return torch.mul(k32, cos, out=out).addcmul_(swapped, sin)  # [H_kv, T, D]
+    turned = torch.addcmul(k32 * cos, swapped, sin)  # [H_kv, T, D]
+    return turned.to(keys.dtype) if out is None else out.copy_(turned)
 
 
 def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
