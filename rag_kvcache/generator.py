@@ -192,6 +192,10 @@ def segments_after(segments: Sequence[Segment], n: int, read_caches: bool) -> li
     return out
 
 
+def _n_tokens(segments: Sequence[Segment]) -> int:
+    return sum(len(seg.ids) for seg in segments)
+
+
 def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
     """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
     `unmatched` ids before its first run, as far as the head's text ends with it (character for
@@ -268,15 +272,59 @@ class FusedGenerator:
     ) -> list[Segment]:
         """The segments of a chat, as every front end builds them (the server, both integrations): `chunks`
         (named or retrieved) at the head of the last turn, which must be the user's; the turns laid out by
-        `chat_segments` (chunk parts as their stored ids, text with control tokens spelt out); then every
-        indexed chunk quoted in their text found by its token ids (`find_chunks`)."""
+        `chat_segments` (chunk parts as their stored ids, text with control tokens spelt out), a head of text
+        that agrees with the system prefix read as a run of its cache (`prefix_head`); then every indexed
+        chunk quoted in their text found by its token ids (`find_chunks`)."""
         if chunks:
             if not turns or turns[-1].role != "user":
                 raise ValueError("chunks go at the head of the last message, which must be a user message; it is "
                                  f"{turns[-1].role if turns else 'missing'!r}")
             parts = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in chunks)
             turns = [*turns[:-1], ChatTurn("user", parts + tuple(turns[-1].parts))]
-        return self.find_chunks(chat_segments(self.adapter.tokenizer, self.index.config.system_prompt, turns), fusion)
+        segments = chat_segments(self.adapter.tokenizer, self.index.config.system_prompt, turns)
+        if not segments[0].cacheable:  # text first (quoted documents, no chunk parts): its run of the system prefix
+            segments = [*prefix_head(segments[0].ids, self.index.format.prefix_ids), *segments[1:]]
+        return self.find_chunks(segments, fusion)
+
+    def fitted_chat(
+        self, turns: Sequence[ChatTurn], chunks: Sequence[ChunkRecord], fusion: FusionConfig | None, limit: int,
+        salt: str = "",
+    ) -> tuple[list[Segment], int]:
+        """`chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
+        its oldest turns after the system's in one step, down to half the limit (the kept part starts with a
+        user turn; the last turn always stays), so that the next turns extend the same shortened prompt and
+        read it from the conversation cache until it fills the limit again, instead of each dropping one
+        more message and computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn
+        of this chat was cut there) is kept while it fits. Returns the segments and how many turns were
+        dropped; a chat that does not fit with only its system turns and last turn raises
+        `PromptTooLongError`."""
+        segments = self.chat_segments(turns, chunks, fusion)
+        if _n_tokens(segments) <= limit:
+            return segments, 0
+        system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
+        fitting: list[tuple[int, list[Segment]]] = []  # (turns dropped, segments), fewest dropped first
+        for c in range(1, len(turns) - system):
+            if turns[system + c].role != "user":
+                continue
+            shorter = self.chat_segments([*turns[:system], *turns[system + c :]], chunks, fusion)
+            if _n_tokens(shorter) <= limit:
+                fitting.append((c, shorter))
+                if 2 * _n_tokens(shorter) <= limit:
+                    break
+        if not fitting:
+            raise PromptTooLongError(f"the chat's prompt has {_n_tokens(segments)} tokens, over the {limit} allowed, "
+                                     "even with only its system messages and last message")
+
+        def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the prompt
+            ids = [t for seg in candidate[1] for t in seg.ids]
+            n = 0 if self.conversations is None else self.conversations.held(salt, ids)
+            return n if 2 * n >= len(ids) else 0
+
+        best = max(fitting, key=held)  # a cut an earlier turn of the chat was made at, else down to half the limit
+        kept = best if held(best) else fitting[-1]
+        log.info("the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
+                 _n_tokens(segments), limit, kept[0], _n_tokens(kept[1]))
+        return kept[1], kept[0]
 
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
         """`segments` with every run of an indexed chunk's ids inside their computed text made a slice

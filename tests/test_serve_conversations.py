@@ -6,6 +6,7 @@ API key's alone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import openai
 import pytest
@@ -84,3 +85,41 @@ def test_metrics_show_the_conversation_cache(chatting):
     assert chatting.metric("rag_kvcache_conversation_cache_bytes") > 0
     assert chatting.metric("rag_kvcache_conversation_cache_max_bytes") == 64 << 20
     assert chatting.metric("rag_kvcache_conversation_cache_hit_tokens_total") > 0
+
+
+def test_a_chat_over_the_limit_drops_its_oldest_messages_once_and_the_next_turns_read_it(chatting):
+    """A chat that outgrows the prompt limit drops its oldest messages in one step down to half the limit
+    (not one message a turn, which would change the prompt's start every turn); the next turns keep that
+    cut, reading the shortened chat from the conversation cache, until it fills the limit again. With
+    history="refuse" it is a 400."""
+    from test_serve import start_server, stop_server
+
+    from rag_kvcache.serving.openai_api import create_app
+
+    config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=260)
+    server, thread, url = start_server(create_app(chatting.engine, config))
+    refusing, rthread, rurl = start_server(create_app(chatting.engine, replace(config, history="refuse")))
+    try:
+        talk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        messages, turns = [], []
+        for i in range(12):
+            messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
+            r = talk.chat.completions.create(model=chatting.model, messages=messages, max_tokens=5, temperature=0,
+                                             extra_body={"cache_salt": "halving"})
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            turns.append((r.usage.prompt_tokens, r.model_extra["rag_kvcache"]["dropped_messages"],
+                          r.model_extra["rag_kvcache"]["conversation_tokens"]))
+        with pytest.raises(openai.BadRequestError, match="context_length_exceeded|over the"):
+            openai.OpenAI(base_url=f"{rurl}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+                model=chatting.model, messages=messages, max_tokens=5)
+    finally:
+        stop_server(server, thread)
+        stop_server(refusing, rthread)
+    assert all(n <= 260 for n, _, _ in turns), turns
+    first = next(i for i, (_, dropped, _) in enumerate(turns) if dropped)
+    for (n, dropped, read), (_, before, _) in zip(turns[first:], turns[first - 1 :]):
+        if dropped == before:  # the cut an earlier turn made: the chat so far is read from the cache
+            assert read >= n / 2, turns
+        else:  # a new cut, in one step, down to half the limit
+            assert n <= 130, turns
+    assert len({dropped for _, dropped, _ in turns[first:]}) <= (len(turns) - first + 1) // 2, turns  # each cut lasts

@@ -55,7 +55,7 @@ from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, Segment
-from ..generator import Answer, FusedGenerator
+from ..generator import Answer, FusedGenerator, PromptTooLongError
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
 from .engine import Engine
@@ -101,6 +101,7 @@ class Prompt:
     fusion: FusionConfig
     generation: GenerationConfig
     salt: str = ""  # the tenant (and the request's cache_salt) whose caches of request text it reads
+    dropped: int = 0  # the chat's oldest messages left out to fit (`FusedGenerator.fitted_chat`)
 
     @property
     def n_tokens(self) -> int:
@@ -245,25 +246,33 @@ def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRe
     return []
 
 
-def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig) -> Prompt:
+def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig, salt: str) -> Prompt:
     """Chat messages as segments (runs on the engine's thread; `FusedGenerator.chat_segments`): chunks named or
     retrieved go at the head of the last user message; every indexed chunk quoted in the messages is found by
-    its token ids and read from the cache."""
+    its token ids and read from the cache. A chat too long for the limits drops its oldest half of messages
+    (`history`: halve) rather than being refused."""
     index = generator.index
     turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
     users = [turn for turn in turns if turn.role == "user"]
     if not users:
         raise APIError(400, "messages need at least one user message", param="messages")
     found = _chunks(index, request, "\n".join(p for p in users[-1].parts if isinstance(p, str)))
-    fusion = _fusion(index, request)
+    fusion, generation = _fusion(index, request), _generation(index, request, config)
+    records = [record for record, _ in found]
     try:
-        segments = generator.chat_segments(turns, [record for record, _ in found], fusion)
+        if config.history == "halve":
+            limit = min(config.max_prompt_tokens, index.adapter.context_length - generation.max_new_tokens)
+            segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
+        else:
+            segments, dropped = generator.chat_segments(turns, records, fusion), 0
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config)), config)
+    return _checked(index, Prompt(segments, _described(found), fusion, generation, salt, dropped), config)
 
 
-def completion_prompt(generator: FusedGenerator, request: CompletionRequest, config: ServerConfig) -> Prompt:
+def completion_prompt(generator: FusedGenerator, request: CompletionRequest, config: ServerConfig, salt: str) -> Prompt:
     """A completion prompt as segments (runs on the engine's thread): with chunks named or retrieved,
     `ask`'s layout with the prompt as the question; without, the prompt as given, every indexed chunk
     quoted in it found by its token ids and read from the cache."""
@@ -282,7 +291,7 @@ def completion_prompt(generator: FusedGenerator, request: CompletionRequest, con
         if not request.text.strip() or not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         segments = generator.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
-    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config)), config)
+    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config), salt), config)
 
 
 def _described(found: list[tuple[ChunkRecord, float | None]]) -> list[dict[str, Any]]:
@@ -368,7 +377,8 @@ def _usage(answer: Answer) -> dict[str, Any]:
 
 def _extension(prompt: Prompt, answer: Answer) -> dict[str, Any]:
     """The `rag_kvcache` field of a response: what the fusion did."""
-    return {"chunks": prompt.chunks, **answer.fusion_stats, "prompt_tokens": answer.prompt_tokens}
+    return {"chunks": prompt.chunks, **answer.fusion_stats, "prompt_tokens": answer.prompt_tokens,
+            "dropped_messages": prompt.dropped}
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -483,13 +493,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                            f"server's limit) can hold in this model's vocabulary", param=body.prompt_field,
                            code="context_length_exceeded")
         ticket = server.admission.admit(tenant)
+        salt = f"{tenant}:{body.cache_salt}" if body.cache_salt else tenant
         try:
-            prompt = await server.on_engine(build_prompt, server.engine.generator, body, config)
+            prompt = await server.on_engine(build_prompt, server.engine.generator, body, config, salt)
         except BaseException:
             ticket.close()
             raise
-        salt = f"{tenant}:{body.cache_salt}" if body.cache_salt else tenant
-        return await _respond(server, ticket, replace(prompt, salt=salt), body, request, chat=chat)
+        return await _respond(server, ticket, prompt, body, request, chat=chat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(authorize)) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..config import setting
 
@@ -28,10 +29,15 @@ class ServerConfig:
     max_per_key: int = setting(8, "Most requests one API key may have waiting or in service at once (more: 429), "
                                   "so that one client cannot take every place; 0: no limit. Without keys, none.")
     max_body_bytes: int = setting(16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed).")
+    history: Literal["halve", "refuse"] = setting(
+        "halve", "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
+        "turns read the shortened chat from the conversation cache (halve), or refuse it with 400 (refuse).")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.history not in ("halve", "refuse"):
+            raise ValueError(f"history must be 'halve' or 'refuse', got {self.history!r}")
         if not all(self.api_keys):
             raise ValueError("api_keys must not be empty strings (give none for no authentication)")
         for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):

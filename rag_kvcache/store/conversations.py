@@ -100,30 +100,28 @@ class ConversationCache:
     def match(self, salt: str, ids: Sequence[int], method: str | None = None) -> ConversationHit | None:
         """The longest path of `salt`'s tree that `ids` begin with, at most all but the last token (the
         prompt's last token is always computed); `method` given: only that method's nodes (an exact
-        method's). None when no token matches."""
+        method's). None when no token matches. Counted in the stats, and the path is marked used."""
         with self._lock:
             self._lookups += 1
             self._clock += 1
-            node, n, limit = self._roots.get(salt), 0, len(ids) - 1
-            runs: list[tuple[_Node, int]] = []
-            while node is not None and n < limit:
-                child = node.children.get(ids[n])
-                if child is None or (method is not None and child.method != method):
-                    break
-                k = _common(child.ids, ids[n:limit])
-                child.used = self._clock
-                runs.append((child, k))
-                n += k
-                node = child if k == len(child.ids) else None
-            if n == 0:
+            runs = self._walk(salt, ids, method)
+            if not runs:
                 return None
+            n = sum(k for _, k in runs)
             self._hits += 1
             self._hit_tokens += n
+            for node, _ in runs:
+                node.used = self._clock
             layers = tuple(
                 tuple(nd.keys[i][:, :k] for nd, k in runs) + tuple(nd.values[i][:, :k] for nd, k in runs)
                 for i in range(len(runs[0][0].keys))
             )  # per layer: [H_kv, k, D] per run, keys then values
             return ConversationHit(n, PathKV(layers, n))
+
+    def held(self, salt: str, ids: Sequence[int]) -> int:
+        """How many of `ids` `match` would read (any method's nodes), without counting or using them."""
+        with self._lock:
+            return sum(k for _, k in self._walk(salt, ids, None))
 
     def insert(
         self, salt: str, ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], method: str,
@@ -161,6 +159,20 @@ class ConversationCache:
                                      self._hits, self._hit_tokens, self._evicted_tokens)
 
     # ---- the tree, under the lock --------------------------------------------------------------
+    def _walk(self, salt: str, ids: Sequence[int], method: str | None) -> list[tuple[_Node, int]]:
+        """The nodes `ids` (all but the last) run through and how many tokens of each, `method`'s only if given."""
+        node, n, limit = self._roots.get(salt), 0, len(ids) - 1
+        runs: list[tuple[_Node, int]] = []
+        while node is not None and n < limit:
+            child = node.children.get(ids[n])
+            if child is None or (method is not None and child.method != method):
+                break
+            k = _common(child.ids, ids[n:limit])
+            runs.append((child, k))
+            n += k
+            node = child if k == len(child.ids) else None
+        return runs
+
     def _add(self, parent: _Node, ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
              method: str) -> _Node:
         node = _Node(ids, [k[:, : len(ids)].clone() for k in keys], [v[:, : len(ids)].clone() for v in values],
