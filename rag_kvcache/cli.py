@@ -52,6 +52,7 @@ DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
 DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
+Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
 History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
 
@@ -593,6 +594,7 @@ def serve(
     max_body_bytes: Annotated[int, option(ServerConfig, "max_body_bytes", min=1)] = default(
         ServerConfig, "max_body_bytes"),
     max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
+    order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
     device: Annotated[Optional[str], option(Config, "device")] = None,
@@ -616,7 +618,8 @@ def serve(
     try:
         server_cfg = ServerConfig(host=host, port=port, api_keys=tuple(api_key or ()), docs_dir=docs, max_queue=max_queue,
                                   max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-                                  max_body_bytes=max_body_bytes, max_per_key=max_per_key, history=history.value)
+                                  max_body_bytes=max_body_bytes, max_per_key=max_per_key, order=order.value,
+                                  history=history.value)
         cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(template_text=template_text)
         engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, conversation_bytes=conversation_bytes,
                                                       request_bytes=request_bytes))

@@ -73,19 +73,27 @@ class Server:
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
 
-    def ask(self, messages: list[dict], method: str, max_tokens: int) -> dict:
-        """One streamed turn: time to the first content token, the answer, usage and the fusion's numbers."""
+    def retrieve(self, query: str, top_k: int) -> list[dict]:
+        return httpx.post(f"{self.url}/v1/retrieve", json={"query": query, "top_k": top_k}, timeout=60).json()["data"]
+
+    def ask(self, messages: list[dict], method: str, max_tokens: int, extra: dict | None = None) -> dict:
+        """One streamed turn: time to the first content token, the answer, usage and the fusion's numbers;
+        `extra`: `rag_kvcache` options besides the method, and `cache_salt`."""
+        extra = dict(extra or {})
+        body = {"rag_kvcache": {"method": method, **{k: v for k, v in extra.items() if k != "cache_salt"}}}
+        body |= {"cache_salt": extra["cache_salt"]} if "cache_salt" in extra else {}
         t0 = time.perf_counter()
         ttft, pieces, last = None, [], None
         for chunk in self.client.chat.completions.create(
             model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"rag_kvcache": {"method": method}},
+            stream_options={"include_usage": True}, extra_body=body,
         ):
             if chunk.choices and chunk.choices[0].delta.content:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 pieces.append(chunk.choices[0].delta.content)
             last = chunk
         extension = last.model_extra.get("rag_kvcache", {})
+        ttft = ttft if ttft is not None else time.perf_counter() - t0  # no text: the whole response's time
         return {"ttft_s": ttft, "answer": "".join(pieces).strip(), "prompt_tokens": last.usage.prompt_tokens,
                 "cached_tokens": last.usage.prompt_tokens_details.cached_tokens,
                 "conversation_tokens": extension.get("conversation_tokens"),
@@ -103,7 +111,7 @@ def build_index(index: Path) -> None:
 
 
 def chat(warm: Server, cold: Server, method: str, turns: int, top_k: int, max_tokens: int) -> list[dict]:
-    hits = httpx.post(f"{warm.url}/v1/retrieve", json={"query": QUESTIONS[0], "top_k": top_k}, timeout=60).json()["data"]
+    hits = warm.retrieve(QUESTIONS[0], top_k)
     documents = "\n\n".join(h["text"] for h in hits)
     messages: list[dict] = []
     rows = []

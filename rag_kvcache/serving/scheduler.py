@@ -10,6 +10,11 @@ its answer is complete (end of sequence, stop string, `max_tokens`) or its clien
 new one joins after its prefill, between two steps; at most `max_batch` decode together. With
 `max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
 
+Which waiting request is prefilled next (`order`): `fcfs`, the oldest; or `cache_aware`, the one with
+the fewest tokens left to compute once the conversation cache and the chunk caches are read (a chat's
+next turn, whose earlier turns are in memory, goes before a cold RAG question that computes hundreds),
+the oldest among equals, and never one passed over `MAX_SKIPS` times: every request's wait stays bounded.
+
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 A failure in a prefill fails its request; one in a request's own sampling of a batched step fails
 that request alone, the others decode on as if it had not been there; one in the batched forward
@@ -23,10 +28,11 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import Step, decode_together
+from ..engine.methods import get_method
 from ..engine.prompt import Segment
 from ..generator import Answer, FusedGenerator, Generation
 from .metrics import ServerMetrics
@@ -34,6 +40,8 @@ from .metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 _END = object()  # a job's last item: its stream ends
+MAX_SKIPS = 4  # cache_aware: a waiting request passed over this many times is prefilled next
+Order = Literal["fcfs", "cache_aware"]
 
 
 @dataclass(eq=False)
@@ -48,6 +56,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
+    skipped: int = 0  # times another waiting request was prefilled before it (`cache_aware`)
 
     def deliver(self, released: list[Step], answer: Answer | None) -> None:
         for step in released:
@@ -65,10 +74,13 @@ class Scheduler:
 
     def __init__(
         self, generator: FusedGenerator, on_engine: Callable[..., Awaitable[Any]], max_batch: int,
-        metrics: ServerMetrics,
+        metrics: ServerMetrics, order: Order = "fcfs",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
+        if order not in ("fcfs", "cache_aware"):
+            raise ValueError(f"order must be 'fcfs' or 'cache_aware', got {order!r}")
+        self.order = order
         self.generator = generator
         self.on_engine = on_engine  # fn(*args) on the engine's worker thread, awaited
         self.max_batch = max_batch
@@ -111,7 +123,7 @@ class Scheduler:
                     self._wake.clear()
                     await self._wake.wait()
                 if self.pending and len(self.decoding) < self.max_batch:
-                    await self._prefill(self.pending.popleft())
+                    await self._prefill(self._next())
                 self._keep(lambda job: not job.cancelled)
                 if self.decoding:
                     await self._step(self.decoding)
@@ -120,6 +132,31 @@ class Scheduler:
             for job in [*self.pending, *self.decoding]:
                 job.fail(error)
             raise
+
+    def _next(self) -> Job:
+        """The waiting request to prefill now, taken out of `pending` (see the module: `order`)."""
+        if self.order == "fcfs" or len(self.pending) == 1:
+            return self.pending.popleft()
+        overdue = next((job for job in self.pending if job.skipped >= MAX_SKIPS), None)
+        job = overdue or min(self.pending, key=self._work)  # min keeps the first, the oldest, among equals
+        self.pending.remove(job)
+        for other in self.pending:
+            other.skipped += 1
+        return job
+
+    def _work(self, job: Job) -> int:
+        """Tokens `job`'s prefill will compute, about: those after what the conversation cache holds of its
+        prompt, but for the chunk caches it reads (a method that reads none computes them all)."""
+        conversations = self.generator.conversations
+        ids = [t for seg in job.segments for t in seg.ids]
+        held = 0 if conversations is None else conversations.held(job.salt, ids)
+        reads = get_method(job.fusion.method).reads_cache
+        work, start = 0, 0
+        for seg in job.segments:
+            end = start + len(seg.ids)
+            work += max(0, end - max(start, held)) if not (seg.cacheable and reads) else 0
+            start = end
+        return work
 
     async def _prefill(self, job: Job) -> None:
         if job.cancelled:

@@ -29,6 +29,10 @@ class ServerConfig:
     max_per_key: int = setting(8, "Most requests one API key may have waiting or in service at once (more: 429), "
                                   "so that one client cannot take every place; 0: no limit. Without keys, none.")
     max_body_bytes: int = setting(16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed).")
+    order: Literal["fcfs", "cache_aware"] = setting(
+        "cache_aware", "Which waiting request is prefilled next: the one with the fewest tokens left to compute once "
+        "cached conversations and chunks are read (cache_aware; a request passed over 4 times goes next), or the "
+        "oldest (fcfs).")
     history: Literal["halve", "refuse"] = setting(
         "halve", "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
         "turns read the shortened chat from the conversation cache (halve), or refuse it with 400 (refuse).")
@@ -36,6 +40,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.order not in ("fcfs", "cache_aware"):
+            raise ValueError(f"order must be 'fcfs' or 'cache_aware', got {self.order!r}")
         if self.history not in ("halve", "refuse"):
             raise ValueError(f"history must be 'halve' or 'refuse', got {self.history!r}")
         if not all(self.api_keys):

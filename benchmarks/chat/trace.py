@@ -1,0 +1,104 @@
+"""Replayed trace of mixed chats and RAG questions at 16 clients through `rag-kvcache serve`: the
+cache-aware prefill order against first-come-first-served (issue 36).
+
+Half the clients chat (a first message quoting the documents, then follow-up questions; each turn after
+the first reads the chat so far from the conversation cache and computes a few dozen tokens); the other
+half send RAG questions with `full` (the chunks retrieved by the server, every token computed: the heavy
+requests of the trace). Each policy gets its own server (`--order fcfs` or `cache_aware`), the same trace,
+one after the other. Per request the client measures the time to the first streamed token (queueing
+included); reported: p50, p90, p99 and mean over all requests and per kind.
+
+    python benchmarks/chat/trace.py --index /tmp/chat-idx --out benchmarks/chat/trace-results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conversation import QUESTIONS, Server, build_index  # noqa: E402
+
+RAG_QUESTIONS = (
+    "When was the Tessaly lighthouse lit?", "Who kept a diary of ships?", "What does Saltmere's bakery sell?",
+    "How far is Tessaly from Orrin's Ford?", "What is the island's only pub called?", "Who founded the observatory?",
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(ttfts: list[float]) -> dict[str, float]:
+    return {"n": len(ttfts), "p50_s": percentile(ttfts, 0.5), "p90_s": percentile(ttfts, 0.9),
+            "p99_s": percentile(ttfts, 0.99), "mean_s": statistics.fmean(ttfts)}
+
+
+def run_trace(server: Server, documents: str, clients: int, turns: int, max_tokens: int) -> list[dict]:
+    rows: list[dict] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def chat(c: int) -> None:
+        messages: list[dict] = []
+        start.wait()
+        for i in range(turns):
+            question = f"{QUESTIONS[(c + i) % len(QUESTIONS)]}"
+            messages.append({"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0
+                             else question})
+            r = server.ask(messages, "cacheblend", max_tokens, extra={"cache_salt": f"chat-{c}"})
+            messages.append({"role": "assistant", "content": r["answer"]})
+            with lock:
+                rows.append({"kind": "chat", "client": c, "turn": i + 1, **r})
+
+    def rag(c: int) -> None:
+        start.wait()
+        for i in range(turns):
+            question = RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]
+            r = server.ask([{"role": "user", "content": question}], "full", max_tokens, extra={"top_k": 3})
+            with lock:
+                rows.append({"kind": "rag", "client": c, "turn": i + 1, **r})
+
+    threads = [threading.Thread(target=chat if c % 2 == 0 else rag, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    if not args.index.exists():
+        build_index(args.index)
+    results = {}
+    for order in ("fcfs", "cache_aware"):
+        server = Server(args.index, "--order", order, "--max-queue", str(args.clients), "--max-per-key", "0")
+        try:
+            hits = server.retrieve(QUESTIONS[0], 3)
+            t0 = time.perf_counter()
+            rows = run_trace(server, "\n\n".join(h["text"] for h in hits), args.clients, args.turns, args.max_tokens)
+            wall = time.perf_counter() - t0
+        finally:
+            server.close()
+        results[order] = {"wall_s": wall, "all": summary([r["ttft_s"] for r in rows]),
+                          **{kind: summary([r["ttft_s"] for r in rows if r["kind"] == kind]) for kind in ("chat", "rag")},
+                          "requests": rows}
+        print(order, json.dumps({k: v for k, v in results[order].items() if k != "requests"}), flush=True)
+    args.out.write_text(json.dumps({"results": results, "command": sys.argv}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
