@@ -97,7 +97,8 @@ class ServerMetrics:
         self.decode_rate = Histogram("rag_kvcache_decode_tokens_per_second", "Decoding speed after the first token.",
                                      ["method"], buckets=RATE_BUCKETS, registry=r)
         self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
-        self.active = Gauge("rag_kvcache_active_requests", "Requests the engine is serving now.", registry=r)
+        self.active = Gauge("rag_kvcache_active_requests", "Requests admitted to the engine: in its scheduler's queue "
+                            "for their prefill, or being served.", registry=r)
         self.decode_batch = Histogram("rag_kvcache_decode_batch_size",
                                       "Requests advanced by each batched decoding step.", buckets=BATCH_BUCKETS,
                                       registry=r)

@@ -110,10 +110,11 @@ class Prompt:
 
 # ---- admission --------------------------------------------------------------------------------------
 class Admission:
-    """At most `max_batch` requests served at once (prefilled, then decoded together); at most
-    `max_queue` admitted requests waiting (FIFO) beyond the places free in the batch (a burst of requests
-    all waiting at once fills both); at most `max_per_key` of them, waiting or served, one tenant's (an
-    API key's; 0: no limit; requests without a key are not counted)."""
+    """At most `max_batch + max_queue` requests admitted at once (a burst of requests all waiting at once
+    fills both): generations go to the scheduler, which decodes at most `max_batch` together and chooses
+    which waiting one to prefill next; other engine work (documents) takes one of `max_batch` places in
+    arrival order. At most `max_per_key` admitted requests are one tenant's (an API key's; 0: no limit;
+    requests without a key are not counted)."""
 
     def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics, max_per_key: int = 0) -> None:
         self.max_queue = max_queue
@@ -172,19 +173,25 @@ class Ticket:
         self.admitted_at = time.perf_counter()
 
     @asynccontextmanager
-    async def serve(self) -> AsyncIterator[None]:
+    async def serve(self, slot: bool = True) -> AsyncIterator[None]:
+        """In service until the block ends: after one of the `max_batch` places is free (`slot`), or at once
+        for a generation, which the scheduler queues itself (it prefills the waiting request it chooses,
+        `Scheduler.order`, and decodes at most `max_batch`) and whose queueing time it records."""
         adm = self._admission
-        await adm._slot.acquire()
+        if slot:
+            await adm._slot.acquire()
         self._queued = False
         adm._set_waiting(-1)
         adm._set_active(+1)
         started = time.perf_counter()
-        adm.metrics.queue_wait.observe(started - self.admitted_at)
+        if slot:
+            adm.metrics.queue_wait.observe(started - self.admitted_at)
         try:
             yield
         finally:
             adm._set_active(-1)
-            adm._slot.release()
+            if slot:
+                adm._slot.release()
             adm.served(time.perf_counter() - started)
 
     def close(self) -> None:
@@ -350,7 +357,7 @@ class Server:
         the scheduler's next step. `request` (non-streaming responses) is polled for a disconnect before
         each step; a streaming response learns of one when the server cancels it."""
         try:
-            async with ticket.serve(), aclosing(
+            async with ticket.serve(slot=False), aclosing(
                 self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation, prompt.salt)
             ) as steps:
                 if request is not None and await request.is_disconnected():
