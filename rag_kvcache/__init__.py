@@ -18,12 +18,14 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "ModelAdapter": ".engine.model", "UnsupportedModelError": ".engine.model", "register": ".engine.methods",
     "Segment": ".engine.prompt", "ChatTurn": ".engine.prompt", "ChunkPart": ".engine.prompt",
     "chat_segments": ".engine.prompt", "Hit": ".retrieval.chunk_index", "Engine": ".serving.engine",
-    "EngineHandle": ".serving.engine",
+    "EngineHandle": ".serving.engine", "RagKVCacheError": ".errors", "ConfigError": ".errors",
+    "ConversationCache": ".store.conversations",
 }
 __all__ = [
-    "Answer", "ChatTurn", "ChunkKV", "ChunkPart", "Config", "Engine", "EngineHandle", "FusedGenerator",
-    "FusionConfig", "FusionInput", "FusionResult", "GenerationConfig", "Hit", "KVIndex", "KVStore",
-    "METHODS", "ModelAdapter", "Segment", "UnsupportedModelError", "chat_segments", "register",
+    "Answer", "ChatTurn", "ChunkKV", "ChunkPart", "Config", "ConfigError", "ConversationCache", "Engine",
+    "EngineHandle", "FusedGenerator", "FusionConfig", "FusionInput", "FusionResult", "GenerationConfig", "Hit",
+    "KVIndex", "KVStore", "METHODS", "ModelAdapter", "RagKVCacheError", "Segment", "UnsupportedModelError",
+    "chat_segments", "register",
 ]
 
 if TYPE_CHECKING:
@@ -33,10 +35,12 @@ if TYPE_CHECKING:
     from .engine.methods import METHODS, register
     from .engine.model import ModelAdapter, UnsupportedModelError
     from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+    from .errors import ConfigError, RagKVCacheError
     from .generator import Answer, FusedGenerator
     from .index import KVIndex
     from .retrieval.chunk_index import Hit
     from .serving.engine import Engine, EngineHandle
+    from .store.conversations import ConversationCache
     from .store.kvstore import KVStore
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
+from .errors import ConfigError
 from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from .store.codecs import CODECS
 
@@ -73,19 +74,19 @@ class FusionConfig:
 
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
-            raise ValueError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
+            raise ConfigError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
         if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer!r}")
+            raise ConfigError(f"check_layer must be >= 0, got {self.check_layer!r}")
         if self.filter_steps < 1:
-            raise ValueError(f"filter_steps must be >= 1, got {self.filter_steps!r}")
+            raise ConfigError(f"filter_steps must be >= 1, got {self.filter_steps!r}")
         if self.deviation not in ("k", "v"):
-            raise ValueError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
+            raise ConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
         if self.epic_k < 0:
-            raise ValueError(f"epic_k must be >= 0, got {self.epic_k!r}")
+            raise ConfigError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if self.match_words < 1:
-            raise ValueError(f"match_words must be >= 1, got {self.match_words!r}")
+            raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
         if not 0.0 < self.repick_decay <= 1.0:
-            raise ValueError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
+            raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,11 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+            raise ConfigError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -178,27 +179,27 @@ class StorageConfig:
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0:
-            raise ValueError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")
+            raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")
         if self.disk_bytes is not None and self.disk_bytes < 1:
-            raise ValueError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
+            raise ConfigError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
         if self.eviction not in ("lru", "lfu"):
-            raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+            raise ConfigError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
         if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.prefetch_layers < 0:
-            raise ValueError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
+            raise ConfigError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
-            raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
+            raise ConfigError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
         if self.remote is not None and urlsplit(self.remote).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
+            raise ConfigError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
         if self.remote_secret is not None and len(self.remote_secret) < 16:
-            raise ValueError(f"remote_secret must be at least 16 bytes, got {len(self.remote_secret)}")
+            raise ConfigError(f"remote_secret must be at least 16 bytes, got {len(self.remote_secret)}")
         if self.request_bytes < 0:
-            raise ValueError(f"request_bytes must be >= 0 (0: keep none), got {self.request_bytes!r}")
+            raise ConfigError(f"request_bytes must be >= 0 (0: keep none), got {self.request_bytes!r}")
         if self.conversation_bytes < 0:
-            raise ValueError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
+            raise ConfigError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
         if self.remote_timeout <= 0 or self.remote_retry < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"remote_timeout must be > 0 and remote_retry >= 0, got {self.remote_timeout!r} and {self.remote_retry!r}"
             )
 
@@ -248,19 +249,19 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
-            raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
+            raise ConfigError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
         if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k!r}")
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
         if self.chunk_prefill not in CHUNK_PREFILLS:
-            raise ValueError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
+            raise ConfigError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
         if self.context_chunks < 1:
-            raise ValueError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
+            raise ConfigError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
         if self.max_file_bytes < 1:
-            raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
+            raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
-            raise ValueError(f"max_documents must be >= 1, got {self.max_documents!r}")
+            raise ConfigError(f"max_documents must be >= 1, got {self.max_documents!r}")
         if self.ray_workers < 0:
-            raise ValueError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
+            raise ConfigError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
 
     def with_fusion(self, **changes: object) -> Config:
         return replace(self, fusion=replace(self.fusion, **changes))

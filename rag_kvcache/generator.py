@@ -35,6 +35,7 @@ from .engine.prompt import (
     render_prompt,
     with_runs,
 )
+from .errors import RagKVCacheError
 from .index import KVIndex
 from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
 from .retrieval.matching import MIN_SPAN
@@ -46,7 +47,7 @@ from .store.loading import LayerFeed
 log = logging.getLogger(__name__)
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(RagKVCacheError, ValueError):
     """A prompt (with the tokens to generate) longer than the model's context."""
 
 

@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from ..config import DEFAULT_MODEL, Config
+from ..errors import RagKVCacheError
 from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin
 from .sentences import Lexicon
 
@@ -48,7 +49,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(RagKVCacheError, ValueError):
     """The model cannot have its chunk caches fused exactly."""
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
+from ..errors import RagKVCacheError
 from ..store.tiers import StorageFullError
 from . import vectors as faiss_file
 from .chunking import Chunk
@@ -69,11 +70,11 @@ _RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
 _TOKEN_DTYPE = np.dtype("<i4")
 
 
-class ForeignIndexError(ValueError):
+class ForeignIndexError(RagKVCacheError, ValueError):
     """A directory that is not a rag-kvcache index (or an index of another format version)."""
 
 
-class EmptyIndexError(ValueError):
+class EmptyIndexError(RagKVCacheError, ValueError):
     """A question with no chunks to answer from: the index holds none (empty, or every document failed
     to index), or every hit was removed by another process meanwhile."""
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import RagKVCacheError
+
 logger = logging.getLogger(__name__)
 
 _BINARY_SNIFF_BYTES = 8192
@@ -22,7 +24,7 @@ DEFAULT_MAX_FILE_BYTES = 8 << 20
 DEFAULT_MAX_DOCUMENTS = 100_000
 
 
-class DocumentLimitError(ValueError):
+class DocumentLimitError(RagKVCacheError, ValueError):
     """A documents folder over a configured limit (more files than `max_documents`)."""
 
 

@@ -55,6 +55,7 @@ from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, Segment
+from ..errors import RagKVCacheError
 from ..generator import Answer, FusedGenerator, PromptTooLongError
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
@@ -72,7 +73,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/retrieve
           "/health")
 
 
-class APIError(Exception):
+class APIError(RagKVCacheError):
     """An error answered as OpenAI's API answers it."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -88,7 +89,7 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-class ClientGone(Exception):
+class ClientGone(RagKVCacheError):
     """The client disconnected before its answer was complete."""
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..config import setting
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,14 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+            raise ConfigError(f"port must be in [0, 65535], got {self.port!r}")
         if self.order not in ("fcfs", "cache_aware"):
-            raise ValueError(f"order must be 'fcfs' or 'cache_aware', got {self.order!r}")
+            raise ConfigError(f"order must be 'fcfs' or 'cache_aware', got {self.order!r}")
         if self.history not in ("halve", "refuse"):
-            raise ValueError(f"history must be 'halve' or 'refuse', got {self.history!r}")
+            raise ConfigError(f"history must be 'halve' or 'refuse', got {self.history!r}")
         if not all(self.api_keys):
-            raise ValueError("api_keys must not be empty strings (give none for no authentication)")
+            raise ConfigError("api_keys must not be empty strings (give none for no authentication)")
         for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
             least = 0 if name in ("max_queue", "max_per_key") else 1
             if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)!r}")

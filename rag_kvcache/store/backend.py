@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from ..engine.cache import ChunkKV
+from ..errors import RagKVCacheError
 from .codecs import Codec, get_codec
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ _SAFETENSORS_DTYPES = {
 _DTYPE_NAMES = {str(d).removeprefix("torch."): name for name, d in _SAFETENSORS_DTYPES.items()}
 
 
-class KVStoreError(Exception):
+class KVStoreError(RagKVCacheError):
     """A problem with a stored cache entry."""
 
 

@@ -30,6 +30,7 @@ import torch
 from ..config import Config, StorageConfig
 from ..engine.cache import ChunkKV, pack_layer
 from ..engine.model import ModelAdapter
+from ..errors import RagKVCacheError
 from .kvstore import KVStore
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def calibration_path(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Path
     return Path(cache_dir) / "calibration" / f"{machine_id(adapter.device)}-{adapter.fingerprint[:16]}-{codec}.json"
 
 
-class NotCalibratedError(ValueError):
+class NotCalibratedError(RagKVCacheError, ValueError):
     """`ratio="auto"` asked on a machine where the model was never calibrated: a setting the request (or the
     command) chose, not a fault of the server's files."""
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import Eviction
 from ..engine.cache import ChunkKV
+from ..errors import RagKVCacheError
 from .backend import Backend, Counted
 from .codecs import Codec
 
@@ -42,7 +43,7 @@ _TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(rf"^{re.escape(_TMP_PREFIX)}([0-9]+)-[0-9]+-[0-9a-f]+\.safetensors$")  # pid, thread, key
 
 
-class StorageFullError(OSError):
+class StorageFullError(RagKVCacheError, OSError):
     """The disk holding the store is full (or over quota)."""
 
 

@@ -1,0 +1,11 @@
+"""The root of every error rag-kvcache raises for its own reasons: `except RagKVCacheError` catches them
+all. Each also derives from the builtin its kind belongs to (ValueError for a bad input or setting, OSError
+for storage), so code that catches those keeps working. This module imports nothing of the package."""
+
+
+class RagKVCacheError(Exception):
+    """An error of rag-kvcache's own (a bad setting, input or stored entry); its message names the value."""
+
+
+class ConfigError(RagKVCacheError, ValueError):
+    """A setting out of range or of the wrong kind."""
