@@ -304,6 +304,66 @@ def ask(
     )
 
 
+@app.command()
+def chat(
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
+    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
+    conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
+        StorageConfig, "conversation_bytes"),
+    kv_remote: KVRemote = None,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+) -> None:
+    """Chat over the index, one message per line of standard input (an empty line is skipped; end of input
+    ends the chat). Each message gets the chunks retrieved for it that the chat does not hold yet; they stay in
+    the conversation, and each turn reads the turns before it from the conversation cache, so only the new
+    message and its new chunks are computed. A chat that outgrows the model's context drops its oldest half."""
+    from .engine.prompt import ChatTurn, ChunkPart
+    from .generator import Answer, FusedGenerator
+    from .index import KVIndex
+    from .store.conversations import ConversationCache
+
+    _model_process()
+    try:
+        _check_method(method)
+        cfg = _placed(KVIndex.config_of(index_dir, _base_config()), device, dtype).with_fusion(method=method)
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens).with_storage(remote=kv_remote)
+        idx = KVIndex.open(index_dir, cfg)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    generator = FusedGenerator(idx, ConversationCache(conversation_bytes) if conversation_bytes else None)
+    limit = idx.adapter.context_length - max_new_tokens
+    turns: list[ChatTurn] = []
+    for line in sys.stdin:
+        if not (message := line.strip()):
+            continue
+        try:
+            held = {part.label for turn in turns for part in turn.parts if isinstance(part, ChunkPart)}
+            hits = [h for h in idx.search(message, top_k) if f"chunk:{h.chunk.id}" not in held]
+            chunks = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
+            turns.append(ChatTurn("user", (*chunks, message)))
+            segments, dropped = generator.fitted_chat(turns, (), cfg.fusion, limit)
+            turns = turns[dropped:]
+            pieces: list[str] = []
+            for step in generator.stream(segments, cfg.fusion, cfg.generation):
+                if isinstance(step, Answer):
+                    answer = step
+                else:
+                    pieces.append(step)
+                    out.print(step, end="", highlight=False, markup=False)
+        except (OSError, ValueError) as e:
+            _fail(str(e))
+        turns.append(ChatTurn("assistant", ("".join(pieces).strip(),)))
+        out.print()
+        out.print(
+            f"[dim]{answer.method}: ttft {answer.ttft_s * 1000:.0f} ms, {answer.prompt_tokens} prompt tokens, "
+            f"{answer.cached_tokens} from cache ({answer.conversation_tokens} of the conversation), {len(hits)} new "
+            f"chunk(s){f', {dropped} oldest messages dropped' if dropped else ''}[/dim]", highlight=False,
+        )
+
+
 def _json_schema(value: str | None) -> str | None:
     """`--json-schema`'s JSON text: the value itself when it begins with `{`, else the file it names. The
     [structured] extra is checked here, before a model loads; the schema itself when decoding starts."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from importlib.resources import files
@@ -13,6 +15,8 @@ import torch
 import typer
 from conftest import tiny_llama
 from pydantic import BaseModel, Field, ValidationError
+from test_serve import CHATML
+from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import rag_kvcache
@@ -378,3 +382,28 @@ def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_pat
     assert not (tmp_path / "idx" / "pending.json").exists()
     check = runner.invoke(app, ["check", "--index", str(tmp_path / "idx")])
     assert check.exit_code == 0 and "resumable" not in check.output and "garbage" not in check.output
+
+
+def test_chat_reads_each_turn_before_from_the_conversation_cache(built, model_dir, tmp_path):
+    """`rag-kvcache chat`: one message a line; each turn gets its new chunks, keeps the earlier ones in the
+    conversation, and reads the turns before it from the conversation cache (only the new message computed)."""
+    chatty = tmp_path / "chat-model"
+    shutil.copytree(model_dir, chatty)
+    tokenizer = AutoTokenizer.from_pretrained(chatty)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(chatty)
+    root, _ = built
+    index = tmp_path / "idx"
+    result = runner.invoke(app, ["index", str(root / "docs"), "--index", str(index), "--chunk-tokens", "128",
+                                 "--model", str(chatty)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["chat", "--index", str(index), "--max-new-tokens", "3", "--top-k", "1"],
+                           input="What is the telescope called?\n\nAnd Saltmere?\nAnd the telescope again?\n")
+    assert result.exit_code == 0, result.output
+    text = re.sub(r"\s+", " ", result.output)  # rich wraps lines at the terminal's width
+    stats = re.findall(r"(\d+) prompt tokens, (\d+) from cache \((\d+) of the conversation\), (\d+) new", text)
+    assert len(stats) == 3, result.output  # the empty line is skipped
+    (n1, _, conv1, new1), (n2, _, conv2, new2), (n3, cached3, conv3, new3) = [tuple(map(int, s)) for s in stats]
+    assert conv1 == 0 and new1 == 1 and new2 == 1  # Saltmere's chunk joins the telescope's
+    assert conv2 >= n1 and conv3 >= n2  # each turn reads the whole turn before it (and its answer)
+    assert new3 == 0 and cached3 >= conv3  # the telescope's chunk is already in the chat: nothing new
