@@ -177,6 +177,14 @@ class StorageConfig:
         "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
     )
 
+    @property
+    def remote_address(self) -> str | None:
+        """`remote` without its user and password (for messages and for what an index records)."""
+        if self.remote is None:
+            return None
+        url = urlsplit(self.remote)
+        return f"{url.scheme}://{url.hostname or ''}{f':{url.port}' if url.port else ''}{url.path}"
+
     def __post_init__(self) -> None:
         if self.memory_bytes < 0:
             raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")

@@ -105,6 +105,9 @@ class KVIndex:
                 "chunk and prefill it at query time, keeping it in this process's memory, not in the index", path, chunks.meta.get("model"), built_with, config.model,
                 adapter.fingerprint,
             )
+        if (remote := chunks.meta.get("kv_remote")) and config.storage.remote is None:
+            log.warning("index %s was built with its KV caches also in the shared tier %s; opened without it "
+                        "(--kv-remote), the caches missing from this machine's disk are recomputed", path, remote)
         if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
             raise ValueError(
                 f"index {path} was chunked with the tokenizer of {chunks.meta.get('model')!r}; {config.model!r} "
@@ -126,7 +129,7 @@ class KVIndex:
             meta |= {
                 "model_fingerprint": adapter.fingerprint, "tokenizer": _tokenizer_id(adapter.tokenizer),
                 "kv_codec": config.storage.codec,
-            }
+            } | ({"kv_remote": config.storage.remote_address} if config.storage.remote else {})
             chunks = ChunkIndex.create(path, embedder, config.embedder, meta, config.index_type)
         return cls(path, config, chunks, adapter)
 

@@ -351,3 +351,19 @@ def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp
 def test_a_secret_shorter_than_16_bytes_is_refused():
     with pytest.raises(ValueError, match="at least 16 bytes, got 6"):
         StorageConfig(remote="redis://cache:6379", remote_secret=b"secret")
+
+
+def test_an_index_built_with_the_shared_tier_warns_when_opened_without_it(tiny, tmp_path, server, caplog):
+    """A process that opened an index built with --kv-remote without it recomputed every cache missing from its
+    disk without a word. The index records the tier (no password) and opening it without one says so."""
+    url = server.url.replace("redis://", "redis://user:hunter2@", 1)
+    cfg = replace(CFG, storage=remote_cfg(server.url))
+    KVIndex.build(write_docs(tmp_path / "docs", 2), tmp_path / "a", cfg, adapter=tiny, progress=False)
+    with caplog.at_level(logging.WARNING):
+        KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), CFG, adapter=tiny)
+    assert "built with its KV caches also in the shared tier " + StorageConfig(remote=url).remote_address in caplog.text
+    assert "hunter2" not in caplog.text and StorageConfig(remote=url).remote_address == remote_cfg(server.url).remote_address
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        KVIndex.open(tmp_path / "b", cfg, adapter=tiny)
+    assert "shared tier" not in caplog.text

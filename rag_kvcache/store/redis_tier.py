@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import numpy as np
 import redis
@@ -56,8 +55,7 @@ class RedisTier(Backend):
         if config.remote is None:
             raise ValueError("a RedisTier needs StorageConfig.remote, a redis:// URL; got None")
         super().__init__(get_codec(config.codec), on_loaded)
-        url = urlsplit(config.remote)
-        self.name = f"{url.scheme}://{url.hostname or ''}{f':{url.port}' if url.port else ''}{url.path}"  # no password
+        self.name = config.remote_address
         self.client = redis.Redis.from_url(  # one immediate retry: a pooled connection the server closed
             config.remote, socket_timeout=config.remote_timeout, socket_connect_timeout=config.remote_timeout,
             retry=Retry(NoBackoff(), 1),
