@@ -162,3 +162,16 @@ def test_a_model_given_an_index_opens_and_closes_its_own_engine(demo_engine: Eng
     with pytest.raises(RuntimeError, match="shutdown"):
         engine.search("telescope", 1)  # its worker thread has ended
     assert demo_engine.search("telescope", 1)  # the shared engine is untouched
+
+
+def test_a_chats_next_turn_reads_the_turn_before_from_the_conversation_cache(
+    model: ChatRagKVCache, retriever: RagKVCacheRetriever
+) -> None:
+    """The engine keeps each answered prompt's K/V and its answer's: the next turn of the chat (the same
+    messages, the answer, a new question) reads them and computes only what is new."""
+    first = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+    answer = model.invoke(first)
+    second = model.invoke([*first, answer, HumanMessage("Who founded the observatory?")])
+    conversation = second.response_metadata["conversation_tokens"]
+    assert conversation >= answer.usage_metadata["input_tokens"]  # the whole first prompt, and the answer's start
+    assert _cache_read(second) >= conversation and second.response_metadata["recomputed_tokens"] < 64
