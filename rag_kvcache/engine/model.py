@@ -91,7 +91,7 @@ class LayerWeights:
 
     input_norm: torch.Tensor  # [E]
     post_norm: torch.Tensor  # [E]
-    eps: float
+    eps: float  # both norms' (the config's rms_norm_eps)
     qkv: torch.Tensor  # [E, (H_q + 2 H_kv) * D], the q, k, v projections' weights in one, transposed
     qkv_bias: torch.Tensor | None  # [(H_q + 2 H_kv) * D]
     n_q: int  # H_q * D: q's columns of `qkv`, then k's and v's
@@ -303,7 +303,7 @@ class ModelAdapter:
         v = y[:, h_qk:].transpose(0, 1)  # [H_kv, T, D]
         if w.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q = apply_rope(w.q_norm(y[:, :h_q]).transpose(0, 1), cos, sin)  # [H_q, T, D]
-            return q, apply_rope(w.k_norm(y[:, h_q:h_qk]).transpose(0, 1), cos, sin), v
+            return q, apply_rope(w.k_norm(y[:, h_q:h_qk]).transpose(0, 1), cos, sin), v  # k [H_kv, T, D]
         qk = apply_rope(y[:, :h_qk].transpose(0, 1), cos, sin)  # [H_q + H_kv, T, D]
         return qk[:h_q], qk[h_q:], v
 
