@@ -339,6 +339,7 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
             ("nul\x00.txt", "x", "documents.source"), ("tab\tname.txt", "x", "documents.source"),
             ("harbour.md/sub.txt", "x", "documents.source"), ("n" * 255, "x", "documents.source"),
             ("linkdir/escaped.txt", "x", "documents.source"), ("afolder", "x", "documents.source"),
+            (".", "x", "documents.source"), ("./", "x", "documents.source"),  # the folder itself (Hypothesis, 10k)
             ("big.txt", "y" * (limit + 1), "documents.text"),
         ]:
             r = httpx.post(f"{running.url}/v1/documents", json={"documents": [{"source": source, "text": text}]},

@@ -602,8 +602,9 @@ def _document_path(docs_dir: Path, source: str) -> Path:
     """Where a posted document goes: a relative path inside `docs_dir`, no hidden or parent parts, no
     control characters, each name short enough for its temporary file's (`.NAME.tmp`), through folders
     (not files, not links) only: a link inside the folder once let a document land outside it."""
-    rel = PurePosixPath(source)
-    if rel.is_absolute() or "\\" in source or any(part in ("", "..") or part.startswith(".") for part in rel.parts):
+    rel = PurePosixPath(source)  # "." and "./" have no parts: the folder itself, written over by the document
+    if not rel.parts or rel.is_absolute() or "\\" in source or any(
+            part in ("", "..") or part.startswith(".") for part in rel.parts):
         raise _bad_source(source, "a relative path inside the documents folder, without hidden or '..' parts")
     if any(ord(c) < 32 or ord(c) == 127 for c in source):
         raise _bad_source(source, "without control characters")
