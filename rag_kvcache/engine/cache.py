@@ -175,7 +175,7 @@ class BlendKV:
 
     @cached_property
     def turns(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per source, the rotation (cos, sin [1, D/2]) moving its keys to the first's positions: made once,
+        """Per source, the rotation (cos, sin [1, D]) moving its keys to the first's positions: made once,
         read for every layer."""
         return [None if s.position == self.position else rotation(self.position - s.position, self.inv_freq)
                 for s in self.sources]
