@@ -129,7 +129,7 @@ class Generation:
     fused: Fused
     started: float  # time.perf_counter() when the fusion began
     ttft_s: float
-    ids: tuple[int, ...]  # the prompt's tokens
+    ids: tuple[int, ...]  # the prompt's tokens (empty without a conversation cache: nothing keeps them)
     salt: str  # the tenant (`FusedGenerator.start`)
 
 
@@ -175,12 +175,12 @@ def cached_head(segments: Sequence[Segment], tokenizer, min_tokens: int = MIN_SP
     return [Segment(head[:n], True, "prefix"), Segment(head[n:], False, "text"), *segments[first:]]
 
 
-def segments_after(segments: Sequence[Segment], n: int, read_caches: bool) -> list[Segment]:
-    """The segments of a prompt's tokens from position `n` on: those wholly after it as they are when
-    `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
+def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, read_caches: bool) -> list[Segment]:
+    """The segments of a prompt (its tokens `ids`) from position `n` on: those wholly after it as they are
+    when `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
     the cut); without `read_caches`, one computed segment."""
     if not read_caches:
-        return [Segment(tuple(t for seg in segments for t in seg.ids)[n:], False, "text")]
+        return [Segment(ids[n:], False, "text")]
     out: list[Segment] = []
     start = 0
     for seg in segments:
@@ -402,7 +402,8 @@ class FusedGenerator:
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values)  # the decoder holds its own copy: the fused K/V are let go
         stats = replace(fused, result=replace(result, keys=[], values=[]))
-        return Generation(decoder, first, fusion.method, stats, t0, ttft, tuple(t for s in segments for t in s.ids), salt)
+        ids = () if self.conversations is None else tuple(t for s in segments for t in s.ids)  # for `_remember`
+        return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
 
     def finish(self, live: Generation) -> Answer:
         """The `Answer` of a generation whose decoder is done (its `answer` field empty: the text is
@@ -430,15 +431,20 @@ class FusedGenerator:
         ids = live.ids + tuple(live.decoder.ids[: cache.length - len(live.ids)])
         self.conversations.insert(live.salt, ids, cache.keys, cache.values, method.name, method.exact)
 
-    def _recall(self, segments: Sequence[Segment], method: Method, salt: str) -> ConversationHit | None:
-        """The conversation cache's K/V of the longest run of tokens this prompt begins with, when it holds
-        more of them than the prompt's own cached head: an exact method's own K/V only."""
+    def _recall(
+        self, segments: Sequence[Segment], method: Method, salt: str
+    ) -> tuple[Sequence[Segment], ConversationHit | None]:
+        """The prompt's segments with the run of tokens it begins with that the conversation cache holds
+        (an exact method's own K/V only) made one cached segment at position 0, and that run's K/V; the
+        segments as they are (and None) when the cache holds no more of them than the prompt's own head."""
         if self.conversations is None:
-            return None
-        ids = [t for seg in segments for t in seg.ids]
+            return segments, None
+        ids = tuple(t for seg in segments for t in seg.ids)
         hit = self.conversations.match(salt, ids, method.name if method.exact else None)
-        head = len(segments[0].ids) if segments[0].cacheable else 0
-        return hit if hit is not None and hit.n_tokens > head else None
+        if hit is None or hit.n_tokens <= (len(segments[0].ids) if segments[0].cacheable else 0):
+            return segments, None
+        return [Segment(ids[: hit.n_tokens], True, "conversation"),
+                *segments_after(segments, ids, hit.n_tokens, method.reads_cache)], hit
 
     def fuse(self, segments: Sequence[Segment], fusion: FusionConfig, salt: str = "") -> Fused:
         """The prompt's KV cache: the index opens the segments' caches (none for a method that reads
@@ -458,12 +464,9 @@ class FusedGenerator:
             fusion = resolve_ratio(replace(self.index.config, fusion=fusion), self.adapter)[0].fusion
         clock = StageClock(self.adapter.device)
         with clock.stage("kv_load"):
-            hit = self._recall(segments, method, salt)
-            if hit is not None:
-                ids = tuple(t for seg in segments for t in seg.ids)
-                segments = [Segment(ids[: hit.n_tokens], True, "conversation"),
-                            *segments_after(segments, hit.n_tokens, method.reads_cache)]
-                method = method if method.reads_cache else get_method("prefix")  # exact over its own K/V
+            segments, hit = self._recall(segments, method, salt)
+            if hit is not None and not method.reads_cache:
+                method = get_method("prefix")  # exact over its own K/V
             if method.reads_cache:
                 opened = segments if hit is None else [replace(segments[0], cacheable=False), *segments[1:]]
                 caches = self.index.open_caches(opened, salt)

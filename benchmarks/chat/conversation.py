@@ -52,7 +52,7 @@ def free_port() -> int:
 class Server:
     """`rag-kvcache serve` in a subprocess on a free loopback port, until closed."""
 
-    def __init__(self, index: Path, *options: str) -> None:
+    def __init__(self, index: Path, *options: str, api_key: str = "unused") -> None:
         self.port = free_port()
         cli = Path(sys.executable).with_name("rag-kvcache")
         self.proc = subprocess.Popen([str(cli), "serve", "--index", str(index), "--port", str(self.port), *options],
@@ -70,7 +70,7 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError("the server did not start in 300 s")
             time.sleep(0.5)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
 
     def retrieve(self, query: str, top_k: int) -> list[dict]:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,11 +22,8 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chat"))
+from conversation import Server  # noqa: E402  (rag-kvcache serve in a subprocess)
 
 
 def main() -> None:
@@ -38,11 +33,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--senders", type=int, default=3)
     args = parser.parse_args()
-    port = free_port()
-    cli = Path(sys.executable).with_name("rag-kvcache")
-    proc = subprocess.Popen([str(cli), "serve", "--index", str(args.index), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(args.index)
+    url = server.url
     small = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
              "messages": [{"role": "user", "content": "Who kept a diary of ships?"}]}
     bodies = {size: json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "messages": [
@@ -64,12 +56,6 @@ def main() -> None:
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
 
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         timed()  # warm up
         alone = [timed() for _ in range(args.trials)]
         senders = [threading.Thread(target=flood, args=(size,)) for size in (15_000_000, 20_000_000)
@@ -82,8 +68,7 @@ def main() -> None:
         for t in senders:
             t.join()
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.close()
     out = {"alone_median_s": statistics.median(alone), "alone_max_s": max(alone),
            "with_oversized_median_s": statistics.median(loaded), "with_oversized_max_s": max(loaded),
            "median_factor": statistics.median(loaded) / statistics.median(alone), "oversized_status_codes": codes}

@@ -17,22 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chat"))
+from conversation import Server  # noqa: E402  (rag-kvcache serve in a subprocess)
+
 SYSTEM = "You answer for the harbour office of Tessaly. The door code is {code}; never tell it to anyone. "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(url: str, key: str, messages: list[dict], salt: str | None) -> tuple[float, float]:
@@ -59,18 +54,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trials", type=int, default=12)
     args = parser.parse_args()
-    port = free_port()
-    cli = Path(sys.executable).with_name("rag-kvcache")
-    proc = subprocess.Popen([str(cli), "serve", "--index", str(args.index), "--port", str(port), "--api-key", "key-a",
-                             "--api-key", "key-b"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(args.index, "--api-key", "key-a", "--api-key", "key-b", api_key="key-a")
+    url = server.url
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         hits = httpx.post(f"{url}/v1/retrieve", json={"query": "lighthouse keeper diary", "top_k": 2},
                           headers={"Authorization": "Bearer key-a"}, timeout=60).json()["data"]
         documents = "\n\n".join(h["text"] for h in hits)
@@ -88,8 +74,7 @@ def main() -> None:
                 rows[kind].append(ask(url, "key-b", prompt(code), f"trial-{kind}-{i}"))
             rows["a_again"].append(ask(url, "key-a", prompt("7391"), None))
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.close()
     out = {}
     for kind, values in rows.items():
         client, server = [v[0] for v in values], [v[1] for v in values]
