@@ -21,7 +21,7 @@ import torch
 
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
-from .engine.fusion import DirectReader, FusionInput, FusionResult
+from .engine.fusion import DirectReader, FusionInput, FusionModel, FusionResult
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
 from .engine.profiling import StageClock
@@ -214,11 +214,15 @@ def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
 class FusedGenerator:
     """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
 
-    def __init__(self, index: KVIndex, conversations: ConversationCache | None = None) -> None:
+    def __init__(
+        self, index: KVIndex, conversations: ConversationCache | None = None, layers: FusionModel | None = None,
+    ) -> None:
         """`conversations`: where answered prompts' K/V are kept for the turns that continue them (None:
-        nothing is kept, every prompt is fused from the chunk caches alone)."""
+        nothing is kept, every prompt is fused from the chunk caches alone). `layers`: the model whose layers
+        the fusion methods run on (default: the index's own adapter; the vLLM connector passes vLLM's)."""
         self.index = index
         self.adapter = index.adapter
+        self.layers = layers or index.adapter
         self.conversations = conversations
         self.templates = TemplateSpans()  # learned from the prompts this generator fuses
         self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
@@ -462,7 +466,7 @@ class FusedGenerator:
         method = get_method(fusion.method)
         if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
             fusion = resolve_ratio(replace(self.index.config, fusion=fusion), self.adapter)[0].fusion
-        clock = StageClock(self.adapter.device)
+        clock = StageClock(self.layers.device)
         with clock.stage("kv_load"):
             segments, hit = self._recall(segments, method, salt)
             if hit is not None and not method.reads_cache:
@@ -475,14 +479,14 @@ class FusedGenerator:
                     sources = [hit.kv, *sources[1:]]
             else:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
-            inp = FusionInput.build(list(segments), sources, contexts, device=self.adapter.device)
+            inp = FusionInput.build(list(segments), sources, contexts, device=self.layers.device)
         depth = self.index.config.storage.prefetch_layers
-        placement = inp.placement(self.adapter)
+        placement = inp.placement(self.layers)
         if caches is None or depth == 0:
             reader = DirectReader(inp.sources, placement, self.buffers)
-            result = method(self.adapter, inp, fusion, clock, reader)
+            result = method(self.layers, inp, fusion, clock, reader)
         else:
-            with LayerFeed(inp.sources, placement, self.adapter.layout.n_layers, depth, self.buffers) as feed:
-                result = method(self.adapter, inp, fusion, clock, feed)
+            with LayerFeed(inp.sources, placement, self.layers.layout.n_layers, depth, self.buffers) as feed:
+                result = method(self.layers, inp, fusion, clock, feed)
         repaired, computed = (0, 0) if caches is None else (caches.repaired, caches.computed_tokens)
         return Fused(result, inp.n_tokens, repaired, computed, 0 if hit is None else hit.n_tokens)

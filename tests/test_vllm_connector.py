@@ -24,6 +24,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+import cloudpickle  # noqa: E402
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.smollm2
 CONNECTOR_MODULE = "rag_kvcache.serving.vllm_connector"
 LOGPROB_TOL = 1e-3  # float32 on both sides; the only difference is the order of the float sums
 TOP = 5
+KV_TOL = 1e-4  # largest K/V difference over the largest |K/V|: vLLM's kernels against the engine's, float32
+LOGIT_TOL = 1e-3  # measured ~7e-5
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ def kv_transfer_config(index: Path, method: str) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(built: Built) -> Iterator[LLM]:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a test function (loopback only)
     engine = LLM(
         model=built.model, dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, enable_prefix_caching=False,
         kv_transfer_config=kv_transfer_config(built.path, "prefix"),
@@ -146,6 +150,40 @@ def test_reuse_equals_the_embedded_engine(llm: LLM, built: Built) -> None:
     ours = torch.log_softmax(logits.float(), dim=-1)  # [V]
     want = {int(t): float(ours[t]) for t in torch.topk(ours, TOP).indices}
     assert_close(first_logprobs(out), want)
+
+
+def fused_both_ways(worker, prompt: list[int], methods: list[str]) -> dict:
+    """In vLLM's worker: each method's fused cache of `prompt` made on vLLM's layers (the connector's generator)
+    and on the index's transformers adapter (a generator of the embedded engine), compared."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    planner = get_kv_transfer_group()._planner
+    on_vllm, on_engine = planner.generator, FusedGenerator(planner.index)
+    segments = on_engine.find_chunks(prefix_head(prompt, planner.index.format.prefix_ids))
+    report = {"layers": type(on_vllm.layers).__name__}
+    for method in methods:
+        a = on_vllm.fuse(segments, FusionConfig(method=method)).result
+        b = on_engine.fuse(segments, FusionConfig(method=method)).result
+        kv_a, kv_b = torch.stack([torch.stack(a.keys), torch.stack(a.values)]), torch.stack([torch.stack(b.keys), torch.stack(b.values)])  # [2, L, H_kv, N, D]
+        report[method] = {
+            "kv_error": float((kv_a - kv_b).abs().max() / kv_b.abs().max()),
+            "logit_error": float((a.logits - b.logits).abs().max()),
+            "same_counts": a.active_per_layer == b.active_per_layer,
+        }
+    return report
+
+
+def test_methods_run_on_vllms_layers_and_equal_the_engine(llm: LLM, built: Built) -> None:
+    """The connector's fused caches are made by vLLM's own modules (`VllmAdapter`), and equal what the embedded
+    engine makes on its transformers copy of the same weights, for each method: the same tokens computed per
+    layer, K/V and the last token's logits equal to float32 tolerance (two implementations of every kernel)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
+    report = llm.collective_rpc(fused_both_ways, args=(built.prompt, ["reuse", "epic", "cacheblend"]))[0]
+    assert report["layers"] == "VllmAdapter"
+    for method in ("reuse", "epic", "cacheblend"):
+        got = report[method]
+        assert got["same_counts"], (method, got)
+        assert got["kv_error"] < KV_TOL and got["logit_error"] < LOGIT_TOL, (method, got)
 
 
 def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> None:

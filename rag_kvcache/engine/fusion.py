@@ -21,10 +21,35 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer
-from .model import ModelAdapter
+from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
 from .prompt import Segment
+from .sentences import Lexicon
+
+
+class FusionModel(Protocol):
+    """What the fusion methods run on: a model's per-layer pieces. `model.ModelAdapter` (transformers) and
+    `vllm_model.VllmAdapter` (vLLM's loaded layers) are the two."""
+
+    layout: KVLayout
+    device: torch.device
+    dtype: torch.dtype
+    inv_freq: torch.Tensor  # [D/2], float32
+    scale: float
+    sliding_window: int | None
+
+    @property
+    def lexicon(self) -> Lexicon: ...
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, E]
+    def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, E]
+    def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # [H_q, T, D], [H_kv, T, D] x 2
+    def kv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]: ...  # [H_kv, T, D] x 2
+    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...  # [H_q, T, D]
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...  # [T, E]
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, V]
 
 
 @dataclass(frozen=True)
@@ -99,7 +124,7 @@ class FusionInput:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
 
-    def placement(self, adapter: ModelAdapter) -> KVPlacement:
+    def placement(self, adapter: FusionModel) -> KVPlacement:
         """Where each layer's packed caches go (`KVPlacement`), the same for every layer: made once."""
         shape = (2, adapter.layout.n_kv_heads, self.n_tokens, adapter.layout.head_dim)  # [2, H_kv, N, D]
         cached = [p for p in self.parts if p.kv is not None]
@@ -206,7 +231,7 @@ class Refine(Protocol):
 
 @torch.inference_mode()
 def selective_prefill(
-    adapter: ModelAdapter, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
+    adapter: FusionModel, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
     clock: StageClock | None = None, reader: LayerReader | None = None,
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FusionConfig
-from .fusion import FusionInput, FusionResult, LayerReader, selective_prefill
+from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selective_prefill
 from .model import ModelAdapter
 from .ops import kv_deviation, select_tokens
 from .profiling import StageClock
 from .sentences import echo_sentences
 
-MethodFn = Callable[[ModelAdapter, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
+MethodFn = Callable[[FusionModel, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Method:
     exact: bool = False
 
     def __call__(
-        self, adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
+        self, adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
         reader: LayerReader | None = None,
     ) -> FusionResult:
         return self.fn(adapter, inp, cfg, clock, reader)
@@ -86,13 +86,13 @@ def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None,
 
 
 @register("prefix", exact=True)
-def prefix(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def prefix(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """Prefix caching: reuse the exactly-cached head, prefill everything after it."""
     return selective_prefill(adapter, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], clock=clock, reader=reader)
 
 
 @register("reuse")
-def reuse(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def reuse(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """Full KV reuse: every chunk cache position-corrected, only uncached tokens computed."""
     return selective_prefill(adapter, inp, inp.fresh.nonzero()[:, 0], clock=clock, reader=reader)
 
@@ -107,14 +107,14 @@ def chunk_heads(inp: FusionInput, k: int) -> torch.Tensor:
 
 
 @register("epic")
-def epic(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def epic(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
     return selective_prefill(adapter, inp, (inp.fresh | chunk_heads(inp, cfg.epic_k)).nonzero()[:, 0], clock=clock,
                              reader=reader)
 
 
 @register("epic_match")
-def epic_match(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC, and the sentences of inexact chunks that echo the question (`sentences.echo_sentences`: they
     share `match_words` words with it and an earlier sentence of the prompt does too), recomputed so
     that each attends to the earlier ones as in a full prefill and the question's subject binds to its own."""
@@ -139,7 +139,7 @@ def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 
 
 def hkvd_prefill(
-    adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, schedule: dict[int, float], clock=None, reader=None,
+    adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, schedule: dict[int, float], clock=None, reader=None,
 ) -> FusionResult:
     """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
@@ -160,7 +160,7 @@ def hkvd_prefill(
 
 
 @register("cacheblend")
-def cacheblend(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def cacheblend(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """CacheBlend selective recompute of the high-KV-deviation tokens."""
     return hkvd_prefill(adapter, inp, cfg, filter_schedule(cfg, adapter.layout.n_layers), clock, reader)
 
@@ -181,7 +181,7 @@ def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 
 
 @register("cacheblend_repick")
-def cacheblend_repick(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def cacheblend_repick(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """CacheBlend with re-selection: pick more HKVD tokens at the check layer, then at each re-pick layer
     keep those whose fresh K (or V) still deviates most from the cache there; CacheBlend's budget."""
     return hkvd_prefill(adapter, inp, cfg, repick_schedule(cfg, adapter.layout.n_layers), clock, reader)

@@ -23,9 +23,10 @@ through the slots of the request's blocks.
 - `prefix` (exact): the exactly cached head (system prefix, and the first chunk right behind it) is copied
   as stored; no model runs.
 - every other method that reads caches (`reuse`, `cacheblend`, `epic`, `epic_match`, ...): the method runs
-  on the embedded engine (`FusedGenerator.fuse`, the code `ask` runs, on this package's own transformers
-  copy of the model) and its fused K/V up to the end of the last cached span are written;
-  vLLM computes the question on its own layers over them. The methods do not yet run on vLLM's layers.
+  on **vLLM's own layers** (`FusedGenerator.fuse`, the code `ask` runs, over `engine.vllm_model.VllmAdapter`
+  of the model the worker loaded) and its fused K/V up to the end of the last cached span are written;
+  vLLM computes the question over them. vLLM hands a connector its caches and attention layers, never the
+  model: `register_kv_caches` takes it from the model runner that registers the caches (`_loaded_model`).
 
 A load that fails in the worker reports the request's blocks as failed (`get_block_ids_with_load_errors`):
 with `kv_load_failure_policy: recompute` vLLM prefills them itself; with its default (`fail`) the request
@@ -35,6 +36,7 @@ fails. Nothing half-written is ever served as a hit.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,7 @@ from ..config import FusionConfig
 from ..engine.fusion import FusionInput
 from ..engine.methods import get_method
 from ..engine.prompt import Segment, prefix_head
+from ..engine.vllm_model import VllmAdapter
 from ..generator import FusedGenerator
 from ..index import KVIndex
 
@@ -106,6 +109,10 @@ class Planner:
         self.index = KVIndex.open(index_path, rewrite=False)
         self.generator = FusedGenerator(self.index)
 
+    def run_on(self, layers: VllmAdapter) -> None:
+        """Run the fusion methods on `layers` (vLLM's loaded model) from now on."""
+        self.generator = FusedGenerator(self.index, layers=layers)
+
     def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
         segments = self.generator.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
@@ -117,8 +124,8 @@ class Planner:
         self, segments: list[Segment], inp: FusionInput, fusion: FusionConfig, start: int, end: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the K/V [H_kv, end - start, D] of prompt positions [start, end) for `fusion.method`:
-        for `prefix` the exact segments' stored caches as they are; for any other method the embedded
-        engine's fused cache (`FusedGenerator.fuse`, the code `ask` runs)."""
+        for `prefix` the exact segments' stored caches as they are; for any other method the fused cache
+        `FusedGenerator.fuse` makes (the code `ask` runs) on the generator's layers."""
         if fusion.method != "prefix":
             result = self.generator.fuse(segments, fusion).result
             return [(k[:, start:end], v[:, start:end]) for k, v in zip(result.keys, result.values)]  # [H_kv, T, D]
@@ -159,6 +166,25 @@ class RagKVCacheMetadata(KVConnectorMetadata):
 class _Match:
     end: int  # prompt tokens [0, end) the connector provides
     fusion: FusionConfig
+
+
+def _loaded_model(kv_caches: dict[str, torch.Tensor], vllm_config: VllmConfig) -> torch.nn.Module:
+    """The model this worker loaded. vLLM 0.32 hands a connector its paged caches and attention layers, never
+    the model; the model runner registering the caches (a caller of `register_kv_caches`) holds it, so it is
+    taken from the first caller up the stack with a `get_model()`, and accepted only if the attention layer
+    of every registered cache is that model's module of the same name."""
+    attention = vllm_config.compilation_config.static_forward_context  # layer name -> vLLM's Attention module
+    frame = sys._getframe(1)
+    while frame is not None:
+        runner = frame.f_locals.get("self")
+        if callable(getattr(runner, "get_model", None)):
+            model = runner.get_model()
+            modules = dict(model.named_modules())
+            if all(modules.get(name) is attention.get(name) is not None for name in kv_caches):
+                return model
+        frame = frame.f_back
+    raise RuntimeError(f"no model runner up the call stack of register_kv_caches holds the attention layers of "
+                       f"{sorted(kv_caches)[:3]}...: this vLLM registers KV caches in a way the connector does not know")
 
 
 class RagKVCacheConnector(KVConnectorBase_V1):
@@ -256,9 +282,10 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             raise ValueError(f"vLLM has {len(kv_caches)} KV cache layers, the index's model {layout.n_layers}: "
                              "serve the model the index was built with")
         self._kv_caches = kv_caches
+        self._planner.run_on(VllmAdapter(_loaded_model(kv_caches, self._vllm_config), self._planner.index.adapter))
         name, cache = next(iter(kv_caches.items()))
-        log.info("vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d",
-                 len(kv_caches), name, tuple(cache.shape), cache.dtype, self._block_size)
+        log.info("vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d; the methods run on "
+                 "vLLM's layers", len(kv_caches), name, tuple(cache.shape), cache.dtype, self._block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
