@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -165,6 +166,7 @@ class RagKVCacheMetadata(KVConnectorMetadata):
 @dataclass(frozen=True)
 class _Match:
     end: int  # prompt tokens [0, end) the connector provides
+    exact_end: int  # of which [0, exact_end) equal a full prefill's K/V (the leading exactly cached segments)
     fusion: FusionConfig
 
 
@@ -206,6 +208,7 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         self._matches: dict[str, _Match] = {}  # per request: what get_num_new_matched_tokens found
         self._pending: dict[str, tuple[Request, int, int]] = {}  # request, start, end: to load at its next step
         self._loaded: dict[str, int] = {}  # tokens the connector was asked to load, per live request
+        self._block_pool: BlockPool | None = None  # vLLM's, to take inexact blocks out of its prefix cache
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed_blocks: set[int] = set()
@@ -231,20 +234,35 @@ class RagKVCacheConnector(KVConnectorBase_V1):
                         request.request_id, request.kv_transfer_params, err)
             return None
         try:
-            end = loadable_end(self._planner.layout(ids, fusion)[1], fusion.method) if len(ids) > 1 else 0
+            inp = self._planner.layout(ids, fusion)[1] if len(ids) > 1 else None
+            end = 0 if inp is None else loadable_end(inp, fusion.method)
+            exact_end = 0 if inp is None else min(end, loadable_end(inp, "prefix"))
         except Exception:  # a fault in the index (an unreadable database, a cache that cannot be recomputed)
             log.exception("request %s: laying its prompt out over the index failed; prefilled by vLLM alone",
                           request.request_id)  # fails this request's reuse, never the engine's scheduler
             return None
-        self._matches[request.request_id] = match = _Match(end, fusion)
+        self._matches[request.request_id] = match = _Match(end, exact_end, fusion)
         log.debug("request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method)
         return match
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._block_pool = gpu_block_pool
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        end = self._matches[request.request_id].end
-        self._pending[request.request_id] = (request, end - num_external_tokens, end)
+        match = self._matches[request.request_id]
+        self._pending[request.request_id] = (request, match.end - num_external_tokens, match.end)
+        self._forget_inexact(match, blocks.get_block_ids()[0])
+
+    def _forget_inexact(self, match: _Match, block_ids: list[int]) -> None:
+        """Take the request's blocks from the first one holding a fused (inexact) token onwards out of vLLM's
+        prefix cache, which registered them under their tokens' hashes: another prompt sharing those tokens
+        would read this prompt's approximation (fused K/V depend on the whole prompt, and every later block's
+        K/V on them). Called when the blocks are allocated (vLLM has just hashed the loaded span) and when the
+        request finishes (the blocks vLLM computed over them)."""
+        if match.exact_end < match.end and self._block_pool is not None:
+            self._block_pool.evict_blocks(set(block_ids[match.exact_end // self._block_size :]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RagKVCacheMetadata()
@@ -273,6 +291,8 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         loaded = self._loaded.pop(request.request_id, 0)
         if match is None:
             return False, None
+        if loaded:
+            self._forget_inexact(match, block_ids)
         return False, {"rag_kvcache": {"method": match.fusion.method, "loaded_tokens": loaded, "matched_end": match.end}}
 
     # ---- worker side ------------------------------------------------------------------------------------
