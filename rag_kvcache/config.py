@@ -66,6 +66,11 @@ class FusionConfig:
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
     repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
+    drift_limit: float | None = setting(
+        None, "CacheBlend's per-question quality bound: when the drift its check layer estimates (the K/V deviation "
+        "its selection leaves unrecomputed, relative to the cached K/V's size) exceeds this, every token is recomputed "
+        "from that layer on, which gives full prefill's answer; none: never."
+    )
     template_text: bool = setting(
         False, "Read a prompt template's recurring text after the chunks (learned from the prompts) from a cache, as an "
         "inexact chunk's: faster, at a measured fidelity cost (CacheBlend TF KL +15% in LlamaIndex's layout); off: it "
@@ -87,6 +92,8 @@ class FusionConfig:
             raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
+        if self.drift_limit is not None and not self.drift_limit >= 0.0:
+            raise ConfigError(f"drift_limit must be >= 0 or None, got {self.drift_limit!r}")
 
 
 @dataclass(frozen=True)

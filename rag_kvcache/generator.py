@@ -73,6 +73,8 @@ class Answer:
     cache_computed_tokens: int = 0  # prompt tokens whose cache was computed for this prompt (a new head, a repair)
     conversation_tokens: int = 0  # prompt tokens read from the conversation cache (an earlier turn's K/V)
     finish_reason: str = "stop"  # "length": stopped at max_new_tokens; "stop": end of sequence or a stop string
+    drift: float | None = None  # CacheBlend's check-layer estimate of the deviation its selection leaves
+    bounded: bool = False  # the estimate exceeded the fusion's drift_limit: answered as a full prefill would
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
     first_token_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -96,7 +98,7 @@ class Answer:
         return {
             "method": self.method, "ttft_s": self.ttft_s, "recomputed_tokens": self.recomputed_tokens,
             "conversation_tokens": self.conversation_tokens, "compute_fraction": self.compute_fraction,
-            "cache_misses": self.cache_misses,
+            "cache_misses": self.cache_misses, "drift": self.drift, "bounded": self.bounded,
             "generation_s": self.generation_s, "stages": self.stages,
         }
 
@@ -425,7 +427,7 @@ class FusedGenerator:
             generation_s=generation_s, generated_tokens=n_generated, cache_misses=live.fused.cache_misses,
             cache_computed_tokens=live.fused.cache_computed_tokens, conversation_tokens=live.fused.conversation_tokens,
             finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
-            stages=result.stages, first_token_logits=result.logits,
+            stages=result.stages, first_token_logits=result.logits, drift=result.drift, bounded=result.bounded,
         )
 
     def _remember(self, live: Generation) -> None:

@@ -272,3 +272,28 @@ def test_an_active_set_without_every_uncached_token_is_refused(tiny):
     fresh = inp.fresh.nonzero()[:, 0]  # [F]
     with pytest.raises(ValueError, match="every token without a cache"):
         selective_prefill(tiny, inp, fresh[1:])
+
+
+def test_cacheblend_drift_estimate_is_what_its_selection_leaves(tiny):
+    """The check layer's drift estimate: 0 when every reusable token is recomputed (ratio 1.0), the largest when
+    none is (ratio 0), falling as the ratio rises; recorded, and nothing bounded, without a limit."""
+    inp = rag_prompt(tiny, isolated=True)  # chunks cached without their prompt context: they deviate
+    drifts = [run(tiny, inp, "cacheblend", ratio=r) for r in (0.0, 0.15, 0.5, 1.0)]
+    assert [d.bounded for d in drifts] == [False] * 4
+    assert drifts[0].drift > drifts[1].drift > drifts[2].drift > drifts[3].drift == 0.0
+
+
+def test_cacheblend_over_its_drift_limit_equals_full(tiny):
+    """A question whose drift estimate exceeds the limit is recomputed from the check layer on: full prefill's
+    cache and logits (ratio 1.0's invariant); under the limit it is CacheBlend's own, bit for bit."""
+    inp = rag_prompt(tiny, isolated=True)
+    plain = run(tiny, inp, "cacheblend", ratio=0.15)
+    full = run(tiny, inp, "full")
+    over = run(tiny, inp, "cacheblend", ratio=0.15, drift_limit=plain.drift / 2)
+    assert over.bounded and over.drift == plain.drift
+    torch.testing.assert_close(over.logits, full.logits, atol=ATOL, rtol=0)
+    for k, k_full in zip(over.keys, full.keys):
+        torch.testing.assert_close(k, k_full, atol=ATOL, rtol=0)
+    under = run(tiny, inp, "cacheblend", ratio=0.15, drift_limit=plain.drift * 2)
+    assert not under.bounded and under.active_per_layer == plain.active_per_layer
+    assert torch.equal(under.logits, plain.logits)

@@ -64,8 +64,9 @@ DEFAULT_BASELINE = "cacheblend"
 FIDELITY_KEYS = ("tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl")
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
 # Short parameter names used in labels ("cacheblend r=0.15") -> FusionConfig fields.
-PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
-METHOD_PARAMS = {"cacheblend": "r", "epic": "k", "epic_match": "k"}
+PARAM_FIELDS = {"r": "ratio", "k": "epic_k", "drift": "drift_limit"}
+PARAM_TYPES = {"r": float, "k": int, "drift": float}
+METHOD_PARAMS = {"cacheblend": ("r", "drift"), "epic": ("k",), "epic_match": ("k",)}  # the first is always shown
 OTHER_STAGE = "other"  # TTFT not inside a prefill stage: decoder setup and first-token sampling
 
 
@@ -136,25 +137,30 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | int | None = None) -> Variant:
-    """The variant `spec` names, written `METHOD[:PARAM=VALUE][@CACHES]`: `epic:k=24` sets the method's
-    parameter (`METHOD_PARAMS`; else `value`, else `base`'s), `@caches` runs it on the caches of an index
-    built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
+    """The variant `spec` names, written `METHOD[:PARAM=VALUE][@CACHES]`: `epic:k=24` sets one of the method's
+    parameters (`METHOD_PARAMS`; its first, shown in every label, is otherwise `value`, else `base`'s), e.g.
+    `cacheblend:drift=0.3` CacheBlend at the base ratio with a drift limit; `@caches` runs it on the caches of
+    an index built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
     spec, _, caches = spec.partition("@")
     method, _, setting = spec.partition(":")
     caches = None if caches in ("", config.chunk_prefill, config.storage.codec) else caches
-    key = METHOD_PARAMS.get(method)
+    keys = METHOD_PARAMS.get(method, ())
+    given: dict[str, float | int] = {}
     if setting:
-        given, _, text = setting.partition("=")
-        if key is None or given != key:
-            raise ValueError(f"{spec!r}: {method} takes " + (f"only {key}=VALUE" if key else "no parameter"))
-        kind = type(getattr(base, PARAM_FIELDS[key]))  # int for epic's k, float for CacheBlend's r
+        key, _, text = setting.partition("=")
+        if key not in keys:
+            named = " or ".join(f"{k}=VALUE" for k in keys)
+            raise ValueError(f"{spec!r}: {method} takes " + ("no parameter" if not keys else
+                                                               f"only {named}" if len(keys) == 1 else f"one of {named}"))
+        kind = PARAM_TYPES[key]
         try:
-            value = kind(text)
+            given[key] = kind(text)
         except ValueError:
             raise ValueError(f"{spec!r}: {key} must be a{'n int' if kind is int else ' number'}, got {text!r}") from None
-    if key is None:
+    if not keys:
         return Variant(method, caches=caches)
-    return Variant(method, ((key, getattr(base, PARAM_FIELDS[key]) if value is None else value),), caches)
+    shown = given.get(keys[0], getattr(base, PARAM_FIELDS[keys[0]]) if value is None else value)
+    return Variant(method, ((keys[0], shown), *((k, v) for k, v in given.items() if k != keys[0])), caches)
 
 
 def plan(settings: BenchSettings, base: FusionConfig, config: Config) -> list[Variant]:
@@ -263,6 +269,7 @@ def _record(
         "recompute_fraction": answer.recomputed_tokens / answer.prompt_tokens,
         "compute_fraction": answer.compute_fraction, "generation_s": answer.generation_s,
         "generated_tokens": answer.generated_tokens, "cache_misses": answer.cache_misses,
+        "drift": answer.drift, "bounded": answer.bounded,
         "chunks": [c.id for c in answer.chunks], "stages": _stages(answer),
         "f1_gold": max_f1(answer.answer, example.answers),
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),

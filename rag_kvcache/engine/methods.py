@@ -147,16 +147,42 @@ def hkvd_prefill(
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_reusable = int(reusable.sum())
     which = 0 if cfg.deviation == "k" else 1
+    check = min(schedule)
+    drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
+    bounded = False
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
-        if layer not in schedule:
+        nonlocal bounded
+        if layer not in schedule or bounded:
             return None
         forced = fresh[active]  # [A]
-        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
+        cached = layer_cache[which][:, active]  # [H_kv, A, D]
+        score = kv_deviation(fresh_kv[which], cached)  # [A]
         score[forced] = math.inf
-        return select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
+        keep = select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
+        if layer == check:
+            drift.append(left_deviation(score, cached, forced, keep))
+            if cfg.drift_limit is not None and drift[0].item() > cfg.drift_limit:  # the one sync, when bounded
+                bounded = True
+                return None  # every active token goes on: full prefill's K/V from here
+        return keep
 
-    return selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+    result = selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+    result.drift = float(drift[0]) if drift else None
+    result.bounded = bounded
+    return result
+
+
+def left_deviation(score: torch.Tensor, cached: torch.Tensor, forced: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's drift estimate at the check layer: the deviation of the reusable tokens its selection `keep`
+    leaves to the cache, relative to their cached K (or V): sqrt(sum of the unkept tokens' squared deviation /
+    sum of every reusable token's squared cached norm). 0 when the selection keeps every deviating token."""
+    reusable = ~forced  # [A]
+    left = reusable.clone()  # [A]
+    left[keep] = False
+    energy = score.masked_fill(~left, 0.0).square().sum()  # [], the deviation left
+    size = cached.to(torch.float32).square().sum(dim=(0, 2))[reusable].sum()  # [], the reusable tokens' cached K/V
+    return (energy / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
 
 
 @register("cacheblend")
