@@ -58,9 +58,9 @@ def run(adapter, inp, method, **cfg):
 
 def test_rerotation_equals_computing_at_offset(tiny):
     ids = torch.randint(1000, 20000, (1, 20))
-    at_zero = tiny.model(input_ids=ids, position_ids=torch.arange(20)[None], use_cache=True).past_key_values
+    at_zero = tiny.model(input_ids=ids, position_ids=torch.arange(20)[None], use_cache=True).cache
     offset = 137
-    at_p = tiny.model(input_ids=ids, position_ids=torch.arange(offset, offset + 20)[None], use_cache=True).past_key_values
+    at_p = tiny.model(input_ids=ids, position_ids=torch.arange(offset, offset + 20)[None], use_cache=True).cache
     for a, b in zip(at_zero.layers, at_p.layers):
         torch.testing.assert_close(rerotate_keys(a.keys[0], offset, tiny.inv_freq), b.keys[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(a.values[0], b.values[0], atol=ATOL, rtol=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_fusion import ATOL, rag_prompt
@@ -98,3 +100,12 @@ def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
         assert torch.equal(got, expected)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(h, before)
+
+
+def test_the_adapter_calls_transformers_without_deprecated_arguments(tiny):
+    """The reference prefill and the injected-cache decode pass the cache by the installed transformers' own name:
+    no FutureWarning (`past_key_values` is deprecated since transformers 5.2x, and printed on every `ask`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        keys, values, _ = tiny.prefill(torch.tensor([[5, 6, 7, 8]]))
+        tiny.decode([9], tiny.make_cache(keys, values), position=4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -256,6 +257,9 @@ class ModelAdapter:
         self.silu = cfg.hidden_act == "silu"  # the MLP's activation, applied in place (`gated`)
         self.act_fn = model.model.layers[0].mlp.act_fn
         self.layers = [LayerWeights.of(block) for block in model.model.layers]  # fused projections, once
+        # the forward's cache argument (and its output's field): `cache` since transformers 5.2x, `past_key_values`
+        # before (vLLM's CPU build pins 5.19); the old name is deprecated, with a FutureWarning on every call
+        self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.fingerprint = self._fingerprint()
 
     @classmethod
@@ -367,10 +371,10 @@ class ModelAdapter:
         cache = None if past is None else self.make_cache(*past)
         positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         out = self.model(
-            input_ids=ids.to(self.device), position_ids=positions, past_key_values=DynamicCache() if cache is None else cache,
-            use_cache=True, logits_to_keep=1,
+            input_ids=ids.to(self.device), position_ids=positions, use_cache=True, logits_to_keep=1,
+            **{self.cache_arg: DynamicCache() if cache is None else cache},
         )
-        layers = out.past_key_values.layers
+        layers = getattr(out, self.cache_arg).layers
         keys = [layer.keys[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         return keys, values, out.logits[:, -1].float()
@@ -436,8 +440,8 @@ class ModelAdapter:
         out = self.model(
             input_ids=torch.tensor([tokens], device=self.device),
             position_ids=torch.arange(position, position + len(tokens), device=self.device)[None],
-            past_key_values=cache,
             use_cache=True,
+            **{self.cache_arg: cache},
         )
         return out.logits[0].float()  # [T, V]
 

@@ -1,0 +1,107 @@
+"""Does CacheBlend's check-layer drift estimate say which questions it will get wrong? And what does bounding
+them (`drift_limit`: those questions recomputed from the check layer on, i.e. answered as `full`) buy and cost?
+
+Reads a `rag-kvcache bench` run with `full` and `cacheblend` (its records carry each question's `drift`):
+
+    python benchmarks/fusion-quality/drift_bound.py BENCH_OUT [OUT.json] [PLOT.png]
+
+- Rank correlation (Spearman) of the estimate with the question's teacher-forced KL to `full`, with a
+  bootstrap 95% interval; the same against losing a planted fact `full` answers.
+- The bound, calibrated on the first half of the questions (limit = the estimate's 75th percentile there) and
+  judged on the second half: how often it fires, the mean KL and planted-fact accuracy with and without it,
+  and the mean TTFT. A bounded question's answer is `full`'s (tested: `test_cacheblend_over_its_drift_limit_
+  equals_full`), so its KL is 0, its fact is full's, and its TTFT is taken as `full`'s measured TTFT on that
+  question (the bounded run also did CacheBlend's first layers: a slight underestimate of the cost).
+- The same trade-off for every limit: mean KL against mean TTFT over all questions (the plot).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+QUANTILE = 0.75  # the calibration half's drift quantile taken as the limit: about a quarter of questions bounded
+BOOT = 2000
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def boot_ci(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    stats = []
+    for _ in range(BOOT):
+        i = rng.integers(0, len(x), len(x))
+        if np.ptp(x[i]) > 0 and np.ptp(y[i]) > 0:
+            stats.append(spearman(x[i], y[i]))
+    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
+
+
+def bounded(rows: list[dict], limit: float) -> dict:
+    """Mean KL, planted accuracy (over the facts full answers) and TTFT of CacheBlend with `limit`, from the
+    measured rows (a bounded question takes full's answer and TTFT)."""
+    fired = [r["drift"] > limit for r in rows]
+    kl = [0.0 if f else r["kl"] for r, f in zip(rows, fired)]
+    ttft = [r["full_ttft"] if f else r["ttft"] for r, f in zip(rows, fired)]
+    facts = [(r["full_hit"] if f else r["hit"]) for r, f in zip(rows, fired) if r["full_hit"]]
+    return {"fired": float(np.mean(fired)), "tf_kl": float(np.mean(kl)), "ttft_s": float(np.mean(ttft)),
+            "planted": float(np.mean(facts)) if facts else None}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+    full = {r["id"]: r for r in records if r["method"] == "full"}
+    rows = [{"id": r["id"], "drift": r["drift"], "kl": r["tf_kl"], "ttft": r["ttft_s"], "hit": r["exact_hit"],
+             "full_hit": full[r["id"]]["exact_hit"], "full_ttft": full[r["id"]]["ttft_s"]}
+            for r in records if r["method"] == "cacheblend" and not r["params"].get("drift") and r["tf_kl"] is not None]
+    rng = np.random.default_rng(0)
+    drift, kl = np.array([r["drift"] for r in rows]), np.array([r["kl"] for r in rows])
+    result: dict = {"questions": len(rows), "spearman_drift_tf_kl": spearman(drift, kl),
+                    "spearman_drift_tf_kl_ci": boot_ci(drift, kl, rng)}
+    with_fact = [r for r in rows if r["full_hit"]]
+    if with_fact and len({r["hit"] for r in with_fact}) > 1:
+        lost = np.array([not r["hit"] for r in with_fact], dtype=float)
+        result["spearman_drift_fact_lost"] = spearman(np.array([r["drift"] for r in with_fact]), lost)
+
+    half = len(rows) // 2
+    calibration, held_out = rows[:half], rows[half:]
+    limit = float(np.quantile([r["drift"] for r in calibration], QUANTILE))
+    result |= {"limit": limit, "held_out_questions": len(held_out),
+               "held_out_without_bound": bounded(held_out, float("inf")), "held_out_with_bound": bounded(held_out, limit),
+               "held_out_full_ttft_s": float(np.mean([r["full_ttft"] for r in held_out]))}
+    limits = sorted({0.0, *drift.tolist()})
+    result["curve"] = [{"limit": x, **bounded(rows, x)} for x in [*limits, float("inf")]]
+    text = json.dumps(result, indent=1)
+    if len(sys.argv) > 2:
+        Path(sys.argv[2]).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    if len(sys.argv) > 3:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        curve = result["curve"]
+        ax.plot([c["ttft_s"] for c in curve], [c["tf_kl"] for c in curve], "o-", ms=3, label="CacheBlend, bounded by drift")
+        order = np.argsort(-kl)  # an oracle: bound the questions with the largest KL first
+        oracle = [(np.mean([r["full_ttft"] if i in set(order[:n]) else r["ttft"] for i, r in enumerate(rows)]),
+                   np.mean([0.0 if i in set(order[:n]) else r["kl"] for i, r in enumerate(rows)])) for n in range(len(rows) + 1)]
+        ax.plot(*zip(*oracle), ":", color="grey", label="oracle (bound the largest KL first)")
+        ends = curve[-1], curve[0]  # no bound, every question bounded: a random choice's expected line between
+        ax.plot([c["ttft_s"] for c in ends], [c["tf_kl"] for c in ends], "--", color="grey", label="random questions")
+        ax.set_xlabel("mean TTFT (s)")
+        ax.set_ylabel("mean teacher-forced KL to full")
+        ax.set_title(f"{len(rows)} questions; Spearman(drift, KL) = {result['spearman_drift_tf_kl']:.2f}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(sys.argv[3], dpi=120)
+
+
+if __name__ == "__main__":
+    main()
