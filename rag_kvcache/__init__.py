@@ -19,13 +19,13 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "Segment": ".engine.prompt", "ChatTurn": ".engine.prompt", "ChunkPart": ".engine.prompt",
     "chat_segments": ".engine.prompt", "Hit": ".retrieval.chunk_index", "Engine": ".serving.engine",
     "EngineHandle": ".serving.engine", "RagKVCacheError": ".errors", "ConfigError": ".errors",
-    "ConversationCache": ".store.conversations",
+    "ConversationCache": ".store.conversations", "RelevanceCheck": ".relevance", "Verdict": ".relevance",
 }
 __all__ = [
     "Answer", "ChatTurn", "ChunkKV", "ChunkPart", "Config", "ConfigError", "ConversationCache", "Engine",
     "EngineHandle", "FusedGenerator", "FusionConfig", "FusionInput", "FusionResult", "GenerationConfig", "Hit",
-    "KVIndex", "KVStore", "METHODS", "ModelAdapter", "RagKVCacheError", "Segment", "UnsupportedModelError",
-    "chat_segments", "register",
+    "KVIndex", "KVStore", "METHODS", "ModelAdapter", "RagKVCacheError", "RelevanceCheck", "Segment",
+    "UnsupportedModelError", "Verdict", "chat_segments", "register",
 ]
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .errors import ConfigError, RagKVCacheError
     from .generator import Answer, FusedGenerator
     from .index import KVIndex
+    from .relevance import RelevanceCheck, Verdict
     from .retrieval.chunk_index import Hit
     from .serving.engine import Engine, EngineHandle
     from .store.conversations import ConversationCache

@@ -1,0 +1,63 @@
+"""`RagKVCacheGrader`: an agentic RAG graph's "grade documents" step, each document judged by the model while
+reading its chunk's cache (`rag_kvcache.RelevanceCheck`): only the check question is computed per document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from typing_extensions import Self
+
+from rag_kvcache import Engine, EngineHandle, RagKVCacheError
+from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
+
+from .chat_models import CHUNK_ID_KEY
+
+RELEVANCE_KEY = "relevance"  # metadata a graded document gets: the model's probability that it is relevant
+
+
+class RagKVCacheGrader(RunnableSerializable[dict, list[Document]]):
+    """Takes `{"question": str, "documents": [Document, ...]}` (documents from `RagKVCacheRetriever`, which carry
+    their chunk id) and returns the documents judged relevant, in order, each with `metadata["relevance"]` (the
+    probability of "yes"). A document without a chunk id of this index is refused: it has no cache to read."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a model.")
+    index: str | None = Field(default=None, description="Or the folder of a rag-kvcache index (opened on first use).")
+    template: str = Field(default=CHECK, description="The check question; `{question}` is replaced by the question.")
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document.")
+    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
+    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
+
+    _handle: EngineHandle = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _open_handle(self) -> Self:
+        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)
+        return self
+
+    def close(self) -> None:
+        """Close the engine this grader opened for `index`."""
+        self._handle.close()
+
+    def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        return self._call_with_config(self._grade, input, config, run_type="parser", **kwargs)
+
+    def _grade(self, input: dict) -> list[Document]:
+        if not isinstance(input, dict) or not isinstance(input.get("question"), str) or "documents" not in input:
+            raise TypeError(f"RagKVCacheGrader takes {{'question': str, 'documents': [Document]}}, got {input!r:.200}")
+        documents: list[Document] = list(input["documents"])
+        missing = [d.page_content[:60] for d in documents if d.metadata.get(CHUNK_ID_KEY) is None]
+        if missing:
+            raise RagKVCacheError(f"documents without a chunk id (not from RagKVCacheRetriever): {missing}")
+        engine = self._handle.get()
+
+        def check(question: str, ids: list[str]) -> list[Verdict]:  # on the engine's thread, which owns the index
+            return RelevanceCheck(engine.generator, self.template, self.threshold)(question, engine.index.chunks.get(ids))
+
+        verdicts = engine.run(check, input["question"], [d.metadata[CHUNK_ID_KEY] for d in documents])
+        return [d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: v.p_yes}})
+                for d, v in zip(documents, verdicts) if v.relevant]
