@@ -243,7 +243,6 @@ def ask(
     deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
     epic_k: Annotated[int, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
     match_words: Annotated[int, option(FusionConfig, "match_words", min=1)] = default(FusionConfig, "match_words"),
-    drift_limit: Annotated[Optional[float], option(FusionConfig, "drift_limit", min=0.0)] = default(FusionConfig, "drift_limit"),
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
     temperature: Annotated[float, option(GenerationConfig, "temperature", min=0.0)] = default(GenerationConfig, "temperature"),
     top_p: Annotated[float, option(GenerationConfig, "top_p", min=0.0, max=1.0)] = default(GenerationConfig, "top_p"),
@@ -275,8 +274,7 @@ def ask(
         meta_cfg = KVIndex.config_of(index_dir, _base_config())
         cfg = _placed(replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k), device, dtype)
         cfg = cfg.with_fusion(method=method, ratio=_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
-                              deviation=deviation.value, epic_k=epic_k, match_words=match_words,
-                              drift_limit=drift_limit)
+                              deviation=deviation.value, epic_k=epic_k, match_words=match_words)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                   stop=tuple(stop or ()), json_schema=schema)
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))

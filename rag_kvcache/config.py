@@ -67,9 +67,9 @@ class FusionConfig:
     )
     repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
     drift_limit: float | None = setting(
-        None, "CacheBlend's per-question quality bound: when the drift its check layer estimates (the K/V deviation "
-        "its selection leaves unrecomputed, relative to the cached K/V's size) exceeds this, every token is recomputed "
-        "from that layer on, which gives full prefill's answer; none: never."
+        None, "CacheBlend's per-question bound, an experiment of the bench (`cacheblend:drift=X`): when the drift its "
+        "check layer estimates exceeds this, every token is recomputed from that layer on (full prefill's answer); "
+        "none: never. The estimate does not yet predict a question's drift (benchmarks/RESULTS.md, session 16)."
     )
     template_text: bool = setting(
         False, "Read a prompt template's recurring text after the chunks (learned from the prompts) from a cache, as an "

@@ -98,7 +98,7 @@ class Answer:
         return {
             "method": self.method, "ttft_s": self.ttft_s, "recomputed_tokens": self.recomputed_tokens,
             "conversation_tokens": self.conversation_tokens, "compute_fraction": self.compute_fraction,
-            "cache_misses": self.cache_misses, "drift": self.drift, "bounded": self.bounded,
+            "cache_misses": self.cache_misses,
             "generation_s": self.generation_s, "stages": self.stages,
         }
 
