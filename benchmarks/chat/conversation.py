@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 
@@ -49,6 +50,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, why: Callable[[], str]) -> None:
+    """Until the server at `url` answers 200 on /health; RuntimeError (with `why()`) if `proc` exits first,
+    TimeoutError after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {why()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not start in {seconds:.0f} s")
+        time.sleep(0.5)
+
+
 class Server:
     """`rag-kvcache serve` in a subprocess on a free loopback port, until closed."""
 
@@ -58,18 +76,7 @@ class Server:
         self.proc = subprocess.Popen([str(cli), "serve", "--index", str(index), "--port", str(self.port), *options],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not start in 300 s")
-            time.sleep(0.5)
+        wait_healthy(self.proc, self.url, 300, lambda: self.proc.stderr.read())
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
 

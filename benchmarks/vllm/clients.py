@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,24 +28,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.index import KVIndex
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "chat"))
+from conversation import free_port, wait_healthy  # noqa: E402  (a script beside this one)
+
 CLIENTS = 16
 MAX_TOKENS = 8
 VLLM_ROWS = ("full", "prefix", "reuse", "epic", "cacheblend")  # `full`: vLLM alone
 SERVE_ROWS = ("full", "reuse", "epic", "cacheblend")
 AT_ONCE = {"vllm": ("full", "reuse", "cacheblend"), "rag-kvcache serve": ("full", "reuse", "cacheblend")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Endpoint:
@@ -57,18 +52,7 @@ class Endpoint:
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self.url = f"http://127.0.0.1:{port}"
         self.method_body = method_body
-        deadline = time.monotonic() + 900
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{argv[:3]} exited: see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{argv[:3]} did not start in 900 s")
-            time.sleep(1)
+        wait_healthy(self.proc, self.url, 900, lambda: f"{argv[:3]}, see {log}")
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=1800)
         self.model = self.client.models.list().data[0].id
 

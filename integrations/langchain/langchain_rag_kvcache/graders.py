@@ -7,41 +7,24 @@ from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
-from typing_extensions import Self
+from pydantic import Field
 
-from rag_kvcache import Engine, EngineHandle, RagKVCacheError
+from rag_kvcache import RagKVCacheError
 from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
 
 from .chat_models import CHUNK_ID_KEY
+from .engines import EngineBacked
 
 RELEVANCE_KEY = "relevance"  # metadata a graded document gets: the model's probability that it is relevant
 
 
-class RagKVCacheGrader(RunnableSerializable[dict, list[Document]]):
+class RagKVCacheGrader(EngineBacked, RunnableSerializable[dict, list[Document]]):
     """Takes `{"question": str, "documents": [Document, ...]}` (documents from `RagKVCacheRetriever`, which carry
     their chunk id) and returns the documents judged relevant, in order, each with `metadata["relevance"]` (the
     probability of "yes"). A document without a chunk id of this index is refused: it has no cache to read."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
-    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a model.")
-    index: str | None = Field(default=None, description="Or the folder of a rag-kvcache index (opened on first use).")
     template: str = Field(default=CHECK, description="The check question; `{question}` is replaced by the question.")
     threshold: float = Field(default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document.")
-    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
-    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
-
-    _handle: EngineHandle = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _open_handle(self) -> Self:
-        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)
-        return self
-
-    def close(self) -> None:
-        """Close the engine this grader opened for `index`."""
-        self._handle.close()
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         return self._call_with_config(self._grade, input, config, run_type="parser", **kwargs)
