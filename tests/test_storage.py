@@ -112,6 +112,22 @@ def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     assert KVStore(tmp_path / codec, StorageConfig(memory_bytes=0, codec="none")).get(KEYS[0]) is not None
 
 
+@pytest.mark.parametrize("codec", ["int8-channel", "int8-token", "fp8"])
+def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec):
+    """A layer's parts (payload and scales) come back from one byte range, each verified, decoded as
+    the codec decodes them; 3 tokens of 3 channels put the float32 scales at offsets a typed view
+    cannot start at, which must not matter."""
+    g = torch.Generator().manual_seed(1)
+    kv = ChunkKV([torch.randn(1, 3, 3, generator=g) for _ in range(2)], [torch.randn(1, 3, 3, generator=g) for _ in range(2)], 0)
+    store = KVStore(tmp_path, StorageConfig(memory_bytes=0, codec=codec))
+    store.put(KEYS[0], kv)
+    k, v = store.open(KEYS[0]).layer(1)
+    c = get_codec(codec)
+    assert torch.equal(k, c.decode(c.encode(kv.keys[1]), torch.float32))
+    assert torch.equal(v, c.decode(c.encode(kv.values[1]), torch.float32))
+    assert store.disk.stats.bytes_read == 2 * c.nbytes(1, 3, 3, torch.float32)  # the layer's bytes, once
+
+
 def test_unknown_codec_and_bad_storage_config():
     with pytest.raises(ValueError, match="'int4'"):
         get_codec("int4")

@@ -8,7 +8,7 @@ whose layers are read and verified one at a time. A new backend is one module im
 methods (`tiers.DiskTier`: files; `redis_tier.RedisTier`: a Redis or Valkey server).
 
 The format is a safetensors file: one tensor per layer, K/V and codec part (`k.3`, `v.3.scale`),
-so a layer is a few byte ranges; its metadata carries an xxh3 checksum of every tensor, verified when
+so a layer is one byte range, read in one request; its metadata carries an xxh3 checksum of every tensor, verified when
 its layer is read, and a checksum of the header itself, verified before any of its fields is used.
 A failure raises `CorruptEntryError`, after the backend has dropped the entry, so the caller can
 recompute it; a miss is `None`, never a wrong hit.
@@ -248,21 +248,27 @@ class Entry:
             raise ValueError(f"malformed header ({type(err).__name__}: {err})") from err
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, read in one request to the blob and each checked against its checksum."""
+        """The named tensors (one layer's parts, laid out side by side), read as one byte range in one
+        request to the blob, each checked against its checksum and returned as a view of that read."""
+        spans = [self._tensors[n]["data_offsets"] for n in names]
+        lo, hi = min(start for start, _ in spans), max(end for _, end in spans)
+        raw = torch.empty(hi - lo, dtype=torch.uint8)  # [bytes of the layer]
+        data = raw.numpy()
+        (n_read,) = self._blob.read_into([(data, self._base + lo)])
+        if n_read != hi - lo:
+            raise CorruptEntryError(f"tensors {', '.join(names)} of {self._tier.where(self.key)}: "
+                                    f"read {n_read} of {hi - lo} bytes")
+        self._tier.count(bytes_read=hi - lo)
         out = {}
-        for name in names:
-            info = self._tensors[name]
-            out[name] = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])  # e.g. [H_kv, T, D]
-        got = self._blob.read_into(
-            [(out[n].view(-1).view(torch.uint8).numpy(), self._base + self._tensors[n]["data_offsets"][0]) for n in names]
-        )
-        for name, n_read in zip(names, got):
-            start, end = self._tensors[name]["data_offsets"]
-            if n_read != end - start:
-                raise CorruptEntryError(f"tensor {name} of {self._tier.where(self.key)}: read {n_read} of {end - start} bytes")
-            if _checksum(out[name]) != self._meta[name]:
+        for name, (start, end) in zip(names, spans):
+            if xxhash.xxh3_64_hexdigest(data[start - lo : end - lo]) != self._meta[name]:
                 raise CorruptEntryError(f"checksum mismatch in tensor {name} of {self._tier.where(self.key)}")
-            self._tier.count(bytes_read=end - start)
+            info = self._tensors[name]
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            part = raw[start - lo : end - lo]  # [bytes of the tensor]
+            if (start - lo) % dtype.itemsize:
+                part = part.clone()  # a typed view needs an aligned start
+            out[name] = part.view(dtype).view(info["shape"])  # e.g. [H_kv, T, D]
         return out
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,11 @@ class Scaled:
         return {"": q.to(qdtype), "scale": scale}
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (parts[""].float() * parts["scale"]).to(dtype)  # [H_kv, T, D]
+        import torch
+
+        q = parts[""]  # [H_kv, T, D]
+        q = q.float() if q.dtype.is_floating_point else q  # float8 does not promote; int8 does, in the product
+        return torch.mul(q, parts["scale"]).to(dtype)  # [H_kv, T, D], float32 before the cast
 
     def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
         scales = h_kv * d if self.reduce_dim == 1 else h_kv * t  # float32 each
