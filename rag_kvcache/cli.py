@@ -29,12 +29,19 @@ from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Table
 
-from . import __version__
 from .bench.datasets import FORMATS
 from .bench.prompts import PROMPT_STYLES
-from .config import CHUNK_PREFILLS, Config, Deviation, FusionConfig, GenerationConfig, StorageConfig
+from .config import (
+    CHUNK_PREFILLS,
+    CODEC_NAMES,
+    Config,
+    Deviation,
+    FusionConfig,
+    GenerationConfig,
+    StorageConfig,
+)
 from .serving.settings import ServerConfig
-from .store.codecs import CODECS
+from .version import __version__
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -46,7 +53,7 @@ err = Console(stderr=True)
 DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
 INDEX_HELP = "An index built by `rag-kvcache index`."
 
-KVCodec = Enum("KVCodec", {name: name for name in CODECS}, type=str)
+KVCodec = Enum("KVCodec", {name: name for name in CODEC_NAMES}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)

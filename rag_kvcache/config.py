@@ -13,8 +13,6 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
-from .retrieval.documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
-from .store.codecs import CODECS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
@@ -28,6 +26,10 @@ Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
+CodecName = Literal["none", "int8-channel", "int8-token", "fp8"]  # implemented by store.codecs.CODECS
+CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
+DEFAULT_MAX_FILE_BYTES = 8 << 20
+DEFAULT_MAX_DOCUMENTS = 100_000
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
@@ -162,7 +164,7 @@ class StorageConfig:
     memory_bytes: int = 256 << 20
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
-    codec: str = setting(
+    codec: CodecName = setting(
         "int8-channel", "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
         "of float32), int8 with per-token scales, fp8, or as computed (none: the only lossless one).",
     )
@@ -199,8 +201,8 @@ class StorageConfig:
             raise ConfigError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
         if self.eviction not in ("lru", "lfu"):
             raise ConfigError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
         if self.prefetch_layers < 0:
             raise ConfigError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
         if not 0.0 <= self.quality_floor <= 1.0:

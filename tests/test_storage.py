@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_kvstore import make_kv
 
-from rag_kvcache.config import StorageConfig
+from rag_kvcache.config import CODEC_NAMES, StorageConfig
 from rag_kvcache.engine.fusion import FusionInput, KVPlacement
 from rag_kvcache.store.backend import Entry
-from rag_kvcache.store.codecs import get_codec
+from rag_kvcache.store.codecs import CODECS, get_codec
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.loading import LayerFeed
 from rag_kvcache.store.tiers import ChunkKV, EvictionPolicy
@@ -126,6 +126,10 @@ def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec):
     assert torch.equal(k, c.decode(c.encode(kv.keys[1]), torch.float32))
     assert torch.equal(v, c.decode(c.encode(kv.values[1]), torch.float32))
     assert store.disk.stats.bytes_read == 2 * c.nbytes(1, 3, 3, torch.float32)  # the layer's bytes, once
+
+
+def test_every_codec_name_the_config_accepts_is_implemented():
+    assert tuple(CODECS) == CODEC_NAMES
 
 
 def test_unknown_codec_and_bad_storage_config():

@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
+from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..errors import RagKVCacheError
 from ..store.tiers import StorageFullError
 from . import vectors as faiss_file
 from .chunking import Chunk
-from .documents import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES, Skipped, SourceFile, read_documents
+from .documents import Skipped, SourceFile, read_documents
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
 

@@ -15,13 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..errors import RagKVCacheError
 
 logger = logging.getLogger(__name__)
 
 _BINARY_SNIFF_BYTES = 8192
-DEFAULT_MAX_FILE_BYTES = 8 << 20
-DEFAULT_MAX_DOCUMENTS = 100_000
 
 
 class DocumentLimitError(RagKVCacheError, ValueError):

@@ -50,7 +50,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
 from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
@@ -59,6 +58,7 @@ from ..errors import RagKVCacheError
 from ..generator import Answer, FusedGenerator, PromptTooLongError
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
+from ..version import __version__
 from .engine import Engine
 from .metrics import ServerMetrics
 from .scheduler import Scheduler

@@ -6,17 +6,18 @@ float32; per-channel scales are shared by all tokens of a head dimension ([H_kv,
 scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits keys (their outlier channels
 are fixed), per-token suits values.
 
-`CODECS` is the one registry of codecs by name (config validation and the CLI read its names). This
-module imports torch only when a codec runs, so that reading the names stays cheap.
+`CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
+offers them, from that list; `tests/test_storage.py` holds the two equal).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from ..config import CodecName
 
 
 class Codec(Protocol):
@@ -55,8 +56,6 @@ class Scaled:
     reduce_dim: int  # 1: one scale per channel over tokens; -1: one scale per token over channels
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        import torch
-
         qdtype = getattr(torch, self.qdtype)
         x = t.float()  # [H_kv, T, D]
         scale = (x.abs().amax(dim=self.reduce_dim, keepdim=True) / self.qmax).clamp_min(1e-12)  # [H_kv, 1, D] or [H_kv, T, 1]
@@ -65,8 +64,6 @@ class Scaled:
         return {"": q.to(qdtype), "scale": scale}
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        import torch
-
         q = parts[""]  # [H_kv, T, D]
         q = q.float() if q.dtype.is_floating_point else q  # float8 does not promote; int8 does, in the product
         return torch.mul(q, parts["scale"]).to(dtype)  # [H_kv, T, D], float32 before the cast
@@ -76,7 +73,7 @@ class Scaled:
         return h_kv * t * d + 4 * scales  # int8 and fp8 take one byte an element
 
 
-CODECS: dict[str, Codec] = {
+CODECS: dict[CodecName, Codec] = {  # the names `config.CodecName` accepts, each implemented
     "none": Raw(),
     "int8-channel": Scaled("int8-channel", "int8", 127.0, reduce_dim=1),
     "int8-token": Scaled("int8-token", "int8", 127.0, reduce_dim=-1),
