@@ -26,6 +26,10 @@ control token (`engine.prompt.shield`), on every chat path. A `/v1/completions` 
 is the client's whole raw prompt, its control tokens kept (it may be the client's own template, as with
 OpenAI's and vLLM's completions); with chunks, the prompt is the question and is spelt out too.
 A request body over `max_body_bytes` is a 413, refused before it is read whole or parsed.
+
+This module is the app (routes, the shared `Server`, responses and SSE); a request becomes its prompt in
+`prompts`, waits in `admission`, fails as `errors` says; `documents` writes posted documents and
+`middleware` limits bodies and counts responses.
 """
 
 from __future__ import annotations
@@ -34,15 +38,12 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -50,17 +51,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import FusionConfig, GenerationConfig
-from ..engine.generation import JsonSchemaConstraint
-from ..engine.methods import METHODS
-from ..engine.prompt import ChatTurn, Segment
-from ..errors import RagKVCacheError
-from ..generator import Answer, FusedGenerator, PromptTooLongError
-from ..index import KVIndex
-from ..retrieval.chunk_index import ChunkRecord
+from ..generator import Answer
 from ..version import __version__
+from .admission import Admission, Ticket
+from .documents import document_path, write_and_sync
 from .engine import Engine
+from .errors import APIError, ClientGone, validation_error
 from .metrics import ServerMetrics
+from .middleware import CountRequests, LimitBody
+from .prompts import Prompt, chat_prompt, completion_prompt
 from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
 from .settings import ServerConfig
@@ -68,259 +67,7 @@ from .settings import ServerConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-NAME_MAX = 255  # bytes in a file name (ext4, APFS, NTFS)
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/retrieve", "/v1/documents", "/metrics",
-          "/health")
 
-
-class APIError(RagKVCacheError):
-    """An error answered as OpenAI's API answers it."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-class ClientGone(RagKVCacheError):
-    """The client disconnected before its answer was complete."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A request's prompt as segments, the chunks fused into it, and how to fuse and decode."""
-
-    segments: list[Segment]
-    chunks: list[dict[str, Any]]  # id, source, score (None for chunks named by id)
-    fusion: FusionConfig
-    generation: GenerationConfig
-    salt: str = ""  # the tenant (and the request's cache_salt) whose caches of request text it reads
-    dropped: int = 0  # the chat's oldest messages left out to fit (`FusedGenerator.fitted_chat`)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(s.ids) for s in self.segments)
-
-
-# ---- admission --------------------------------------------------------------------------------------
-class Admission:
-    """At most `max_batch + max_queue` requests admitted at once (a burst of requests all waiting at once
-    fills both): generations go to the scheduler, which decodes at most `max_batch` together and chooses
-    which waiting one to prefill next; other engine work (documents) takes one of `max_batch` places in
-    arrival order. At most `max_per_key` admitted requests are one tenant's (an API key's; 0: no limit;
-    requests without a key are not counted)."""
-
-    def __init__(self, max_queue: int, max_batch: int, metrics: ServerMetrics, max_per_key: int = 0) -> None:
-        self.max_queue = max_queue
-        self.max_batch = max_batch
-        self.max_per_key = max_per_key
-        self.metrics = metrics
-        self.waiting = 0
-        self.active = 0
-        self.in_flight: dict[str, int] = {}  # per tenant: its requests waiting or served
-        self._slot = asyncio.Semaphore(max_batch)
-        self._service_s = 1.0  # moving average of a request's service time, for Retry-After
-
-    def admit(self, tenant: str = "") -> Ticket:
-        """A place in the queue, or a 429 when the queue is full or `tenant` has its most requests in flight."""
-        retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
-        if self.waiting >= self.max_queue + self.max_batch - self.active:
-            self.metrics.rejected.inc()
-            raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
-                           type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
-        if tenant and self.max_per_key and self.in_flight.get(tenant, 0) >= self.max_per_key:
-            self.metrics.rejected.inc()
-            raise APIError(429, f"this API key has {self.max_per_key} requests in flight, the most this server allows "
-                           f"one key (max_per_key); retry in {retry} s", type="rate_limit_error", code="key_busy",
-                           headers={"Retry-After": str(retry)})
-        self._set_waiting(+1)
-        if tenant:
-            self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
-        return Ticket(self, tenant)
-
-    def _left(self, tenant: str) -> None:
-        if tenant:
-            self.in_flight[tenant] -= 1
-            if not self.in_flight[tenant]:
-                del self.in_flight[tenant]
-
-    def _set_waiting(self, delta: int) -> None:
-        self.waiting += delta
-        self.metrics.queue_depth.set(self.waiting)
-
-    def _set_active(self, delta: int) -> None:
-        self.active += delta
-        self.metrics.active.set(self.active)
-
-    def served(self, seconds: float) -> None:
-        self._service_s = 0.8 * self._service_s + 0.2 * seconds
-
-
-class Ticket:
-    """An admitted request: waits for the engine in `serve()`; `close()` gives its place back."""
-
-    def __init__(self, admission: Admission, tenant: str = "") -> None:
-        self._admission = admission
-        self._tenant = tenant
-        self._queued = True
-        self._open = True
-        self.admitted_at = time.perf_counter()
-
-    @asynccontextmanager
-    async def serve(self, slot: bool = True) -> AsyncIterator[None]:
-        """In service until the block ends: after one of the `max_batch` places is free (`slot`), or at once
-        for a generation, which the scheduler queues itself (it prefills the waiting request it chooses,
-        `Scheduler.order`, and decodes at most `max_batch`) and whose queueing time it records."""
-        adm = self._admission
-        if slot:
-            await adm._slot.acquire()
-        self._queued = False
-        adm._set_waiting(-1)
-        adm._set_active(+1)
-        started = time.perf_counter()
-        if slot:
-            adm.metrics.queue_wait.observe(started - self.admitted_at)
-        try:
-            yield
-        finally:
-            adm._set_active(-1)
-            if slot:
-                adm._slot.release()
-            adm.served(time.perf_counter() - started)
-
-    def close(self) -> None:
-        """Give the place back (served or not); once."""
-        if self._queued:
-            self._queued = False
-            self._admission._set_waiting(-1)
-        if self._open:
-            self._open = False
-            self._admission._left(self._tenant)
-
-
-# ---- prompts ------------------------------------------------------------------------------------------
-def _fusion(index: KVIndex, request: Sampling) -> FusionConfig:
-    changes = request.rag_kvcache.fusion_changes()
-    if "method" in changes and changes["method"] not in METHODS:
-        raise APIError(400, f"unknown fusion method {changes['method']!r}; registered: {', '.join(METHODS)}",
-                       param="rag_kvcache.method", code="invalid_method")
-    try:
-        return replace(index.config.fusion, **changes)
-    except ValueError as e:
-        raise APIError(400, str(e), param="rag_kvcache") from None
-
-
-def _generation(index: KVIndex, request: Sampling, config: ServerConfig) -> GenerationConfig:
-    limit = request.completion_limit()
-    if limit is not None and limit > config.max_tokens:
-        raise APIError(400, f"max_tokens is {limit}, above this server's limit of {config.max_tokens}",
-                       param="max_tokens", code="max_tokens_exceeded")
-    default = min(index.config.generation.max_new_tokens, config.max_tokens)
-    generation = index.config.generation.with_options(
-        max_new_tokens=limit or default, temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-        stop=request.stops(), json_schema=request.json_schema(),
-    )
-    if generation.json_schema is not None:  # refused now, before any answer: not mid-stream
-        try:
-            JsonSchemaConstraint(index.adapter.tokenizer, index.adapter.eos_token_ids, generation.json_schema)
-        except ImportError as e:
-            raise APIError(400, f"this server cannot constrain answers to a response_format: {e}",
-                           param="response_format", code="unsupported_response_format") from None
-        except ValueError as e:
-            raise APIError(400, f"invalid response_format: {e}", param="response_format") from None
-    return generation
-
-
-def _chunks(index: KVIndex, request: Sampling, query: str) -> list[tuple[ChunkRecord, float | None]]:
-    """The chunks the request names (`chunk_ids`) or asks to retrieve (`top_k`) for `query`."""
-    options = request.rag_kvcache
-    if options.chunk_ids is not None:
-        try:
-            return [(record, None) for record in index.chunks.get(options.chunk_ids)]
-        except KeyError as e:
-            raise APIError(400, str(e.args[0]), param="rag_kvcache.chunk_ids", code="unknown_chunk") from None
-    if options.top_k is not None:
-        if not query.strip():
-            raise APIError(400, "rag_kvcache.top_k retrieves for the last user message, which is empty",
-                           param="rag_kvcache.top_k")
-        return [(hit.chunk, float(hit.score)) for hit in index.search(query, options.top_k)]
-    return []
-
-
-def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig, salt: str) -> Prompt:
-    """Chat messages as segments (runs on the engine's thread; `FusedGenerator.chat_segments`): chunks named or
-    retrieved go at the head of the last user message; every indexed chunk quoted in the messages is found by
-    its token ids and read from the cache. A chat too long for the limits drops its oldest half of messages
-    (`history`: halve) rather than being refused."""
-    index = generator.index
-    turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
-    users = [turn for turn in turns if turn.role == "user"]
-    if not users:
-        raise APIError(400, "messages need at least one user message", param="messages")
-    found = _chunks(index, request, "\n".join(p for p in users[-1].parts if isinstance(p, str)))
-    fusion, generation = _fusion(index, request), _generation(index, request, config)
-    records = [record for record, _ in found]
-    try:
-        if config.history == "halve":
-            limit = min(config.max_prompt_tokens, index.adapter.context_length - generation.max_new_tokens)
-            segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
-        else:
-            segments, dropped = generator.chat_segments(turns, records, fusion), 0
-    except PromptTooLongError as e:
-        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    return _checked(index, Prompt(segments, _described(found), fusion, generation, salt, dropped), config)
-
-
-def completion_prompt(generator: FusedGenerator, request: CompletionRequest, config: ServerConfig, salt: str) -> Prompt:
-    """A completion prompt as segments (runs on the engine's thread): with chunks named or retrieved,
-    `ask`'s layout with the prompt as the question; without, the prompt as given, every indexed chunk
-    quoted in it found by its token ids and read from the cache."""
-    index = generator.index
-    found = _chunks(index, request, request.text)
-    fusion = _fusion(index, request)
-    tokenizer = index.adapter.tokenizer
-    if found:
-        try:
-            question = index.format.question_ids(tokenizer, request.text)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
-        segments = index.format.segments([record.token_ids for record, _ in found], question)
-    else:
-        ids = tuple(tokenizer(request.text).input_ids)
-        if not request.text.strip() or not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        segments = generator.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
-    return _checked(index, Prompt(segments, _described(found), fusion, _generation(index, request, config), salt), config)
-
-
-def _described(found: list[tuple[ChunkRecord, float | None]]) -> list[dict[str, Any]]:
-    return [{"id": record.id, "source": record.source, "score": score} for record, score in found]
-
-
-def _checked(index: KVIndex, prompt: Prompt, config: ServerConfig) -> Prompt:
-    """Refuse a prompt over the server's limit, or one that with the tokens it may generate does not
-    fit the model's context."""
-    n, limit = prompt.n_tokens, index.adapter.context_length
-    if n > config.max_prompt_tokens:
-        raise APIError(400, f"the prompt has {n} tokens, above this server's limit of {config.max_prompt_tokens}",
-                       param="messages", code="context_length_exceeded")
-    if n + prompt.generation.max_new_tokens > limit:
-        raise APIError(400, f"the prompt has {n} tokens and up to {prompt.generation.max_new_tokens} more may be "
-                       f"generated, beyond the model's {limit} positions", param="max_tokens",
-                       code="context_length_exceeded")
-    return prompt
-
-
-# ---- the server -----------------------------------------------------------------------------------------
 class Server:
     """The routes' shared state: the engine, the admission queue, the metrics."""
 
@@ -432,7 +179,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             await authorize(request)
         except APIError as denied:
             return denied.response()
-        return _validation_error(exc).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -443,8 +190,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    app.add_middleware(_LimitBody, max_bytes=config.max_body_bytes)
-    app.add_middleware(_CountRequests, metrics=server.metrics)
+    app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=server.metrics)
     auth = [Depends(authorize)]
 
     @app.get("/health")
@@ -475,7 +222,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if config.docs_dir is None:
             raise APIError(400, "this server was started without a documents folder (`serve --docs DIR`)",
                            code="documents_disabled")
-        paths = [_document_path(config.docs_dir, doc.source) for doc in body.documents]
+        paths = [document_path(config.docs_dir, doc.source) for doc in body.documents]
         limit = server.engine.index.config.max_file_bytes
         if large := [doc.source for doc in body.documents if len(doc.text.encode()) > limit]:  # never indexed: not written
             raise APIError(400, f"documents {large} are larger than the index's max_file_bytes ({limit} bytes)",
@@ -483,7 +230,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         ticket = server.admission.admit()
         try:
             async with ticket.serve():
-                report = await server.on_engine(_write_and_sync, server.engine.index, config.docs_dir, paths,
+                report = await server.on_engine(write_and_sync, server.engine.index, config.docs_dir, paths,
                                                 [doc.text for doc in body.documents])
         finally:
             ticket.close()
@@ -578,124 +325,6 @@ async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Samplin
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a request body, as an OpenAI-style 400."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    elif first.get("type") == "extra_forbidden":
-        message = f"unknown field {param!r}"
-    elif first.get("type") == "missing":
-        message = f"missing required field {param!r}"
-    else:
-        message = f"{param + ': ' if param else ''}{first['msg']}"
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return APIError(400, message + more, param=param, code="invalid_request")
-
-
-def _document_path(docs_dir: Path, source: str) -> Path:
-    """Where a posted document goes: a relative path inside `docs_dir`, no hidden or parent parts, no
-    control characters, each name short enough for its temporary file's (`.NAME.tmp`), through folders
-    (not files, not links) only: a link inside the folder once let a document land outside it."""
-    rel = PurePosixPath(source)  # "." and "./" have no parts: the folder itself, written over by the document
-    if not rel.parts or rel.is_absolute() or "\\" in source or any(
-            part in ("", "..") or part.startswith(".") for part in rel.parts):
-        raise _bad_source(source, "a relative path inside the documents folder, without hidden or '..' parts")
-    if any(ord(c) < 32 or ord(c) == 127 for c in source):
-        raise _bad_source(source, "without control characters")
-    if any(len(part.encode()) > NAME_MAX - len("..tmp") for part in rel.parts):
-        raise _bad_source(source, f"with names of at most {NAME_MAX - len('..tmp')} bytes")
-    path = docs_dir
-    for i, part in enumerate(rel.parts):
-        path = path / part
-        if path.is_symlink():
-            raise _bad_source(source, f"not through a link ({'/'.join(rel.parts[: i + 1])!r} is one)")
-        last = i == len(rel.parts) - 1
-        if path.is_dir() if last else path.exists() and not path.is_dir():
-            raise _bad_source(source, f"a path through folders to a file ({'/'.join(rel.parts[: i + 1])!r} is "
-                                      f"{'a folder' if last else 'a file'})")
-    return path
-
-
-def _bad_source(source: str, rule: str) -> APIError:
-    return APIError(400, f"source must be {rule}; got {source!r}", param="documents.source", code="invalid_source")
-
-
-def _write_and_sync(index: KVIndex, docs_dir: Path, paths: list[Path], texts: list[str]):
-    """Write the documents and sync the index with the folder (on the engine's thread)."""
-    for path, text in zip(paths, texts, strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    return index.update(docs_dir, progress=False)
-
-
-class _LimitBody:
-    """ASGI middleware: reads a request's body before the route does, and answers 413 once it is larger than
-    `max_bytes` (said by its Content-Length or counted as it arrives), without parsing any of it: a 20 MB
-    chat body was once tokenised whole on the engine's thread before its prompt was found too long."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        too_large = declared.isdigit() and int(declared) > self.max_bytes
-        body: list[dict] = []
-        received, more = 0, not too_large
-        while more:
-            message = await receive()
-            body.append(message)
-            received += len(message.get("body", b""))
-            too_large = received > self.max_bytes
-            more = message["type"] == "http.request" and message.get("more_body", False) and not too_large
-        if too_large:
-            error = APIError(413, f"the request body is larger than this server's max_body_bytes ({self.max_bytes})",
-                             code="request_too_large")
-            await error.response()(scope, receive, send)
-            return
-        pending = iter(body)
-
-        async def replay() -> dict:
-            return next(pending, None) or await receive()
-
-        await self.app(scope, replay, send)
-
-
-class _CountRequests:
-    """ASGI middleware: counts every HTTP response by route and status (streams included)."""
-
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def counting_send(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            route = scope["path"] if scope["path"] in ROUTES else "other"
-            self.metrics.requests.labels(route, str(status)).inc()
 
 
 def serve(engine: Engine, config: ServerConfig) -> None:
