@@ -217,7 +217,7 @@ def index(
         if ray is None:
             report = idx.update(docs_dir, prune=prune)
         else:
-            from .build.cluster import RayWorkers
+            from .indexing.cluster import RayWorkers
 
             with RayWorkers(idx) as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)

@@ -58,11 +58,11 @@ from filelock import FileLock, Timeout
 from rich.filesize import decimal
 from tqdm.auto import tqdm
 
-from .build.precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 from .config import Config
 from .engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
+from .indexing.precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument, exists
 from .retrieval.chunking import chunk_document
@@ -72,7 +72,7 @@ from .store.kvstore import KVStore, cache_key
 from .store.tiers import MemoryTier, StorageFullError
 
 if TYPE_CHECKING:
-    from .build.cluster import RayWorkers
+    from .indexing.cluster import RayWorkers
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ import torch
 from test_fusion import ATOL
 from test_methods_neighbours import DOCS
 
-from rag_kvcache.build.precompute import cached_context, compute_behind_cached, compute_caches
 from rag_kvcache.config import Config, FusionConfig, StorageConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rerotate_keys
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance
 CACHED = Config(chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rag_kvcache.build.precompute import WriteBehind, compute_caches, token_packs
 from rag_kvcache.config import Config
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.precompute import WriteBehind, compute_caches, token_packs
 from rag_kvcache.store.kvstore import KVStore
 
 WORDS = "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()

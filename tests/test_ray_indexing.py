@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
 
-from rag_kvcache.build import cluster  # noqa: E402
-from rag_kvcache.build.cluster import RayWorkers  # noqa: E402
 from rag_kvcache.cli import app  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
 from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
+from rag_kvcache.indexing import cluster  # noqa: E402
+from rag_kvcache.indexing.cluster import RayWorkers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

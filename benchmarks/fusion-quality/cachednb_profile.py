@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from rag_kvcache.build.precompute import cached_context
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.precompute import cached_context
 
 torch.set_num_threads(2)
 cfg = Config(chunk_tokens=128, chunk_prefill="cached_neighbours", storage=StorageConfig(codec="none"))

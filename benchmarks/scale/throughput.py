@@ -42,10 +42,10 @@ import torch
 
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.runner import write_corpus
-from rag_kvcache.build.precompute import compute_caches, pack_tokens
 from rag_kvcache.config import Config
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.precompute import compute_caches, pack_tokens
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.store.kvstore import KVStore
 
@@ -157,7 +157,7 @@ def main() -> None:
     if args.ray_workers:
         import ray
 
-        from rag_kvcache.build.cluster import RayWorkers
+        from rag_kvcache.indexing.cluster import RayWorkers
 
         ray.init(num_cpus=max(args.ray_workers), include_dashboard=False)
         for n in args.ray_workers:
