@@ -190,7 +190,7 @@ def index(
     Re-indexing into an existing index keeps the settings it was built with.
     """
     from .index import KVIndex
-    from .retrieval import chunk_index
+    from .retrieval import database
 
     docs_dir, index_dir = _path(docs_arg, "DOCS_DIR"), _path(index_arg, "--index")
     if not docs_dir.is_dir():
@@ -203,7 +203,7 @@ def index(
                                              ("dtype", dtype.value)] if _given(ctx, name)}
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
-        if chunk_index.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
+        if database.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
             cfg = KVIndex.config_of(index_dir, _base_config())
             for key, value in given.items():
                 if value != getattr(cfg, key):

@@ -64,8 +64,9 @@ from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
 from .indexing.precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 from .retrieval import vectors as faiss_file
-from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument, exists
+from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument
 from .retrieval.chunking import chunk_document
+from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
 from .store.backend import CorruptEntryError
 from .store.kvstore import KVStore, cache_key

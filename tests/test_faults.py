@@ -467,14 +467,14 @@ def test_a_read_only_index_opens_and_answers(index, tiny, monkeypatch, caplog):
     database": readers open SQLite read-only and never rewrite vectors.faiss (created 0644 for them)."""
     import sqlite3
 
-    from rag_kvcache.retrieval import chunk_index
+    from rag_kvcache.retrieval import database
 
     path = index.path / "vectors.faiss"
     assert path.stat().st_mode & 0o777 == 0o644
     damaged = bytearray(path.read_bytes())
     damaged[-5] ^= 0xFF
     path.write_bytes(bytes(damaged))
-    monkeypatch.setattr(chunk_index.os, "access", lambda *args, **kwargs: False)  # as root, chmod is ignored
+    monkeypatch.setattr(database.os, "access", lambda *args, **kwargs: False)  # as root, chmod is ignored
     with caplog.at_level(logging.WARNING):
         reader = KVIndex.open(index.path, CFG, adapter=tiny)
     assert "read-only" in caplog.text and path.read_bytes() == bytes(damaged)  # left as it is

@@ -20,8 +20,8 @@ from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, 
 
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.retrieval import chunk_index
-from rag_kvcache.retrieval.chunk_index import ForeignIndexError
+from rag_kvcache.retrieval import database
+from rag_kvcache.retrieval.database import ForeignIndexError
 from rag_kvcache.store.tiers import StorageFullError
 
 NEW_DOC = "The regatta winners receive a silver oar that hangs in the town hall. " * 3
@@ -53,7 +53,7 @@ def test_a_full_disk_at_the_sqlite_commit_is_a_typed_error_and_the_index_intact(
     reports the disk full here (SQLITE_FULL, from a page limit on the writer's connection)."""
     n_chunks = len(index.chunks)
     docs = add_new_doc(index)
-    connect = chunk_index._connect
+    connect = database.connect
 
     def full_at_current_size(db_path, mode, immutable=False):
         conn = connect(db_path, mode, immutable)
@@ -62,7 +62,7 @@ def test_a_full_disk_at_the_sqlite_commit_is_a_typed_error_and_the_index_intact(
             conn.execute(f"PRAGMA max_page_count = {pages}")
         return conn
 
-    monkeypatch.setattr(chunk_index, "_connect", full_at_current_size)
+    monkeypatch.setattr(database, "connect", full_at_current_size)
     writer = KVIndex.open(index.path, CFG, adapter=tiny)  # its first write connects for writing
     with pytest.raises(StorageFullError, match=r"no space left .* while committing \d+ new chunks") as failure:
         writer.update(docs, progress=False)

@@ -13,7 +13,7 @@ from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.retrieval.chunk_index import ForeignIndexError
+from rag_kvcache.retrieval.database import ForeignIndexError
 
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships. " * 3,

@@ -61,7 +61,7 @@ from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.retrieval.chunk_index import exists
+from rag_kvcache.retrieval.database import exists
 
 TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tests
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer "

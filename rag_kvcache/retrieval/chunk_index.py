@@ -14,6 +14,10 @@ read-only; immutable when even that is impossible, e.g. on a full disk), and rew
 SQLite runs in WAL mode, so readers see the last committed sync and never wait for one; a reader
 opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
 Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
+
+The SQLite file, its transactions and the commit protocol of the FAISS file are `database`'s; this
+module is the index over them: chunking and embedding documents into it, search, prompt matching,
+verification and repair.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import errno
 import hashlib
 import json
 import logging
-import os
 import sqlite3
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -35,11 +37,11 @@ from sentence_transformers import SentenceTransformer
 
 from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..errors import RagKVCacheError
-from ..store.tiers import StorageFullError
+from . import database as db
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .documents import Skipped, SourceFile, read_documents
-from .matching import MAX_CANDIDATES, MIN_SPAN, Span, chunk_ngrams, find_spans, prompt_ngrams
+from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
 
 if TYPE_CHECKING:
@@ -47,32 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "rag-kvcache-index-v1"
-_DB_FILE = "index.sqlite"
-_VECTORS_SHA256 = "vectors_sha256"  # meta key: the checksum of the vectors.faiss SQLite's chunks belong to
-_NGRAM_SCHEMA = (
-    "CREATE TABLE ngrams (hash INTEGER NOT NULL, faiss_id INTEGER NOT NULL, offset INTEGER NOT NULL,"
-    " PRIMARY KEY (hash, faiss_id, offset)) WITHOUT ROWID",
-    "CREATE INDEX ngrams_by_chunk ON ngrams (faiss_id)",
-)
-_SCHEMA = (
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE documents (source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, n_chunks INTEGER NOT NULL)",
-    "CREATE TABLE chunks (id TEXT PRIMARY KEY, faiss_id INTEGER NOT NULL UNIQUE, source TEXT NOT NULL,"
-    " ordinal INTEGER NOT NULL, token_ids BLOB NOT NULL, char_start INTEGER NOT NULL,"
-    " char_end INTEGER NOT NULL, text TEXT NOT NULL, embedding BLOB NOT NULL)",
-    "CREATE INDEX chunks_by_source ON chunks (source)",
-    *_NGRAM_SCHEMA,
-)
-_TEXTS = "texts"  # documents added as text (a vector store's): their whole text and metadata
-_TEXTS_SCHEMA = f"CREATE TABLE IF NOT EXISTS {_TEXTS} (source TEXT PRIMARY KEY, text TEXT NOT NULL, metadata TEXT NOT NULL)"
-_LOOKUP_BATCH = 500  # hashes or chunk keys per SELECT (under SQLite's bound-parameter limit)
 _RECORD_COLUMNS = "id, source, ordinal, token_ids, char_start, char_end, text"
-_TOKEN_DTYPE = np.dtype("<i4")
-
-
-class ForeignIndexError(RagKVCacheError, ValueError):
-    """A directory that is not a rag-kvcache index (or an index of another format version)."""
 
 
 class EmptyIndexError(RagKVCacheError, ValueError):
@@ -158,7 +135,7 @@ class TextDocument:
 def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
     """A short stable id that changes whenever the chunk's source, position or tokens change."""
     digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
-    digest.update(_pack_tokens(token_ids))
+    digest.update(db.pack_tokens(token_ids))
     return digest.hexdigest()[:16]
 
 
@@ -210,34 +187,34 @@ class ChunkIndex:
         if not dim:
             raise ValueError(f"embedder {embedder_name!r} reports no fixed embedding dimension ({dim!r})")
         own_meta = {
-            "format": FORMAT,
+            "format": db.FORMAT,
             "embedder": embedder_name,
             "embedding_dim": str(dim),
             "index_type": index_type,
         }
         if clash := {key: meta[key] for key in own_meta.keys() & meta.keys() if meta[key] != own_meta[key]}:
             raise ValueError(f"meta {clash!r} contradicts what the index records itself: {own_meta!r}")
-        db_path = index_dir / _DB_FILE
-        if exists(index_dir):
+        db_path = index_dir / db.DB_FILE
+        if db.exists(index_dir):
             raise FileExistsError(f"an index already exists at {index_dir}; open it instead")
-        for path in _db_files(db_path):  # a creation killed before its schema committed left an empty file
+        for path in db.db_files(db_path):  # a creation killed before its schema committed left an empty file
             if path.exists():
                 logger.warning("removing %s, left without tables by an interrupted index creation", path)
                 path.unlink()
 
         index_dir.mkdir(parents=True, exist_ok=True)
         full_meta = {**meta, **own_meta}
-        conn = _connect(db_path, mode="rwc")
+        conn = db.connect(db_path, mode="rwc")
 
         def schema() -> faiss.Index:
-            for statement in _SCHEMA:
+            for statement in db.SCHEMA:
                 conn.execute(statement)
             conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", full_meta.items())
-            return _vectors_from_db(conn, dim, index_type)
+            return db.vectors_from_db(conn, dim, index_type)
 
         try:
             conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a sync's commit
-            vectors, recorded = _commit(conn, index_dir, "creating the index", schema)
+            vectors, recorded = db.commit(conn, index_dir, "creating the index", schema)
         except BaseException:
             conn.close()
             raise
@@ -253,10 +230,10 @@ class ChunkIndex:
         write the index and the disk has room; otherwise it is rebuilt in memory only and the file left
         as it is (`rewrite=False`: a check that must see the index as it is)."""
         index_dir = Path(index_dir)
-        conn = _connect_existing(index_dir)
+        conn = db.connect_existing(index_dir)
         try:
-            meta = _checked_meta(conn, index_dir)
-            _ensure_ngrams(conn, index_dir)
+            meta = db.checked_meta(conn, index_dir)
+            db.ensure_ngrams(conn, index_dir)
             dim = embedder.get_embedding_dimension()
             if str(dim) != meta["embedding_dim"]:
                 raise ValueError(
@@ -265,13 +242,13 @@ class ChunkIndex:
                 )
             conn.execute("BEGIN")  # the checksum and the chunk ids of one snapshot
             try:
-                recorded = _recorded_vectors_sha256(conn)
+                recorded = db.recorded_vectors_sha256(conn)
                 expected = np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
             finally:
                 conn.execute("COMMIT")
             vectors = faiss_file.load(index_dir, expected, dim, recorded)
             if vectors is None:
-                vectors, recorded = _rebuild_vectors(conn, index_dir, dim, meta["index_type"], rewrite)
+                vectors, recorded = db.rebuild_vectors(conn, index_dir, dim, meta["index_type"], rewrite)
             return cls(index_dir, conn, vectors, embedder, meta, recorded, writing=False)
         except BaseException:
             conn.close()
@@ -281,9 +258,9 @@ class ChunkIndex:
     def read_meta(index_dir: Path) -> dict[str, str]:
         """An index's metadata without opening it (e.g. to learn which embedder it was built with)."""
         index_dir = Path(index_dir)
-        conn = _connect_existing(index_dir)
+        conn = db.connect_existing(index_dir)
         try:
-            return _checked_meta(conn, index_dir)
+            return db.checked_meta(conn, index_dir)
         finally:
             conn.close()
 
@@ -404,11 +381,11 @@ class ChunkIndex:
 
     def texts(self, sources: Sequence[str]) -> dict[str, TextDocument]:
         """The documents among `sources` that were added as text (`add_texts`), by source."""
-        if not sources or not self._conn.execute(f"SELECT 1 FROM sqlite_master WHERE name = '{_TEXTS}'").fetchone():
+        if not sources or not self._conn.execute(f"SELECT 1 FROM sqlite_master WHERE name = '{db.TEXTS}'").fetchone():
             return {}
         keys = list(dict.fromkeys(sources))
         rows = self._conn.execute(
-            f"SELECT source, text, metadata FROM {_TEXTS} WHERE source IN ({', '.join('?' * len(keys))})", keys
+            f"SELECT source, text, metadata FROM {db.TEXTS} WHERE source IN ({', '.join('?' * len(keys))})", keys
         )
         return {source: TextDocument(source, text, json.loads(metadata)) for source, text, metadata in rows}
 
@@ -438,8 +415,8 @@ class ChunkIndex:
         indexed chunk's ids, in prompt order, without overlaps, with its chunk (`matching.find_spans`)."""
         hashes = sorted(set(prompt_ngrams(ids)))
         candidates: dict[int, list[tuple[int, int]]] = {}
-        for start in range(0, len(hashes), _LOOKUP_BATCH):
-            batch = hashes[start : start + _LOOKUP_BATCH]
+        for start in range(0, len(hashes), db.LOOKUP_BATCH):
+            batch = hashes[start : start + db.LOOKUP_BATCH]
             rows = self._conn.execute(
                 f"SELECT hash, faiss_id, offset FROM ngrams WHERE hash IN ({', '.join('?' * len(batch))})", batch
             )
@@ -468,7 +445,7 @@ class ChunkIndex:
     def token_ids(self) -> Iterator[tuple[int, ...]]:
         """Every chunk's token ids, in no particular order."""
         rows = self._conn.execute("SELECT token_ids FROM chunks")
-        return (tuple(np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for (blob,) in rows)
+        return (tuple(np.frombuffer(blob, dtype=db.TOKEN_DTYPE).tolist()) for (blob,) in rows)
 
     def verify(self) -> Verified:
         """Check every file of the index but the KV caches: SQLite's own `integrity_check`, every chunk row
@@ -492,7 +469,7 @@ class ChunkIndex:
                 bad_rows.append(BadRow(source, None, f"document row records {n_chunks} chunks", embedding_only=False))
         bad_rows += [BadRow(s, None, "chunks of a document the index does not list", False) for s in counts]
         expected = np.fromiter((fid for (fid,) in self._conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
-        _, vectors_problem = faiss_file.check(self._dir, expected, self._dim, _recorded_vectors_sha256(self._conn))
+        _, vectors_problem = faiss_file.check(self._dir, expected, self._dim, db.recorded_vectors_sha256(self._conn))
         return Verified([] if integrity == ["ok"] else integrity, bad_rows, vectors_problem)
 
     def reembed(self, chunk_ids: Sequence[str], batch_size: int = 64) -> int:
@@ -507,16 +484,16 @@ class ChunkIndex:
                 "UPDATE chunks SET embedding = ? WHERE id = ?",
                 ((e.astype(EMBEDDING_DTYPE).tobytes(), chunk) for chunk, e in zip(records, embeddings, strict=True)),
             )
-            return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+            return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
 
-        self._vectors, self._vectors_sha256 = _commit(conn, self._dir, "rewriting embeddings", change)
+        self._vectors, self._vectors_sha256 = db.commit(conn, self._dir, "rewriting embeddings", change)
         return len(records)
 
     def rewrite_vectors(self) -> None:
         """Rebuild `vectors.faiss` from SQLite's stored embeddings (no re-embedding) and write it."""
         conn = self._writable_conn("rewriting vectors.faiss")
-        self._vectors, self._vectors_sha256 = _commit(
-            conn, self._dir, "rewriting vectors.faiss", lambda: _vectors_from_db(conn, self._dim, self._meta["index_type"])
+        self._vectors, self._vectors_sha256 = db.commit(
+            conn, self._dir, "rewriting vectors.faiss", lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"])
         )
 
     def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
@@ -544,7 +521,7 @@ class ChunkIndex:
         `texts` (source, text, metadata JSON) of documents added as text.
 
         SQLite changes in one transaction; FAISS is updated on a copy, written, and swapped in after
-        the commit (`_commit`).
+        the commit (`db.commit`).
         """
         new_faiss_ids = np.array([_faiss_id(record.id) for record in new_chunks], dtype=np.int64)
         what = f"committing {len(new_chunks)} new chunks and dropping {len(stale_sources)} documents"
@@ -564,9 +541,9 @@ class ChunkIndex:
             conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
             conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
             conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
-            conn.execute(_TEXTS_SCHEMA)
-            conn.executemany(f"DELETE FROM {_TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
-            conn.executemany(f"INSERT INTO {_TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
+            conn.execute(db.TEXTS_SCHEMA)
+            conn.executemany(f"DELETE FROM {db.TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
+            conn.executemany(f"INSERT INTO {db.TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
             conn.executemany(
                 "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
             )
@@ -579,7 +556,7 @@ class ChunkIndex:
                         int(fid),
                         r.source,
                         r.ordinal,
-                        _pack_tokens(r.token_ids),
+                        db.pack_tokens(r.token_ids),
                         r.char_start,
                         r.char_end,
                         r.text,
@@ -588,35 +565,35 @@ class ChunkIndex:
                     for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
                 ),
             )
-            _insert_ngrams(conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
-            if (recorded := _recorded_vectors_sha256(conn)) != self._vectors_sha256:
+            db.insert_ngrams(conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
+            if (recorded := db.recorded_vectors_sha256(conn)) != self._vectors_sha256:
                 logger.warning(
                     "%s was synced by another process since it was opened (vectors sha256 %s, this process has "
                     "%s); rebuilding the vectors from the stored embeddings", self._dir, recorded, self._vectors_sha256,
                 )
-                return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+                return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
             if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
-                return _vectors_from_db(conn, self._dim, self._meta["index_type"])
+                return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
             vectors = faiss_file.clone(self._vectors)
             if len(old_faiss_ids):
                 vectors.remove_ids(old_faiss_ids)
             vectors.add_with_ids(embeddings, new_faiss_ids)
             return vectors
 
-        self._vectors, self._vectors_sha256 = _commit(conn, self._dir, what, change)
+        self._vectors, self._vectors_sha256 = db.commit(conn, self._dir, what, change)
 
     def _writable_conn(self, what: str) -> sqlite3.Connection:
         """The connection, reopened for writing if it was opened read-only (a reader that now writes,
         e.g. a vector store's engine adding documents). Raises `PermissionError` naming `what` when this
         process may not write the index."""
         if not self._writing:
-            if not _writable(self._dir):
+            if not db.writable(self._dir):
                 raise PermissionError(
                     errno.EACCES, f"index {self._dir} is read-only for this process: cannot go on {what}", str(self._dir)
                 )
             self._conn.close()
-            self._conn, self._writing = _connect_existing(self._dir, write=True), True
+            self._conn, self._writing = db.connect_existing(self._dir, write=True), True
         return self._conn
 
     def _fetch(
@@ -624,157 +601,14 @@ class ChunkIndex:
     ) -> dict[str | int, ChunkRecord]:
         """Chunks whose `column` is in `keys`, keyed by it (in batches under SQLite's bound-parameter limit)."""
         records: dict[str | int, ChunkRecord] = {}
-        for start in range(0, len(keys), _LOOKUP_BATCH):
-            batch = list(keys[start : start + _LOOKUP_BATCH])
+        for start in range(0, len(keys), db.LOOKUP_BATCH):
+            batch = list(keys[start : start + db.LOOKUP_BATCH])
             rows = self._conn.execute(
                 f"SELECT {column}, {_RECORD_COLUMNS} FROM chunks WHERE {column} IN ({', '.join('?' * len(batch))})",
                 batch,
             )
             records.update((row[0], _record(row[1:])) for row in rows)
         return records
-
-
-def exists(index_dir: Path) -> bool:
-    """Whether `index_dir` holds an index: an `index.sqlite` with tables (a creation killed before its
-    schema committed leaves one without, which `ChunkIndex.create` replaces)."""
-    db_path = Path(index_dir) / _DB_FILE
-    if not db_path.is_file():
-        return False
-    if db_path.stat().st_size == 0:
-        return False
-    conn = _connect(db_path, mode="ro")
-    try:
-        return conn.execute("SELECT 1 FROM sqlite_master").fetchone() is not None
-    except sqlite3.DatabaseError:
-        return True  # there, but unreadable (a full disk, not a database): opening it says why
-    finally:
-        conn.close()
-
-
-def _connect_existing(index_dir: Path, write: bool = False) -> sqlite3.Connection:
-    """A connection to the SQLite file of an existing index directory (never creates one): for writing,
-    or read-only. A reader that cannot open it the ordinary way (WAL needs its shared-memory file,
-    which a full disk or a read-only folder cannot hold) opens it immutable, provided its write-ahead
-    log holds no commits the file lacks; a writer gets `StorageFullError` (or the `OSError`)."""
-    if not index_dir.is_dir():
-        raise FileNotFoundError(f"index folder not found: {index_dir}")
-    db_path = index_dir / _DB_FILE
-    if not exists(index_dir):
-        raise ForeignIndexError(
-            f"{index_dir} is not a rag-kvcache index (no {_DB_FILE})" if not db_path.exists() else
-            f"{index_dir} holds an {_DB_FILE} without tables (its creation was interrupted): run `rag-kvcache "
-            "index` into it again to create it"
-        )
-    conn = _connect(db_path, mode="rw" if write else "ro")
-    try:
-        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()  # opens the WAL's shared memory
-        return conn
-    except sqlite3.OperationalError as exc:
-        conn.close()
-        wal = db_path.with_name(f"{_DB_FILE}-wal")
-        if write or (wal.exists() and wal.stat().st_size > 0):
-            raise _io_error(exc, index_dir, "opening the index" + (" for writing" if write else "")) from exc
-        logger.warning("%s cannot be opened the ordinary way (%s); reading it as an immutable file", db_path, exc)
-        return _connect(db_path, mode="ro", immutable=True)
-    except sqlite3.DatabaseError as exc:
-        conn.close()
-        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
-
-
-def _writable(index_dir: Path) -> bool:
-    """Whether this process may write the index in `index_dir` (permissions, a read-only mount)."""
-    return os.access(index_dir / _DB_FILE, os.W_OK) and os.access(index_dir, os.W_OK)
-
-
-def _checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
-    """The meta table, after checking that it marks a rag-kvcache index of this format."""
-    try:
-        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key != ?", (_VECTORS_SHA256,)))
-    except sqlite3.DatabaseError as exc:
-        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
-    if (found := meta.get("format")) != FORMAT:
-        raise ForeignIndexError(
-            f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
-        )
-    return meta
-
-
-def _recorded_vectors_sha256(conn: sqlite3.Connection) -> str | None:
-    """The checksum of the `vectors.faiss` that SQLite's chunks belong to (None in indexes made before
-    it was recorded)."""
-    row = conn.execute("SELECT value FROM meta WHERE key = ?", (_VECTORS_SHA256,)).fetchone()
-    return row[0] if row else None
-
-
-def _record_vectors(conn: sqlite3.Connection, vectors: faiss.Index) -> bytes:
-    """Record the checksum of `vectors`' file in the meta table (inside the caller's transaction) and
-    return the file's bytes, for the caller to write once the transaction commits."""
-    data = faiss_file.serialize(vectors)
-    conn.execute(
-        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_VECTORS_SHA256, faiss_file.checksum(data))
-    )
-    return data
-
-
-def _insert_ngrams(conn: sqlite3.Connection, chunks: Iterable[tuple[int, Sequence[int]]]) -> None:
-    """Add the n-gram entries of chunks given as (faiss id, token ids) (inside the caller's transaction)."""
-    conn.executemany(
-        "INSERT OR IGNORE INTO ngrams (hash, faiss_id, offset) VALUES (?, ?, ?)",
-        ((h, fid, offset) for fid, ids in chunks for h, offset in chunk_ngrams(ids)),
-    )
-
-
-def _ensure_ngrams(conn: sqlite3.Connection, index_dir: Path) -> None:
-    """Build the n-gram table from the chunks when the index has none (it is derived from them, like
-    the FAISS file; indexes made before it existed get it on first open, through a connection of its
-    own when `conn` is a reader's)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
-        return
-    if not _writable(index_dir):
-        logger.warning("%s has no chunk n-gram table and is read-only: prompts are matched against no chunk", index_dir)
-        return
-    writer = _connect_existing(index_dir, write=True)
-    try:
-        with _transaction(writer, index_dir, "building the chunk n-gram table"):
-            if writer.execute("SELECT 1 FROM sqlite_master WHERE name = 'ngrams'").fetchone():
-                return  # another process built it meanwhile
-            for statement in _NGRAM_SCHEMA:
-                writer.execute(statement)
-            rows = writer.execute("SELECT faiss_id, token_ids FROM chunks").fetchall()
-            _insert_ngrams(writer, ((fid, np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for fid, blob in rows))
-    finally:
-        writer.close()
-    logger.info("built the chunk n-gram table of %s (%d chunks)", index_dir, len(rows))
-
-
-def _rebuild_vectors(
-    conn: sqlite3.Connection, index_dir: Path, dim: int, index_type: IndexType, rewrite: bool
-) -> tuple[faiss.Index, str | None]:
-    """The vectors rebuilt from SQLite's embeddings, and `vectors.faiss` rewritten with them (through a
-    connection of its own) when asked to and the index is writable; where it is not (permissions, a
-    read-only mount, a full disk), they serve from memory and the file is left as it is (checksum None)."""
-    if not rewrite:
-        logger.warning("%s left as it is: searching vectors rebuilt in memory", index_dir / faiss_file.VECTORS_FILE)
-    elif _writable(index_dir):
-        try:
-            writer = _connect_existing(index_dir, write=True)
-            try:
-                return _commit(writer, index_dir, "rewriting vectors.faiss", lambda: _vectors_from_db(writer, dim, index_type))
-            finally:
-                writer.close()
-        except OSError as exc:  # a full disk: serve all the same
-            logger.warning("could not rewrite %s (%s): searching vectors rebuilt in memory", index_dir / faiss_file.VECTORS_FILE, exc)
-    else:
-        logger.warning("%s is read-only for this process: searching vectors rebuilt in memory", index_dir)
-    return _vectors_from_db(conn, dim, index_type), None
-
-
-def _vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
-    """The FAISS index of every chunk embedding in SQLite."""
-    rows = conn.execute("SELECT faiss_id, embedding FROM chunks").fetchall()
-    ids = np.array([fid for fid, _ in rows], dtype=np.int64)
-    embeddings = np.frombuffer(b"".join(blob for _, blob in rows), dtype=EMBEDDING_DTYPE)
-    return faiss_file.build(ids, embeddings, dim, index_type)
 
 
 def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list[ChunkRecord]:
@@ -789,9 +623,9 @@ def _row_problem(
     chunk: str, fid: int, source: str, ordinal: int, token_blob: bytes, char_start: int, char_end: int
 ) -> str | None:
     """What is wrong with a chunk row's derived columns, or None."""
-    if not isinstance(token_blob, bytes) or len(token_blob) % _TOKEN_DTYPE.itemsize or not token_blob:
+    if not isinstance(token_blob, bytes) or len(token_blob) % db.TOKEN_DTYPE.itemsize or not token_blob:
         return f"token ids are not a non-empty int32 array ({type(token_blob).__name__} of {len(token_blob or b'')} bytes)"
-    if chunk != chunk_id(source, ordinal, np.frombuffer(token_blob, dtype=_TOKEN_DTYPE).tolist()):
+    if chunk != chunk_id(source, ordinal, np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist()):
         return "its id does not match its source, ordinal and token ids"
     if fid != _faiss_id(chunk):
         return f"its FAISS id {fid} is not the one its id gives ({_faiss_id(chunk)})"
@@ -813,13 +647,8 @@ def _embedding_problem(blob: bytes, dim: int) -> str | None:
 def _record(row: Sequence) -> ChunkRecord:
     """A `ChunkRecord` from a row of `_RECORD_COLUMNS`."""
     chunk, source, ordinal, token_blob, char_start, char_end, text = row
-    token_ids = tuple(np.frombuffer(token_blob, dtype=_TOKEN_DTYPE).tolist())
+    token_ids = tuple(np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist())
     return ChunkRecord(chunk, source, ordinal, token_ids, char_start, char_end, text)
-
-
-def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes (the `chunks.token_ids` blob)."""
-    return np.asarray(token_ids, dtype=_TOKEN_DTYPE).tobytes()
 
 
 def _faiss_id(chunk: str) -> int:
@@ -828,68 +657,3 @@ def _faiss_id(chunk: str) -> int:
     Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
     """
     return int(chunk, 16) >> 1
-
-
-def _connect(db_path: Path, mode: Literal["ro", "rw", "rwc"], immutable: bool = False) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit, see `_transaction`)."""
-    uri = f"{db_path.resolve().as_uri()}?mode={mode}" + ("&immutable=1" if immutable else "")
-    return sqlite3.connect(uri, uri=True, isolation_level=None)
-
-
-def _db_files(db_path: Path) -> tuple[Path, ...]:
-    """The SQLite file and its write-ahead log and shared-memory files."""
-    return db_path, db_path.with_name(f"{db_path.name}-wal"), db_path.with_name(f"{db_path.name}-shm")
-
-
-def _io_error(exc: sqlite3.Error, index_dir: Path, what: str) -> OSError:
-    """The typed error for SQLite failing to write (or open) the index in `index_dir` while `what`:
-    `StorageFullError` when the disk is full, else an `OSError` with SQLite's reason."""
-    db_path = str(index_dir / _DB_FILE)
-    stats = os.statvfs(index_dir)
-    if exc.sqlite_errorcode == sqlite3.SQLITE_FULL or stats.f_bavail * stats.f_frsize < 1 << 20:
-        return StorageFullError(
-            errno.ENOSPC, f"no space left on the device of {index_dir} while {what} ({exc}); the index is "
-            "unchanged: free space and run the command again", db_path,
-        )
-    return OSError(errno.EIO, f"{exc} ({exc.sqlite_errorname}) while {what}", db_path)
-
-
-def _commit(
-    conn: sqlite3.Connection, index_dir: Path, what: str, change: Callable[[], faiss.Index]
-) -> tuple[faiss.Index, str]:
-    """Run `change` (SQLite writes that return the FAISS index they leave) in one transaction that also
-    records that index's checksum, and write its `vectors.faiss`: staged (written, fsynced) before the
-    commit, renamed into place after it. A failure before the commit, a full disk included, leaves
-    SQLite and the file as they were; a kill between commit and rename leaves a file that does not
-    match the recorded checksum, rebuilt on open. Returns the index and the checksum."""
-    staged: Path | None = None
-    try:
-        with _transaction(conn, index_dir, what):
-            vectors = change()
-            data = _record_vectors(conn, vectors)
-            staged = faiss_file.stage(index_dir, data)
-    except BaseException:
-        if staged is not None:
-            staged.unlink(missing_ok=True)
-        raise
-    faiss_file.publish(staged, index_dir)
-    return vectors, faiss_file.checksum(data)
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection, index_dir: Path, what: str) -> Iterator[None]:
-    """One write transaction: committed if the block succeeds, rolled back if it or the commit fails.
-    SQLite failing to write (a full disk) is `_io_error`'s typed error naming `what`."""
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-    except sqlite3.DatabaseError as exc:
-        if exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
-            raise _io_error(exc, index_dir, what) from exc
-        raise
