@@ -1,0 +1,157 @@
+"""`rag-kvcache demo` and `bench`: the embedded demo, and the benchmark over a QA set."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import statistics
+import sys
+from importlib.resources import as_file, files
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..config import (
+    Config,
+    FusionConfig,
+    StorageConfig,
+)
+from .common import (
+    ChunkPrefillName,
+    DatasetFormat,
+    DeviationName,
+    DType,
+    KVCodec,
+    KVRemote,
+    PromptStyle,
+    base_config,
+    default,
+    fail,
+    model_process,
+    option,
+    out,
+    parse_ratio,
+)
+
+DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
+BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
+
+
+
+def demo(
+    index_dir: Annotated[Path, typer.Option("--index", help="Where to build the demo index.")] = Path("demo-index"),
+    question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+) -> None:
+    """Index the bundled demo folder, then answer with `cacheblend` and compare its TTFT with `full`."""
+    from ..generator import FusedGenerator
+    from ..index import KVIndex
+
+    model_process()
+    cfg = base_config(chunk_tokens=128, top_k=4, device=device, dtype=dtype.value)
+    with as_file(files("rag_kvcache") / "demo") as docs:
+        out.print(f"[bold]Indexing[/bold] {docs} -> {index_dir}", highlight=False)
+        idx = KVIndex.build(docs, index_dir, cfg)
+    gen = FusedGenerator(idx)
+    methods, repeats = ("full", "cacheblend", "epic"), 3
+    hits = idx.search(question, cfg.top_k)
+    gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
+    runs = {m: [] for m in methods}
+    for _ in range(repeats):  # alternate methods so machine drift hits all alike
+        for m in methods:
+            runs[m].append(gen.ask(question, hits, fusion=FusionConfig(method=m)))
+    ttft = {m: statistics.median(a.ttft_s for a in runs[m]) for m in methods}
+    out.print(f"\n[bold]Q:[/bold] {question}")
+    table = Table("method", "answer", f"TTFT (median of {repeats})", "recomputed", "speedup")
+    for m in methods:
+        a = runs[m][-1]
+        table.add_row(
+            m, a.answer, f"{ttft[m] * 1000:.0f} ms", f"{a.recomputed_tokens}/{a.prompt_tokens}",
+            f"{ttft['full'] / ttft[m]:.1f}x",
+        )
+    out.print(table)
+    out.print(f"[dim]sources: {', '.join(c.source for c in runs['cacheblend'][-1].chunks)}[/dim]")
+
+
+def bench(
+    dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL; "
+                                          "planted:MUSIQUE_JSON plants a made-up fact in one passage per question.")],
+    fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
+                                         "must include full. METHOD:PARAM=VALUE sets its parameter (epic:k=19, "
+                                         "cacheblend:r=0.5); METHOD@CACHES runs METHOD on the caches of an index "
+                                         "over the same corpus built with --chunk-prefill or --kv-codec CACHES, "
+                                         "e.g. reuse@neighbours, cacheblend@none.")] = BENCH_METHODS,
+    baseline: Annotated[str, typer.Option(help="Method the others' fidelity is compared with, question by question.")] = "cacheblend",
+    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
+    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
+        default(Config, "chunk_prefill")),
+    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
+    ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
+    check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
+    filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
+    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
+    sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
+    out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers "
+                                                "are compared with full's).")] = 32,
+    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
+    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+    warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
+    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
+    kv_remote: KVRemote = None,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
+    resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
+                                         "measure the rest (same settings and machine only).")] = False,
+    prompt_style: Annotated[PromptStyle, typer.Option(help="Prompt layout: native (our segments), langchain (the "
+                                                      "RAG tutorial chain's prompt) or llamaindex (the default "
+                                                      "text-QA template); chunks are found in it by their ids.")]
+    = PromptStyle.native,
+) -> None:
+    """Compare fusion methods on a QA set: TTFT, speedup over full prefill, fidelity to full, F1.
+
+    Indexes every passage of the set, then answers each question with every method. Fidelity is
+    teacher-forced: full's greedy answer forced through each method's cache (KL per token, top-1
+    agreement, log-probability change, first-token KL), with bootstrap CIs and a paired difference
+    from --baseline; planted facts add the accuracy over the facts full answers. F1 is secondary.
+    """
+    missing = [name for name in ("matplotlib", "rouge_score") if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(f"`rag-kvcache bench` needs {', '.join(missing)}: pip install 'rag-kvcache[bench]'")
+    from ..bench.datasets import load_dataset
+    from ..bench.runner import BenchSettings, parse_methods, run_benchmark
+
+    model_process()
+    try:
+        examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k)[:limit]
+        settings = BenchSettings(
+            methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
+            prompt_style=prompt_style.value,
+        )
+        cfg = base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, embedder=embedder,
+                           chunk_prefill=chunk_prefill.value, context_chunks=context_chunks, device=device,
+                           dtype=dtype.value)
+        cfg = cfg.with_fusion(ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
+                              deviation=deviation.value)
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
+        cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value)
+        command = shlex.join(["rag-kvcache", *sys.argv[1:]])
+        result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if result.meta["controller"] is not None:
+        out.print(f"loading controller: {result.meta['controller']['explain']}")
+    indexing = result.meta["indexing"]
+    if indexing["tokens_per_s"] is not None:
+        out.print(
+            f"indexing: {indexing['tokens']} tokens in {indexing['seconds']:.0f} s = {indexing['tokens_per_s']:.0f} tok/s, "
+            f"{indexing['fraction_of_forward']:.2f} of the plain forward ({indexing['forward_tokens_per_s']:.0f} tok/s)"
+        )
+    out.print((result.out_dir / "results.md").read_text(encoding="utf-8"), markup=False, highlight=False)

@@ -1,0 +1,107 @@
+"""`rag-kvcache index`: a folder of documents into an index (chunks, embeddings, KV caches)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+from rich.filesize import decimal
+
+from ..config import (
+    Config,
+    StorageConfig,
+)
+from .common import (
+    ChunkPrefillName,
+    DType,
+    KVCodec,
+    KVRemote,
+    base_config,
+    default,
+    err,
+    fail,
+    model_process,
+    option,
+    out,
+    path_arg,
+    was_given,
+)
+
+
+def index(
+    ctx: typer.Context,
+    docs_arg: Annotated[str, typer.Argument(metavar="DOCS_DIR", help="Folder of text documents.")],
+    index_arg: Annotated[str, typer.Option("--index", help="Where the index and KV caches go.")],
+    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
+    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
+    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
+    hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
+    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
+        default(Config, "chunk_prefill")),
+    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
+    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
+    prune: Annotated[bool, typer.Option(help="Also drop the documents the index holds that are not in DOCS_DIR "
+                                             "(deleted files, other folders', added through a store).")] = False,
+    max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
+    max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
+    kv_remote: KVRemote = None,
+    ray: Annotated[Optional[str], option(Config, "ray")] = None,
+    ray_workers: Annotated[int, option(Config, "ray_workers", min=0)] = default(Config, "ray_workers"),
+    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
+    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+) -> None:
+    """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
+
+    Incremental on re-runs: unchanged files are skipped, changed ones redone. Documents from other
+    folders (or deleted files) stay in the index unless --prune drops them.
+    Re-indexing into an existing index keeps the settings it was built with.
+    """
+    from ..index import KVIndex
+    from ..retrieval import database
+
+    docs_dir, index_dir = path_arg(docs_arg, "DOCS_DIR"), path_arg(index_arg, "--index")
+    if not docs_dir.is_dir():
+        fail(f"documents folder not found or not a folder: {docs_dir}")
+    model_process()
+    new_index = not index_dir.exists()
+    idx = None
+    given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
+                                             ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks),
+                                             ("dtype", dtype.value)] if was_given(ctx, name)}
+    given |= {"index_type": "hnsw"} if hnsw else {}
+    try:
+        if database.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
+            cfg = KVIndex.config_of(index_dir, base_config())
+            for key, value in given.items():
+                if value != getattr(cfg, key):
+                    fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
+            if was_given(ctx, "kv_codec") and kv_codec.value != cfg.storage.codec:
+                fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
+        else:
+            cfg = base_config(**given).with_storage(codec=kv_codec.value)
+        cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
+        idx = KVIndex.create(index_dir, replace(cfg, ray=ray, ray_workers=ray_workers).with_storage(remote=kv_remote))
+        if ray is None:
+            report = idx.update(docs_dir, prune=prune)
+        else:
+            from ..indexing.cluster import RayWorkers
+
+            with RayWorkers(idx) as workers:
+                report = idx.update(docs_dir, prune=prune, workers=workers)
+    except KeyboardInterrupt:
+        kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.pending())
+        err.print(f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
+                  "computed are kept, and running the same command again resumes with them", highlight=False)
+        raise typer.Exit(130) from None
+    except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
+        if new_index and index_dir.is_dir():  # made by this command: leave nothing of a failed first run behind
+            shutil.rmtree(index_dir)
+        fail(str(e))
+    out.print(
+        f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
+        f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
+        f"KV caches {decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))} "
+        f"({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)", highlight=False,
+    )

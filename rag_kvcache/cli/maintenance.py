@@ -1,0 +1,162 @@
+"""`rag-kvcache stats`, `check`, `gc` and `calibrate`: an index's numbers, integrity, orphaned caches and
+the loading controller's measurements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..config import (
+    Config,
+)
+from .common import (
+    INDEX_HELP,
+    DType,
+    KVRemote,
+    base_config,
+    fail,
+    model_process,
+    option,
+    out,
+    placed,
+)
+
+
+def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], kv_remote: KVRemote = None) -> None:
+    """Print the KV store's counters per tier (totals over every process that used it) and its size."""
+    from ..index import KVIndex
+    from ..store.kvstore import KVStore
+
+    try:
+        cfg = KVIndex.config_of(index_dir, base_config()).with_storage(remote=kv_remote)
+        store = KVStore(index_dir / "kv", cfg.storage)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    table = Table("tier", "hits", "misses", "hit rate", "read", "written", "evictions", "corrupt", "errors")
+    for tier, s in store.stats().items():
+        rate = f"{s.hits / (s.hits + s.misses):.1%}" if s.hits + s.misses else "-"
+        table.add_row(
+            tier, str(s.hits), str(s.misses), rate, _mib(s.bytes_read), _mib(s.bytes_written), str(s.evictions),
+            str(s.corrupt), str(s.errors),
+        )
+    out.print(table)
+    sizes = [p.stat().st_size for p in store.disk.files()]
+    budget = "unbounded" if cfg.storage.disk_bytes is None else _mib(cfg.storage.disk_bytes)
+    out.print(
+        f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.storage.codec}; "
+        f"memory tier budget {_mib(cfg.storage.memory_bytes)} per process, eviction {cfg.storage.eviction}"
+    )
+    if store.remote is not None:
+        _print_remote(store.remote)
+
+
+def _print_remote(remote) -> None:
+    """The remote tier's server figures (its whole database: other indexes' entries count too)."""
+    import redis
+
+    try:
+        info = remote.server_info()
+    except redis.RedisError as e:
+        out.print(f"remote tier {remote.name}: does not answer ({type(e).__name__}: {e})", highlight=False)
+        return
+    limit = _mib(info["maxmemory"]) if info["maxmemory"] else "no limit"
+    out.print(
+        f"remote tier {remote.name}: {info['keys']} keys, {_mib(info['used_memory'])} used of {limit} "
+        f"(maxmemory-policy {info['maxmemory_policy']}), {info['evicted_keys']} keys evicted by the server",
+        highlight=False,
+    )
+
+
+def check(
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    repair: Annotated[bool, typer.Option(help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
+                                         "damaged embeddings by re-embedding, missing or corrupt KV caches by "
+                                         "recomputing; collect orphans. What is intact is not recomputed.")] = False,
+) -> None:
+    """Verify every file of an index: SQLite (integrity and every chunk row), vectors.faiss (checksum and ids)
+    and every KV cache (every tensor's checksum). Exits 1 when something is wrong and not repaired."""
+    from ..index import KVIndex
+    from ..maintenance import check as check_index
+
+    model_process()
+    try:
+        index = KVIndex.open(index_dir, KVIndex.config_of(index_dir, base_config()), rewrite=False)  # as it is
+        report = check_index(index, repair=repair)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    for problem in report.problems:
+        out.print(f"[red]found:[/red] {problem}", highlight=False)
+    for garbage in report.garbage:
+        out.print(f"[yellow]garbage:[/yellow] {garbage} (`rag-kvcache gc` deletes it)", highlight=False)
+    for work in report.resumable:
+        out.print(f"resumable: {work}", highlight=False)
+    for done in report.repaired:
+        out.print(f"[green]repaired:[/green] {done}", highlight=False)
+    for left in report.unrepaired:
+        out.print(f"[red]not repaired:[/red] {left}", highlight=False)
+    out.print(
+        f"{index_dir}: {'ok' if report.ok else 'damaged'}; {report.caches_checked} KV caches checked, "
+        f"{report.reembedded} chunks re-embedded, {report.recomputed} KV caches recomputed", highlight=False,
+    )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def gc(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> None:
+    """Delete the KV caches no indexed chunk uses (of edited or deleted documents, of another model) and the
+    temporary files of killed runs. `index` does this after every run too."""
+    from ..index import KVIndex
+    from ..maintenance import gc as collect
+
+    model_process()
+    try:
+        collected = collect(KVIndex.open(index_dir, KVIndex.config_of(index_dir, base_config())))
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    out.print(
+        f"{index_dir}: deleted {collected.orphans} orphan KV caches ({_mib(collected.orphan_bytes)}) and "
+        f"{collected.temp_files} temporary files", highlight=False,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def calibrate(
+    index_dir: Annotated[Path, typer.Option("--index", help="Measure for this index's model, codec and disk.")],
+    tokens: Annotated[int, typer.Option(min=16, help="Tokens per synthetic chunk cache.")] = 512,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+) -> None:
+    """Measure tier read speeds and recompute time on this machine (once per model).
+
+    Shows what the loading controller would choose (`ask --ratio auto` uses the measurement).
+    """
+    from ..index import KVIndex
+    from ..store.controller import MEASURED_TIERS, choose_ratio, choose_tier
+    from ..store.controller import calibrate as measure
+
+    model_process()
+    try:
+        cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
+        idx = KVIndex.open(index_dir, cfg)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    cal = measure(idx.adapter, index_dir, cfg.storage, cfg.cache_dir, n_tokens=tokens)
+    table = Table("tier", "read throughput", "load per layer", "balanced ratio")
+    n_tokens = cfg.top_k * cfg.chunk_tokens
+    for tier in MEASURED_TIERS:
+        d = choose_ratio(cal, tier, n_tokens, cfg.storage.quality_floor)
+        table.add_row(tier, f"{cal.read_bytes_per_s[tier] / 2**30:.2f} GiB/s", f"{d.load_s * 1e3:.3f} ms", f"{d.balanced_ratio:.3f}")
+    out.print(table)
+    out.print(
+        f"recompute: {cal.prefill_s_per_token_layer * 1e6:.2f} us per token per layer "
+        f"({cal.recompute_s(1.0, n_tokens) * 1e3:.1f} ms per layer for {n_tokens} tokens); "
+        f"stored KV: {cal.bytes_per_token_layer:.0f} B per token per layer ({cal.codec})"
+    )
+    out.print(f"ratio auto (disk): {choose_ratio(cal, 'disk', n_tokens, cfg.storage.quality_floor).explain()}")
+    out.print(f"tier for ratio {cfg.fusion.ratio}: {choose_tier(cal, cfg.fusion.ratio, n_tokens).explain()}")

@@ -1,0 +1,83 @@
+"""`rag-kvcache serve`: the OpenAI-compatible server over an index."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..config import (
+    Config,
+    FusionConfig,
+    StorageConfig,
+)
+from ..serving.settings import ServerConfig
+from .common import (
+    INDEX_HELP,
+    DType,
+    History,
+    KVRemote,
+    Order,
+    base_config,
+    default,
+    err,
+    fail,
+    model_process,
+    option,
+    placed,
+)
+
+
+def serve(
+    index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
+    host: Annotated[str, option(ServerConfig, "host")] = default(ServerConfig, "host"),
+    port: Annotated[int, option(ServerConfig, "port", min=0, max=65535)] = default(ServerConfig, "port"),
+    api_key: Annotated[Optional[list[str]], option(ServerConfig, "api_keys", envvar="RAG_KVCACHE_API_KEY")] = None,
+    docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
+    max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
+    max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
+    max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
+        ServerConfig, "max_prompt_tokens"),
+    max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
+    max_body_bytes: Annotated[int, option(ServerConfig, "max_body_bytes", min=1)] = default(
+        ServerConfig, "max_body_bytes"),
+    max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
+    order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
+    history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
+    kv_remote: KVRemote = None,
+    device: Annotated[Optional[str], option(Config, "device")] = None,
+    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    template_text: Annotated[bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")] = default(
+        FusionConfig, "template_text"),
+    conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
+        StorageConfig, "conversation_bytes"),
+    request_bytes: Annotated[int, option(StorageConfig, "request_bytes", min=0)] = default(StorageConfig, "request_bytes"),
+) -> None:
+    """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
+    retrieve, documents, metrics, health), the model loaded once."""
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(f"`rag-kvcache serve` needs {', '.join(missing)}: pip install 'rag-kvcache[serve]'")
+    from ..index import KVIndex
+    from ..serving.engine import Engine
+    from ..serving.openai_api import serve as run_server
+
+    model_process()
+    try:
+        server_cfg = ServerConfig(host=host, port=port, api_keys=tuple(api_key or ()), docs_dir=docs, max_queue=max_queue,
+                                  max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
+                                  max_body_bytes=max_body_bytes, max_per_key=max_per_key, order=order.value,
+                                  history=history.value)
+        cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(template_text=template_text)
+        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, conversation_bytes=conversation_bytes,
+                                                      request_bytes=request_bytes))
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
+                  highlight=False)
+    err.print(f"serving {index_dir} ({cfg.model}) on http://{host}:{port}/v1", highlight=False)
+    with engine:
+        run_server(engine, server_cfg)
