@@ -20,8 +20,9 @@ from ..config import (
 from .common import (
     INDEX_HELP,
     DeviationName,
-    DType,
     KVRemote,
+    PlacedDevice,
+    PlacedDType,
     base_config,
     check_method,
     default,
@@ -55,8 +56,8 @@ def ask(
     model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
                                                  "another model misses every cache).")] = None,
     kv_remote: KVRemote = None,
-    device: Annotated[Optional[str], option(Config, "device")] = None,
-    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    device: PlacedDevice = None,
+    dtype: PlacedDType = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
     stream: Annotated[bool, typer.Option(help="Print the text as it is generated; with --json, one JSON line "
                                          "{\"text\": ...} per piece, then the answer object.")] = False,
@@ -115,8 +116,8 @@ def chat(
     conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
         StorageConfig, "conversation_bytes"),
     kv_remote: KVRemote = None,
-    device: Annotated[Optional[str], option(Config, "device")] = None,
-    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    device: PlacedDevice = None,
+    dtype: PlacedDType = None,
 ) -> None:
     """Chat over the index, one message per line of standard input (an empty line is skipped; end of input
     ends the chat). Each message gets the chunks retrieved for it that the chat does not hold yet; they stay in

@@ -56,6 +56,9 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
 
 
 KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
+# --device and --dtype of a command that opens an index: not given, the index's own setting stands
+PlacedDevice = Annotated[Optional[str], option(Config, "device")]
+PlacedDType = Annotated[Optional[DType], option(Config, "dtype")]
 
 
 def base_config(**changes: object) -> Config:

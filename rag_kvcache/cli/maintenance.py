@@ -4,22 +4,19 @@ the loading controller's measurements."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from ..config import (
-    Config,
-)
 from .common import (
     INDEX_HELP,
-    DType,
     KVRemote,
+    PlacedDevice,
+    PlacedDType,
     base_config,
     fail,
     model_process,
-    option,
     out,
     placed,
 )
@@ -129,8 +126,8 @@ def _mib(n: int) -> str:
 def calibrate(
     index_dir: Annotated[Path, typer.Option("--index", help="Measure for this index's model, codec and disk.")],
     tokens: Annotated[int, typer.Option(min=16, help="Tokens per synthetic chunk cache.")] = 512,
-    device: Annotated[Optional[str], option(Config, "device")] = None,
-    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    device: PlacedDevice = None,
+    dtype: PlacedDType = None,
 ) -> None:
     """Measure tier read speeds and recompute time on this machine (once per model).
 

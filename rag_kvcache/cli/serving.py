@@ -9,17 +9,17 @@ from typing import Annotated, Optional
 import typer
 
 from ..config import (
-    Config,
     FusionConfig,
     StorageConfig,
 )
 from ..serving.settings import ServerConfig
 from .common import (
     INDEX_HELP,
-    DType,
     History,
     KVRemote,
     Order,
+    PlacedDevice,
+    PlacedDType,
     base_config,
     default,
     err,
@@ -47,8 +47,8 @@ def serve(
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
-    device: Annotated[Optional[str], option(Config, "device")] = None,
-    dtype: Annotated[Optional[DType], option(Config, "dtype")] = None,
+    device: PlacedDevice = None,
+    dtype: PlacedDType = None,
     template_text: Annotated[bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")] = default(
         FusionConfig, "template_text"),
     conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
