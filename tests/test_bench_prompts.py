@@ -11,7 +11,8 @@ from conftest import tiny_llama
 from synthetic import synthetic_multihop
 
 from rag_kvcache.bench.prompts import LANGCHAIN_SYSTEM, PROMPT_STYLES, style_messages
-from rag_kvcache.bench.runner import BenchSettings, run_benchmark
+from rag_kvcache.bench.runner import run_benchmark
+from rag_kvcache.bench.variants import BenchSettings
 from rag_kvcache.config import Config, GenerationConfig
 from rag_kvcache.engine.model import ModelAdapter
 

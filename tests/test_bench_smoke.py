@@ -10,22 +10,24 @@ from synthetic import synthetic_multihop
 from typer.testing import CliRunner
 
 from rag_kvcache.bench import runner
+from rag_kvcache.bench.corpus import distractors_in, place_evidence
 from rag_kvcache.bench.datasets import write_jsonl
-from rag_kvcache.bench.report import METRIC_KEYS, markdown_table
-from rag_kvcache.bench.runner import (
-    FIDELITY_KEYS,
+from rag_kvcache.bench.fidelity import FIDELITY_KEYS
+from rag_kvcache.bench.report import METRIC_KEYS, label, markdown_table
+from rag_kvcache.bench.summary import summarise
+from rag_kvcache.bench.variants import (
     NOISE_FLOOR,
     BenchSettings,
     Variant,
-    distractors_in,
+    made_with,
     parse_methods,
-    place_evidence,
+    parse_variant,
     plan,
     rotated,
-    summarise,
 )
 from rag_kvcache.cli import app
 from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.store.controller import calibrate
 
 
@@ -38,7 +40,7 @@ def bench_out(tiny, tmp_path_factory):
             "--top-k", "3", "--chunk-tokens", "128", "--max-new-tokens", "4",
             "--kv-codec", "none"]  # lossless caches: the exact methods score exactly
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+        patch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
         result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "| Method |" in result.output
@@ -49,7 +51,7 @@ def test_bench_writes_every_record_summary_and_plot(bench_out):
     results = json.loads((bench_out / "results.json").read_text())
     variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(), Config())]
     *entries, floor = results["summary"]
-    assert [runner.Variant(e["method"], tuple(e["params"].items())).label for e in entries] == variants
+    assert [Variant(e["method"], tuple(e["params"].items())).label for e in entries] == variants
     assert (floor["method"], floor["params"], floor["noise_floor"], floor["n"]) == ("full", NOISE_FLOOR, True, 3)
     assert len(results["records"]) == 3 * len(variants)
     assert len((bench_out / "records.jsonl").read_text().splitlines()) == len(results["records"])
@@ -102,8 +104,8 @@ def test_plan_reads_the_caches_a_method_runs_on():
     assert [v.label for v in variants] == ["full", "cacheblend r=0.15", "reuse@neighbours", "cacheblend@neighbours r=0.15",
                                            "cacheblend@none r=0.15"]  # int8-channel: the run's own (the default)
     assert variants[2] == Variant("reuse", caches="neighbours")
-    assert runner.made_with(Config(), "none").storage.codec == "none"
-    assert runner.made_with(Config(), "neighbours").chunk_prefill == "neighbours"
+    assert made_with(Config(), "none").storage.codec == "none"
+    assert made_with(Config(), "neighbours").chunk_prefill == "neighbours"
     with pytest.raises(ValueError, match="unknown chunk caches 'nearby'"):
         plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), Config())
 
@@ -115,7 +117,7 @@ def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tm
     config = Config(chunk_tokens=24, top_k=3)
     settings = BenchSettings(methods=("full", "reuse", "full@neighbours", "reuse@neighbours"), baseline="reuse", warmup=0)
     result = runner.run_benchmark(synthetic_multihop(2), tmp_path, config, settings, adapter=tiny, progress=False)
-    summary = {runner.label(e): e for e in result.summary if not e.get("noise_floor")}
+    summary = {label(e): e for e in result.summary if not e.get("noise_floor")}
     assert list(summary) == ["full", "reuse", "full@neighbours", "reuse@neighbours"]
     assert summary["full@neighbours"]["tf_kl"] == pytest.approx(0.0, abs=1e-6)
     assert summary["reuse@neighbours"]["caches"] == "neighbours" and summary["reuse"]["caches"] is None
@@ -281,7 +283,7 @@ def test_stage_table_orders_stages_and_marks_missing():
 
 def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_KVCACHE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(2), tmp_path / "synthetic.jsonl")
     args = ["bench", "--dataset", str(tmp_path / "synthetic.jsonl"), "--out", str(tmp_path / "out"), "--top-k", "2",
             "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,cacheblend", "--ratio", "auto"]
@@ -307,7 +309,7 @@ def _bench_args(root, *extra: str) -> list[str]:
 def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, monkeypatch):
     """A run killed during question 3 (question 2 half written, a torn line) goes on: question 1's records
     are kept as measured, questions 2 and 3 are measured again, and the report covers all three."""
-    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(3), tmp_path / "synthetic.jsonl")
     assert CliRunner().invoke(app, _bench_args(tmp_path)).exit_code == 0
     records_path = tmp_path / "out" / "records.jsonl"
@@ -330,7 +332,7 @@ def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, m
 
 
 def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(2), tmp_path / "synthetic.jsonl")
     assert CliRunner().invoke(app, _bench_args(tmp_path)).exit_code == 0
 
@@ -348,7 +350,7 @@ def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
 
 
 def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner.ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+    monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(1), tmp_path / "synthetic.jsonl")
     args = [*_bench_args(tmp_path), "--methods", "full,cacheblend", "--baseline", "cacheblend", "--check-layer", "3",
             "--filter-steps", "2"]
@@ -363,8 +365,8 @@ def test_plan_reads_a_parameter_written_with_the_method():
                              baseline="cacheblend:r=0.5")
     labels = [v.label for v in plan(settings, FusionConfig(ratio=0.15, epic_k=16), Config())]
     assert labels == ["full", "cacheblend r=0.15", "cacheblend r=0.5", "epic@neighbours k=24"]
-    assert runner.parse_variant("epic:k=24", FusionConfig(), Config()).fusion(FusionConfig()).epic_k == 24
-    bounded = runner.parse_variant("cacheblend:drift=0.3", FusionConfig(ratio=0.15), Config())
+    assert parse_variant("epic:k=24", FusionConfig(), Config()).fusion(FusionConfig()).epic_k == 24
+    bounded = parse_variant("cacheblend:drift=0.3", FusionConfig(ratio=0.15), Config())
     assert bounded.label == "cacheblend r=0.15 drift=0.3"
     assert (bounded.fusion(FusionConfig()).ratio, bounded.fusion(FusionConfig()).drift_limit) == (0.15, 0.3)
     for bad, message in [("reuse:k=3", "reuse takes no parameter"), ("epic:r=0.1", "epic takes only k=VALUE"),

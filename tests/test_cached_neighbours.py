@@ -223,7 +223,7 @@ def test_bench_and_cli_name_it():
     """`method@cached_neighbours` runs a method on an index built with it; the CLI offers it."""
     from typer.testing import CliRunner
 
-    from rag_kvcache.bench.runner import made_with, parse_variant
+    from rag_kvcache.bench.variants import made_with, parse_variant
     from rag_kvcache.cli import app
 
     variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config())

@@ -189,7 +189,7 @@ def test_every_option_has_help_and_config_defaults():
 
 
 def test_help_lists_the_builtin_methods_and_bench_defaults_match_the_runner():
-    from rag_kvcache.bench.runner import DEFAULT_METHODS, BenchSettings
+    from rag_kvcache.bench.variants import DEFAULT_METHODS, BenchSettings
     from rag_kvcache.config import BUILTIN_METHODS
     from rag_kvcache.engine.methods import METHODS
 

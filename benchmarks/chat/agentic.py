@@ -27,8 +27,8 @@ from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRe
 from langchain_rag_kvcache.chat_models import _segments
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
-from rag_kvcache.bench.runner import greedy_answer_ids
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.relevance import CHECK
 

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.bench.runner import BenchSettings, parse_methods, run_benchmark
+from rag_kvcache.bench.runner import run_benchmark
+from rag_kvcache.bench.variants import BenchSettings, parse_methods
 from rag_kvcache.config import Config
 
 

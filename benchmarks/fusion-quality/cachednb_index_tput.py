@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rag_kvcache.bench.runner import forward_throughput
+from rag_kvcache.bench.corpus import forward_throughput
 from rag_kvcache.config import Config, StorageConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex

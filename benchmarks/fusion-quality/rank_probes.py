@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from rag_kvcache.bench.corpus import place_evidence
 from rag_kvcache.bench.datasets import load_dataset
+from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import contains_answer, teacher_forced
-from rag_kvcache.bench.runner import greedy_answer_ids, place_evidence
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.fusion import DirectReader, FusionInput, LayerReader, SegmentKV, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from rag_kvcache.bench.corpus import distractors_in, place_evidence
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.metrics import contains_answer
-from rag_kvcache.bench.runner import distractors_in, place_evidence
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.model import ModelAdapter

@@ -84,8 +84,8 @@ def main() -> None:
     parser.add_argument("--maxmemory", default="2gb", help="redis-server --maxmemory")
     args = parser.parse_args()
 
+    from rag_kvcache.bench.corpus import write_corpus
     from rag_kvcache.bench.datasets import load_musique
-    from rag_kvcache.bench.runner import write_corpus
 
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
+from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_musique
-from rag_kvcache.bench.runner import write_corpus
 from rag_kvcache.config import Config
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex

@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.bench.runner import write_corpus
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
-from rag_kvcache.bench.runner import write_corpus
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, StorageConfig
 from rag_kvcache.engine.cache import LayerSource
 from rag_kvcache.generator import FusedGenerator

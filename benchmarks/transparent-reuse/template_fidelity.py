@@ -5,10 +5,10 @@ prompts, paired question by question.
 
 `rag-kvcache bench` finds a prompt's chunks once per question, with the index's own settings, and fuses
 every method over those segments, so it cannot switch template caching per method; this script builds
-the bench's index (`bench.runner.build_index`, incremental: point `--work` at a bench run's `work/`
+the bench's index (`bench.corpus.build_index`, incremental: point `--work` at a bench run's `work/`
 folder to reuse it), retrieves and lays out each question as `bench --prompt-style llamaindex` does,
 lets the generator see every prompt once (a pipeline in its steady state: the template learned), then
-scores each method on both segmentations (`bench.runner.fidelity`: full's greedy answer forced through
+scores each method on both segmentations (`bench.fidelity.fidelity`: full's greedy answer forced through
 the method's cache; deterministic, so not timed). Printed: per question the template tokens read from
 the cache and the KL per token both ways; per method the mean KL with its 95% bootstrap CI both ways and
 the mean paired difference (with - without) with its CI.
@@ -28,10 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rag_kvcache.bench.corpus import build_index, place_evidence
 from rag_kvcache.bench.datasets import load_dataset
+from rag_kvcache.bench.fidelity import fidelity
 from rag_kvcache.bench.metrics import bootstrap_ci
 from rag_kvcache.bench.prompts import style_messages
-from rag_kvcache.bench.runner import REFERENCE, Variant, build_index, fidelity, place_evidence
+from rag_kvcache.bench.variants import REFERENCE, Variant
 from rag_kvcache.config import Config, GenerationConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator

@@ -7,7 +7,7 @@ Two settings: the bundled demo documents (the default: 10 questions about them, 
 `--top-k`), as `bench` retrieves them: at 512-token chunks and top-6, ~2,900-token prompts. An existing
 `--index` is opened as it is (it must have `--chunk-tokens`; nothing is added to it but the caches of the
 layouts' heads, of first chunks behind them and of template text); a missing one is built from those
-questions' passages, written to `docs/` beside it (`bench.runner.build_index`).
+questions' passages, written to `docs/` beside it (`bench.corpus.build_index`).
 
 Both layouts are built as `ChatRagKVCache` builds them (`chat_segments`, then the chunks found by their
 token ids): `create_kv_rag_chain` sends one user message of chunk blocks and the question (the fused
@@ -52,9 +52,9 @@ import numpy as np
 import torch
 from scipy.stats import bootstrap
 
+from rag_kvcache.bench.corpus import build_index
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.prompts import style_messages
-from rag_kvcache.bench.runner import build_index
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.model import ModelAdapter

@@ -26,8 +26,8 @@ from pathlib import Path
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.bench.runner import write_corpus
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex

@@ -36,7 +36,7 @@ from .common import (
 )
 
 DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
-BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.runner.DEFAULT_METHODS (a test keeps them equal)
+BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.variants.DEFAULT_METHODS (a test keeps them equal)
 
 
 
@@ -126,7 +126,8 @@ def bench(
     if missing:
         fail(f"`rag-kvcache bench` needs {', '.join(missing)}: pip install 'rag-kvcache[bench]'")
     from ..bench.datasets import load_dataset
-    from ..bench.runner import BenchSettings, parse_methods, run_benchmark
+    from ..bench.runner import run_benchmark
+    from ..bench.variants import BenchSettings, parse_methods
 
     model_process()
     try:
