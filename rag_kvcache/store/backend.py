@@ -7,9 +7,10 @@ encodes a `ChunkKV` (`encode_entry`), `open` returns an `Entry` whose header is 
 whose layers are read and verified one at a time. A new backend is one module implementing those four
 methods (`tiers.DiskTier`: files; `redis_tier.RedisTier`: a Redis or Valkey server).
 
-The format is a safetensors file: one tensor per layer, K/V and codec part (`k.3`, `v.3.scale`),
-so a layer is one byte range, read in one request; its metadata carries an xxh3 checksum of every tensor, verified when
-its layer is read, and a checksum of the header itself, verified before any of its fields is used.
+The format is a safetensors file: one tensor per layer, K/V and codec part (`k.3`, `v.3.scale`), side
+by side, so a layer is one byte range, read in one request; its metadata carries an xxh3 checksum of
+every tensor, verified when its layer is read, and a checksum of the header itself, verified before
+any of its fields is used.
 A failure raises `CorruptEntryError`, after the backend has dropped the entry, so the caller can
 recompute it; a miss is `None`, never a wrong hit.
 """
