@@ -227,6 +227,25 @@ def test_planted_facts_are_deterministic_exact_and_placed_after_the_first_rank()
         assert ex.answers[0] in head and not holding[0].text.startswith(subject)
 
 
+def test_paraphrased_planted_facts_are_the_same_facts_asked_without_the_facts_words():
+    """The paraphrased set plants the same facts in the same passages; each question shares no content word
+    (4+ letters, not a stop word: the words `epic_match` counts) with its fact but the subject's."""
+    from rag_kvcache.bench.datasets import _FACTS, planted_facts
+    from rag_kvcache.engine.sentences import MIN_WORD_LETTERS, STOP_WORDS
+
+    def words(text: str) -> set[str]:
+        return {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= MIN_WORD_LETTERS and w not in STOP_WORDS}
+
+    for fact, question, _, paraphrase in _FACTS:
+        assert words(fact) & words(question) - {"s"}  # the lexical question does echo its fact
+        assert not (words(fact.format(s="", a="")) & words(paraphrase.format(s=""))), paraphrase
+    examples = _musique_like(6)
+    lexical, paraphrased = planted_facts(examples, seed=5), planted_facts(examples, seed=5, paraphrased=True)
+    assert [(ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in lexical] == \
+        [(ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in paraphrased]
+    assert all(a.question != b.question for a, b in zip(lexical, paraphrased))
+
+
 def test_planted_facts_round_trip_through_jsonl(tmp_path):
     from rag_kvcache.bench.datasets import planted_facts
 
@@ -243,6 +262,8 @@ def test_planted_spec_loads_a_musique_file(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(records))
     planted = load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=2)
     assert len(planted) == 3 and {ex.evidence_rank for ex in planted} == {1}
+    paraphrased = load_dataset(f"planted-paraphrased:{tmp_path / 'm.json'}", top_k=2)
+    assert [ex.answers for ex in paraphrased] == [ex.answers for ex in planted]
     with pytest.raises(ValueError, match="top_k must be >= 2"):
         load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=1)
     with pytest.raises(ValueError, match="needs task 'exact'"):

@@ -194,15 +194,18 @@ def infer_format(path: PathLike) -> str:
 
 
 PLANTED = "planted:"
+PLANTED_PARAPHRASED = "planted-paraphrased:"
 
 
 def load_dataset(path: PathLike, fmt: str | None = None, top_k: int = 6, seed: int = 0) -> list[QAExample]:
     """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None;
-    `planted:PASSAGES` plants one fact per question of the MuSiQue file PASSAGES (`planted_facts`)."""
-    if str(path).startswith(PLANTED):
-        if fmt not in (None, "musique"):
-            raise ValueError(f"planted facts are made from a MuSiQue passages file, not format {fmt!r}")
-        return planted_facts(load_musique(str(path)[len(PLANTED):]), top_k=top_k, seed=seed)
+    `planted:PASSAGES` plants one fact per question of the MuSiQue file PASSAGES (`planted_facts`), and
+    `planted-paraphrased:PASSAGES` the same facts in the same passages, asked in other words."""
+    for prefix, paraphrased in ((PLANTED, False), (PLANTED_PARAPHRASED, True)):
+        if str(path).startswith(prefix):
+            if fmt not in (None, "musique"):
+                raise ValueError(f"planted facts are made from a MuSiQue passages file, not format {fmt!r}")
+            return planted_facts(load_musique(str(path)[len(prefix):]), top_k=top_k, seed=seed, paraphrased=paraphrased)
     if fmt is not None and fmt not in _LOADERS:
         raise ValueError(f"unknown dataset format {fmt!r}; expected one of {FORMATS}")
     return _LOADERS[fmt or infer_format(path)](path)
@@ -231,15 +234,20 @@ def write_jsonl(examples: Iterable[QAExample], path: PathLike) -> None:
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st", "tr")
 _VOWELS = ("a", "e", "i", "o", "u", "ae", "ia", "ou")
 _CODAS = ("", "", "n", "r", "l", "s", "m", "nd", "rk", "th")
-# (fact, question, kind of answer); {s} is the passage's subject, {a} the answer.
+# (fact, question, kind of answer, paraphrased question); {s} is the passage's subject, {a} the answer. The
+# paraphrase shares no content word with the fact but the subject's (`test_bench_datasets`): what a repair
+# that finds the evidence by the question's words cannot see.
 _FACTS = (
-    ("a survey of {s} in 2031 was led by the archivist {a}.", "Who led the 2031 survey of {s}?", "person"),
-    ("the society devoted to {s} was founded by {a}.", "Who founded the society devoted to {s}?", "person"),
-    ("the oldest record of {s} is kept in the town of {a}.", "In which town is the oldest record of {s} kept?", "place"),
+    ("a survey of {s} in 2031 was led by the archivist {a}.", "Who led the 2031 survey of {s}?", "person",
+     "Who headed the study of {s}?"),
+    ("the society devoted to {s} was founded by {a}.", "Who founded the society devoted to {s}?", "person",
+     "Who started the association dedicated to {s}?"),
+    ("the oldest record of {s} is kept in the town of {a}.", "In which town is the oldest record of {s} kept?", "place",
+     "Where is the earliest document about {s} held?"),
     ("the registry lists {s} under the catalogue number {a}.", "Under which catalogue number does the registry list {s}?",
-     "number"),
+     "number", "What inventory code is {s} filed under?"),
     ("the prize awarded for work on {s} is a bronze owl named {a}.", "What is the bronze owl awarded for work on {s} named?",
-     "name"),
+     "name", "What is the trophy given for research on {s} called?"),
 )
 # A defining sentence: "<subject> is a ..." (passages are lower-cased), its subject captured.
 _DEFINITION = re.compile(r"(?<=\. )([a-z0-9][a-z0-9' &-]{2,40}?) (?:is|was|are|were) (?:a|an|the) ")
@@ -271,34 +279,38 @@ def _definitions(text: str) -> list[tuple[str, int]]:
     return found
 
 
-def plant_fact(example: QAExample, rng: random.Random, top_k: int) -> QAExample | None:
+def plant_fact(example: QAExample, rng: random.Random, top_k: int, paraphrased: bool = False) -> QAExample | None:
     """`example`'s passages with one made-up fact inserted after a defining sentence of one of them
-    (None when no passage has one), asked about by subject, answered by an invented string, to be
-    placed at a random retrieved rank other than the first."""
+    (None when no passage has one), asked about by subject (`paraphrased`: in words the fact does not
+    use), answered by an invented string, to be placed at a random retrieved rank other than the first."""
     candidates = [(i, subject, end) for i, doc in enumerate(example.documents) for subject, end in _definitions(doc.text)]
     if not candidates:
         return None
     i, subject, end = rng.choice(candidates)
-    fact, question, kind = rng.choice(_FACTS)
+    fact, question, kind, paraphrase = rng.choice(_FACTS)
     answer = _made_up_answer(rng, kind)
     doc = example.documents[i]
     head = " ".join(doc.text.split()[:PLANTED_HEAD_WORDS])
     text = f"{head[:end]} {fact.format(s=subject, a=answer)}{head[end:]} {' '.join(doc.text.split()[PLANTED_HEAD_WORDS:])}"
     documents = (*example.documents[:i], Document(doc.title, text.strip()), *example.documents[i + 1 :])
     return QAExample(
-        id=f"planted-{example.id}", question=question.format(s=subject), answers=(answer,), documents=documents,
+        id=f"planted-{example.id}", question=(paraphrase if paraphrased else question).format(s=subject), answers=(answer,),
+        documents=documents,
         task="exact", evidence_rank=rng.randint(1, top_k - 1),
     )
 
 
-def planted_facts(examples: Iterable[QAExample], top_k: int = 6, seed: int = 0) -> list[QAExample]:
+def planted_facts(
+    examples: Iterable[QAExample], top_k: int = 6, seed: int = 0, paraphrased: bool = False
+) -> list[QAExample]:
     """One planted-fact question per example that has a passage to plant it in (`plant_fact`).
 
-    Deterministic per seed, and per example: the first n questions do not depend on how many follow.
+    Deterministic per seed, and per example: the first n questions do not depend on how many follow;
+    `paraphrased` asks the same facts, planted in the same passages, in other words.
     """
     if top_k < 2:
         raise ValueError(f"planted facts go at a retrieved rank other than the first: top_k must be >= 2, got {top_k}")
-    planted = [plant_fact(ex, random.Random(f"{seed}:{ex.id}"), top_k) for ex in examples]
+    planted = [plant_fact(ex, random.Random(f"{seed}:{ex.id}"), top_k, paraphrased) for ex in examples]
     kept = [ex for ex in planted if ex is not None]
     if not kept:
         raise ValueError("no passage has a defining sentence to plant a fact after")

@@ -78,7 +78,8 @@ def demo(
 
 def bench(
     dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL; "
-                                          "planted:MUSIQUE_JSON plants a made-up fact in one passage per question.")],
+                                          "planted:MUSIQUE_JSON plants a made-up fact in one passage per question; "
+                                          "planted-paraphrased:MUSIQUE_JSON asks the same facts in other words.")],
     fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
