@@ -169,7 +169,7 @@ class KVIndex:
     ) -> SyncReport:
         """Add `docs_dir`: index its new and changed files, storing the new chunks' KV caches before the
         index commits them; other documents stay unless `prune` drops those not in `docs_dir`. With
-        `workers` (`build.cluster.RayWorkers`) the caches are computed on a Ray cluster.
+        `workers` (`ray_workers()`) the caches are computed on a Ray cluster.
         Raises `StorageFullError` (index unchanged) when the disk fills."""
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
@@ -212,6 +212,13 @@ class KVIndex:
             removed = self.chunks.delete(sources)
             self.collect(used)
         return removed
+
+    def ray_workers(self) -> RayWorkers:
+        """A pool of Ray actors computing this index's chunk caches into its store (`config.ray`,
+        `config.ray_workers`), for `update(workers=...)`; a context manager that stops them."""
+        from .indexing.cluster import RayWorkers
+
+        return RayWorkers(self.config, self.store.root, self.namespace, self.adapter.fingerprint)
 
     def live_keys(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every cache the index uses, as store key -> (token ids, context): the prefix's, each chunk's

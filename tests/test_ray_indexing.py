@@ -22,7 +22,6 @@ from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.indexing import cluster  # noqa: E402
-from rag_kvcache.indexing.cluster import RayWorkers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +84,14 @@ def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, 
     index = KVIndex.create(tmp_path / "idx", config)
     with monkeypatch.context() as patch:
         patch.setattr(cluster, "tqdm", _InterruptedBar)
-        with pytest.raises(KeyboardInterrupt), RayWorkers(index) as workers:
+        with pytest.raises(KeyboardInterrupt), index.ray_workers() as workers:
             index.update(docs, progress=False, workers=workers)
     assert len(index.chunks) == 0  # nothing committed
     stored = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in index.store.disk.files()}
     prefix = index.key(index.format.prefix_ids, ())
     assert len([p for p in stored if p.stem != prefix]) >= 1  # the first pack's caches (the driver stores the prefix's)
 
-    with RayWorkers(index) as workers:
+    with index.ray_workers() as workers:
         report = index.update(docs, progress=False, workers=workers)
     chunks = list(index.chunks.all_chunks())
     assert len(chunks) == len(report.new_chunks) > len(stored) - 1  # the rest was computed by the re-run
@@ -107,12 +106,12 @@ def test_workers_whose_caches_the_driver_cannot_see_or_of_another_model_are_refu
     on machines without a shared tier), and actors loading other weights than the driver's."""
     index = KVIndex.create(tmp_path / "idx", replace(config, ray_workers=1))
     elsewhere = KVIndex.create(tmp_path / "elsewhere", replace(config, ray_workers=1), adapter=index.adapter)
-    with RayWorkers(elsewhere) as workers, pytest.raises(RuntimeError, match="are not in the store .*--kv-remote"):
+    with elsewhere.ray_workers() as workers, pytest.raises(RuntimeError, match="are not in the store .*--kv-remote"):
         index.update(docs, progress=False, workers=workers)
     assert len(index.chunks) == 0
 
     other = KVIndex.create(tmp_path / "other", replace(config, ray_workers=1),
                            adapter=ModelAdapter(tiny_llama(seed=7), tokenizer, name="other"))
-    with RayWorkers(other) as workers, pytest.raises(ray.exceptions.RayActorError, match="not the driver's"):
+    with other.ray_workers() as workers, pytest.raises(ray.exceptions.RayActorError, match="not the driver's"):
         other.update(docs, progress=False, workers=workers)
     assert len(other.chunks) == 0

@@ -157,12 +157,10 @@ def main() -> None:
     if args.ray_workers:
         import ray
 
-        from rag_kvcache.indexing.cluster import RayWorkers
-
         ray.init(num_cpus=max(args.ray_workers), include_dashboard=False)
         for n in args.ray_workers:
             ray_index = KVIndex.create(args.out / f"index-ray{n}", Config(ray_workers=n, cache_dir=config.cache_dir), adapter)
-            with RayWorkers(ray_index) as workers:
+            with ray_index.ray_workers() as workers:
                 before = forward_rate(adapter, inputs)
                 with Clock() as clock:
                     tokens = sum(len(c.token_ids) for folder in folders

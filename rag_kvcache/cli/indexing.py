@@ -86,9 +86,7 @@ def index(
         if ray is None:
             report = idx.update(docs_dir, prune=prune)
         else:
-            from ..indexing.cluster import RayWorkers
-
-            with RayWorkers(idx) as workers:
+            with idx.ray_workers() as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)
     except KeyboardInterrupt:
         kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.pending())

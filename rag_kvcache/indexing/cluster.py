@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -35,9 +34,6 @@ from ..config import Config
 from ..engine.model import ModelAdapter
 from ..store.kvstore import KVStore, cache_key
 from .precompute import WriteBehind, compute_caches, pack_tokens, token_packs
-
-if TYPE_CHECKING:
-    from ..index import KVIndex
 
 
 class CacheWorker:
@@ -66,15 +62,17 @@ class CacheWorker:
 
 
 class RayWorkers:
-    """A pool of Ray actors computing chunk caches into `index`'s store, for `KVIndex.update(workers=...)`.
+    """A pool of Ray actors computing chunk caches into an index's store (`store_root`, keyed under
+    `namespace`, by a model of `fingerprint`), for `KVIndex.update(workers=...)`; `KVIndex.ray_workers()`
+    makes the pool of an index.
 
-    Connects to the cluster `index.config.ray` names (`ray.init(address=...)`: 'auto', 'ray://host:port',
-    or 'local' to start one on this machine), unless this process is connected already, and starts
-    `index.config.ray_workers` actors (0: one per CPU the cluster has free), each holding one CPU, or one
-    GPU when the index's device is CUDA. `close()` (or leaving the `with` block) stops them.
+    Connects to the cluster `config.ray` names (`ray.init(address=...)`: 'auto', 'ray://host:port', or
+    'local' to start one on this machine), unless this process is connected already, and starts
+    `config.ray_workers` actors (0: one per CPU the cluster has free), each holding one CPU, or one GPU
+    when the index's device is CUDA. `close()` (or leaving the `with` block) stops them.
     """
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, config: Config, store_root: Path, namespace: str, fingerprint: str) -> None:
         try:
             import ray
         except ImportError as err:
@@ -82,7 +80,6 @@ class RayWorkers:
         from ray.util import ActorPool
 
         self._ray, self._pool_of = ray, ActorPool
-        config = index.config
         self.pack_tokens = pack_tokens(config)
         if not ray.is_initialized():
             ray.init(address=config.ray, include_dashboard=False)
@@ -90,7 +87,7 @@ class RayWorkers:
         gpus = 1 if config.device.startswith("cuda") else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(CacheWorker)
         self.actors = [
-            actor.remote(config, str(index.store.root), index.namespace, index.adapter.fingerprint) for _ in range(n)
+            actor.remote(config, str(store_root), namespace, fingerprint) for _ in range(n)
         ]
 
     def store(
