@@ -1,9 +1,10 @@
 """The same planted facts asked two ways: does `epic_match`'s lexical repair hold when the question does not use
 the fact's words? Reads two `rag-kvcache bench` runs over the same passages and facts, one with
 `--dataset planted:...` and one with `--dataset planted-paraphrased:...`, both with `full`, `cacheblend` and
-`epic_match`:
+`epic_match` (and, from runs of the same sets with `full,epic`, EPIC without the repair: several runs of one
+set are given comma-separated, their records merged by question):
 
-    python benchmarks/fusion-quality/paraphrase_pair.py LEXICAL_OUT PARAPHRASED_OUT [OUT.json]
+    python benchmarks/fusion-quality/paraphrase_pair.py LEXICAL_OUT[,LEXICAL_OUT2] PARAPHRASED_OUT[,...] [OUT.json]
 
 Per set and method: planted-fact accuracy over the questions `full` answers right (Wilson 95% interval), mean
 teacher-forced KL to `full` (bootstrap 95% interval), and the tokens the method recomputed (`epic_match`'s
@@ -23,14 +24,16 @@ import numpy as np
 
 BOOT = 2000
 METHODS = ("full", "cacheblend", "epic_match")
+OPTIONAL = ("epic",)  # reported where every question has it
 
 
-def records(out: Path) -> dict[str, dict[str, dict]]:
-    """question id -> method -> record (the last one recorded)."""
+def records(outs: str) -> dict[str, dict[str, dict]]:
+    """question id -> method -> record (the last one recorded), over the comma-separated runs `outs`."""
     by_q: dict[str, dict[str, dict]] = {}
-    for line in (out / "records.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        by_q.setdefault(r["id"], {})[r["method"]] = r
+    for out in outs.split(","):
+        for line in (Path(out) / "records.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            by_q.setdefault(r["id"], {})[r["method"]] = r
     return {q: m for q, m in by_q.items() if all(k in m for k in METHODS)}
 
 
@@ -51,7 +54,7 @@ def boot_mean(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
 def summarise(by_q: dict[str, dict[str, dict]], rng: np.random.Generator) -> dict:
     right = [q for q, m in by_q.items() if m["full"]["exact_hit"]]
     out = {"questions": len(by_q), "full_right": len(right)}
-    for method in METHODS[1:]:
+    for method in (*METHODS[1:], *(m for m in OPTIONAL if all(m in by_q[q] for q in by_q))):
         k = sum(by_q[q][method]["exact_hit"] for q in right)
         kl = np.array([by_q[q][method]["tf_kl"] for q in by_q if by_q[q][method]["tf_kl"] is not None])
         out[method] = {
@@ -66,15 +69,16 @@ def summarise(by_q: dict[str, dict[str, dict]], rng: np.random.Generator) -> dic
 
 
 def main() -> None:
-    lexical, paraphrased = records(Path(sys.argv[1])), records(Path(sys.argv[2]))
+    lexical, paraphrased = records(sys.argv[1]), records(sys.argv[2])
     shared = sorted(lexical.keys() & paraphrased.keys())
     rng = np.random.default_rng(0)
     result = {name: summarise({q: runs[q] for q in shared}, rng)
               for name, runs in (("lexical", lexical), ("paraphrased", paraphrased))}
     both = [q for q in shared if lexical[q]["full"]["exact_hit"] and paraphrased[q]["full"]["exact_hit"]]
+    methods = (*METHODS[1:], *(m for m in OPTIONAL if all(m in runs[q] for runs in (lexical, paraphrased) for q in shared)))
     result["full_right_both"] = {"questions": len(both)} | {
         method: {"lexical": sum(lexical[q][method]["exact_hit"] for q in both),
-                 "paraphrased": sum(paraphrased[q][method]["exact_hit"] for q in both)} for method in METHODS[1:]}
+                 "paraphrased": sum(paraphrased[q][method]["exact_hit"] for q in both)} for method in methods}
     print(json.dumps(result, indent=1))
     if len(sys.argv) > 3:
         Path(sys.argv[3]).write_text(json.dumps(result, indent=1))
