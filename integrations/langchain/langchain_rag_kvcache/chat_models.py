@@ -31,20 +31,19 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
-from typing_extensions import Self
+from pydantic import BaseModel, Field
 
 from rag_kvcache import (
     Answer,
     ChatTurn,
     ChunkPart,
-    Engine,
-    EngineHandle,
     FusedGenerator,
     FusionConfig,
     KVIndex,
     Segment,
 )
+
+from .engines import EngineBacked
 
 CHUNK_ID_KEY = "chunk_id"
 """The key, in a `text-plain` block's `extras` and a `Document`'s metadata, of the chunk id."""
@@ -64,7 +63,7 @@ def chunk_block(document: Document) -> PlainTextContentBlock:
     )
 
 
-class ChatRagKVCache(BaseChatModel):
+class ChatRagKVCache(BaseChatModel, EngineBacked):
     """Chat model over a rag-kvcache index, with the index's model (SmolLM2-135M-Instruct by default).
 
     ```python
@@ -87,12 +86,6 @@ class ChatRagKVCache(BaseChatModel):
     the prompt tokens whose KV came from the cache.
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
-    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a retriever.")
-    index: str | None = Field(
-        default=None, description="Or the folder of a rag-kvcache index; the model opens its own engine on first use.",
-    )
     fusion: FusionConfig = Field(default_factory=FusionConfig, description="How chunk caches are fused.")
     temperature: float | None = Field(default=None, ge=0.0, description="0 or None: greedy decoding.")
     max_tokens: int | None = Field(default=None, ge=1, description="None: the index's default (64).")
@@ -100,8 +93,6 @@ class ChatRagKVCache(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     streaming: bool = False
-    device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
-    dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
     timeout: float | None = Field(
         default=None, gt=0, description="Seconds a call may take; checked after each generated token (the fused "
         "prefill is not interrupted), past it the call raises TimeoutError.",
@@ -111,22 +102,10 @@ class ChatRagKVCache(BaseChatModel):
         "process, with no request that could fail transiently, so no call is ever retried.",
     )
 
-    _handle: EngineHandle = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _open_handle(self) -> Self:
-        # fails here for a folder that is no index, or device/dtype beside an engine already loaded
-        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)
-        return self
-
     @property
     def model_name(self) -> str:
         """The LLM the index was built with."""
         return self._handle.model_name
-
-    def close(self) -> None:
-        """Close the engine this model opened for `index` (a given `engine` is its owner's to close)."""
-        self._handle.close()
 
     @property
     def _llm_type(self) -> str:

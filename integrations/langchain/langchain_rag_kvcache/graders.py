@@ -18,7 +18,7 @@ from .engines import EngineBacked
 RELEVANCE_KEY = "relevance"  # metadata a graded document gets: the model's probability that it is relevant
 
 
-class RagKVCacheGrader(EngineBacked, RunnableSerializable[dict, list[Document]]):
+class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked):
     """Takes `{"question": str, "documents": [Document, ...]}` (documents from `RagKVCacheRetriever`, which carry
     their chunk id) and returns the documents judged relevant, in order, each with `metadata["relevance"]` (the
     probability of "yes"). A document without a chunk id of this index is refused: it has no cache to read."""

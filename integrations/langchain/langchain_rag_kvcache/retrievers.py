@@ -13,7 +13,7 @@ from .chat_models import CHUNK_ID_KEY
 from .engines import EngineBacked
 
 
-class RagKVCacheRetriever(EngineBacked, BaseRetriever):
+class RagKVCacheRetriever(BaseRetriever, EngineBacked):
     """Retrieves indexed chunks as `Document`s: `id` and `metadata["chunk_id"]` are the chunk id,
     `metadata` also has its `source` file, `ordinal` in that file, and cosine `score`."""
 

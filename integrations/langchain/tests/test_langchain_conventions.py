@@ -7,8 +7,8 @@ import pytest
 import torch
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import HumanMessage, SystemMessage
-from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_message
-from pydantic import BaseModel, Field
+from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever, rag_message
+from pydantic import BaseModel, Field, ValidationError
 
 from rag_kvcache import Engine
 
@@ -99,3 +99,11 @@ def test_device_and_dtype_choose_how_the_model_loads(demo_index: str) -> None:
         assert loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("component", [ChatRagKVCache, RagKVCacheRetriever, RagKVCacheGrader])
+def test_an_unknown_argument_is_refused(component, demo_engine: Engine) -> None:
+    """The retriever and the grader once took `extra="ignore"` from their LangChain base and dropped a mistyped
+    argument (`kk=2`) without a word."""
+    with pytest.raises(ValidationError, match="kk"):
+        component(engine=demo_engine, kk=2)
