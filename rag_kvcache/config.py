@@ -30,7 +30,7 @@ CodecName = Literal["none", "int8-channel", "int8-token", "fp8"]  # implemented 
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_MAX_FILE_BYTES = 8 << 20
 DEFAULT_MAX_DOCUMENTS = 100_000
-BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
+BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, epic_evidence, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
 def setting(default: Any, help: str) -> Any:
@@ -64,6 +64,10 @@ class FusionConfig:
     match_words: int = setting(
         3, "epic_match: a sentence echoes the question when it shares this many distinct words with it."
     )
+    evidence_sentences: int = setting(
+        2, "epic_evidence: recompute this many sentences of the retrieved chunks, those the index's embedder finds "
+        "closest in meaning to the question."
+    )
     repick_layers: tuple[int, ...] = setting(
         (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
     )
@@ -92,6 +96,8 @@ class FusionConfig:
             raise ConfigError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if self.match_words < 1:
             raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
+        if self.evidence_sentences < 1:
+            raise ConfigError(f"evidence_sentences must be >= 1, got {self.evidence_sentences!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
         if self.drift_limit is not None and not self.drift_limit >= 0.0:

@@ -35,6 +35,7 @@ from .engine.prompt import (
     render_prompt,
     with_runs,
 )
+from .engine.sentences import sentence_relevance
 from .errors import RagKVCacheError
 from .index import KVIndex
 from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
@@ -482,6 +483,12 @@ class FusedGenerator:
             else:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
             inp = FusionInput.build(list(segments), sources, contexts, device=self.layers.device)
+        if method.reads_relevance:
+            with clock.stage("evidence"):
+                inp = replace(inp, relevance=sentence_relevance(
+                    inp.ids, self.layers.lexicon, inp.segment_of, inp.reusable,
+                    inp.token_mask(lambda p: p is inp.parts[-1]), self.adapter.tokenizer, self.index.embed,
+                ))
         depth = self.index.config.storage.prefetch_layers
         placement = inp.placement(self.layers)
         if caches is None or depth == 0:

@@ -52,6 +52,7 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 import xxhash
 from filelock import FileLock, Timeout
@@ -548,6 +549,10 @@ class KVIndex:
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.chunks.search(query, k)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """The index's embedder's L2-normalised embeddings of `texts` [T, E], as it embeds chunks and queries."""
+        return self.chunks.embed(texts)
 
     def kv_bytes(self, lengths: Iterable[int]) -> int:
         """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them

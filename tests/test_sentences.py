@@ -79,12 +79,12 @@ def test_echo_ignores_text_outside_the_chunks(tokenizer):
     assert not echoes.any()  # FIRST's echo is now the first in the chunks; nothing after it echoes
 
 
-def prompt(adapter, texts: list[str]) -> FusionInput:
+def prompt(adapter, texts: list[str], question: str = QUESTION) -> FusionInput:
     """A prefix, the chunks `texts` cached behind the prefix alone, the question."""
     tok = adapter.tokenizer
     prefix = ids(tok, "answer from the documents.")
     segments = [Segment(prefix, True, "prefix"), *(Segment(ids(tok, t), True, f"chunk{i}") for i, t in enumerate(texts)),
-                Segment(ids(tok, QUESTION), False, "question")]
+                Segment(ids(tok, question), False, "question")]
     caches = [chunk_kv(adapter, s.ids, () if s.label == "prefix" else prefix) if s.cacheable else None for s in segments]
     contexts = [() if s.label == "prefix" else prefix for s in segments]
     return FusionInput.build(segments, caches, contexts, device=adapter.device)

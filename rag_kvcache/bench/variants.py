@@ -18,9 +18,11 @@ DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
 ALL_METHODS = "all"  # --methods all: every registered method at its defaults
 DEFAULT_BASELINE = "cacheblend"
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
-PARAM_FIELDS = {"r": "ratio", "k": "epic_k", "drift": "drift_limit"}
-PARAM_TYPES = {"r": float, "k": int, "drift": float}
-METHOD_PARAMS = {"cacheblend": ("r", "drift"), "epic": ("k",), "epic_match": ("k",)}  # the first is always shown
+PARAM_FIELDS = {"r": "ratio", "k": "epic_k", "drift": "drift_limit", "s": "evidence_sentences"}
+PARAM_TYPES = {"r": float, "k": int, "drift": float, "s": int}
+METHOD_PARAMS = {  # the first is always shown
+    "cacheblend": ("r", "drift"), "epic": ("k",), "epic_match": ("k",), "epic_evidence": ("k", "s"),
+}
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ def ask(
     deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
     epic_k: Annotated[int, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
     match_words: Annotated[int, option(FusionConfig, "match_words", min=1)] = default(FusionConfig, "match_words"),
+    evidence_sentences: Annotated[int, option(FusionConfig, "evidence_sentences", min=1)] = default(
+        FusionConfig, "evidence_sentences"),
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
     temperature: Annotated[float, option(GenerationConfig, "temperature", min=0.0)] = default(GenerationConfig, "temperature"),
     top_p: Annotated[float, option(GenerationConfig, "top_p", min=0.0, max=1.0)] = default(GenerationConfig, "top_p"),
@@ -78,7 +80,8 @@ def ask(
         meta_cfg = KVIndex.config_of(index_dir, base_config())
         cfg = placed(replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k), device, dtype)
         cfg = cfg.with_fusion(method=method, ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
-                              deviation=deviation.value, epic_k=epic_k, match_words=match_words)
+                              deviation=deviation.value, epic_k=epic_k, match_words=match_words,
+                              evidence_sentences=evidence_sentences)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                   stop=tuple(stop or ()), json_schema=schema)
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))

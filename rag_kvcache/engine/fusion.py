@@ -68,10 +68,12 @@ class SegmentKV:
 
 @dataclass(frozen=True)
 class FusionInput:
-    """The prompt's tokens and its segments' caches: a layout, nothing more."""
+    """The prompt's tokens and its segments' caches: a layout, and for a method that asks for it
+    (`Method.reads_relevance`) each token's sentence's similarity to the question (`sentences.sentence_relevance`)."""
 
     ids: torch.Tensor  # [N]
     parts: tuple[SegmentKV, ...]
+    relevance: torch.Tensor | None = None  # [N] float, -inf where a sentence is not scored
 
     @classmethod
     def build(

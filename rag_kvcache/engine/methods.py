@@ -10,6 +10,8 @@ picks the tokens it computes:
 - `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
 - `epic_match` EPIC, and every sentence of an inexact chunk that restates what the question asks about
                (`match_words` question words) after an earlier such sentence in the prompt.
+- `epic_evidence` EPIC, and the `evidence_sentences` sentences of inexact chunks closest in meaning to the
+               question (the index's embedder): the evidence, found when the question uses other words.
 - `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
                K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
 
@@ -30,7 +32,7 @@ from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selecti
 from .model import ModelAdapter
 from .ops import kv_deviation, select_tokens
 from .profiling import StageClock
-from .sentences import echo_sentences
+from .sentences import closest_sentences, echo_sentences, sentence_ids
 
 MethodFn = Callable[[FusionModel, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
 
@@ -38,12 +40,14 @@ MethodFn = Callable[[FusionModel, FusionInput, FusionConfig, "StageClock | None"
 @dataclass(frozen=True)
 class Method:
     """A registered fusion method; `reads_cache` is False for methods that compute every token, `exact`
-    True for those whose K/V equal a full prefill's over the caches they read (to float rounding)."""
+    True for those whose K/V equal a full prefill's over the caches they read (to float rounding),
+    `reads_relevance` True for those that read `FusionInput.relevance`."""
 
     name: str
     fn: MethodFn
     reads_cache: bool = True
     exact: bool = False
+    reads_relevance: bool = False
 
     def __call__(
         self, adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
@@ -55,11 +59,13 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, reads_cache: bool = True, exact: bool = False) -> Callable[[MethodFn], MethodFn]:
+def register(
+    name: str, reads_cache: bool = True, exact: bool = False, reads_relevance: bool = False
+) -> Callable[[MethodFn], MethodFn]:
     """Register a fusion method under `name` (replacing any method of that name)."""
 
     def deco(fn: MethodFn) -> MethodFn:
-        METHODS[name] = Method(name, fn, reads_cache, exact)
+        METHODS[name] = Method(name, fn, reads_cache, exact, reads_relevance)
         return fn
 
     return deco
@@ -122,6 +128,21 @@ def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=
     question = inp.token_mask(lambda p: p is inp.parts[-1])  # [N]
     echoes = echo_sentences(inp.ids, adapter.lexicon, inp.segment_of, chunks, question, cfg.match_words)  # [N]
     active = inp.fresh | chunk_heads(inp, cfg.epic_k) | (echoes & inp.reusable)  # [N]
+    return selective_prefill(adapter, inp, active.nonzero()[:, 0], clock=clock, reader=reader)
+
+
+@register("epic_evidence", reads_relevance=True)
+def epic_evidence(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+    """EPIC, and the `evidence_sentences` sentences of inexact chunks closest in meaning to the question
+    (`inp.relevance`, from the index's embedder), recomputed so that each attends to the chunks before it as
+    in a full prefill: the evidence `epic_match` finds by the question's words, found when it uses others."""
+    if inp.relevance is None:
+        raise ValueError("epic_evidence reads each sentence's relevance to the question (FusionInput.relevance), "
+                         "which this prompt was laid out without")
+    sentence = sentence_ids(adapter.lexicon.sentence_end[inp.ids], inp.segment_of)  # [N]
+    relevant = inp.relevance.masked_fill(~inp.reusable, -math.inf)  # [N]
+    evidence = closest_sentences(relevant, sentence, cfg.evidence_sentences)  # [N]
+    active = inp.fresh | chunk_heads(inp, cfg.epic_k) | evidence  # [N]
     return selective_prefill(adapter, inp, active.nonzero()[:, 0], clock=clock, reader=reader)
 
 

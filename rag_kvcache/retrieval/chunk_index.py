@@ -496,6 +496,10 @@ class ChunkIndex:
             conn, self._dir, "rewriting vectors.faiss", lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"])
         )
 
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """L2-normalised float32 embeddings [T, E] of `texts`, as chunks and queries are embedded."""
+        return self._embed(texts, batch_size=64, progress=False)
+
     def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
         """L2-normalised float32 embeddings, one row per text (a tqdm bar over batches if `progress`)."""
         if not texts:

@@ -50,6 +50,8 @@ class RagOptions(Strict):
     filter_steps: int | None = Field(None, ge=1)
     deviation: Literal["k", "v"] | None = None
     epic_k: int | None = Field(None, ge=0)
+    match_words: int | None = Field(None, ge=1)
+    evidence_sentences: int | None = Field(None, ge=1)
     chunk_ids: list[str] | None = Field(None, min_length=1)
     top_k: int | None = Field(None, ge=1, le=64)
 
@@ -61,7 +63,7 @@ class RagOptions(Strict):
 
     def fusion_changes(self) -> dict[str, object]:
         """The `FusionConfig` fields this request sets."""
-        names = ("method", "ratio", "check_layer", "filter_steps", "deviation", "epic_k")
+        names = ("method", "ratio", "check_layer", "filter_steps", "deviation", "epic_k", "match_words", "evidence_sentences")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
