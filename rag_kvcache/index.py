@@ -36,8 +36,8 @@ update with `StorageFullError` and the same guarantee. Readers need no lock. At 
 missing or corrupt cache (detected when opened or, per layer, when read) is recomputed, rewritten
 and logged, and the fusion continues with the recomputed cache, so the answer is unchanged.
 
-Addressing lives here alone: `key` names a cache by the tokens it was computed behind and its own
-tokens, and `open_caches` opens (and, where needed, repairs) the caches of a prompt's segments.
+Which caches a prompt reads is `store.addressing` (`KVIndex.addressing`, `address`); `open_caches` opens
+them and, where needed, repairs them.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, Tex
 from .retrieval.chunking import chunk_document
 from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
+from .store.addressing import CacheAddressing, address
 from .store.backend import CorruptEntryError
-from .store.kvstore import KVStore, cache_key
+from .store.kvstore import KVStore
 from .store.tiers import MemoryTier, StorageFullError
 
 if TYPE_CHECKING:
@@ -226,13 +227,13 @@ class KVIndex:
         behind its context and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of
         its recorded neighbours."""
         prefix = self.format.prefix_ids
-        live = {self.key(prefix, ()): (prefix, ())}
+        live = {self.addressing.key(prefix, ()): (prefix, ())}
         if self.config.chunk_prefill == "cached_neighbours" and self.format.separator_ids:
-            live[self.key(self.format.separator_ids, prefix)] = (self.format.separator_ids, prefix)
+            live[self.addressing.key(self.format.separator_ids, prefix)] = (self.format.separator_ids, prefix)
         for ids in self.chunks.token_ids():
-            live[self.key(ids)] = (ids, self.chunk_context)
-            for context in self._neighbour_contexts(self._neighbours.get(self._neighbour_key(ids), [])):
-                live[self.key(ids, context)] = (ids, context)
+            live[self.addressing.key(ids)] = (ids, self.addressing.chunk_context)
+            for context in self.addressing.neighbour_contexts(self.addressing.near(ids)):
+                live[self.addressing.key(ids, context)] = (ids, context)
         return live
 
     def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
@@ -287,13 +288,13 @@ class KVIndex:
         # Present means on this index's own disk: an entry in the shared tier proves only that some writer
         # stored something under the key (one planted there before indexing was once never computed here).
         held = self.store.disk if workers is None else self.store
-        if self.key(prefix, ()) not in held:
-            self.store.put(self.key(prefix, ()), next(self.compute([prefix], ()))[1])
-        todo = list({ids for ids in chunks if self.key(ids) not in held})
-        self._record_pending(self.pending() | {self.key(ids): (ids, self.chunk_context) for ids in todo})
+        if self.addressing.key(prefix, ()) not in held:
+            self.store.put(self.addressing.key(prefix, ()), next(self.compute([prefix], ()))[1])
+        todo = list({ids for ids in chunks if self.addressing.key(ids) not in held})
+        self._record_pending(self.pending() | {self.addressing.key(ids): (ids, self.addressing.chunk_context) for ids in todo})
         if workers is not None:
-            workers.store(todo, self.chunk_context, progress)
-            if lost := [ids for ids in todo if self.key(ids) not in self.store]:
+            workers.store(todo, self.addressing.chunk_context, progress)
+            if lost := [ids for ids in todo if self.addressing.key(ids) not in self.store]:
                 raise RuntimeError(
                     f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
                     f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
@@ -304,8 +305,8 @@ class KVIndex:
                      sum(map(len, todo)), decimal(self.kv_bytes(map(len, todo))), self.store.codec.name)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
-            for i, kv in self.compute(todo, self.chunk_context):
-                writer.put(self.key(todo[i]), kv)
+            for i, kv in self.compute(todo, self.addressing.chunk_context):
+                writer.put(self.addressing.key(todo[i]), kv)
                 bar.update(len(todo[i]))
         bar.close()
         return len(todo)
@@ -330,28 +331,28 @@ class KVIndex:
         """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:
         this run's new ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
         table = self._neighbours
-        return [c for c in self.chunks.all_chunks() if self._neighbour_key(c.token_ids) not in table]
+        return [c for c in self.chunks.all_chunks() if self.addressing.neighbour_key(c.token_ids) not in table]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
         find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
-        its j most similar of them for each j (`_neighbour_contexts`, made by `_behind_neighbours`), and
+        its j most similar of them for each j (`CacheAddressing.neighbour_contexts`, made by `_behind_neighbours`), and
         record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
         whole cache entries and the old table: the next run finds the same neighbours and skips the
         caches already stored."""
         table = self._neighbours
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
-        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and self.key(sep, prefix) not in self.store:
-            self.store.put(self.key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
+        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and self.addressing.key(sep, prefix) not in self.store:
+            self.store.put(self.addressing.key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
         for chunk in chunks:
             hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][: self.config.context_chunks]
-            table[self._neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            for j, ctx in enumerate(self._neighbour_contexts(near), 1):
-                if self.key(chunk.token_ids, ctx) not in self.store:
-                    self.store.put(self.key(chunk.token_ids, ctx), self._behind_neighbours(chunk.token_ids, near[:j]))
+            table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
+            for j, ctx in enumerate(self.addressing.neighbour_contexts(near), 1):
+                if self.addressing.key(chunk.token_ids, ctx) not in self.store:
+                    self.store.put(self.addressing.key(chunk.token_ids, ctx), self._behind_neighbours(chunk.token_ids, near[:j]))
                     done += 1
             bar.update(1)
         bar.close()
@@ -359,12 +360,12 @@ class KVIndex:
         return done
 
     def _behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
-        """The cache of chunk `ids` behind `_neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
+        """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
         computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
         cache, the separator's behind-prefix cache between them; the last separator computed with the
         chunk), else behind the context's recomputed text."""
         if self.config.chunk_prefill != "cached_neighbours":
-            return next(self.compute([ids], self._neighbour_context(near)))[1]
+            return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         between = [self._cached(sep, prefix)] if sep else []
         sources = [self._cached(prefix, ())]
@@ -375,7 +376,7 @@ class KVIndex:
     def _cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
         """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
         recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
-        key = self.key(ids, context)
+        key = self.addressing.key(ids, context)
         entry = self.store.open(key)
         if entry is None:
             return self._repair(key, ids, context)
@@ -384,8 +385,8 @@ class KVIndex:
     def _compute_one(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
         """The cache of `ids` behind `context`, made as the index makes it: behind one of the chunk's recorded
         neighbour contexts, as `_behind_neighbours` makes it; else a prefill behind the context's tokens."""
-        near = self._neighbours.get(self._neighbour_key(ids), [])
-        j = next((j for j in range(1, len(near) + 1) if self._neighbour_context(near[:j]) == context), None)
+        near = self.addressing.near(ids)
+        j = next((j for j in range(1, len(near) + 1) if self.addressing.neighbour_context(near[:j]) == context), None)
         return next(self.compute([ids], context))[1] if j is None else self._behind_neighbours(ids, near[:j])
 
     def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
@@ -394,11 +395,6 @@ class KVIndex:
         return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
 
     # ---- cache addressing and opening --------------------------------------------------------------
-    @property
-    def chunk_context(self) -> tuple[int, ...]:
-        """Tokens a chunk's cache is computed behind."""
-        return () if self.config.chunk_prefill == "isolated" else self.format.prefix_ids
-
     @property
     def with_neighbours(self) -> bool:
         """Whether chunks also have caches behind their most similar chunks (recomputed or cached context)."""
@@ -410,109 +406,56 @@ class KVIndex:
 
     @cached_property
     def _neighbours(self) -> dict[str, list[list[int]]]:
-        """`chunk_prefill="neighbours"` or "cached_neighbours": chunk (by `_neighbour_key`) -> its recorded
+        """`chunk_prefill="neighbours"` or "cached_neighbours": chunk (by `neighbour_key`) -> its recorded
         neighbours' token ids."""
         if not self.with_neighbours or not self._neighbours_path.exists():
             return {}
         return json.loads(self._neighbours_path.read_text(encoding="utf-8"))
 
-    def _neighbour_key(self, ids: Sequence[int]) -> str:
-        return cache_key(self.namespace, (), ids)
-
-    def _neighbour_context(self, near: Sequence[Sequence[int]]) -> tuple[int, ...]:
-        """The prefix, then the neighbours as a prompt lays chunks out (separator after each), most similar last."""
-        return self.format.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *self.format.separator_ids))
-
-    def _neighbour_contexts(self, near: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """The contexts a chunk with neighbours `near` (most similar first) has caches behind: its j most
-        similar, for j = 1..len(near)."""
-        return [self._neighbour_context(near[:j]) for j in range(1, len(near) + 1)]
-
-    def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-        """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
-        prompt: with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind its min(depth, recorded) most
-        similar chunks (a context of as many chunks as it meets) and behind the prefix (`chunk_context`), except for the
-        first chunk (depth 0), whose behind-prefix cache is exact right after the prefix; otherwise the
-        index's `chunk_context` alone. `open_caches` reads one alone where the prompt reproduces it."""
-        near = self._neighbours.get(self._neighbour_key(ids))
-        if near is None or depth == 0:
-            return (self.chunk_context,)
-        return self._neighbour_context(near[:depth]), self.chunk_context
-
-    def key(self, ids: Sequence[int], context: Sequence[int] | None = None, salt: str = "") -> str:
-        """The store key of the cache of `ids` computed behind `context` (default: a chunk's); a `salt`
-        (a tenant's) gives a cache of request text a key no other salt addresses."""
-        namespace = f"{self.namespace}|{salt}" if salt else self.namespace
-        return cache_key(namespace, self.chunk_context if context is None else context, ids)
+    @cached_property
+    def addressing(self) -> CacheAddressing:
+        """What names this index's caches (the neighbour table it reads is the one `precompute_neighbours` fills)."""
+        chunk_context = () if self.config.chunk_prefill == "isolated" else self.format.prefix_ids
+        return CacheAddressing(self.namespace, chunk_context, self.format.prefix_ids, self.format.separator_ids,
+                               self._neighbours)
 
     def open_caches(self, segments: Sequence[Segment], salt: str = "") -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
-        was computed behind: the system prefix (a cacheable segment at position 0) none, a chunk the
-        ones `contexts_at` names for the number of other stored sequences read before it (its depth):
-        the one the prompt's tokens before it reproduce (exact), else the mean of them all (`BlendKV`). A
-        missing entry is recomputed and stored now; one that fails a layer's check while the fusion reads
-        it is recomputed then. Either way the fusion gets intact caches.
-        A segment that is a run of a stored sequence (`Segment.whole`, e.g. part of a chunk found in a
-        prompt) gets that slice of the sequence's cache, with the sequence's tokens before the run added
-        to its context; a sequence several segments read is opened once.
+        was computed behind: those `address` names (the mean of several where it names several, `BlendKV`;
+        a run of a stored sequence reads its slice, `SliceKV`); a sequence several segments read is opened
+        once. A missing entry is recomputed and stored now; one that fails a layer's check while the fusion
+        reads it is recomputed then. Either way the fusion gets intact caches.
 
-        The first chunk behind another head than the system prefix (a pipeline's own instructions,
-        cached at position 0, then computed text) gets the cache of its run behind exactly the prompt's
-        tokens before it: exact, as the first chunk behind the system prefix is, computed and stored by
-        the first prompt with that head and chunk and read by the next ones (prefix caching). Those two
-        hold request text, not indexed text: they are kept in memory only (`request_tier`, per API key,
-        within `StorageConfig.request_bytes`), never on disk or in the shared tier, and with a `salt` (the
-        server's tenant) under keys of that salt alone, so that no other tenant can hit them (a hit is
-        measurably faster: a guessed secret in a shared head would be confirmed by the time to the first
-        token).
+        Caches of request text (a prompt head other than the system prefix, and the first chunk behind it)
+        are kept in memory only (`request_tier`, per API key, within `StorageConfig.request_bytes`), never
+        on disk or in the shared tier, and with a `salt` (the server's tenant) under keys of that salt alone,
+        so that no other tenant can hit them (a hit is measurably faster: a guessed secret in a shared head
+        would be confirmed by the time to the first token).
         """
+        addresses = address(self.addressing, segments, salt)
         sources: list[LayerSource | None] = []
-        contexts: list[tuple[int, ...]] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
-        missing = start = computed = 0
-        head = bool(segments) and segments[0].cacheable and segments[0].ids != self.format.prefix_ids
-        in_head = head  # still in a head and the computed text after it, before its first chunk
-        read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
-        prompt: list[int] = []  # the prompt's tokens before the segment
-        for seg in segments:
-            behind_head = in_head and start > 0 and seg.cacheable
-            if behind_head:
-                ctxs, whole = (tuple(prompt),), seg.ids
-            else:
-                whole = seg.stored
-                ctxs = ((),) if start == 0 else self.contexts_at(len(read - {seg.stored}), seg.stored)
-                ctxs = [c for c in ctxs if c + whole[: seg.offset] == tuple(prompt)] or ctxs  # exact: it alone
-            ctx = ctxs[0]
-            source: LayerSource | None = None
-            if seg.cacheable:
-                request_text = behind_head or (head and start == 0)
-                keys = [self.key(whole, c, salt if request_text else "") for c in ctxs]
-                for key, c in zip(keys, ctxs):
-                    if key not in opened:
-                        entry = self.request_tier(salt).get(key) if request_text else self.store.open(key)
-                        if entry is None:
-                            opened[key] = self._repair(key, whole, c, salt if request_text else None)
-                            recomputed.add(key)
-                        else:
-                            opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
-                                entry, partial(self._repair, key, whole, c))
-                    # per segment; neither the prefix nor a chunk's first cache behind a new head is a missing one
-                    missing += start > 0 and key in recomputed and not behind_head
-                computed += len(seg.ids) if any(k in recomputed for k in keys) else 0
-                source = opened[keys[0]] if len(keys) == 1 else BlendKV(  # turns made where stored caches live
-                    tuple(opened[k] for k in keys), self.adapter.inv_freq.cpu())
-                if len(seg.ids) < len(whole):
-                    source = SliceKV(source, seg.offset, seg.offset + len(seg.ids))
-                    ctx = ctx + whole[: seg.offset]
-                if start > 0:
-                    read.add(whole)
-            sources.append(source)
-            contexts.append(ctx)
-            start += len(seg.ids)
-            prompt.extend(seg.ids)
-            in_head = in_head and not behind_head
-        return PromptCaches(sources, contexts, missing, list(opened.values()), computed)
+        missing = computed = 0
+        for seg, at in zip(segments, addresses):
+            if not at.keys:
+                sources.append(None)
+                continue
+            for key, context in zip(at.keys, at.contexts):
+                if key not in opened:
+                    entry = self.request_tier(salt).get(key) if at.request_text else self.store.open(key)
+                    if entry is None:
+                        opened[key] = self._repair(key, at.whole, context, salt if at.request_text else None)
+                        recomputed.add(key)
+                    else:
+                        opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
+                            entry, partial(self._repair, key, at.whole, context))
+                missing += at.counted and key in recomputed  # per segment
+            computed += len(seg.ids) if any(k in recomputed for k in at.keys) else 0
+            source = opened[at.keys[0]] if len(at.keys) == 1 else BlendKV(  # turns made where stored caches live
+                tuple(opened[k] for k in at.keys), self.adapter.inv_freq.cpu())
+            sources.append(SliceKV(source, seg.offset, seg.offset + len(seg.ids)) if len(seg.ids) < len(at.whole) else source)
+        return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
 
     def request_tier(self, salt: str) -> MemoryTier:
         """The memory that holds the caches of request text (prompt heads, a chunk behind one) of the API key

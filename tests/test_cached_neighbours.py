@@ -54,7 +54,7 @@ def any_index(model, tmp_path) -> KVIndex:
 
 def recorded(index: KVIndex, ids) -> list[tuple[int, ...]]:
     table = json.loads((index.path / "neighbours.json").read_text())
-    return [tuple(n) for n in table[index._neighbour_key(ids)]]
+    return [tuple(n) for n in table[index.addressing.neighbour_key(ids)]]
 
 
 def text_cache(tiny, ids, context) -> ChunkKV:
@@ -85,7 +85,7 @@ def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, any
     context = fmt.prefix_ids + near + fmt.separator_ids
     cached = compute_behind_cached(tiny, chunk.token_ids, [prefix, first], fmt.separator_ids)
     assert_same(cached, text_cache(tiny, chunk.token_ids, context))
-    stored = index.store.get(index.key(chunk.token_ids, context))  # the index's own, read back
+    stored = index.store.get(index.addressing.key(chunk.token_ids, context))  # the index's own, read back
     assert_same(stored, text_cache(tiny, chunk.token_ids, context))
 
 
@@ -121,14 +121,14 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
     assert near == recorded(text, chunk.token_ids) and len(near) == 2
-    one, two = index._neighbour_contexts(near)
-    assert index.contexts_at(1, chunk.token_ids) == (one, index.format.prefix_ids)
-    assert_same(index.store.get(index.key(chunk.token_ids, one)), text.store.get(text.key(chunk.token_ids, one)))
-    mine, theirs = index.store.get(index.key(chunk.token_ids, two)), text.store.get(text.key(chunk.token_ids, two))
+    one, two = index.addressing.neighbour_contexts(near)
+    assert index.addressing.contexts_at(1, chunk.token_ids) == (one, index.format.prefix_ids)
+    assert_same(index.store.get(index.addressing.key(chunk.token_ids, one)), text.store.get(text.addressing.key(chunk.token_ids, one)))
+    mine, theirs = index.store.get(index.addressing.key(chunk.token_ids, two)), text.store.get(text.addressing.key(chunk.token_ids, two))
     assert mine.position == theirs.position == len(two)
     assert (mine.keys[-1] - theirs.keys[-1]).abs().max() > 1e-3
-    assert index.key(chunk.token_ids, two) != text.key(chunk.token_ids, two)
-    assert index.key(chunk.token_ids, two) not in text.store
+    assert index.addressing.key(chunk.token_ids, two) != text.addressing.key(chunk.token_ids, two)
+    assert index.addressing.key(chunk.token_ids, two) not in text.store
 
 
 def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
@@ -174,7 +174,7 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert len(reopened.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
     done = reopened.precompute_neighbours(reopened.unrecorded_chunks(), progress=False)
-    total = sum(len(whole._neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks())
+    total = sum(len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks())
     assert done == total - 3  # the three stored before the kill are kept
     assert reopened.unrecorded_chunks() == [] and set(reopened.live_keys()) == set(whole.live_keys())
     for key in whole.live_keys():
@@ -187,17 +187,17 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
     index = any_index
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
-    before = index.store.get(index.key(chunk.token_ids, index._neighbour_context(near)))
+    before = index.store.get(index.addressing.key(chunk.token_ids, index.addressing.neighbour_context(near)))
     fmt = index.format
     gone = [near[1], *([fmt.separator_ids] if fmt.separator_ids else [])]
     for ids in gone:
-        index.store.memory.remove(index.key(ids, fmt.prefix_ids))
-        index.store.disk.remove(index.key(ids, fmt.prefix_ids))
+        index.store.memory.remove(index.addressing.key(ids, fmt.prefix_ids))
+        index.store.disk.remove(index.addressing.key(ids, fmt.prefix_ids))
     with caplog.at_level(logging.WARNING):
         after = index._behind_neighbours(chunk.token_ids, near)
     assert caplog.text.count("recomputed and rewrote") == len(gone)
-    assert all(index.key(ids, fmt.prefix_ids) in index.store for ids in gone)
-    assert all(index.key(ids, fmt.prefix_ids) in index.live_keys() for ids in gone)  # never collected
+    assert all(index.addressing.key(ids, fmt.prefix_ids) in index.store for ids in gone)
+    assert all(index.addressing.key(ids, fmt.prefix_ids) in index.live_keys() for ids in gone)  # never collected
     assert_same(after, before)
 
 

@@ -7,7 +7,8 @@ import logging
 import torch
 
 from rag_kvcache.config import StorageConfig
-from rag_kvcache.store.kvstore import ChunkKV, KVStore, cache_key
+from rag_kvcache.store.addressing import cache_key
+from rag_kvcache.store.kvstore import ChunkKV, KVStore
 
 LOSSLESS = StorageConfig(codec="none")  # these tests read back exactly what they stored
 

@@ -120,7 +120,7 @@ def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
     assert len(head.ids) + len(edge.ids) >= len(tiny.tokenizer(INSTRUCTIONS, add_special_tokens=False).input_ids)
     reordered = "\n\n".join(c.text for c in reversed(chunk_texts(index)))
     assert generator.prompt_segments(f"{INSTRUCTIONS}{reordered}\n\nQuestion: why?\nAnswer:")[0].ids == head.ids
-    key = index.key(head.ids, ())
+    key = index.addressing.key(head.ids, ())
     assert key not in index.request_tier("")
     ask(index, prompts[0], "reuse")
     assert key in index.request_tier("")  # computed and kept by the first prompt that had it: request text,
@@ -166,7 +166,7 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     prompts = [f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
     generator = FusedGenerator(index)
     segments = generator.prompt_segments(prompts[1])
-    keys = [index.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
+    keys = [index.addressing.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
     assert segments[2].label.startswith("chunk:") and keys[0] not in index.request_tier("")
     first = ask(index, prompts[0], "reuse")
     assert keys[0] in index.request_tier("") and first.cache_misses == 0  # made now, not a missing indexed cache
@@ -201,5 +201,5 @@ def test_request_text_caches_stay_in_memory_within_each_keys_budget(tiny, tmp_pa
         send(f"Instructions number {i} for this pipeline. {INSTRUCTIONS}", f"key-a:salt-{i % 2}")
     mine = index.request_tier("key-a")
     assert 0 < mine.nbytes <= 150_000 and mine.stats.evictions > 0
-    assert index.key(theirs[0].ids, (), "key-b") in index.request_tier("key-b")
+    assert index.addressing.key(theirs[0].ids, (), "key-b") in index.request_tier("key-b")
     assert set((tmp_path / "idx" / "kv").rglob("*.safetensors")) == on_disk

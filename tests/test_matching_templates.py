@@ -60,7 +60,7 @@ def test_a_recurring_template_tail_is_read_from_cache_the_second_time(index, tin
     question = ids_of(tiny.tokenizer, QUESTIONS[1])
     after = second[second.index(run) + 1 :]
     assert not any(s.cacheable for s in after) and _contains([t for s in after for t in s.ids], question)
-    assert index.key(run.whole) in index.store  # stored when learned
+    assert index.addressing.key(run.whole) in index.store  # stored when learned
     fusion, plain = FusionConfig(method="reuse", template_text=True), FusionConfig(method="reuse", template_text=False)
     generator.complete(prompt(index, QUESTIONS[2]), fusion=plain)  # the head's cache, made on first use (not "cached")
     on = generator.complete(prompt(index, QUESTIONS[2]), fusion=fusion)
@@ -112,7 +112,7 @@ def test_a_corrupt_template_cache_is_recomputed_and_the_answer_unchanged(index, 
     (run,) = template_runs(generator.prompt_segments(text))
     fusion = FusionConfig(method="cacheblend", template_text=True)
     before = generator.complete(text, fusion=fusion)
-    key = index.key(run.whole)
+    key = index.addressing.key(run.whole)
     path = index.store.path(key)
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF  # the last layer: found mid-fusion

@@ -55,9 +55,9 @@ def test_neighbour_cache_is_the_chunk_behind_as_many_similar_chunks_as_precede_i
     table = json.loads((index.path / "neighbours.json").read_text())
     assert len(table) == len(list(index.chunks.all_chunks())) and len(near) == 2
     context = layout(index, near[:n_near])
-    assert index.contexts_at(depth, chunk.token_ids) == (context, index.format.prefix_ids)
-    assert index.contexts_at(0, chunk.token_ids) == (index.format.prefix_ids,)
-    stored = index.store.get(index.key(chunk.token_ids, context))
+    assert index.addressing.contexts_at(depth, chunk.token_ids) == (context, index.format.prefix_ids)
+    assert index.addressing.contexts_at(0, chunk.token_ids) == (index.format.prefix_ids,)
+    stored = index.store.get(index.addressing.key(chunk.token_ids, context))
     assert stored.position == len(context)
     past = tiny.prefill(torch.tensor([context]))[:2]
     keys, values, _ = tiny.prefill(torch.tensor([chunk.token_ids]), past)
@@ -91,7 +91,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     where the prompt holds just them before it, most similar last (e.g. the second chunk of a prompt
     whose first is its most similar, as retrieval often makes it)."""
     chunk = some_chunk(index)
-    near = json.loads((index.path / "neighbours.json").read_text())[index._neighbour_key(chunk.token_ids)]
+    near = json.loads((index.path / "neighbours.json").read_text())[index.addressing.neighbour_key(chunk.token_ids)]
     question = index.format.question_ids(index.adapter.tokenizer, "Who kept the diary?")
     segments = index.format.segments([*(tuple(n) for n in reversed(near[:depth])), chunk.token_ids], question)
     caches = index.open_caches(segments)
@@ -111,9 +111,9 @@ def test_another_setting_is_a_miss(tiny, index):
     chunk = some_chunk(index)
     plain = KVIndex(index.path, replace(NEIGHBOURS, chunk_prefill="behind_prefix"), index.chunks, tiny)
     others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
-    assert len(others) == 3 and index.key(chunk.token_ids, layout(index, others)) not in index.store  # 3 > context_chunks
-    assert plain.key(chunk.token_ids) not in index.store
-    assert plain.contexts_at(2, chunk.token_ids) == (plain.format.prefix_ids,)  # no neighbours outside the mode
+    assert len(others) == 3 and index.addressing.key(chunk.token_ids, layout(index, others)) not in index.store  # 3 > context_chunks
+    assert plain.addressing.key(chunk.token_ids) not in index.store
+    assert plain.addressing.contexts_at(2, chunk.token_ids) == (plain.format.prefix_ids,)  # no neighbours outside the mode
 
 
 def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny, index, tmp_path, monkeypatch):
@@ -134,8 +134,8 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
     report = reopened.update(tmp_path / "docs", progress=False)
     assert not report.new_chunks and reopened.unrecorded_chunks() == []
     for chunk in missing:
-        context = reopened.contexts_at(2, chunk.token_ids)[0]
-        assert context != reopened.chunk_context and reopened.key(chunk.token_ids, context) in reopened.store
+        context = reopened.addressing.contexts_at(2, chunk.token_ids)[0]
+        assert context != reopened.addressing.chunk_context and reopened.addressing.key(chunk.token_ids, context) in reopened.store
 
 
 def moved(kv: ChunkKV, delta: int, inv_freq) -> ChunkKV:
@@ -146,8 +146,8 @@ def moved(kv: ChunkKV, delta: int, inv_freq) -> ChunkKV:
 
 def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, index):
     chunk = some_chunk(index)
-    near, prefix = index.contexts_at(2, chunk.token_ids)
-    a, b = (index.store.get(index.key(chunk.token_ids, c)) for c in (near, prefix))
+    near, prefix = index.addressing.contexts_at(2, chunk.token_ids)
+    a, b = (index.store.get(index.addressing.key(chunk.token_ids, c)) for c in (near, prefix))
     assert a.position != b.position
     blend = BlendKV((a, b), tiny.inv_freq)
     same = BlendKV((a, moved(a, 37, tiny.inv_freq)), tiny.inv_freq)  # one cache at two positions: itself
@@ -159,7 +159,7 @@ def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, inde
         torch.testing.assert_close(same.layer(layer), a.layer(layer), atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="two or more caches of one chunk"):
         BlendKV((a,), tiny.inv_freq)
-    other = index.store.get(index.key(next(c for c in index.chunks.all_chunks() if c.token_ids != chunk.token_ids
+    other = index.store.get(index.addressing.key(next(c for c in index.chunks.all_chunks() if c.token_ids != chunk.token_ids
                                            and len(c.token_ids) != len(chunk.token_ids)).token_ids))
     with pytest.raises(ValueError, match="two or more caches of one chunk"):
         BlendKV((a, other), tiny.inv_freq)
@@ -174,8 +174,8 @@ def test_a_corrupt_cache_in_a_blend_is_recomputed_and_the_answer_unchanged(tiny,
     gen = FusedGenerator(index)
     epic = FusionConfig(method="epic", epic_k=4)
     before = gen.fuse(segments, epic).result
-    near, _ = index.contexts_at(1, segments[3].ids)
-    path = index.store.path(index.key(segments[3].ids, near))
+    near, _ = index.addressing.contexts_at(1, segments[3].ids)
+    path = index.store.path(index.addressing.key(segments[3].ids, near))
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF  # the last layer: found mid-fusion, by the reader
     path.write_bytes(bytes(raw))

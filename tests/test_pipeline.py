@@ -41,7 +41,7 @@ def index(tiny, docs, tmp_path) -> KVIndex:
 def test_index_precomputes_every_chunk(index):
     chunks = list(index.chunks.all_chunks())
     assert len(chunks) >= len(DOCS)
-    assert all(index.key(c.token_ids) in index.store for c in chunks)
+    assert all(index.addressing.key(c.token_ids) in index.store for c in chunks)
 
 
 def test_ask_retrieves_and_fuses(index):

@@ -80,11 +80,11 @@ def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
     prefix = torch.tensor([index.format.prefix_ids])
     for chunk in chunks:
         keys, values, _ = tiny.prefill(torch.cat([prefix, torch.tensor([chunk.token_ids])], 1))  # L x [1, H_kv, P+T, D]
-        stored = index.store.get(index.key(chunk.token_ids))
+        stored = index.store.get(index.addressing.key(chunk.token_ids))
         for layer in range(len(keys)):
             torch.testing.assert_close(stored.keys[layer], keys[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
             torch.testing.assert_close(stored.values[layer], values[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
-        with safe_open(index.store.path(index.key(chunk.token_ids)), "pt") as f:  # a plain safetensors file too
+        with safe_open(index.store.path(index.addressing.key(chunk.token_ids)), "pt") as f:  # a plain safetensors file too
             assert len(f.keys()) == 2 * len(keys) and torch.equal(f.get_tensor("v.1"), stored.values[1])
 
 
@@ -107,7 +107,7 @@ def test_a_failed_background_write_fails_the_update_and_commits_nothing(tiny, do
     from rag_kvcache.retrieval.chunking import chunk_document
 
     first = chunk_document(DOCS["doc3.txt"], "doc3.txt", tiny.tokenizer, CFG.chunk_tokens)[0].token_ids
-    blocker = index.store.path(index.key(first)).parent
+    blocker = index.store.path(index.addressing.key(first)).parent
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")
     with pytest.raises(OSError):
@@ -116,4 +116,4 @@ def test_a_failed_background_write_fails_the_update_and_commits_nothing(tiny, do
     blocker.unlink()
     report = index.update(docs, progress=False)  # re-run: resumes, the caches written before are kept
     assert len(index.chunks) == len(report.new_chunks) > 0
-    assert all(index.key(c.token_ids) in index.store for c in index.chunks.all_chunks())
+    assert all(index.addressing.key(c.token_ids) in index.store for c in index.chunks.all_chunks())

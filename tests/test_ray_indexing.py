@@ -61,7 +61,7 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
     assert [c.id for c in chunks] == sorted(c.id for c in on_ray.chunks.all_chunks())
     assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several packs (4 chunks each at most) for two actors
     for chunk in chunks:
-        want, got = local.store.get(local.key(chunk.token_ids)), on_ray.store.get(on_ray.key(chunk.token_ids))
+        want, got = local.store.get(local.addressing.key(chunk.token_ids)), on_ray.store.get(on_ray.addressing.key(chunk.token_ids))
         assert got.position == want.position
         assert all(torch.equal(g, w) for g, w in zip(got.keys + got.values, want.keys + want.values))
     question = "Which crates left the harbour at dawn?"
@@ -88,14 +88,14 @@ def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, 
             index.update(docs, progress=False, workers=workers)
     assert len(index.chunks) == 0  # nothing committed
     stored = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in index.store.disk.files()}
-    prefix = index.key(index.format.prefix_ids, ())
+    prefix = index.addressing.key(index.format.prefix_ids, ())
     assert len([p for p in stored if p.stem != prefix]) >= 1  # the first pack's caches (the driver stores the prefix's)
 
     with index.ray_workers() as workers:
         report = index.update(docs, progress=False, workers=workers)
     chunks = list(index.chunks.all_chunks())
     assert len(chunks) == len(report.new_chunks) > len(stored) - 1  # the rest was computed by the re-run
-    assert all(index.key(c.token_ids) in index.store for c in chunks)
+    assert all(index.addressing.key(c.token_ids) in index.store for c in chunks)
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stored} == stored  # reused, not rewritten
 
 

@@ -26,14 +26,14 @@ rows = {}  # j -> list of per-chunk [layer] arrays
 same = differ = 0
 for chunk in nb.chunks.all_chunks():
     ids = chunk.token_ids
-    near_nb, near_cn = nb._neighbours.get(nb._neighbour_key(ids)), cn._neighbours.get(cn._neighbour_key(ids))
+    near_nb, near_cn = nb.addressing.neighbours.get(nb.addressing.neighbour_key(ids)), cn.addressing.neighbours.get(cn.addressing.neighbour_key(ids))
     if near_nb is None or near_nb != near_cn:
         differ += 1
         continue
     same += 1
-    bp = cn.store.get(cn.key(ids))
-    for j, ctx in enumerate(nb._neighbour_contexts(near_nb), 1):
-        ref, mine = nb.store.get(nb.key(ids, ctx)), cn.store.get(cn.key(ids, ctx))
+    bp = cn.store.get(cn.addressing.key(ids))
+    for j, ctx in enumerate(nb.addressing.neighbour_contexts(near_nb), 1):
+        ref, mine = nb.store.get(nb.addressing.key(ids, ctx)), cn.store.get(cn.addressing.key(ids, ctx))
         assert ref.position == mine.position == len(ctx)
         stats = []
         for layer in range(ref.n_layers):

@@ -17,7 +17,7 @@ cfg = Config(chunk_tokens=128, chunk_prefill="cached_neighbours", storage=Storag
 adapter = ModelAdapter.load(cfg)
 idx = KVIndex.open(Path(sys.argv[1]) / "index-cached_neighbours", cfg, adapter)
 chunks = [c for c in idx.chunks.all_chunks()][:6]
-work = [(c.token_ids, idx._neighbours[idx._neighbour_key(c.token_ids)]) for c in chunks]
+work = [(c.token_ids, idx.addressing.neighbours[idx.addressing.neighbour_key(c.token_ids)]) for c in chunks]
 idx._behind_neighbours(*work[0][:1], work[0][1][:1])  # warm
 t = time.perf_counter()
 pr = cProfile.Profile()

@@ -47,7 +47,7 @@ def context_caches(index, hits, mode: str, filler: list[tuple[int, ...]]):
         ids = hit.chunk.token_ids
         if mode == "prefix" or rank == 0:
             ctx = fmt.prefix_ids
-            out.append((index.store.open(index.key(ids, ctx)), ctx))
+            out.append((index.store.open(index.addressing.key(ids, ctx)), ctx))
             continue
         m = int(mode.removeprefix("nbr").removeprefix("filler"))
         if mode.startswith("nbr"):
@@ -86,7 +86,7 @@ def main() -> None:
                 caches, contexts = [], []
                 for seg in segments:
                     if seg.label == "prefix":
-                        caches.append(index.store.open(index.key(seg.ids, ())))
+                        caches.append(index.store.open(index.addressing.key(seg.ids, ())))
                         contexts.append(())
                     elif seg.cacheable:
                         kv, ctx = next(chunk_iter)

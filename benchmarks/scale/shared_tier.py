@@ -152,7 +152,7 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
 
     # Read throughput: the retrieved entries layer by layer from Redis and from A's disk (page cache warm,
     # and dropped), sources interleaved in each round; plain GETs of the whole values.
-    keys = [b.key(h.chunk.token_ids) for h in hits]
+    keys = [b.addressing.key(h.chunk.token_ids) for h in hits]
     disk = views["disk"].store.disk
     timed: dict[str, list[tuple[int, float]]] = {}
     whole: dict[str, list[tuple[int, float]]] = {}

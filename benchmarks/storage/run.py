@@ -82,7 +82,7 @@ def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repe
         hits = index.search(ex.question, top_k)
         fmt = index.format
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, ex.question))
-        keys = [index.key(h.chunk.token_ids) for h in hits]
+        keys = [index.addressing.key(h.chunk.token_ids) for h in hits]
         for key in keys:
             memory_store.get(key)  # fill the memory tier once
         for rep in range(repeats):

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from ..config import Config
 from ..engine.model import ModelAdapter
-from ..store.kvstore import KVStore, cache_key
+from ..store.addressing import cache_key
+from ..store.kvstore import KVStore
 from .precompute import WriteBehind, compute_caches, pack_tokens, token_packs
 
 

@@ -19,11 +19,9 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 import torch
-import xxhash
 from filelock import FileLock
 
 from ..config import StorageConfig
@@ -34,19 +32,9 @@ from .tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkKV", "KVStore", "cache_key"]
+__all__ = ["ChunkKV", "KVStore"]
 
 _STATS_FILE = "stats.json"
-
-
-def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) -> str:
-    """Content address of a chunk cache: namespace + the tokens before it + its own tokens."""
-    h = xxhash.xxh3_128()
-    h.update(namespace.encode())
-    h.update(np.asarray(context_ids, dtype=np.int64).tobytes())
-    h.update(b"|")
-    h.update(np.asarray(ids, dtype=np.int64).tobytes())
-    return h.hexdigest()
 
 
 class KVStore:

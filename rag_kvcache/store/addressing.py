@@ -1,0 +1,123 @@
+"""Cache addressing: which stored caches a prompt's segments read, a pure function of the segments and of
+what names an index's caches.
+
+A cache is addressed by its content (`cache_key`): the index's namespace (its model and `chunk_prefill`),
+the tokens it was computed behind (its context) and its own tokens. `CacheAddressing` holds the contexts an
+index computes caches behind: the system prefix (or nothing, `chunk_prefill="isolated"`), and with
+neighbour caches each chunk's recorded most similar chunks. `address` lays a prompt's segments over them:
+for each segment the keys it reads (averaged when several), what they were computed behind, and whether
+they hold request text (a tenant's, kept in memory only). `KVIndex.open_caches` opens what it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..engine.prompt import Segment
+
+
+def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """Content address of a cache: namespace + the tokens before it + its own tokens."""
+    h = xxhash.xxh3_128()
+    h.update(namespace.encode())
+    h.update(np.asarray(context_ids, dtype=np.int64).tobytes())
+    h.update(b"|")
+    h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheAddressing:
+    """What names an index's caches: its `namespace`, the `chunk_context` a chunk's cache is computed behind,
+    the prompt format's `prefix_ids` and `separator_ids`, and (`chunk_prefill="neighbours"` or
+    "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first."""
+
+    namespace: str
+    chunk_context: tuple[int, ...]
+    prefix_ids: tuple[int, ...]
+    separator_ids: tuple[int, ...]
+    neighbours: Mapping[str, Sequence[Sequence[int]]]
+
+    def key(self, ids: Sequence[int], context: Sequence[int] | None = None, salt: str = "") -> str:
+        """The store key of the cache of `ids` computed behind `context` (default: a chunk's); a `salt`
+        (a tenant's) gives a cache of request text a key no other salt addresses."""
+        namespace = f"{self.namespace}|{salt}" if salt else self.namespace
+        return cache_key(namespace, self.chunk_context if context is None else context, ids)
+
+    def neighbour_key(self, ids: Sequence[int]) -> str:
+        return cache_key(self.namespace, (), ids)
+
+    def near(self, ids: Sequence[int]) -> Sequence[Sequence[int]]:
+        """Chunk `ids`'s recorded neighbours, most similar first (none outside the neighbour modes)."""
+        return self.neighbours.get(self.neighbour_key(ids), [])
+
+    def neighbour_context(self, near: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """The prefix, then the neighbours as a prompt lays chunks out (separator after each), most similar last."""
+        return self.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *self.separator_ids))
+
+    def neighbour_contexts(self, near: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The contexts a chunk with neighbours `near` (most similar first) has caches behind: its j most
+        similar, for j = 1..len(near)."""
+        return [self.neighbour_context(near[:j]) for j in range(1, len(near) + 1)]
+
+    def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
+        prompt: with recorded neighbours, behind its min(depth, recorded) most similar chunks (a context of
+        as many chunks as it meets) and behind `chunk_context`, except for the first chunk (depth 0), whose
+        behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `address`
+        reads one alone where the prompt reproduces it."""
+        near = self.neighbours.get(self.neighbour_key(ids))
+        if near is None or depth == 0:
+            return (self.chunk_context,)
+        return self.neighbour_context(near[:depth]), self.chunk_context
+
+
+@dataclass(frozen=True)
+class SegmentAddress:
+    """The caches one prompt segment reads."""
+
+    keys: tuple[str, ...]  # the store keys read, averaged when several; none for a segment computed at query time
+    whole: tuple[int, ...]  # the stored sequence they hold: the segment's tokens, or a sequence it is a run of
+    contexts: tuple[tuple[int, ...], ...]  # what each was computed behind
+    context: tuple[int, ...]  # what the segment's cache was computed behind, as laid out in this prompt
+    request_text: bool  # a cache of request text: the tenant's, in memory only, made by the first prompt to need it
+    counted: bool  # recomputing it counts as a missing cache (not the prompt's head, nor a chunk behind a new head)
+
+
+def address(addressing: CacheAddressing, segments: Sequence[Segment], salt: str = "") -> list[SegmentAddress]:
+    """Each segment's caches: the system prefix (a cacheable segment at position 0) behind nothing; a chunk
+    behind the contexts `contexts_at` names for the number of other stored sequences read before it (its
+    depth): the one the prompt's tokens before it reproduce (exact), else all of them (averaged). A segment
+    that is a run of a stored sequence (`Segment.whole`) reads that sequence's caches, the sequence's tokens
+    before the run added to its context.
+
+    A prompt whose cached head is not the system prefix (a pipeline's own instructions) reads its head and
+    the first chunk after it (behind exactly the prompt's tokens before it: exact, as prefix caching is) as
+    request text, under keys of `salt` (the tenant) alone."""
+    out: list[SegmentAddress] = []
+    head = bool(segments) and segments[0].cacheable and segments[0].ids != addressing.prefix_ids
+    in_head = head  # still in a head and the computed text after it, before its first chunk
+    read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
+    prompt: tuple[int, ...] = ()  # the prompt's tokens before the segment
+    for seg in segments:
+        behind_head = in_head and bool(prompt) and seg.cacheable
+        if behind_head:
+            contexts, whole = (prompt,), seg.ids
+        else:
+            whole = seg.stored
+            contexts = ((),) if not prompt else addressing.contexts_at(len(read - {whole}), whole)
+            contexts = tuple(c for c in contexts if c + whole[: seg.offset] == prompt) or contexts  # exact: it alone
+        request_text = seg.cacheable and (behind_head or (head and not prompt))
+        keys = tuple(addressing.key(whole, c, salt if request_text else "") for c in contexts) if seg.cacheable else ()
+        run_of = seg.cacheable and len(seg.ids) < len(whole)
+        context = contexts[0] + whole[: seg.offset] if run_of else contexts[0]
+        out.append(SegmentAddress(keys, whole, contexts, context, request_text, bool(prompt) and not behind_head))
+        if seg.cacheable and prompt:
+            read.add(whole)
+        prompt += seg.ids
+        in_head = in_head and not behind_head
+    return out

@@ -1,0 +1,56 @@
+"""Cache addressing is a pure function of a prompt's segments and what names an index's caches: no model,
+no store, no files."""
+
+from __future__ import annotations
+
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.store.addressing import CacheAddressing, address, cache_key
+
+PREFIX, SEP = (1, 2), (9,)
+A, B, C = (10, 11, 12), (20, 21), (30, 31, 32)
+Q = Segment((5, 6), False, "question")
+
+
+def addressing(neighbours=None) -> CacheAddressing:
+    return CacheAddressing("ns", PREFIX, PREFIX, SEP, neighbours or {})
+
+
+def chunk(ids) -> Segment:
+    return Segment(ids, True, "chunk")
+
+
+def test_the_prefix_is_read_behind_nothing_and_chunks_behind_it():
+    at = addressing()
+    prefix, a, sep, b, q = address(at, [Segment(PREFIX, True, "prefix"), chunk(A), Segment(SEP, False), chunk(B), Q])
+    assert prefix.keys == (cache_key("ns", (), PREFIX),) and prefix.context == () and not prefix.counted
+    assert a.keys == (cache_key("ns", PREFIX, A),) and a.context == PREFIX and a.counted and not a.request_text
+    assert b.keys == (at.key(B),) and b.contexts == (PREFIX,)
+    assert sep.keys == q.keys == ()  # computed at query time
+
+
+def test_a_chunk_reads_its_neighbour_cache_and_the_prefix_one_unless_the_prompt_reproduces_one():
+    at = addressing({addressing().neighbour_key(B): [A]})
+    one = at.neighbour_context([A])  # PREFIX + A + SEP
+    exact = address(at, [Segment(PREFIX, True), chunk(A), Segment(SEP, False), chunk(B), Q])[3]
+    assert exact.contexts == (one,) and exact.keys == (at.key(B, one),)  # the prompt is that context: it alone
+    blended = address(at, [Segment(PREFIX, True), chunk(C), Segment(SEP, False), chunk(B), Q])[3]
+    assert blended.contexts == (one, PREFIX) and blended.keys == (at.key(B, one), at.key(B, PREFIX))
+    first = address(at, [Segment(PREFIX, True), chunk(B), Q])[1]
+    assert first.contexts == (PREFIX,)  # depth 0: the behind-prefix cache is exact there
+
+
+def test_a_run_of_a_stored_sequence_reads_its_cache_behind_the_tokens_before_the_run():
+    run = Segment(C[1:], True, "run", whole=C, offset=1)
+    prefix, part, q = address(addressing(), [Segment(PREFIX, True), run, Q])
+    assert part.whole == C and part.keys == (cache_key("ns", PREFIX, C),) and part.context == PREFIX + C[:1]
+
+
+def test_another_head_makes_it_and_the_first_chunk_behind_it_request_text_under_the_salt():
+    at = addressing()
+    head, text, a, b, q = address(at, [Segment((7, 8), True, "head"), Segment((3,), False), chunk(A), chunk(B), Q],
+                                  salt="tenant")
+    assert head.request_text and head.keys == (at.key((7, 8), (), "tenant"),)
+    assert a.request_text and a.contexts == ((7, 8, 3),) and a.keys == (at.key(A, (7, 8, 3), "tenant"),)
+    assert not a.counted  # made by the first prompt with this head: not a missing cache
+    assert not b.request_text and b.keys == (at.key(B),) and b.counted
+    assert at.key(A, (7, 8, 3), "tenant") != at.key(A, (7, 8, 3), "other")
