@@ -8,8 +8,10 @@ set are given comma-separated, their records merged by question):
 
 Per set and method: planted-fact accuracy over the questions `full` answers right (Wilson 95% interval), mean
 teacher-forced KL to `full` (bootstrap 95% interval), and the tokens the method recomputed (`epic_match`'s
-repair adds the sentences echoing the question to EPIC's chunk heads: fewer echoes, fewer tokens). Paired
-over questions: `epic_match` minus `cacheblend` in TF KL, on each set, with a bootstrap interval; and on the
+repair adds the sentences echoing the question to EPIC's chunk heads: fewer echoes, fewer tokens; and
+`epic_evidence`'s, from runs with `full,epic_evidence`, adds the sentences the embedder finds closest to
+the question). Paired over questions, on each set, with a bootstrap interval: TF KL differences between
+the methods of `PAIRS` (where every question has both); and on the
 questions `full` answers right both ways, each method's planted-fact hits on one set against the other.
 """
 
@@ -24,7 +26,9 @@ import numpy as np
 
 BOOT = 2000
 METHODS = ("full", "cacheblend", "epic_match")
-OPTIONAL = ("epic",)  # reported where every question has it
+OPTIONAL = ("epic", "epic_evidence")  # reported where every question has it
+PAIRS = (("epic_match", "cacheblend"), ("epic_evidence", "cacheblend"), ("epic_evidence", "epic_match"),
+         ("epic_evidence", "epic"))
 
 
 def records(outs: str) -> dict[str, dict[str, dict]]:
@@ -62,9 +66,11 @@ def summarise(by_q: dict[str, dict[str, dict]], rng: np.random.Generator) -> dic
             "tf_kl": float(kl.mean()), "tf_kl_ci": boot_mean(kl, rng),
             "recomputed_tokens": float(np.mean([by_q[q][method]["recomputed_tokens"] for q in by_q])),
         }
-    diff = np.array([by_q[q]["epic_match"]["tf_kl"] - by_q[q]["cacheblend"]["tf_kl"] for q in by_q
-                     if by_q[q]["epic_match"]["tf_kl"] is not None and by_q[q]["cacheblend"]["tf_kl"] is not None])
-    out["epic_match_minus_cacheblend_tf_kl"] = {"mean": float(diff.mean()), "ci": boot_mean(diff, rng)}
+    for a, b in PAIRS:  # paired over questions, where both were run
+        diff = np.array([m[a]["tf_kl"] - m[b]["tf_kl"] for m in by_q.values()
+                         if a in m and b in m and m[a]["tf_kl"] is not None and m[b]["tf_kl"] is not None])
+        if len(diff) == len(by_q):
+            out[f"{a}_minus_{b}_tf_kl"] = {"mean": float(diff.mean()), "ci": boot_mean(diff, rng)}
     return out
 
 
