@@ -46,7 +46,7 @@ def bfloat16_rounded(fused: Fused, adapter: ModelAdapter, last_token: int) -> tu
 def fidelity(
     generators: Mapping[str | None, FusedGenerator], segments: Sequence[Segment],
     variants: Sequence[Variant], config: Config,
-) -> tuple[dict[Variant, dict[str, float | None]], dict[str, float | None]]:
+) -> tuple[dict[Variant, Mapping[str, float | None]], Mapping[str, float | None]]:
     """Teacher-forced scores of every variant, and of the bfloat16 noise floor, against `full`: full's
     greedy answer forced through each variant's fused cache (`fuse` is deterministic: the cache the
     timed answer used). All None when full answers with no token at all."""
@@ -63,7 +63,7 @@ def fidelity(
 
     ref = reference.result
     ref_logits = forced(ref.keys, ref.values, ref.logits)  # [T, V]
-    scores = {}
+    scores: dict[Variant, Mapping[str, float | None]] = {}
     for v in variants:
         fused = reference if v == Variant(REFERENCE) else generators[v.caches].fuse(segments, v.fusion(config.fusion))
         scores[v] = teacher_forced(ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids)

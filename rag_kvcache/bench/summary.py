@@ -89,7 +89,7 @@ def summarise(
             "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
             "speedup_vs_full": median_ratio([reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]),
             "ttft_over_share": _ttft_over_share(mine, reference),
-            "baseline": None if base is None else baseline.label,
+            "baseline": None if base is None or baseline is None else baseline.label,
             **_fidelity_columns(mine, base),
             **_planted(mine, reference),
             "f1_gold": _mean([r["f1_gold"] for r in mine]),
@@ -106,7 +106,7 @@ def summarise(
     if floors:
         summary.append({
             "method": REFERENCE, "params": dict(NOISE_FLOOR), "n": len(floors), "noise_floor": True,
-            "baseline": None if base is None else baseline.label, **_fidelity_columns(floors, base),
+            "baseline": None if base is None or baseline is None else baseline.label, **_fidelity_columns(floors, base),
         })
     return summary
 

@@ -59,7 +59,7 @@ def demo(
     methods, repeats = ("full", "cacheblend", "epic"), 3
     hits = idx.search(question, cfg.top_k)
     gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
-    runs = {m: [] for m in methods}
+    runs: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(repeats):  # alternate methods so machine drift hits all alike
         for m in methods:
             runs[m].append(gen.ask(question, hits, fusion=FusionConfig(method=m)))

@@ -91,8 +91,8 @@ def sentence_relevance(
     relevance = torch.full(lengths.shape, -torch.inf, device=ids.device)  # [S]
     if scored.numel():
         words = torch.split(ids.cpu(), lengths.tolist())  # S tensors of token ids, the sentences in order
-        asked = tokenizer.decode(ids[question].tolist(), skip_special_tokens=True)
-        texts = [tokenizer.decode(words[s].tolist(), skip_special_tokens=True) for s in scored.tolist()]
+        asked = str(tokenizer.decode(ids[question].tolist(), skip_special_tokens=True))
+        texts = [str(tokenizer.decode(words[s].tolist(), skip_special_tokens=True)) for s in scored.tolist()]
         vectors = embed([asked, *texts])  # [1 + S', E]
         cosine = torch.from_numpy(np.asarray(vectors[1:] @ vectors[0], dtype=np.float32))  # [S']
         relevance[scored] = cosine.to(ids.device)

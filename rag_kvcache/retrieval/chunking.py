@@ -100,7 +100,7 @@ def chunk_document(
     breaks = _breaks(text, offsets) if boundary_aware else []
     min_tokens = chunk_tokens - chunk_tokens // 4
 
-    chunks = []
+    chunks: list[Chunk] = []
     start = 0
     while start < len(ids):
         end = min(start + chunk_tokens, len(ids))

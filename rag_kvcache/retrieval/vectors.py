@@ -93,6 +93,7 @@ def check(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | N
 
 def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexType) -> faiss.Index:
     """A FAISS index (inner product over normalised vectors) of `embeddings` [n, dim] keyed by `ids` [n]."""
+    base: faiss.Index
     if index_type == "hnsw":
         base = faiss.IndexHNSWFlat(dim, _HNSW_NEIGHBOURS, faiss.METRIC_INNER_PRODUCT)
     else:

@@ -103,6 +103,7 @@ def address(addressing: CacheAddressing, segments: Sequence[Segment], salt: str 
     in_head = head  # still in a head and the computed text after it, before its first chunk
     read: set[tuple[int, ...]] = set()  # the stored sequences of the cached segments after position 0 so far
     prompt: tuple[int, ...] = ()  # the prompt's tokens before the segment
+    contexts: tuple[tuple[int, ...], ...]
     for seg in segments:
         behind_head = in_head and bool(prompt) and seg.cacheable
         if behind_head:
