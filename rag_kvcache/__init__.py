@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__ as __version__
 
 _EXPORTS = {  # name -> module it is imported from on first use
-    "Answer": ".generator", "ChunkKV": ".engine.cache", "Config": ".config", "FusedGenerator": ".generator",
+    "Answer": ".answers", "ChunkKV": ".engine.cache", "Config": ".config", "FusedGenerator": ".generator",
     "FusionConfig": ".config", "FusionInput": ".engine.fusion", "FusionResult": ".engine.fusion",
     "GenerationConfig": ".config", "KVIndex": ".index", "KVStore": ".store.kvstore", "METHODS": ".engine.methods",
     "ModelAdapter": ".engine.model", "UnsupportedModelError": ".engine.model", "register": ".engine.methods",
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .answers import Answer
     from .config import Config, FusionConfig, GenerationConfig
     from .engine.cache import ChunkKV
     from .engine.fusion import FusionInput, FusionResult
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from .engine.model import ModelAdapter, UnsupportedModelError
     from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
     from .errors import ConfigError, RagKVCacheError
-    from .generator import Answer, FusedGenerator
+    from .generator import FusedGenerator
     from .index import KVIndex
     from .relevance import RelevanceCheck, Verdict
     from .retrieval.chunk_index import Hit

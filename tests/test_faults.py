@@ -255,7 +255,7 @@ def test_a_stray_temp_file_that_is_not_ours_blocks_nothing(index, tmp_path):
 
 
 def test_a_prompt_beyond_the_model_context_is_refused(index):
-    from rag_kvcache.generator import PromptTooLongError
+    from rag_kvcache.answers import PromptTooLongError
 
     question = "telescope " * (index.adapter.context_length + 10)
     with pytest.raises(PromptTooLongError, match=f"beyond the {index.adapter.context_length} positions"):

@@ -20,10 +20,11 @@ from test_kvstore import make_kv
 from test_serve import start_server, stop_server
 from typer.testing import CliRunner
 
+from rag_kvcache.answers import Answer
 from rag_kvcache.cli import app
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.cache import ChunkKV
-from rag_kvcache.generator import Answer, FusedGenerator
+from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
 from rag_kvcache.serving.openai_api import create_app

@@ -27,11 +27,11 @@ import torch
 import uvicorn
 from conftest import tiny_llama
 
+from rag_kvcache.answers import Answer
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.generator import Answer
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
 from rag_kvcache.serving.metrics import ServerMetrics

@@ -126,8 +126,9 @@ def chat(
     ends the chat). Each message gets the chunks retrieved for it that the chat does not hold yet; they stay in
     the conversation, and each turn reads the turns before it from the conversation cache, so only the new
     message and its new chunks are computed. A chat that outgrows the model's context drops its oldest half."""
+    from ..answers import Answer
     from ..engine.prompt import ChatTurn, ChunkPart
-    from ..generator import Answer, FusedGenerator
+    from ..generator import FusedGenerator
     from ..index import KVIndex
     from ..store.conversations import ConversationCache
 

