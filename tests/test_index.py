@@ -13,9 +13,9 @@ import pytest
 from sentence_transformers import SentenceTransformer
 from transformers import PreTrainedTokenizerBase
 
-from rag_kvcache.retrieval.chunk_index import ChunkIndex, chunk_id
+from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
-from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError
+from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
 from rag_kvcache.retrieval.documents import read_documents
 from rag_kvcache.retrieval.embedder import load_embedder
 from rag_kvcache.retrieval.vectors import IndexType

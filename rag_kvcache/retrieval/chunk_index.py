@@ -38,9 +38,12 @@ from sentence_transformers import SentenceTransformer
 from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..errors import RagKVCacheError
 from . import database as db
+from . import integrity
 from . import vectors as faiss_file
 from .chunking import Chunk
+from .database import chunk_id
 from .documents import Skipped, SourceFile, read_documents
+from .integrity import Verified
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
 
@@ -104,25 +107,6 @@ class SyncReport:
 
 
 @dataclass(frozen=True)
-class BadRow:
-    """A chunk or document row of `index.sqlite` that is not what it was derived from (`ChunkIndex.verify`)."""
-
-    source: str
-    chunk: str | None  # None: the document's row
-    reason: str
-    embedding_only: bool  # the row is intact but its embedding: re-embedding its text repairs it
-
-
-@dataclass(frozen=True)
-class Verified:
-    """What `ChunkIndex.verify` found wrong (nothing: every list empty and `vectors` None)."""
-
-    integrity: list[str]  # SQLite's integrity_check messages
-    bad_rows: list[BadRow]
-    vectors: str | None  # what is wrong with vectors.faiss
-
-
-@dataclass(frozen=True)
 class TextDocument:
     """A document given as text rather than as a file (a vector store's), with its JSON-able metadata;
     its `source` is its id in the index."""
@@ -130,13 +114,6 @@ class TextDocument:
     source: str
     text: str = field(repr=False)
     metadata: Mapping[str, object] = field(default_factory=dict)
-
-
-def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
-    """A short stable id that changes whenever the chunk's source, position or tokens change."""
-    digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
-    digest.update(db.pack_tokens(token_ids))
-    return digest.hexdigest()[:16]
 
 
 class ChunkIndex:
@@ -448,29 +425,8 @@ class ChunkIndex:
         return (tuple(np.frombuffer(blob, dtype=db.TOKEN_DTYPE).tolist()) for (blob,) in rows)
 
     def verify(self) -> Verified:
-        """Check every file of the index but the KV caches: SQLite's own `integrity_check`, every chunk row
-        against what it was derived from (its id from its source, ordinal and token ids; its FAISS id
-        from its id; its embedding a finite unit vector of the index's dimension; its document row and
-        chunk count), and `vectors.faiss` against the recorded checksum and SQLite's chunk ids."""
-        integrity = [msg for (msg,) in self._conn.execute("PRAGMA integrity_check")]
-        bad_rows: list[BadRow] = []
-        counts: dict[str, int] = {}
-        rows = self._conn.execute(
-            "SELECT id, faiss_id, source, ordinal, token_ids, char_start, char_end, embedding FROM chunks"
-        )
-        for chunk, fid, source, ordinal, token_blob, char_start, char_end, blob in rows:
-            counts[source] = counts.get(source, 0) + 1
-            if reason := _row_problem(chunk, fid, source, ordinal, token_blob, char_start, char_end):
-                bad_rows.append(BadRow(source, chunk, reason, embedding_only=False))
-            elif reason := _embedding_problem(blob, self._dim):
-                bad_rows.append(BadRow(source, chunk, reason, embedding_only=True))
-        for source, n_chunks in self._conn.execute("SELECT source, n_chunks FROM documents"):
-            if counts.pop(source, 0) != n_chunks:
-                bad_rows.append(BadRow(source, None, f"document row records {n_chunks} chunks", embedding_only=False))
-        bad_rows += [BadRow(s, None, "chunks of a document the index does not list", False) for s in counts]
-        expected = np.fromiter((fid for (fid,) in self._conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
-        _, vectors_problem = faiss_file.check(self._dir, expected, self._dim, db.recorded_vectors_sha256(self._conn))
-        return Verified([] if integrity == ["ok"] else integrity, bad_rows, vectors_problem)
+        """Check every file of the index but the KV caches (`integrity.verify`)."""
+        return integrity.verify(self._conn, self._dir, self._dim)
 
     def reembed(self, chunk_ids: Sequence[str], batch_size: int = 64) -> int:
         """Recompute the stored embeddings of these chunks from their texts and rewrite `vectors.faiss`
@@ -527,7 +483,7 @@ class ChunkIndex:
         SQLite changes in one transaction; FAISS is updated on a copy, written, and swapped in after
         the commit (`db.commit`).
         """
-        new_faiss_ids = np.array([_faiss_id(record.id) for record in new_chunks], dtype=np.int64)
+        new_faiss_ids = np.array([db.faiss_id(record.id) for record in new_chunks], dtype=np.int64)
         what = f"committing {len(new_chunks)} new chunks and dropping {len(stale_sources)} documents"
         conn = self._writable_conn(what)
 
@@ -623,41 +579,8 @@ def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list
     return records
 
 
-def _row_problem(
-    chunk: str, fid: int, source: str, ordinal: int, token_blob: bytes, char_start: int, char_end: int
-) -> str | None:
-    """What is wrong with a chunk row's derived columns, or None."""
-    if not isinstance(token_blob, bytes) or len(token_blob) % db.TOKEN_DTYPE.itemsize or not token_blob:
-        return f"token ids are not a non-empty int32 array ({type(token_blob).__name__} of {len(token_blob or b'')} bytes)"
-    if chunk != chunk_id(source, ordinal, np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist()):
-        return "its id does not match its source, ordinal and token ids"
-    if fid != _faiss_id(chunk):
-        return f"its FAISS id {fid} is not the one its id gives ({_faiss_id(chunk)})"
-    if not 0 <= char_start <= char_end:
-        return f"character range {char_start}..{char_end}"
-    return None
-
-
-def _embedding_problem(blob: bytes, dim: int) -> str | None:
-    """What is wrong with a stored embedding (it must be a finite unit vector of `dim` floats), or None."""
-    if not isinstance(blob, bytes) or len(blob) != dim * EMBEDDING_DTYPE.itemsize:
-        return f"embedding of {len(blob or b'')} bytes, not {dim} float32"
-    vector = np.frombuffer(blob, dtype=EMBEDDING_DTYPE)
-    if not np.isfinite(vector).all() or abs(float(np.linalg.norm(vector)) - 1.0) > 1e-3:
-        return "embedding is not a finite unit vector"
-    return None
-
-
 def _record(row: Sequence) -> ChunkRecord:
     """A `ChunkRecord` from a row of `_RECORD_COLUMNS`."""
     chunk, source, ordinal, token_blob, char_start, char_end, text = row
     token_ids = tuple(np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist())
     return ChunkRecord(chunk, source, ordinal, token_ids, char_start, char_end, text)
-
-
-def _faiss_id(chunk: str) -> int:
-    """The FAISS id of a chunk: 63 bits of its content-derived id, so a non-negative int64.
-
-    Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
-    """
-    return int(chunk, 16) >> 1

@@ -7,6 +7,7 @@ when it is not).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import sqlite3
@@ -266,3 +267,18 @@ def transaction(conn: sqlite3.Connection, index_dir: Path, what: str) -> Iterato
         if exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
             raise io_error(exc, index_dir, what) from exc
         raise
+
+
+def chunk_id(source: str, ordinal: int, token_ids: Sequence[int]) -> str:
+    """A short stable id that changes whenever the chunk's source, position or tokens change."""
+    digest = hashlib.sha256(f"{source}\0{ordinal}\0".encode())
+    digest.update(pack_tokens(token_ids))
+    return digest.hexdigest()[:16]
+
+
+def faiss_id(chunk: str) -> int:
+    """The FAISS id of a chunk: 63 bits of its content-derived id, so a non-negative int64.
+
+    Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
+    """
+    return int(chunk, 16) >> 1
