@@ -176,12 +176,12 @@ class KVIndex:
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             used = self.live_keys()
-            report = self.chunks.sync(
-                Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress,
-                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress, workers=workers),
-                prune=prune,
+            staged = self.chunks.stage_sync(
+                Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress, prune=prune,
                 max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
             )
+            self.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
+            report = self.chunks.commit(staged)  # a committed chunk always has its cache
             self._pending_path.unlink(missing_ok=True)  # committed: the run's caches are the index's now
             if self.with_neighbours:
                 self.precompute_neighbours(self.unrecorded_chunks(), progress)
@@ -196,10 +196,9 @@ class KVIndex:
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             used = self.live_keys()
-            report = self.chunks.add_texts(
-                documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress,
-                before_commit=lambda new: self.precompute([c.token_ids for c in new], progress=progress),
-            )
+            staged = self.chunks.stage_texts(documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress)
+            self.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress)
+            report = self.chunks.commit(staged)
             self._pending_path.unlink(missing_ok=True)  # committed: the run's caches are the index's now
             if self.with_neighbours:
                 self.precompute_neighbours(self.unrecorded_chunks(), progress)

@@ -69,12 +69,24 @@ def docs(tmp_path: Path) -> Path:
 def _build(tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker) -> ChunkIndex:
     """A flat index of `docs` in `tmp_path / "index"`."""
     index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"})
-    index.sync(docs, chunker, batch_size=4, progress=False)
+    index.commit(index.stage_sync(docs, chunker, batch_size=4, progress=False))
     return index
 
 
 def _top_source(index: ChunkIndex, query: str) -> str:
     return index.search(query, 1)[0].chunk.source
+
+
+def test_a_staged_sync_writes_nothing_until_it_is_committed(
+    tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker
+) -> None:
+    index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"})
+    staged = index.stage_sync(docs, chunker, progress=False)
+    assert staged.report.new_chunks and len(staged.embeddings) == len(staged.report.new_chunks)
+    reopened = ChunkIndex.open(tmp_path / "index", embedder)  # what another process sees meanwhile
+    assert len(index) == len(reopened) == 0
+    assert index.commit(staged) is staged.report and len(index) == len(staged.report.new_chunks)
+    assert len(ChunkIndex.open(tmp_path / "index", embedder)) == len(staged.report.new_chunks)
 
 
 @pytest.mark.parametrize("index_type", ["flat", "hnsw"])
@@ -84,7 +96,7 @@ def test_build_search_and_resync(
     index = ChunkIndex.create(
         tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"}, index_type
     )
-    report = index.sync(docs, chunker, batch_size=4, progress=False)
+    report = index.commit(index.stage_sync(docs, chunker, batch_size=4, progress=False))
 
     assert report.added == [
         "chess.txt",
@@ -113,7 +125,7 @@ def test_build_search_and_resync(
         },
     )
     (docs / "volcanoes.txt").unlink()
-    report = index.sync(docs, chunker, progress=False, prune=True)
+    report = index.commit(index.stage_sync(docs, chunker, progress=False, prune=True))
 
     assert report.added == ["baking.txt"]
     assert report.changed == ["chess.txt"]
@@ -141,7 +153,7 @@ def test_unchanged_resync_writes_nothing(
     with _build(tmp_path, docs, embedder, chunker) as index:
         vectors = tmp_path / "index" / "vectors.faiss"
         mtime = vectors.stat().st_mtime_ns
-        report = index.sync(docs, chunker, progress=False)
+        report = index.commit(index.stage_sync(docs, chunker, progress=False))
         assert (report.added, report.changed, report.removed, report.new_chunks) == ([], [], [], [])
         assert len(report.unchanged) == len(DOCS)
         assert vectors.stat().st_mtime_ns == mtime
@@ -258,7 +270,7 @@ def test_skips_unindexable_files_with_warnings(
         with caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"):
             files, skipped = read_documents(docs)
             with _build(tmp_path, docs, embedder, chunker) as index:
-                report = index.sync(docs, chunker, progress=False)
+                report = index.commit(index.stage_sync(docs, chunker, progress=False))
                 assert {c.source for c in index.all_chunks()} == set(DOCS)
     finally:
         locked_folder.chmod(0o700)
@@ -320,7 +332,7 @@ def test_damaged_faiss_file_is_rebuilt_on_open(
     with _build(tmp_path, docs, embedder, chunker) as index:
         shutil.copy(vectors, tmp_path / "old.faiss")
         _write(docs, {"pasta.md": "Quantum computers use qubits that can be in superposition."})
-        index.sync(docs, chunker, progress=False)
+        index.commit(index.stage_sync(docs, chunker, progress=False))
         n_chunks = len(index)
     if damage == "deleted":
         vectors.unlink()
@@ -354,11 +366,11 @@ def test_second_folder_adds_and_prune_removes(
     other = tmp_path / "other"
     _write(other, {"baking.txt": "Sourdough bread rises thanks to wild yeast in a fermented starter."})
     with _build(tmp_path, docs, embedder, chunker) as index:
-        report = index.sync(other, chunker, progress=False)
+        report = index.commit(index.stage_sync(other, chunker, progress=False))
         assert (report.added, report.removed) == (["baking.txt"], [])
         assert {c.source for c in index.all_chunks()} == {*DOCS, "baking.txt"}
         assert _top_source(index, "Which volcano in Sicily erupts lava?") == "volcanoes.txt"
-        report = index.sync(other, chunker, progress=False, prune=True)
+        report = index.commit(index.stage_sync(other, chunker, progress=False, prune=True))
         assert report.removed == sorted(DOCS) and report.unchanged == ["baking.txt"]
         assert {c.source for c in index.all_chunks()} == {"baking.txt"} and len(index) == len(report.unchanged)
 
@@ -372,7 +384,7 @@ def test_match_finds_chunks_added_and_forgets_removed_ones(
         [(span, record)] = index.match(prompt)
         assert record == chunk and (span.offset, span.length) == (0, len(chunk.token_ids))
         (docs / "pasta.md").unlink()
-        index.sync(docs, chunker, progress=False, prune=True)
+        index.commit(index.stage_sync(docs, chunker, progress=False, prune=True))
         assert index.match(prompt) == []
         with sqlite3.connect(tmp_path / "index" / "index.sqlite") as conn:  # an index from before the table
             conn.execute("DROP TABLE ngrams")

@@ -3,7 +3,9 @@
 An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
 and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
 in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
-from it). A sync writes and fsyncs the new FAISS file under a temporary name, commits SQLite in one
+from it). Documents are staged (`stage_sync`, `stage_texts`: read, diffed, chunked, embedded; nothing
+written: the caller computes the new chunks' KV caches then), then committed (`commit`). A commit writes
+and fsyncs the new FAISS file under a temporary name, commits SQLite in one
 transaction (with that file's sha256), then renames the file into place; a failure before the
 commit (a full disk: `StorageFullError`, naming the file and what was being written) leaves both as
 they were. A FAISS file whose bytes do not match the checksum or that does not hold exactly the
@@ -15,9 +17,9 @@ SQLite runs in WAL mode, so readers see the last committed sync and never wait f
 opened before a sync keeps its FAISS snapshot and skips hits whose chunks that sync removed.
 Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
 
-The SQLite file, its transactions and the commit protocol of the FAISS file are `database`'s; this
-module is the index over them: chunking and embedding documents into it, search, prompt matching,
-verification and repair.
+The SQLite file, its transactions and the commit protocol of the FAISS file are `database`'s, the checks
+of its rows `integrity`'s; this module is the index over them: chunking and embedding documents into it,
+search, prompt matching, and repair.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Hit:
 
 @dataclass(frozen=True)
 class SyncReport:
-    """What a `ChunkIndex.sync` did, by document source."""
+    """What a staged sync or addition of documents does (`ChunkIndex.commit` returns it), by document source."""
 
     added: list[str]
     changed: list[str]
@@ -104,6 +106,18 @@ class SyncReport:
     unchanged: list[str]
     skipped: list[Skipped]
     new_chunks: list[ChunkRecord]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Documents read, chunked and embedded, not yet written (`ChunkIndex.commit`): what indexing computes
+    the new chunks' caches from before the index holds them."""
+
+    report: SyncReport
+    stale: list[str]  # the sources whose rows go: removed and changed
+    documents: list[tuple[str, str, int]]  # the document rows to add: (source, sha256, number of chunks)
+    embeddings: np.ndarray  # [C, E], one per `report.new_chunks`
+    texts: list[tuple[str, str, str]] = field(default_factory=list)  # documents given as text: (source, text, metadata JSON)
 
 
 @dataclass(frozen=True)
@@ -262,27 +276,24 @@ class ChunkIndex:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def sync(
+    def stage_sync(
         self,
         docs_dir: Path,
         chunker: Callable[[str, str], list[Chunk]],
         batch_size: int = 64,
         progress: bool = True,
-        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
         prune: bool = False,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_documents: int = DEFAULT_MAX_DOCUMENTS,
-    ) -> SyncReport:
-        """Add `docs_dir` to the index: index its new and changed files. Documents the index holds that
-        are not in `docs_dir` (another folder's, a store's, or deleted files) are kept, unless `prune`
-        drops them (reported as `removed`). Sources are paths relative to `docs_dir`, so a file at the
-        same relative path as an indexed document replaces it (`changed`).
+    ) -> Staged:
+        """`docs_dir`'s new and changed files read, chunked and embedded, for `commit`; nothing is written.
+        Documents the index holds that are not in `docs_dir` (another folder's, a store's, or deleted files)
+        are kept, unless `prune` drops them (reported as `removed`). Sources are paths relative to
+        `docs_dir`, so a file at the same relative path as an indexed document replaces it (`changed`).
 
         `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
-        `before_commit(new_chunks)` runs before anything is committed (the pipeline stores the new
-        chunks' KV caches there, so a committed chunk always has its cache); if it raises, the index
-        is left as it was. `max_file_bytes` and `max_documents` are `read_documents`' limits; the index
-        folder itself is never read as a document.
+        `max_file_bytes` and `max_documents` are `read_documents`' limits; the index folder itself is never
+        read as a document.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -299,34 +310,18 @@ class ChunkIndex:
         chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
         new_chunks = [record for records in chunks_by_source.values() for record in records]
         embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
-        if before_commit is not None:
-            before_commit(new_chunks)
-        if to_index or removed:
-            documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
-            self._apply(removed + changed, documents, new_chunks, embeddings)
+        documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
+        report = SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
+        return Staged(report, removed + changed, documents, embeddings)
 
-        logger.info(
-            "synced %s into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
-            docs_dir,
-            self._dir,
-            len(added),
-            len(changed),
-            len(removed),
-            len(unchanged),
-            len(skipped),
-            len(new_chunks),
-        )
-        return SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
-
-    def add_texts(
+    def stage_texts(
         self,
         documents: Sequence[TextDocument],
         chunker: Callable[[str, str], list[Chunk]],
         batch_size: int = 64,
         progress: bool = True,
-        before_commit: Callable[[list[ChunkRecord]], None] | None = None,
-    ) -> SyncReport:
-        """Add documents given as text, as `sync` adds files (`chunker`, `before_commit` alike): a document
+    ) -> Staged:
+        """Documents given as text chunked and embedded, for `commit`, as `stage_sync` stages files: a document
         whose source the index holds replaces it (`changed`); nothing else is removed. Their texts and
         metadata are kept (`texts`)."""
         sources = [d.source for d in documents]
@@ -340,12 +335,21 @@ class ChunkIndex:
         new_chunks = [record for records in chunks_by_source.values() for record in records]
         embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
         stored = [(d.source, d.text, json.dumps(dict(d.metadata))) for d in documents]  # TypeError if not JSON-able
-        if before_commit is not None:
-            before_commit(new_chunks)
         changed = [s for s in sources if s in indexed]
-        documents_rows = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
-        self._apply(changed, documents_rows, new_chunks, embeddings, stored)
-        return SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
+        rows = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
+        report = SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
+        return Staged(report, changed, rows, embeddings, stored)
+
+    def commit(self, staged: Staged) -> SyncReport:
+        """Write what `stage_sync` or `stage_texts` staged, in one SQLite transaction and a swap of
+        `vectors.faiss` (`_apply`); returns its report."""
+        if staged.documents or staged.stale:
+            self._apply(staged.stale, staged.documents, staged.report.new_chunks, staged.embeddings, staged.texts)
+        r = staged.report
+        logger.info("committed into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
+                    self._dir, len(r.added), len(r.changed), len(r.removed), len(r.unchanged), len(r.skipped),
+                    len(r.new_chunks))
+        return r
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
