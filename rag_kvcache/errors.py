@@ -9,3 +9,7 @@ class RagKVCacheError(Exception):
 
 class ConfigError(RagKVCacheError, ValueError):
     """A setting out of range or of the wrong kind."""
+
+
+class StorageFullError(RagKVCacheError, OSError):
+    """The disk holding the store or the index is full (or over quota)."""

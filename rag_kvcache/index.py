@@ -63,6 +63,7 @@ from .config import Config
 from .engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat, Segment
+from .errors import StorageFullError
 from .indexing.precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, SyncReport, TextDocument
@@ -72,7 +73,7 @@ from .retrieval.embedder import load_embedder
 from .store.addressing import CacheAddressing, address
 from .store.backend import CorruptEntryError
 from .store.kvstore import KVStore
-from .store.tiers import MemoryTier, StorageFullError
+from .store.tiers import MemoryTier
 
 if TYPE_CHECKING:
     from .indexing.cluster import RayWorkers

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from rag_kvcache.config import Config, GenerationConfig, StorageConfig
+from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.store.tiers import StorageFullError
 
 TESTS = Path(__file__).resolve().parent
 CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6),

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
+from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.retrieval import database
 from rag_kvcache.retrieval.database import ForeignIndexError
-from rag_kvcache.store.tiers import StorageFullError
 
 NEW_DOC = "The regatta winners receive a silver oar that hangs in the town hall. " * 3
 
@@ -145,7 +145,7 @@ from transformers import AutoTokenizer
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.store.tiers import StorageFullError
+from rag_kvcache.errors import StorageFullError
 from test_faults import CFG, QUESTION, write_docs
 adapter = ModelAdapter(tiny_llama(), AutoTokenizer.from_pretrained(MINILM_DIR), name="tiny-llama")
 step, root, docs = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from ..errors import RagKVCacheError
-from ..store.tiers import StorageFullError
+from ..errors import RagKVCacheError, StorageFullError
 from . import vectors as faiss_file
 from .matching import chunk_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType

@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..store.tiers import StorageFullError
+from ..errors import StorageFullError
 
 try:
     import faiss

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..config import Eviction
 from ..engine.cache import ChunkKV
-from ..errors import RagKVCacheError
+from ..errors import StorageFullError
 from .backend import Backend, Counted
 from .codecs import Codec
 
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(rf"^{re.escape(_TMP_PREFIX)}([0-9]+)-[0-9]+-[0-9a-f]+\.safetensors$")  # pid, thread, key
-
-
-class StorageFullError(RagKVCacheError, OSError):
-    """The disk holding the store is full (or over quota)."""
 
 
 
