@@ -307,10 +307,7 @@ class ChunkIndex:
         unchanged = [f.source for f in files if indexed.get(f.source) == f.sha256]
         removed = sorted(indexed.keys() - {f.source for f in files}) if prune else []
 
-        chunks_by_source = {f.source: _chunk(f, chunker) for f in to_index}
-        new_chunks = [record for records in chunks_by_source.values() for record in records]
-        embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
-        documents = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in to_index]
+        new_chunks, embeddings, documents = self._chunked(to_index, chunker, batch_size, progress)
         report = SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
         return Staged(report, removed + changed, documents, embeddings)
 
@@ -331,14 +328,21 @@ class ChunkIndex:
             raise ValueError(f"documents without text cannot be indexed: {empty!r}")
         files = [SourceFile(d.source, d.text, hashlib.sha256(d.text.encode()).hexdigest()) for d in documents]
         indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
+        new_chunks, embeddings, rows = self._chunked(files, chunker, batch_size, progress)
+        stored = [(d.source, d.text, json.dumps(dict(d.metadata))) for d in documents]  # TypeError if not JSON-able
+        changed = [s for s in sources if s in indexed]
+        report = SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
+        return Staged(report, changed, rows, embeddings, stored)
+
+    def _chunked(
+        self, files: Sequence[SourceFile], chunker: Callable[[str, str], list[Chunk]], batch_size: int, progress: bool
+    ) -> tuple[list[ChunkRecord], np.ndarray, list[tuple[str, str, int]]]:
+        """`files` chunked and embedded: their chunks in order, the chunks' embeddings [C, E], and a document
+        row (source, sha256, number of chunks) for each file."""
         chunks_by_source = {f.source: _chunk(f, chunker) for f in files}
         new_chunks = [record for records in chunks_by_source.values() for record in records]
         embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
-        stored = [(d.source, d.text, json.dumps(dict(d.metadata))) for d in documents]  # TypeError if not JSON-able
-        changed = [s for s in sources if s in indexed]
-        rows = [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
-        report = SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
-        return Staged(report, changed, rows, embeddings, stored)
+        return new_chunks, embeddings, [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
 
     def commit(self, staged: Staged) -> SyncReport:
         """Write what `stage_sync` or `stage_texts` staged, in one SQLite transaction and a swap of
