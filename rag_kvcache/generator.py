@@ -20,6 +20,7 @@ from dataclasses import replace
 from .answers import Answer, Fused, Generation, PromptTooLongError, RetrievedChunk
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
+from .engine.decoding import DecodePool
 from .engine.fusion import DirectReader, FusionInput, FusionModel
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
@@ -297,12 +298,13 @@ class FusedGenerator:
 
     def start(
         self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None, salt: str = "",
+        generation: GenerationConfig | None = None, salt: str = "", pool: DecodePool | None = None,
     ) -> Generation:
         """Fuse the prompt's caches and sample the first token: a `Generation` whose decoder takes that
-        token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`);
-        `finish` gives its `Answer` once the decoder is done. `salt`: the tenant whose caches of request
-        text (a prompt head) this prompt may read and write (`KVIndex.open_caches`)."""
+        token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`:
+        those started into one `pool` attend in one call); `finish` gives its `Answer` once the decoder
+        is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt head)
+        this prompt may read and write (`KVIndex.open_caches`)."""
         fusion = fusion or self.index.config.fusion
         generation = generation or self.index.config.generation
         n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
@@ -317,7 +319,7 @@ class FusedGenerator:
         decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
-        decoder.start(result.keys, result.values)  # the decoder holds its own copy: the fused K/V are let go
+        decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         ids = () if self.conversations is None else tuple(t for s in segments for t in s.ids)  # for `_remember`
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
@@ -331,6 +333,7 @@ class FusedGenerator:
         self.index.flush_stats()  # a failure is logged: the answer is never lost for its counters
         if self.conversations is not None:
             self._remember(live)
+        live.decoder.close()
         n_generated, result = len(live.decoder.ids), live.fused.result
         return Answer(
             answer="", method=live.method, ttft_s=live.ttft_s, retrieval_s=0.0, prompt_tokens=live.fused.prompt_tokens,

@@ -1,7 +1,8 @@
 """Batched decoding (continuous batching): rows decoded together give what each gives alone.
 
-`ModelAdapter.decode_rows` advances B sequences by one token with one forward step, each over its
-own cache (`DecodeCache`); `decode_together` does it for `Decoder`s, each sampling by its own rule.
+`ModelAdapter.decode_rows` advances B sequences by one token with one forward step, their caches
+slots of a `DecodePool` attended in one call a layer, each row over its own positions;
+`decode_together` does it for `Decoder`s, each sampling by its own rule.
 Rows have prompts of different lengths, join and leave between steps; a greedy row's tokens and
 logits equal decoding it alone, a seeded sampled row's tokens equal its own alone, and a row
 constrained to a JSON Schema stays inside it beside unconstrained ones.
@@ -16,8 +17,9 @@ import torch
 from test_structured import SCHEMA, Reading
 
 from rag_kvcache.config import GenerationConfig
+from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.generation import Decoder, Step, decode_together
-from rag_kvcache.engine.model import DecodeCache, ModelAdapter
+from rag_kvcache.engine.model import ModelAdapter
 
 LENGTHS = (7, 23, 40, 61)  # prompt tokens of the rows
 
@@ -35,7 +37,7 @@ def prompts(adapter: ModelAdapter, lengths=LENGTHS, seed: int = 0, low: int = 10
 def test_decode_rows_alone_equals_the_transformers_forward(tiny):
     """A row decoded by `decode_rows` gets the logits of the model's own forward over an injected cache."""
     ((keys, values, _),) = prompts(tiny, (33,))
-    reference, row = tiny.make_cache(keys, values, room=5), DecodeCache(keys, values, room=5)
+    reference, row = tiny.make_cache(keys, values, room=5), DecodePool().admit(keys, values, room=5)
     for step, token in enumerate([1100, 1200, 1300, 1400, 1500]):
         want = tiny.decode([token], reference, 33 + step)[-1]  # [V]
         torch.testing.assert_close(tiny.decode_rows([token], [row])[0], want, atol=1e-5, rtol=0)
@@ -49,12 +51,13 @@ def test_rows_of_different_lengths_joining_and_leaving_decode_as_alone(tiny):
     steps = 6
     alone = []
     for keys, values, logits in rows:
-        cache, token, seen = DecodeCache(keys, values, room=steps), int(logits.argmax()), []
+        cache, token, seen = DecodePool().admit(keys, values, room=steps), int(logits.argmax()), []
         for _ in range(steps):
             seen.append(tiny.decode_rows([token], [cache])[0])  # [V]
             token = int(seen[-1].argmax())
         alone.append(seen)
-    caches = [DecodeCache(k, v, room=steps) for k, v, _ in rows]
+    pool = DecodePool()
+    caches = [pool.admit(k, v, room=steps) for k, v, _ in rows]
     tokens = [int(logits.argmax()) for _, _, logits in rows]
     got: list[list[torch.Tensor]] = [[] for _ in rows]
     joins, leaves = {2: 2}, {0: 3}  # row -> the step it joins at / the number of steps it takes
@@ -73,34 +76,93 @@ def test_rows_of_different_lengths_joining_and_leaving_decode_as_alone(tiny):
             assert int(x.argmax()) == int(y.argmax())
 
 
+def alone_logits(adapter: ModelAdapter, row, steps: int) -> list[torch.Tensor]:
+    """A greedy row's next-token logits [V] at each of `steps` steps, decoded in a pool of its own."""
+    keys, values, logits = row
+    cache, token, seen = DecodePool().admit(keys, values, room=steps), int(logits.argmax()), []
+    for _ in range(steps):
+        seen.append(adapter.decode_rows([token], [cache])[0])  # [V]
+        token = int(seen[-1].argmax())
+    return seen
+
+
+def test_a_freed_slot_taken_by_a_longer_row_while_others_decode(tiny):
+    """Rows 0 and 1 decode; row 0 finishes and gives its slot back; row 2, longer than the pool's
+    positions, takes it (the buffers grow, row 1's K/V so far copied over) and row 3 a new slot; rows
+    3, 1, 2 decode on together: every row's logits equal its own alone, and the pool lets its buffers
+    go once the last slot is given back."""
+    rows = prompts(tiny, (9, 20, 70, 5))
+    steps = 4
+    alone = [alone_logits(tiny, row, 2 * steps if r == 1 else steps) for r, row in enumerate(rows)]
+    pool = DecodePool()
+    caches: dict[int, object] = {}
+    tokens = {r: int(rows[r][2].argmax()) for r in range(len(rows))}
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in range(len(rows))}
+
+    def step(active: list[int]) -> None:
+        for r, logits in zip(active, tiny.decode_rows([tokens[r] for r in active], [caches[r] for r in active])):
+            got[r].append(logits)
+            tokens[r] = int(logits.argmax())
+
+    caches[0] = pool.admit(*rows[0][:2], room=steps)
+    caches[1] = pool.admit(*rows[1][:2], room=2 * steps)
+    for _ in range(steps):
+        step([0, 1])
+    caches[0].close()
+    caches[2] = pool.admit(*rows[2][:2], room=steps)
+    caches[3] = pool.admit(*rows[3][:2], room=steps)
+    assert [caches[2].slot, caches[3].slot, pool.size] == [0, 2, 3]
+    assert pool.keys[0].shape[2] == 70 + steps  # grown to the longest row's positions
+    for _ in range(steps):
+        step([3, 1, 2])
+    assert [len(got[r]) for r in got] == [steps, 2 * steps, steps, steps]
+    for r in got:
+        for i, (x, y) in enumerate(zip(got[r], alone[r])):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=f"row {r}, step {i}")
+    for r in (1, 2, 3):
+        caches[r].close()
+        caches[r].close()  # idempotent
+    assert pool.size == 0 and pool.keys == [] and pool.rows == []
+
+
 def run_alone(adapter: ModelAdapter, cfg: GenerationConfig, row) -> list[Step]:
     keys, values, logits = row
     decoder = Decoder(adapter, cfg)
     return list(decoder.steps(keys, values, logits, decoder.sample(logits)))
 
 
-def run_together(adapter: ModelAdapter, cfgs: list[GenerationConfig], rows, join_at: list[int]) -> list[list[Step]]:
+def run_together(
+    adapter: ModelAdapter, cfgs: list[GenerationConfig], rows, join_at: list[int], shared: bool = True,
+) -> list[list[Step]]:
     """Continuous batching as the server does it: decoder i starts (prefill done, first token taken)
-    before step `join_at[i]`; every step advances all started, unfinished decoders together."""
+    before step `join_at[i]`, into one shared pool (or each into its own); every step advances all
+    started, unfinished decoders together; a decoder gives its slot back when it is done."""
     decoders = [Decoder(adapter, cfg) for cfg in cfgs]
+    pool = DecodePool() if shared else None
     out: list[list[Step]] = [[] for _ in cfgs]
     step = 0
     while any(not d.done for d in decoders):
         for i, (d, (keys, values, logits)) in enumerate(zip(decoders, rows)):
             if join_at[i] == step:
-                d.start(keys, values)
+                d.start(keys, values, pool)
                 out[i] += d.take(d.sample(logits))
         active = [i for i, d in enumerate(decoders) if d.cache is not None and not d.done]
         if active:
             for i, released in zip(active, decode_together([decoders[i] for i in active])):
                 out[i] += released
+        for d in decoders:
+            if d.done:
+                d.close()
         step += 1
+    assert pool is None or pool.size == 0
     return out
 
 
-def test_decoders_batched_give_each_ones_own_answer(tiny):
+@pytest.mark.parametrize("shared", [True, False], ids=["one-pool", "a-pool-each"])
+def test_decoders_batched_give_each_ones_own_answer(tiny, shared):
     """Greedy rows (one cut by a stop string, one by a small max_new_tokens) and seeded sampled rows,
-    joining at different steps: every row's steps (tokens and text) are those it gives alone."""
+    joining at different steps, their caches in one pool or each in its own (one attention call per
+    pool): every row's steps (tokens and text) are those it gives alone."""
     rows = prompts(tiny, (7, 23, 40, 61, 15))
     greedy = run_alone(tiny, GenerationConfig(max_new_tokens=12), rows[1])
     stop = "".join(s.text for s in greedy).split()[2]  # a word its answer reaches, so it stops early there
@@ -112,7 +174,7 @@ def test_decoders_batched_give_each_ones_own_answer(tiny):
         GenerationConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=12),
     ]
     want = [run_alone(tiny, cfg, row) for cfg, row in zip(cfgs, rows)]
-    got = run_together(tiny, cfgs, rows, join_at=[0, 0, 1, 3, 4])
+    got = run_together(tiny, cfgs, rows, join_at=[0, 0, 1, 3, 4], shared=shared)
     assert got == want
     assert sum(s.token_id is not None for s in got[1]) < 12 and stop not in "".join(s.text for s in got[1])
     assert sum(s.token_id is not None for s in got[2]) == 3
@@ -137,16 +199,22 @@ def test_a_json_schema_row_stays_constrained_beside_free_rows(bpe_tiny, temperat
 # ---- failures are loud ---------------------------------------------------------------------------------
 def test_misuse_is_refused_with_the_bad_value(tiny):
     ((keys, values, logits),) = prompts(tiny, (10,))
-    cache = DecodeCache(keys, values, room=1)
+    cache = DecodePool().admit(keys, values, room=1)
     tiny.decode_rows([1100], [cache])
     with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(11 positions\)"):
         tiny.decode_rows([1200], [cache])
     with pytest.raises(ValueError, match="one token per cache, got 2 tokens for 1 caches"):
-        tiny.decode_rows([1, 2], [DecodeCache(keys, values, room=1)])
+        tiny.decode_rows([1, 2], [DecodePool().admit(keys, values, room=1)])
     with pytest.raises(ValueError, match=r"one sequence; got keys of shape \(2, "):
-        DecodeCache([torch.cat([k, k]) for k in keys], [torch.cat([v, v]) for v in values], room=1)
+        DecodePool().admit([torch.cat([k, k]) for k in keys], [torch.cat([v, v]) for v in values], room=1)
     with pytest.raises(ValueError, match="room=0"):
-        DecodeCache(keys, values, room=0)
+        DecodePool().admit(keys, values, room=0)
+    twice = DecodePool().admit(keys, values, room=2)
+    with pytest.raises(ValueError, match="one cache twice"):
+        tiny.decode_rows([1, 2], [twice, twice])
+    twice.close()
+    with pytest.raises(ValueError, match=r"decode caches \[0\] are closed"):
+        tiny.decode_rows([1], [twice])
 
     done = Decoder(tiny, GenerationConfig(max_new_tokens=1))
     done.start(keys, values)

@@ -605,6 +605,7 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
         _wait(lambda: batched.metric("rag_kvcache_requests_cancelled_total") == 1, "the stream to be cancelled")
         _wait(lambda: batched.health()["active"] == 0 and batched.metric("rag_kvcache_decoding_requests") == 0,
               "the batch to drain")
+        assert batched.metric("rag_kvcache_decode_cache_bytes") == 0  # every slot given back, the left one's too
         steps = batched.metric("rag_kvcache_decode_batch_size_count")
         alone = batched.metric("rag_kvcache_decode_batch_size_bucket", le="1.0")
         up_to_two = batched.metric("rag_kvcache_decode_batch_size_bucket", le="2.0")
@@ -631,7 +632,9 @@ def three_in_one_scheduler(running: Running, jobs: list[tuple[list[Segment], Gen
             return [step async for step in scheduler.stream(segments, fusion, generation)]
 
         try:
-            return await asyncio.gather(*(collect(*job) for job in jobs), return_exceptions=True)
+            results = await asyncio.gather(*(collect(*job) for job in jobs), return_exceptions=True)
+            assert scheduler.pool.size == 0  # a failed request's slot was given back too
+            return results
         finally:
             await scheduler.close()
 

@@ -1,9 +1,10 @@
 """Would batching concurrent requests raise the server's throughput on this machine?
 
-Times SmolLM2-135M forward passes batched and one by one: one decoding step for B sequences each
-with a `--past`-token KV cache (random K/V: the cost does not depend on the values), as the server
-decodes (`ModelAdapter.decode_rows`: projections and MLP batched, each row attending over its own
-`DecodeCache`), and a plain prefill of `--prefill` tokens for B prompts. Batching pays where one
+Times forward passes of `--model` (SmolLM2-135M by default) batched and one by one: one decoding
+step for B sequences each with a `--past`-token KV cache (random K/V: the cost does not depend on the
+values), as the server decodes (`ModelAdapter.decode_rows`: projections and MLP batched, the rows'
+caches slots of one `DecodePool`, attended in one call a layer), and a plain prefill of `--prefill`
+tokens for B prompts. Batching pays where one
 batched step costs less than B single steps; the ratio printed is (B single steps) / (one batched
 step), so 1.0 means no gain. The column `transformers` is one step of the model's own forward over
 a B-row padded cache of the same length, for comparison (it is not what the server runs).
@@ -19,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from rag_kvcache.config import Config
-from rag_kvcache.engine.model import DecodeCache, ModelAdapter
+from rag_kvcache.engine.decoding import DecodePool
+from rag_kvcache.engine.model import ModelAdapter
 
 
 def timed(fn, repeats: int) -> float:
@@ -39,12 +41,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default=Config().model, help="a model name or directory (default: %(default)s)")
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    adapter = ModelAdapter.load(Config())
+    adapter = ModelAdapter.load(Config(model=args.model, dtype=args.dtype))
     model, layout = adapter.model, adapter.layout
     vocab = model.config.vocab_size
-    print(f"SmolLM2-135M, {args.threads} threads; decode step over a {args.past}-token cache, prefill of "
+    print(f"{args.model}, {args.threads} threads; decode step over a {args.past}-token cache, prefill of "
           f"{args.prefill} tokens")
     print("| B | decode step, batched (ms) | B single steps (ms) | gain | transformers, batched (ms) | "
           "prefill, batched (ms) | B single (ms) | gain |")
@@ -53,7 +57,8 @@ def main() -> None:
     row = [torch.randn(layout.n_kv_heads, args.past, layout.head_dim) for _ in range(layout.n_layers)]
     for b in (int(x) for x in args.batches.split(",")):
         room = 2 * (args.repeats + 1)  # every timed call appends one token to each cache it steps
-        caches = [DecodeCache(row, row, room) for _ in range(b)]
+        pool = DecodePool()
+        caches = [pool.admit(row, row, room) for _ in range(b)]
         tokens = torch.randint(0, vocab, (b,)).tolist()
         d = timed(lambda tokens=tokens, caches=caches: adapter.decode_rows(tokens, caches), args.repeats)
         if single_decode is None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import GenerationConfig
-from .model import DecodeCache, ModelAdapter
+from .decoding import DecodeCache, DecodePool
+from .model import ModelAdapter
 
 if TYPE_CHECKING:
     import llguidance
@@ -160,11 +161,18 @@ class Decoder:
         allowed = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])  # [V]
         return sample_token(logits, self.cfg, self.rng, allowed)
 
-    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Take the prompt's cache (per layer [H_kv, N, D]), with room for the tokens to come."""
+    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor], pool: DecodePool | None = None) -> None:
+        """Take the prompt's cache (per layer [H_kv, N, D]) into a slot of `pool` (the decoders it is
+        stepped with share one, so their rows attend in one call; by default a pool of its own), with
+        room for the tokens to come. `close` gives the slot back."""
         if self.cache is not None:
             raise RuntimeError("this decoder has already started: one Decoder decodes one answer")
-        self.cache = DecodeCache(keys, values, room=self.cfg.max_new_tokens)
+        self.cache = (pool or DecodePool()).admit(keys, values, room=self.cfg.max_new_tokens)
+
+    def close(self) -> None:
+        """Give the cache's slot back to its pool (a shared pool's next decoder takes it); idempotent."""
+        if self.cache is not None:
+            self.cache.close()
 
     def take(self, token: int) -> list[Step]:
         """Add the sampled `token` to the answer; returns the steps it releases, the flush of held-back
@@ -227,9 +235,9 @@ def decode_together(decoders: Sequence[Decoder]) -> list[list[Step] | Exception]
     rows are untouched by it (one request's failure stays its own)."""
     if not decoders:
         raise ValueError("decode_together needs at least one decoder")
-    idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not d.ids]
+    idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not d.ids or not d.cache.open]
     if idle:
-        raise ValueError(f"decoders {idle} cannot step: not started, complete, or without a first token")
+        raise ValueError(f"decoders {idle} cannot step: not started, complete, closed, or without a first token")
     adapter = decoders[0].adapter
     logits = adapter.decode_rows([d.ids[-1] for d in decoders], [d.cache for d in decoders])  # [B, V]
     return [_advance(d, row) for d, row in zip(decoders, logits)]

@@ -5,8 +5,8 @@ cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `attention_input`, `qkv` or `kv` and `q`, `finish`,
 `logits`; projections that share an input fused into one, `LayerWeights`), a reference
 prefill, the indexing prefill of many chunks packed into one forward (`prefill_packed`), an
-injected-cache decode step, and a batched decode step over sequences that each keep their own
-cache (`DecodeCache`, `decode_rows`).
+injected-cache decode step, and a batched decode step over sequences whose caches are slots of a
+`DecodePool` (`decode_rows`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from transformers import (
 
 from ..config import Config
 from ..errors import RagKVCacheError
-from .ops import apply_rope, attend, attend_lse, causal_mask_for, rope_cos_sin
+from .decoding import DecodeCache, attend_rows
+from .ops import apply_rope, attend, causal_mask_for, rope_cos_sin
 from .sentences import Lexicon
 from .sources import resolve_model_source
 
@@ -140,43 +141,6 @@ def check_supported(model: PreTrainedModel) -> None:
         t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or ())
     ):
         raise UnsupportedModelError("sliding-window attention layers are not supported")
-
-
-class DecodeCache:
-    """One sequence's K/V while it is decoded: per layer a buffer [H_kv, N + room, D] allocated once,
-    the prompt's N positions copied in, and each decoded token's K/V written in place after them
-    (`ModelAdapter.decode_rows`). `length` positions are filled; the next token goes at `length`."""
-
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], room: int) -> None:
-        """From the prompt's per-layer K/V [H_kv, N, D] (or [1, H_kv, N, D]), with `room` positions to decode into."""
-        if room < 1:
-            raise ValueError(f"a decode cache needs room for at least 1 token, got room={room!r}")
-        if any(k.dim() == 4 and k.shape[0] != 1 for k in keys):
-            raise ValueError(f"a decode cache holds one sequence; got keys of shape {tuple(keys[0].shape)}")
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        for k, v in zip(keys, values, strict=True):
-            k, v = k.reshape(k.shape[-3:]), v.reshape(v.shape[-3:])  # [H_kv, N, D]
-            n = k.shape[1]
-            self.keys.append(k.new_empty(k.shape[0], n + room, k.shape[2]))  # [H_kv, N + room, D]
-            self.values.append(v.new_empty(v.shape[0], n + room, v.shape[2]))  # [H_kv, N + room, D]
-            self.keys[-1][:, :n] = k
-            self.values[-1][:, :n] = v
-        self.length = n
-        self.capacity = n + room
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write one token's k, v [H_kv, 1, D] at position `length` of `layer` and attend its q [H_q, 1, D]
-        over every key so far; returns [1, H_q * D]. The G query heads of a KV head are folded into the
-        query axis, so keys are never repeated."""
-        n = self.length
-        keys, values = self.keys[layer], self.values[layer]  # [H_kv, N + room, D]
-        keys[:, n : n + 1] = k
-        values[:, n : n + 1] = v
-        h_kv, d = k.shape[0], k.shape[2]
-        grouped = q.reshape(h_kv, -1, d)  # [H_kv, G, D]
-        out, _ = attend_lse(grouped, keys[:, : n + 1], values[:, : n + 1], None, scale)  # [H_kv, G, D]
-        return out.reshape(1, -1)  # [1, H_q * D]
 
 
 class ModelAdapter:
@@ -390,23 +354,38 @@ class ModelAdapter:
     def decode_rows(self, tokens: Sequence[int], caches: Sequence[DecodeCache]) -> torch.Tensor:
         """One decoding step for B sequences at once: `tokens[b]` is fed at position `caches[b].length`
         over cache b, which it extends. Embedding, projections, MLPs and LM head run once for the
-        batch (the weights are read once for all rows); each row attends over its own cache alone, at
-        its own position, so a row's logits do not depend on the other rows (no padding, no mask).
-        Returns the next-token logits [B, V]."""
+        batch (the weights are read once for all rows); the rows of one `DecodePool` attend in one call
+        a layer, each over its own positions alone (`attend_rows`), so a row's logits do not depend on
+        the other rows. Returns the next-token logits [B, V]."""
         if not tokens or len(tokens) != len(caches):
             raise ValueError(f"decode_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
+        closed = [b for b, c in enumerate(caches) if not c.open]
+        if closed:
+            raise ValueError(f"decode caches {closed} are closed: their slots were given back")
         full = [b for b, c in enumerate(caches) if c.length >= c.capacity]
         if full:
             raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room to decode into")
+        if len({id(c) for c in caches}) < len(caches):
+            raise ValueError("decode_rows got one cache twice: a sequence advances one token a step")
+        pools: dict[int, list[int]] = {}  # rows by pool: one attention call a layer for each
+        for b, c in enumerate(caches):
+            pools.setdefault(id(c.pool), []).append(b)
+        groups = [(caches[rows[0]].pool, torch.tensor(rows, device=self.device), caches[rows[0]].pool.step(
+            [caches[b] for b in rows])) for rows in pools.values()]
+        order = torch.cat([rows for _, rows, _ in groups]).argsort()  # [B]: the rows back in the callers' order
         positions = torch.tensor([c.length for c in caches], device=self.device)  # [B]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [B, D]
         h = self.embed(torch.tensor(list(tokens), device=self.device))  # [B, E]
         for layer in range(self.layout.n_layers):
             q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
-            out = torch.cat([
-                c.attend(layer, q[:, b : b + 1], k[:, b : b + 1], v[:, b : b + 1], self.scale)
-                for b, c in enumerate(caches)
-            ])  # [B, H_q * D]
+            if len(groups) == 1:
+                pool, _, step = groups[0]
+                out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B, H_q * D]
+            else:
+                out = torch.cat([
+                    attend_rows(pool.keys[layer], pool.values[layer], step, q[:, rows], k[:, rows], v[:, rows], self.scale)
+                    for pool, rows, step in groups
+                ])[order]  # [B, H_q * D]
             h = self.finish(layer, h, out)  # [B, E]
         for c in caches:
             c.length += 1

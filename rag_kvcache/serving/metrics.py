@@ -103,6 +103,8 @@ class ServerMetrics:
                                       "Requests advanced by each batched decoding step.", buckets=BATCH_BUCKETS,
                                       registry=r)
         self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
+        self.decode_bytes = Gauge("rag_kvcache_decode_cache_bytes", "Bytes of the decoding requests' K/V buffers "
+                                  "(every slot as long as the longest request's); 0 when none decodes.", registry=r)
         r.register(_StoreCollector(store_stats))
         if conversation_stats is not None:
             r.register(_ConversationCollector(conversation_stats))

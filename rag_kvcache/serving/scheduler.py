@@ -5,7 +5,8 @@ prefills run one at a time; decoding is where requests share work. One loop, on 
 loop, drives the engine's worker thread (where all model work runs) through ticks: it admits at
 most one waiting request's prefill (`FusedGenerator.start`, and its first token), then advances
 every decoding request by one token with one batched model step (`decode_together`: the weights
-are read once for all rows, each row attends over its own cache). A request leaves the batch when
+are read once for all rows; their caches are slots of the scheduler's `DecodePool`, attended in one
+call a layer, each row over its own positions). A request leaves the batch when
 its answer is complete (end of sequence, stop string, `max_tokens`) or its client has gone, and a
 new one joins after its prefill, between two steps; at most `max_batch` decode together. With
 `max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 from ..answers import Answer, Generation
 from ..config import FusionConfig, GenerationConfig
+from ..engine.decoding import DecodePool
 from ..engine.generation import Step, decode_together
 from ..engine.methods import get_method
 from ..engine.prompt import Segment
@@ -91,6 +93,7 @@ class Scheduler:
         self.metrics = metrics
         self.pending: deque[Job] = deque()
         self.decoding: list[Job] = []
+        self.pool = DecodePool()  # the decoding requests' caches: their rows attend in one call a layer
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -174,13 +177,17 @@ class Scheduler:
         job.deliver(released, answer)
         if answer is None:
             self.decoding.append(job)
-            self.metrics.decoding.set(len(self.decoding))
+            self._count()
 
     def _start(self, job: Job) -> tuple[Generation, list[Step], Answer | None]:
         """On the engine's thread: the prefill and the first token."""
-        live = self.generator.start(job.segments, job.fusion, job.generation, job.salt)
-        released = live.decoder.take(live.first_token)
-        return live, released, self.generator.finish(live) if live.decoder.done else None
+        live = self.generator.start(job.segments, job.fusion, job.generation, job.salt, self.pool)
+        try:
+            released = live.decoder.take(live.first_token)
+            return live, released, self.generator.finish(live) if live.decoder.done else None
+        except BaseException:  # the request fails before it joins the batch: its slot is given back
+            live.decoder.close()
+            raise
 
     async def _step(self, jobs: list[Job]) -> None:
         self.metrics.decode_batch.observe(len(jobs))
@@ -201,9 +208,20 @@ class Scheduler:
         self._keep(lambda job: not job.live.decoder.done)
 
     def _keep(self, keep: Callable[[Job], bool]) -> None:
-        """Keep the decoding requests for which `keep` holds (the others leave the batch)."""
-        self.decoding = [job for job in self.decoding if keep(job)]
+        """Keep the decoding requests for which `keep` holds (the others leave the batch, their slots in
+        the pool given back)."""
+        kept = []
+        for job in self.decoding:
+            if keep(job):
+                kept.append(job)
+            else:
+                job.live.decoder.close()
+        self.decoding = kept
+        self._count()
+
+    def _count(self) -> None:
         self.metrics.decoding.set(len(self.decoding))
+        self.metrics.decode_bytes.set(self.pool.nbytes)
 
     def _advance(self, jobs: list[Job]) -> list[tuple[list[Step], Answer | None] | Exception]:
         """On the engine's thread: one batched decoding step, and the answers of those it completed (a
