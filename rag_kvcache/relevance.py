@@ -1,42 +1,44 @@
-"""Relevance checks that read the chunk caches: an agent's "is this chunk relevant?" step, one chunk at a time,
-at the cost of the check's question alone.
+"""Relevance checks that read the chunk caches: an agent's "is this chunk relevant?" step for every retrieved
+chunk at once, at the cost of the check's question alone.
 
 A check's prompt is the index's own layout of one chunk, `[system prefix][chunk][check question]`. The system
 prefix and the chunk are cached exactly (the chunk computed behind the prefix at indexing time, the default
-`chunk_prefill`), so the `prefix` method computes only the check question's tokens, and what it computes is
-what a full prefill of that prompt computes. The verdict is read from the first answer token's distribution:
-the probability of "yes" against "no", with no decoding. Each chunk is checked on its own (one small prefill
-each, in turn); batching the checks into one forward is not built.
+`chunk_prefill`), so only the check question's tokens are computed, and what is computed is what a full
+prefill of that prompt computes. The chunks' caches are read into the slots of one `DecodePool` and the check
+question is fed to all of them in one batched forward (`ModelAdapter.extend_rows`: the weights read once, each
+row attending over its own chunk alone). On an index whose chunk caches are not exact there (another
+`chunk_prefill`), a chunk's tokens are computed with the question, as the `prefix` method would: the verdict
+stays exact, and chunks of one length share a forward. The verdict is read from the first answer token's
+distribution: the probability of "yes" against "no", with no decoding.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .config import FusionConfig
+from .engine.decoding import DecodeCache, DecodePool
+from .engine.prompt import Segment
 from .errors import RagKVCacheError
 from .generator import FusedGenerator
+from .index import KVIndex
 from .retrieval.chunk_index import ChunkRecord
 
 CHECK = ("Is the document above relevant to answering this question? Question: {question}\n"
          "Answer with yes or no.")
-EXACT = FusionConfig(method="prefix")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """One chunk's check: whether it is relevant, the model's probability of "yes" (against "no"), how many
-    prompt tokens were computed (the rest read from the chunk's cache) and the seconds it took."""
+    """One chunk's check: whether it is relevant, the model's probability of "yes" (against "no") and how many
+    prompt tokens were computed (the rest read from the chunk's cache)."""
 
     chunk: ChunkRecord
     relevant: bool
     p_yes: float
     computed_tokens: int
-    seconds: float
 
 
 class RelevanceCheck:
@@ -54,20 +56,50 @@ class RelevanceCheck:
         self.yes, self.no = (_single_tokens(tokenizer, words) for words in (("yes", "Yes"), ("no", "No")))
 
     def __call__(self, question: str, chunks: Sequence[ChunkRecord]) -> list[Verdict]:
-        """A verdict for each chunk, in order."""
-        fmt, tokenizer = self.generator.index.format, self.generator.adapter.tokenizer
-        check = fmt.question_ids(tokenizer, self.template.format(question=question.strip()))  # refuses an empty question
-        verdicts = []
+        """A verdict for each chunk, in order: the chunks whose check prompts leave the same number of tokens
+        to compute (all of them, on an index of the default `chunk_prefill`) checked in one batched forward."""
+        generator, fmt = self.generator, self.generator.index.format
+        check = fmt.question_ids(generator.adapter.tokenizer, self.template.format(question=question.strip()))  # refuses an empty question
+        pool = DecodePool()
+        rows: list[DecodeCache] = []
+        tails: list[list[int]] = []  # per chunk, the tokens after its exact head: computed
+        computed: list[int] = []
         for chunk in chunks:
-            t0 = time.perf_counter()
-            fused = self.generator.fuse(fmt.segments([chunk.token_ids], check), EXACT)
-            p = torch.softmax(fused.result.logits.float(), dim=-1)  # [V]
-            yes, no = p[self.yes].sum(), p[self.no].sum()  # [], []
-            p_yes = float(yes / (yes + no).clamp_min(torch.finfo(torch.float32).tiny))
-            verdicts.append(Verdict(chunk, p_yes >= self.threshold, p_yes,
-                                    fused.result.recomputed_tokens + fused.cache_computed_tokens,
-                                    time.perf_counter() - t0))
-        return verdicts
+            segments = fmt.segments([chunk.token_ids], check)
+            keys, values, n_opened = _exact_head(generator.index, segments[:-1])
+            tails.append([t for seg in segments for t in seg.ids][keys[0].shape[1]:])
+            rows.append(pool.admit(keys, values, room=len(tails[-1])))
+            computed.append(len(tails[-1]) + n_opened)
+        p_yes = [0.0] * len(chunks)
+        for width in sorted({len(t) for t in tails}):
+            batch = [i for i, t in enumerate(tails) if len(t) == width]
+            logits = generator.adapter.extend_rows([tails[i] for i in batch], [rows[i] for i in batch])  # [B, V]
+            p = torch.softmax(logits, dim=-1)  # [B, V]
+            yes, no = p[:, self.yes].sum(-1), p[:, self.no].sum(-1)  # [B], [B]
+            for i, value in zip(batch, (yes / (yes + no).clamp_min(torch.finfo(torch.float32).tiny)).tolist()):
+                p_yes[i] = value
+        return [Verdict(chunk, p >= self.threshold, p, n) for chunk, p, n in zip(chunks, p_yes, computed)]
+
+
+def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The per-layer K/V [H_kv, N, D] of the leading segments whose caches are exact (computed at their
+    prompt position behind the very tokens before them: what a full prefill computes there), and the tokens
+    whose caches the index computed now (missing entries, recomputed when opened)."""
+    caches = index.open_caches(segments)
+    exact, start = [], 0
+    for seg, source, context in zip(segments, caches.sources, caches.contexts):
+        if source is None or source.position != start or tuple(context) != tuple(t for s in segments[: len(exact)] for t in s.ids):
+            break
+        exact.append(source)
+        start += len(seg.ids)
+    layout, device = index.adapter.layout, index.adapter.device
+    none = torch.empty(layout.n_kv_heads, 0, layout.head_dim, dtype=layout.dtype, device=device)  # [H_kv, 0, D]
+    keys, values = [], []
+    for layer in range(layout.n_layers):
+        parts = [source.layer(layer) for source in exact]
+        keys.append(torch.cat([none, *(k.to(device) for k, _ in parts)], 1))  # [H_kv, N, D]
+        values.append(torch.cat([none, *(v.to(device) for _, v in parts)], 1))  # [H_kv, N, D]
+    return keys, values, caches.computed_tokens
 
 
 def _single_tokens(tokenizer, words: Sequence[str]) -> list[int]:

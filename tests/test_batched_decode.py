@@ -76,6 +76,34 @@ def test_rows_of_different_lengths_joining_and_leaving_decode_as_alone(tiny):
             assert int(x.argmax()) == int(y.argmax())
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one-pool", "a-pool-each"])
+def test_rows_extended_by_several_tokens_equal_a_prefill_of_the_whole(tiny, shared):
+    """Rows 0 and 2 of three cached prompts (7, 23, 40 tokens) extended by the same 5 tokens in one step
+    (row 1 holds its slot and does not step): each row's last logits and its 5 new positions' K/V are
+    those a prefill of its prompt and the 5 tokens gives; a decoding step after it goes on from there."""
+    rows = prompts(tiny, (7, 23, 40))
+    pool = DecodePool()
+    caches = [(pool if shared else DecodePool()).admit(k, v, room=6) for k, v, _ in rows]
+    extension = [1500, 1600, 1700, 1800, 1900]
+    got = tiny.extend_rows([extension, extension], [caches[2], caches[0]])  # [2, V]
+    assert [c.length for c in caches] == [12, 23, 45]
+    for r, logits in ((2, got[0]), (0, got[1])):
+        n = (7, 23, 40)[r]
+        ids = torch.cat([torch.randint(1000, 20000, (1, n), generator=torch.Generator().manual_seed(r)),
+                         torch.tensor([extension])], 1)  # the prompt `prompts` made, then the extension
+        keys, values, want = tiny.prefill(ids)
+        torch.testing.assert_close(logits, want[0], atol=1e-5, rtol=0, msg=f"row {r}")
+        for layer in range(tiny.layout.n_layers):
+            torch.testing.assert_close(caches[r].keys[layer][:, : n + 5], keys[layer][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(caches[r].values[layer][:, : n + 5], values[layer][0], atol=1e-5, rtol=0)
+        after = tiny.decode_rows([2000], [caches[r]])[0]  # [V]
+        torch.testing.assert_close(after, tiny.prefill(torch.cat([ids, torch.tensor([[2000]])], 1))[2][0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"same number \(>= 1\) of tokens in every row, got \[2, 1\]"):
+        tiny.extend_rows([[1, 2], [3]], caches[:2])
+    with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(13 positions\): no room for 2 more"):
+        tiny.extend_rows([[1, 2]], [caches[0]])
+
+
 def alone_logits(adapter: ModelAdapter, row, steps: int) -> list[torch.Tensor]:
     """A greedy row's next-token logits [V] at each of `steps` steps, decoded in a pool of its own."""
     keys, values, logits = row
@@ -203,7 +231,7 @@ def test_misuse_is_refused_with_the_bad_value(tiny):
     tiny.decode_rows([1100], [cache])
     with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(11 positions\)"):
         tiny.decode_rows([1200], [cache])
-    with pytest.raises(ValueError, match="one token per cache, got 2 tokens for 1 caches"):
+    with pytest.raises(ValueError, match="one row of tokens per cache, got 2 rows for 1 caches"):
         tiny.decode_rows([1, 2], [DecodePool().admit(keys, values, room=1)])
     with pytest.raises(ValueError, match=r"one sequence; got keys of shape \(2, "):
         DecodePool().admit([torch.cat([k, k]) for k in keys], [torch.cat([v, v]) for v in values], room=1)

@@ -1,7 +1,9 @@
-"""Relevance checks that read the chunk caches (`rag_kvcache.relevance`): only the check's question is computed,
-and the verdict is what a full prefill of the same check prompt gives."""
+"""Relevance checks that read the chunk caches (`rag_kvcache.relevance`): every chunk checked in one batched
+forward, only the check's question computed, and each verdict what a full prefill of its check prompt gives."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -42,3 +44,41 @@ def test_a_check_computes_only_its_question_and_equals_a_full_prefill(generator)
 def test_a_bad_check_is_refused(generator, template, threshold, message):
     with pytest.raises(RagKVCacheError, match=message):
         RelevanceCheck(generator, template, threshold)
+
+
+def test_chunk_caches_that_are_not_exact_are_computed(tiny, tmp_path):
+    """An index whose chunks were computed alone (`isolated`: at position 0, not behind the prefix), so their
+    caches are not what a full prefill computes in a check prompt: each verdict equals the `prefix` method's
+    for that chunk's check prompt alone (exact: the chunk's tokens are computed)."""
+    index = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "index", replace(CFG, chunk_prefill="isolated"),
+                          adapter=tiny, progress=False)
+    generator = FusedGenerator(index)
+    chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
+    check = RelevanceCheck(generator)
+    question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    for verdict, chunk in zip(check(QUESTION, chunks), chunks):
+        logits = generator.fuse(index.format.segments([chunk.token_ids], question), FusionConfig(method="prefix")).result.logits
+        p = torch.softmax(logits.float(), dim=-1)  # [V]
+        assert verdict.p_yes == pytest.approx(float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum())), abs=1e-4)
+
+
+@pytest.mark.parametrize("fault", ["missing", "bit_flip"])
+def test_a_damaged_chunk_cache_is_recomputed_and_the_verdict_unchanged(tiny, tmp_path, fault):
+    """A chunk's cache file missing (recomputed when opened: its tokens counted as computed) or with a flipped
+    byte (found when its layer is read, recomputed then): the verdicts are those of the intact caches."""
+    index = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "index", CFG, adapter=tiny, progress=False)
+    chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
+    check = RelevanceCheck(FusedGenerator(index))
+    before = check(QUESTION, chunks)
+    path = index.store.path(index.addressing.key(chunks[1].token_ids))
+    if fault == "missing":
+        path.unlink()
+    else:
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    after = check(QUESTION, chunks)
+    assert [v.p_yes for v in after] == pytest.approx([v.p_yes for v in before], abs=1e-5)
+    grown = [a.computed_tokens - b.computed_tokens for a, b in zip(after, before)]
+    assert grown == [0, len(chunks[1].token_ids) if fault == "missing" else 0, 0]
+    assert index.store.get(index.addressing.key(chunks[1].token_ids)) is not None  # rewritten, intact

@@ -2,9 +2,9 @@
 
 A `DecodePool` holds, per layer, one buffer [S, H_kv, C, D]: slot s is one sequence's cache, its
 prompt's positions copied in when it is admitted and each decoded token's K/V written in place after
-them. `ModelAdapter.decode_rows` steps B of its sequences with, per layer, one write of the B new
-tokens' K/V and one attention call over the slots, each row masked to its own positions (`RowStep`),
-where one call per row was made before. Slots are taken by `admit` and given back by
+them. `ModelAdapter.extend_rows` (and `decode_rows`, one token a row) steps B of its sequences with,
+per layer, one write of the new tokens' K/V and one attention call over the slots, each row masked
+to its own positions (`RowStep`). Slots are taken by `admit` and given back by
 `DecodeCache.close` (the lowest free slot is taken next); the buffers grow when a sequence needs more
 slots or positions than they have (contents copied) and are let go when the last slot is given back.
 
@@ -108,57 +108,60 @@ class DecodePool:
         self.keys = [grown(self.keys[layer] if self.keys else None) for layer in range(len(like))]
         self.values = [grown(self.values[layer] if self.values else None) for layer in range(len(like))]
 
-    def step(self, caches: Sequence[DecodeCache]) -> RowStep:
-        """The layout of one decoding step of `caches` (all this pool's, open, with room), built once
-        for every layer."""
-        return RowStep.of(self, caches)
+    def step(self, caches: Sequence[DecodeCache], width: int, groups: int) -> RowStep:
+        """The layout of one step that feeds `width` tokens to each of `caches` (all this pool's, open,
+        with room), for `groups` query heads per KV head; built once for every layer."""
+        return RowStep.of(self, caches, width, groups)
 
 
 @dataclass(frozen=True)
 class RowStep:
-    """Where B rows of a pool write and read in one decoding step: `slots` [B] and `lengths` [B] (each
-    row's new token goes at its length), the slots attended `rows` (0..R-1: slots not stepping are
-    attended too and their outputs dropped, so the pool is read as one block) and the mask [R, 1, 1, T]
-    of the positions each slot sees (T: the longest stepping row's length + 1)."""
+    """Where B rows of a pool write and read in one step of M tokens each: `slots` [B] and `positions`
+    [B, M] (a row's new tokens go at its length onwards), the slots attended `rows` (0..R-1: slots not
+    stepping are attended too and their outputs dropped, so the pool is read as one block) and the mask
+    [R, 1, G * M, T] of the positions each query sees (its row's up to itself; T: the furthest row's
+    last position + 1), over the G query heads of a KV head folded into the query axis."""
 
     slots: torch.Tensor  # [B]
-    lengths: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B, M]
     rows: int
     span: int
-    visible: torch.Tensor  # [R, 1, 1, T]
+    visible: torch.Tensor  # [R, 1, G * M, T]
     dense: bool  # slots == 0..B-1: rows are read and written without a scatter
 
     @classmethod
-    def of(cls, pool: DecodePool, caches: Sequence[DecodeCache]) -> RowStep:
+    def of(cls, pool: DecodePool, caches: Sequence[DecodeCache], width: int, groups: int) -> RowStep:
         device = pool.keys[0].device
         slots = [c.slot for c in caches]
         lengths = torch.tensor([c.length for c in caches], device=device)  # [B]
-        rows, span = max(slots) + 1, max(c.length for c in caches) + 1
+        positions = lengths[:, None] + torch.arange(width, device=device)  # [B, M]
+        rows, span = max(slots) + 1, max(c.length for c in caches) + width
         index = torch.tensor(slots, device=device)  # [B]
-        visible = torch.zeros(rows, span, dtype=torch.bool, device=device)  # [R, T]
-        visible[:, 0] = True  # a slot not stepping sees one position: its (dropped) output stays finite
-        visible[index] = torch.arange(span, device=device)[None] <= lengths[:, None]  # [B, T]
-        return cls(index, lengths, rows, span, visible[:, None, None], slots == list(range(rows)))
+        visible = torch.zeros(rows, width, span, dtype=torch.bool, device=device)  # [R, M, T]
+        visible[:, :, 0] = True  # a slot not stepping sees one position: its (dropped) output stays finite
+        visible[index] = torch.arange(span, device=device) <= positions[:, :, None]  # [B, M, T]
+        folded = visible[:, None, None].expand(rows, 1, groups, width, span).reshape(rows, 1, groups * width, span)  # [R, 1, G * M, T]
+        return cls(index, positions, rows, span, folded, slots == list(range(rows)))
 
 
 def attend_rows(
     keys: torch.Tensor, values: torch.Tensor, step: RowStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One layer of a decoding step: write the B rows' new k, v [H_kv, B, D] at their lengths in the
-    pool's buffers [S, H_kv, C, D], attend their q [H_q, B, D] over their own positions in one call.
-    The G query heads of a KV head are folded into the query axis, so keys are never repeated.
-    Returns [B, H_q * D]."""
-    h_kv, b, d = k.shape
-    keys[step.slots, :, step.lengths] = k.transpose(0, 1)  # [B, H_kv, D] into [S, H_kv, C, D]
-    values[step.slots, :, step.lengths] = v.transpose(0, 1)  # [B, H_kv, D]
-    grouped = q.transpose(0, 1).reshape(b, h_kv, -1, d)  # [B, H_kv, G, D]
+    """One layer of a step of M tokens for each of B rows: write their k, v [H_kv, B * M, D] (row-major)
+    at their positions in the pool's buffers [S, H_kv, C, D], attend their q [H_q, B * M, D] over their
+    own rows' positions in one call. The G query heads of a KV head are folded into the query axis, so
+    keys are never repeated. Returns [B * M, H_q * D]."""
+    (b, m), (h_kv, _, d) = step.positions.shape, k.shape
+    keys[step.slots[:, None], :, step.positions] = k.view(h_kv, b, m, d).permute(1, 2, 0, 3)  # [B, M, H_kv, D]
+    values[step.slots[:, None], :, step.positions] = v.view(h_kv, b, m, d).permute(1, 2, 0, 3)  # [B, M, H_kv, D]
+    grouped = q.view(h_kv, -1, b, m, d).permute(2, 0, 1, 3, 4).reshape(b, h_kv, -1, d)  # [B, H_kv, G * M, D]
     if not step.dense:
-        grouped = grouped.new_zeros(step.rows, *grouped.shape[1:]).index_copy_(0, step.slots, grouped)  # [R, H_kv, G, D]
+        grouped = grouped.new_zeros(step.rows, *grouped.shape[1:]).index_copy_(0, step.slots, grouped)  # [R, H_kv, G * M, D]
     out = F.scaled_dot_product_attention(
         grouped, keys[: step.rows, :, : step.span], values[: step.rows, :, : step.span], attn_mask=step.visible,
         scale=scale,
-    )  # [R, H_kv, G, D]
+    )  # [R, H_kv, G * M, D]
     if not step.dense:
-        out = out[step.slots]  # [B, H_kv, G, D]
-    return out.reshape(b, -1)  # [B, H_q * D]
+        out = out[step.slots]  # [B, H_kv, G * M, D]
+    return out.view(b, h_kv, -1, m, d).permute(0, 3, 1, 2, 4).reshape(b * m, -1)  # [B * M, H_q * D]

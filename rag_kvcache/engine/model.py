@@ -350,46 +350,60 @@ class ModelAdapter:
         )
         return out.logits[0].float()  # [T, V]
 
-    @torch.inference_mode()
     def decode_rows(self, tokens: Sequence[int], caches: Sequence[DecodeCache]) -> torch.Tensor:
         """One decoding step for B sequences at once: `tokens[b]` is fed at position `caches[b].length`
-        over cache b, which it extends. Embedding, projections, MLPs and LM head run once for the
-        batch (the weights are read once for all rows); the rows of one `DecodePool` attend in one call
-        a layer, each over its own positions alone (`attend_rows`), so a row's logits do not depend on
-        the other rows. Returns the next-token logits [B, V]."""
+        over cache b, which it extends (`extend_rows` with one token a row). Returns the next-token
+        logits [B, V]."""
+        return self.extend_rows([[t] for t in tokens], caches)
+
+    @torch.inference_mode()
+    def extend_rows(self, tokens: Sequence[Sequence[int]], caches: Sequence[DecodeCache]) -> torch.Tensor:
+        """Feed M tokens to each of B sequences at once (the same M for every row): `tokens[b]` at
+        positions `caches[b].length` onwards over cache b, which they extend. Embedding, projections,
+        MLPs and LM head run once for the batch (the weights are read once for all rows); the rows of one
+        `DecodePool` attend in one call a layer, each over its own positions alone (`attend_rows`), so a
+        row's logits do not depend on the other rows. Returns the logits after each row's last token [B, V]."""
         if not tokens or len(tokens) != len(caches):
-            raise ValueError(f"decode_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
+            raise ValueError(f"extend_rows needs one row of tokens per cache, got {len(tokens)} rows for {len(caches)} caches")
+        width = len(tokens[0])
+        if width == 0 or any(len(row) != width for row in tokens):
+            raise ValueError(f"extend_rows needs the same number (>= 1) of tokens in every row, got {[len(r) for r in tokens]}")
         closed = [b for b, c in enumerate(caches) if not c.open]
         if closed:
             raise ValueError(f"decode caches {closed} are closed: their slots were given back")
-        full = [b for b, c in enumerate(caches) if c.length >= c.capacity]
+        full = [b for b, c in enumerate(caches) if c.length + width > c.capacity]
         if full:
-            raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room to decode into")
+            raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): "
+                             f"no room for {width} more")
         if len({id(c) for c in caches}) < len(caches):
-            raise ValueError("decode_rows got one cache twice: a sequence advances one token a step")
+            raise ValueError("extend_rows got one cache twice: a sequence is extended once a step")
+        groups_of = self.model.config.num_attention_heads // self.layout.n_kv_heads
         pools: dict[int, list[int]] = {}  # rows by pool: one attention call a layer for each
         for b, c in enumerate(caches):
             pools.setdefault(id(c.pool), []).append(b)
-        groups = [(caches[rows[0]].pool, torch.tensor(rows, device=self.device), caches[rows[0]].pool.step(
-            [caches[b] for b in rows])) for rows in pools.values()]
-        order = torch.cat([rows for _, rows, _ in groups]).argsort()  # [B]: the rows back in the callers' order
-        positions = torch.tensor([c.length for c in caches], device=self.device)  # [B]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [B, D]
-        h = self.embed(torch.tensor(list(tokens), device=self.device))  # [B, E]
+        at = torch.arange(len(caches) * width, device=self.device).view(len(caches), width)  # [B, M]: a row's tokens
+        groups = [(caches[rows[0]].pool, at[rows].flatten(), caches[rows[0]].pool.step(
+            [caches[b] for b in rows], width, groups_of)) for rows in pools.values()]
+        order = torch.cat([picks for _, picks, _ in groups]).argsort()  # [B * M]: the tokens back in the callers' order
+        positions = torch.tensor([c.length for c in caches], device=self.device)[:, None] + torch.arange(
+            width, device=self.device)  # [B, M]
+        cos, sin = rope_cos_sin(positions.flatten(), self.inv_freq, self.dtype)  # [B * M, D]
+        h = self.embed(torch.tensor(list(tokens), device=self.device).flatten())  # [B * M, E]
         for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
+            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B*M, D], [H_kv, B*M, D] x 2
             if len(groups) == 1:
                 pool, _, step = groups[0]
-                out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B, H_q * D]
+                out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B * M, H_q * D]
             else:
                 out = torch.cat([
-                    attend_rows(pool.keys[layer], pool.values[layer], step, q[:, rows], k[:, rows], v[:, rows], self.scale)
-                    for pool, rows, step in groups
-                ])[order]  # [B, H_q * D]
-            h = self.finish(layer, h, out)  # [B, E]
+                    attend_rows(pool.keys[layer], pool.values[layer], step, q[:, picks], k[:, picks], v[:, picks],
+                                self.scale)
+                    for pool, picks, step in groups
+                ])[order]  # [B * M, H_q * D]
+            h = self.finish(layer, h, out)  # [B * M, E]
         for c in caches:
-            c.length += 1
-        return self.logits(h)  # [B, V]
+            c.length += width
+        return self.logits(h.view(len(caches), width, -1)[:, -1])  # [B, V]
 
     @property
     def context_length(self) -> int:
