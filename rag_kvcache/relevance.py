@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .engine.cache import LayerSource
 from .engine.decoding import DecodeCache, DecodePool
 from .engine.prompt import Segment
 from .errors import RagKVCacheError
@@ -86,7 +87,8 @@ def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch
     prompt position behind the very tokens before them: what a full prefill computes there), and the tokens
     whose caches the index computed now (missing entries, recomputed when opened)."""
     caches = index.open_caches(segments)
-    exact, start = [], 0
+    exact: list[LayerSource] = []
+    start = 0
     for seg, source, context in zip(segments, caches.sources, caches.contexts):
         if source is None or source.position != start or tuple(context) != tuple(t for s in segments[: len(exact)] for t in s.ids):
             break

