@@ -14,6 +14,7 @@ from rag_kvcache.bench.datasets import (
     QAExample,
     infer_format,
     load_dataset,
+    load_folder,
     load_jsonl,
     load_longbench,
     load_musique,
@@ -268,3 +269,48 @@ def test_planted_spec_loads_a_musique_file(tmp_path):
         load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=1)
     with pytest.raises(ValueError, match="needs task 'exact'"):
         QAExample("x", "q?", ("a",), (Document("", "t"),), evidence_rank=1)
+
+
+# ---- your own documents ---------------------------------------------------------------------------------
+def test_a_folder_with_questions_is_open_questions_over_every_file(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.md").write_text("# A\nThe harbour is called Saltmere.\n", encoding="utf-8")
+    (docs / "sub" / "b.txt").write_text("The lighthouse keeper was Tobias Quell.", encoding="utf-8")
+    (docs / "image.bin").write_bytes(b"\x00\xff\x00")  # skipped, as `index` skips it
+    questions = tmp_path / "q.txt"
+    questions.write_text("# about the harbour\nWhat is the harbour called?\n\n  Who kept the lighthouse?  \n")
+    examples = load_dataset(docs, questions=questions)
+    assert [(e.id, e.question, e.answers, e.task) for e in examples] == [
+        ("q0", "What is the harbour called?", (), "open"), ("q1", "Who kept the lighthouse?", (), "open")]
+    assert examples[0].documents == examples[1].documents == (
+        Document("", "# A\nThe harbour is called Saltmere.\n"), Document("", "The lighthouse keeper was Tobias Quell."))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_questions", "is a folder of documents: give the questions"),
+    ("missing_folder", "documents folder not found"),
+    ("empty_folder", "no readable text files in"),
+    ("blank_questions", "no examples in"),
+    ("format", "has no format"),
+])
+def test_a_bad_folder_dataset_is_refused_naming_it(tmp_path, case, match):
+    docs, questions = tmp_path / "docs", tmp_path / "q.txt"
+    docs.mkdir()
+    if case != "empty_folder":
+        (docs / "a.txt").write_text("Some text.", encoding="utf-8")
+    questions.write_text("\n# none\n" if case == "blank_questions" else "What?\n", encoding="utf-8")
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        if case == "no_questions":
+            load_dataset(docs)
+        elif case == "missing_folder":
+            load_folder(tmp_path / "nowhere", questions)
+        elif case == "format":
+            load_dataset(docs, "jsonl", questions=questions)
+        else:
+            load_dataset(docs, questions=questions)
+
+
+def test_an_open_question_has_no_reference_answers():
+    with pytest.raises(ValueError, match="an open question has no reference answers"):
+        QAExample("x", "Why?", ("because",), (Document("", "text"),), task="open")

@@ -110,6 +110,28 @@ def test_plan_reads_the_caches_a_method_runs_on():
         plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), Config())
 
 
+def test_bench_over_a_folder_of_ones_own_documents(tiny, tmp_path):
+    """`bench --dataset FOLDER --questions FILE`: the questions answered over the folder's files by every
+    method, scored by fidelity to full (no reference answers: no F1 against them), with the TTFT-against-
+    fidelity plot."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, example in enumerate(synthetic_multihop(2)):
+        (docs / f"doc{i}.txt").write_text("\n".join(d.text for d in example.documents), encoding="utf-8")
+    (tmp_path / "q.txt").write_text("\n".join(e.question for e in synthetic_multihop(2)) + "\n", encoding="utf-8")
+    args = ["bench", "--dataset", str(docs), "--questions", str(tmp_path / "q.txt"), "--methods", "full,reuse,cacheblend",
+            "--out", str(tmp_path / "out"), "--top-k", "2", "--chunk-tokens", "32", "--max-new-tokens", "4",
+            "--warmup", "0", "--kv-codec", "none"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
+    assert len(records) == 2 * 3 and {r["gold"] == [] and r["f1_gold"] is None for r in records} == {True}
+    assert [r["tf_kl"] for r in records if r["method"] == "full"] == [pytest.approx(0.0, abs=1e-6)] * 2
+    assert (tmp_path / "out" / "pareto.png").is_file()
+
+
 def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tmp_path):
     """One run, two indexes over one corpus: `reuse@neighbours` answers from the context-aware caches (a
     different cache, so a different fidelity), `full@neighbours` is still exact, and both are paired with

@@ -1,5 +1,6 @@
-"""Benchmark datasets: MuSiQue (CacheBlend JSON), LongBench JSONL, plain JSONL, a synthetic generator, and
-planted facts (made-up single-hop facts inserted into real passages, answered by an exact string)."""
+"""Benchmark datasets: MuSiQue (CacheBlend JSON), LongBench JSONL, plain JSONL, a synthetic generator, planted
+facts (made-up single-hop facts inserted into real passages, answered by an exact string), and a folder of the
+user's own documents with their questions (no reference answers: the methods compared by fidelity to full)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..retrieval.documents import read_documents
+
 logger = logging.getLogger(__name__)
 
-TASKS = ("qa", "summarization", "exact")  # exact: the answer is a string to find in the generated text
+TASKS = ("qa", "summarization", "exact", "open")  # exact: the answer is a string to find in the generated text;
+# open: no reference answer (a question about the user's own documents): scored by fidelity to full alone
 FORMATS = ("musique", "longbench", "jsonl")
 LONGBENCH_SUMMARIZATION = frozenset({"gov_report", "qmsum", "multi_news", "vcsum", "samsum"})
 
@@ -32,8 +36,8 @@ class Document:
 
 @dataclass(frozen=True)
 class QAExample:
-    """A question with its reference answers and candidate documents; `task` selects F1, Rouge-L or
-    exact-string scoring. `evidence_rank`, for planted facts, is where among the retrieved chunks the
+    """A question with its reference answers and candidate documents; `task` selects F1, Rouge-L,
+    exact-string or no scoring against references (`open`: it has none). `evidence_rank`, for planted facts, is where among the retrieved chunks the
     chunk holding the answer is placed (0 = first); None keeps the retrieval order."""
 
     id: str
@@ -46,8 +50,10 @@ class QAExample:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"example {self.id!r}: task must be one of {TASKS}, got {self.task!r}")
-        if not self.answers:
+        if not self.answers and self.task != "open":
             raise ValueError(f"example {self.id!r} has no answers")
+        if self.answers and self.task == "open":
+            raise ValueError(f"example {self.id!r}: an open question has no reference answers, got {self.answers!r}")
         if not self.documents:
             raise ValueError(f"example {self.id!r} has no documents")
         if self.task != "summarization" and not self.question.strip():
@@ -193,14 +199,39 @@ def infer_format(path: PathLike) -> str:
     raise ValueError(f"cannot infer dataset format from suffix {p.suffix!r} of {p}; pass one of {FORMATS}")
 
 
+def load_folder(docs: PathLike, questions: PathLike) -> list[QAExample]:
+    """The user's own documents (every text file under `docs`, read as `index` reads them) and questions about
+    them (`questions`: a text file, one per line; blank lines and lines starting with '#' skipped): `open`
+    examples, each over the whole folder, so retrieval picks each question's chunks."""
+    if not Path(docs).is_dir():
+        raise FileNotFoundError(f"documents folder not found: {docs}")
+    files, _ = read_documents(Path(docs))
+    if not files:
+        raise ValueError(f"no readable text files in {docs}")
+    documents = tuple(Document("", f.text) for f in files)  # no title: the corpus holds each file's text as it is
+    lines = _check_file(questions).read_text(encoding="utf-8").splitlines()
+    asked = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    examples = [QAExample(f"q{i}", q, (), documents, task="open") for i, q in enumerate(asked)]
+    return _nonempty(examples, questions)
+
+
 PLANTED = "planted:"
 PLANTED_PARAPHRASED = "planted-paraphrased:"
 
 
-def load_dataset(path: PathLike, fmt: str | None = None, top_k: int = 6, seed: int = 0) -> list[QAExample]:
+def load_dataset(
+    path: PathLike, fmt: str | None = None, top_k: int = 6, seed: int = 0, questions: PathLike | None = None,
+) -> list[QAExample]:
     """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None;
     `planted:PASSAGES` plants one fact per question of the MuSiQue file PASSAGES (`planted_facts`), and
-    `planted-paraphrased:PASSAGES` the same facts in the same passages, asked in other words."""
+    `planted-paraphrased:PASSAGES` the same facts in the same passages, asked in other words. A folder
+    `path` is the user's own documents, asked the `questions` file's questions (`load_folder`)."""
+    if Path(path).is_dir() or questions is not None:
+        if questions is None:
+            raise ValueError(f"{path} is a folder of documents: give the questions to ask about it (--questions FILE)")
+        if fmt is not None:
+            raise ValueError(f"a documents folder with --questions has no format; got format {fmt!r}")
+        return load_folder(path, questions)
     for prefix, paraphrased in ((PLANTED, False), (PLANTED_PARAPHRASED, True)):
         if str(path).startswith(prefix):
             if fmt not in (None, "musique"):

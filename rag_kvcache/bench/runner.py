@@ -79,7 +79,7 @@ def _record(
         "generated_tokens": answer.generated_tokens, "cache_misses": answer.cache_misses,
         "drift": answer.drift, "bounded": answer.bounded,
         "chunks": [c.id for c in answer.chunks], "stages": _stages(answer),
-        "f1_gold": max_f1(answer.answer, example.answers),
+        "f1_gold": max_f1(answer.answer, example.answers) if example.answers else None,
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
         "exact_hit": hit,

@@ -79,7 +79,11 @@ def demo(
 def bench(
     dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL; "
                                           "planted:MUSIQUE_JSON plants a made-up fact in one passage per question; "
-                                          "planted-paraphrased:MUSIQUE_JSON asks the same facts in other words.")],
+                                          "planted-paraphrased:MUSIQUE_JSON asks the same facts in other words; "
+                                          "a folder of your own documents, with --questions.")],
+    questions: Annotated[Optional[Path], typer.Option(help="With a documents folder as --dataset: a text file of "
+                                                      "questions about it, one per line (no reference answers: the "
+                                                      "methods are compared by fidelity to full).")] = None,
     fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
@@ -132,7 +136,7 @@ def bench(
 
     model_process()
     try:
-        examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k)[:limit]
+        examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k, questions=questions)[:limit]
         settings = BenchSettings(
             methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
             prompt_style=prompt_style.value,
