@@ -290,6 +290,7 @@ def test_a_folder_with_questions_is_open_questions_over_every_file(tmp_path):
 @pytest.mark.parametrize("case,match", [
     ("no_questions", "is a folder of documents: give the questions"),
     ("missing_folder", "documents folder not found"),
+    ("missing_questions", "dataset file not found: .*nowhere.txt"),
     ("empty_folder", "no readable text files in"),
     ("blank_questions", "no examples in"),
     ("format", "has no format"),
@@ -305,6 +306,8 @@ def test_a_bad_folder_dataset_is_refused_naming_it(tmp_path, case, match):
             load_dataset(docs)
         elif case == "missing_folder":
             load_folder(tmp_path / "nowhere", questions)
+        elif case == "missing_questions":
+            load_dataset(docs, questions=tmp_path / "nowhere.txt")
         elif case == "format":
             load_dataset(docs, "jsonl", questions=questions)
         else:
