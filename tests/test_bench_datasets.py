@@ -317,3 +317,18 @@ def test_a_bad_folder_dataset_is_refused_naming_it(tmp_path, case, match):
 def test_an_open_question_has_no_reference_answers():
     with pytest.raises(ValueError, match="an open question has no reference answers"):
         QAExample("x", "Why?", ("because",), (Document("", "text"),), task="open")
+
+
+def test_the_planted_set_writer_writes_what_bench_generates(tmp_path):
+    """`datasets/planted.py` writes the planted (or paraphrased) set that `bench --dataset planted:` generates."""
+    import runpy
+
+    records = [{"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
+               for ex in _musique_like(3)]
+    (tmp_path / "m.json").write_text(json.dumps(records))
+    script = Path(__file__).resolve().parents[1] / "datasets" / "planted.py"
+    for flag, spec in (([], "planted:"), (["--paraphrased"], "planted-paraphrased:")):
+        out = tmp_path / f"{spec[:-1]}.jsonl"
+        main = runpy.run_path(str(script))["main"]
+        main([str(tmp_path / "m.json"), str(out), "--top-k", "2", *flag])
+        assert load_jsonl(out) == load_dataset(f"{spec}{tmp_path / 'm.json'}", top_k=2)
