@@ -108,11 +108,6 @@ class DecodePool:
         self.keys = [grown(self.keys[layer] if self.keys else None) for layer in range(len(like))]
         self.values = [grown(self.values[layer] if self.values else None) for layer in range(len(like))]
 
-    def step(self, caches: Sequence[DecodeCache], width: int, groups: int) -> RowStep:
-        """The layout of one step that feeds `width` tokens to each of `caches` (all this pool's, open,
-        with room), for `groups` query heads per KV head; built once for every layer."""
-        return RowStep.of(self, caches, width, groups)
-
 
 @dataclass(frozen=True)
 class RowStep:
@@ -131,6 +126,8 @@ class RowStep:
 
     @classmethod
     def of(cls, pool: DecodePool, caches: Sequence[DecodeCache], width: int, groups: int) -> RowStep:
+        """The layout of one step that feeds `width` tokens to each of `caches` (all `pool`'s, open, with
+        room), for `groups` query heads per KV head; built once for every layer."""
         device = pool.keys[0].device
         slots = [c.slot for c in caches]
         lengths = torch.tensor([c.length for c in caches], device=device)  # [B]

@@ -5,8 +5,8 @@ cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `attention_input`, `qkv` or `kv` and `q`, `finish`,
 `logits`; projections that share an input fused into one, `LayerWeights`), a reference
 prefill, the indexing prefill of many chunks packed into one forward (`prefill_packed`), an
-injected-cache decode step, and a batched decode step over sequences whose caches are slots of a
-`DecodePool` (`decode_rows`).
+injected-cache decode step, and batched steps over sequences whose caches are slots of a `DecodePool`
+(`decode_rows`, one token a row; `extend_rows`, several).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from transformers import (
 
 from ..config import Config
 from ..errors import RagKVCacheError
-from .decoding import DecodeCache, attend_rows
+from .decoding import DecodeCache, RowStep, attend_rows
 from .ops import apply_rope, attend, causal_mask_for, rope_cos_sin
 from .sentences import Lexicon
 from .sources import resolve_model_source
@@ -377,28 +377,28 @@ class ModelAdapter:
                              f"no room for {width} more")
         if len({id(c) for c in caches}) < len(caches):
             raise ValueError("extend_rows got one cache twice: a sequence is extended once a step")
-        groups_of = self.model.config.num_attention_heads // self.layout.n_kv_heads
+        group = self.model.config.num_attention_heads // self.layout.n_kv_heads  # query heads per KV head
         pools: dict[int, list[int]] = {}  # rows by pool: one attention call a layer for each
         for b, c in enumerate(caches):
             pools.setdefault(id(c.pool), []).append(b)
         at = torch.arange(len(caches) * width, device=self.device).view(len(caches), width)  # [B, M]: a row's tokens
-        groups = [(caches[rows[0]].pool, at[rows].flatten(), caches[rows[0]].pool.step(
-            [caches[b] for b in rows], width, groups_of)) for rows in pools.values()]
-        order = torch.cat([picks for _, picks, _ in groups]).argsort()  # [B * M]: the tokens back in the callers' order
+        parts = [(caches[rows[0]].pool, at[rows].flatten(), RowStep.of(
+            caches[rows[0]].pool, [caches[b] for b in rows], width, group)) for rows in pools.values()]
+        order = torch.cat([picks for _, picks, _ in parts]).argsort()  # [B * M]: the tokens back in the callers' order
         positions = torch.tensor([c.length for c in caches], device=self.device)[:, None] + torch.arange(
             width, device=self.device)  # [B, M]
         cos, sin = rope_cos_sin(positions.flatten(), self.inv_freq, self.dtype)  # [B * M, D]
         h = self.embed(torch.tensor(list(tokens), device=self.device).flatten())  # [B * M, E]
         for layer in range(self.layout.n_layers):
             q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B*M, D], [H_kv, B*M, D] x 2
-            if len(groups) == 1:
-                pool, _, step = groups[0]
+            if len(parts) == 1:
+                pool, _, step = parts[0]
                 out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B * M, H_q * D]
             else:
                 out = torch.cat([
                     attend_rows(pool.keys[layer], pool.values[layer], step, q[:, picks], k[:, picks], v[:, picks],
                                 self.scale)
-                    for pool, picks, step in groups
+                    for pool, picks, step in parts
                 ])[order]  # [B * M, H_q * D]
             h = self.finish(layer, h, out)  # [B * M, E]
         for c in caches:
