@@ -20,11 +20,12 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "chat_segments": ".engine.prompt", "Hit": ".retrieval.chunk_index", "Engine": ".serving.engine",
     "EngineHandle": ".serving.engine", "RagKVCacheError": ".errors", "ConfigError": ".errors",
     "ConversationCache": ".store.conversations", "RelevanceCheck": ".relevance", "Verdict": ".relevance",
+    "RequestError": ".request",
 }
 __all__ = [
     "Answer", "ChatTurn", "ChunkKV", "ChunkPart", "Config", "ConfigError", "ConversationCache", "Engine",
     "EngineHandle", "FusedGenerator", "FusionConfig", "FusionInput", "FusionResult", "GenerationConfig", "Hit",
-    "KVIndex", "KVStore", "METHODS", "ModelAdapter", "RagKVCacheError", "RelevanceCheck", "Segment",
+    "KVIndex", "KVStore", "METHODS", "ModelAdapter", "RagKVCacheError", "RelevanceCheck", "RequestError", "Segment",
     "UnsupportedModelError", "Verdict", "chat_segments", "register",
 ]
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from .generator import FusedGenerator
     from .index import KVIndex
     from .relevance import RelevanceCheck, Verdict
+    from .request import RequestError
     from .retrieval.chunk_index import Hit
     from .serving.engine import Engine, EngineHandle
     from .store.conversations import ConversationCache

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from functools import partial
 from importlib.resources import files
 from pathlib import Path
@@ -32,13 +33,14 @@ from langchain_rag_kvcache import (
     RagKVCacheRetriever,
     rag_message,
 )
-from langchain_rag_kvcache.chat_models import _segments
+from langchain_rag_kvcache.chat_models import _prompt
 from langchain_rag_kvcache.graph import create_agentic_rag_graph
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, KVIndex
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
 from rag_kvcache.engine.generation import teacher_forced_logits
+from rag_kvcache.request import Options
 
 QUESTIONS = (
     "What is the main telescope of the Veldmark Observatory named?",
@@ -103,7 +105,7 @@ def main() -> None:
 def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill, greedy) forced through the cached run's fused prompt."""
     generator, adapter = engine.generator, engine.generator.adapter
-    segments = _segments(generator, messages, fusion)
+    segments = _prompt(generator, messages, Options(fusion=asdict(fusion))).segments
     reference = generator.fuse(segments, FULL)
     answer = greedy_answer_ids(adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
     if not answer:

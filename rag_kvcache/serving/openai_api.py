@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..answers import Answer
+from ..request import Prompt
 from ..version import __version__
 from .admission import Admission, Ticket
 from .documents import document_path, write_and_sync
@@ -59,7 +60,7 @@ from .engine import Engine
 from .errors import APIError, ClientGone, validation_error
 from .metrics import ServerMetrics
 from .middleware import CountRequests, LimitBody
-from .prompts import Prompt, chat_prompt, completion_prompt
+from .prompts import chat_prompt, completion_prompt
 from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
 from .settings import ServerConfig

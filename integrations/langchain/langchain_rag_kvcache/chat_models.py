@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -40,8 +41,8 @@ from rag_kvcache import (
     FusedGenerator,
     FusionConfig,
     KVIndex,
-    Segment,
 )
+from rag_kvcache.request import Options, Prompt, chat_prompt
 
 from .engines import EngineBacked
 
@@ -126,7 +127,7 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         if tools:
             raise ValueError("ChatRagKVCache has no tool calling, so tools take no prompt tokens; got tools")
         engine = self._handle.get()
-        return sum(len(segment.ids) for segment in engine.run(_segments, engine.generator, messages, self.fusion))
+        return engine.run(_prompt, engine.generator, messages, Options(fusion=asdict(self.fusion))).n_tokens
 
     def with_structured_output(
         self, schema: Mapping[str, Any] | type, *, method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
@@ -189,16 +190,15 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
             )
         engine = self._handle.get()
         json_schema = _json_schema(kwargs.get("response_format"))
-        generation = engine.index.config.generation.with_options(
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens), temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed), stop=stop or self.stop,
-            json_schema=json_schema,
-        )
         if json_schema is not None:  # the constraint keeps the shape; the model still needs to know what to fill in
             messages = [*messages, HumanMessage(f"Answer with JSON matching this JSON Schema: {json_schema}")]
-        fusion = kwargs.get("fusion", self.fusion)
-        segments = engine.run(_segments, engine.generator, messages, fusion)
-        for step in engine.stream(segments, fusion, generation, self.timeout):
+        options = Options(
+            fusion=asdict(kwargs.get("fusion", self.fusion)), max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
+            seed=kwargs.get("seed", self.seed), stop=stop or self.stop, json_schema=json_schema,
+        )
+        prompt = engine.run(_prompt, engine.generator, messages, options)
+        for step in engine.stream(prompt.segments, prompt.fusion, prompt.generation, self.timeout):
             if isinstance(step, Answer):
                 yield self._last_chunk(step)
             elif step:
@@ -240,11 +240,11 @@ def _json_schema(response_format: Mapping[str, Any] | type[BaseModel] | None) ->
     )
 
 
-def _segments(generator: FusedGenerator, messages: Sequence[BaseMessage], fusion: FusionConfig) -> list[Segment]:
-    """The prompt of `messages` as segments: chunk blocks as their stored token ids, and the indexed
-    chunks found in the rest of the text read from their caches too."""
+def _prompt(generator: FusedGenerator, messages: Sequence[BaseMessage], options: Options) -> Prompt:
+    """The prompt of `messages` (on the engine's thread; `rag_kvcache.request.chat_prompt`): chunk blocks as
+    their stored token ids, and the indexed chunks found in the rest of the text read from their caches too."""
     turns = [ChatTurn(_role(message), tuple(_parts(generator.index, message))) for message in messages]
-    return generator.chat_segments(turns, fusion=fusion)
+    return chat_prompt(generator, turns, options)
 
 
 def _role(message: BaseMessage) -> str:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
-from langchain_rag_kvcache.chat_models import _segments
+from langchain_rag_kvcache.chat_models import _prompt
 
 from rag_kvcache import Engine, FusionConfig, GenerationConfig
+from rag_kvcache.request import Options
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -104,7 +107,7 @@ def _cache_read(message) -> int:
 def _matched(model: ChatRagKVCache, messages) -> int:
     """Prompt tokens of `messages` found in the index's chunks (read from their caches)."""
     engine = model._handle.get()
-    segments = engine.run(_segments, engine.generator, messages, model.fusion)
+    segments = engine.run(_prompt, engine.generator, messages, Options(fusion=asdict(model.fusion))).segments
     return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
 
 

@@ -10,9 +10,10 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCompletionStartEvent
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
-from llama_index.llms.rag_kvcache.base import _role, _segments, _texts
+from llama_index.llms.rag_kvcache.base import _role, _texts
 
 from rag_kvcache import ChatTurn
+from rag_kvcache.request import chat_prompt
 
 from ...testing import DEMO_DOCS, QUESTION  # noqa: F401 (re-exported for the LlamaIndex tests)
 
@@ -36,5 +37,5 @@ class Prompts(BaseEventHandler):
 def matched_tokens(llm: RagKVCacheLLM, turns: list[ChatTurn]) -> int:
     """Prompt tokens of `turns` found in the index's chunks (read from their caches)."""
     engine = llm.serving_engine
-    segments = engine.run(_segments, engine.generator, turns, [], llm.fusion)
-    return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
+    prompt = engine.run(chat_prompt, engine.generator, turns, llm._options({}))
+    return sum(len(s.ids) for s in prompt.segments if s.cacheable and s.label.startswith("chunk:"))

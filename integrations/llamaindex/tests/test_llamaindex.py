@@ -11,7 +11,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, create_kv_query_engine
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
-from rag_kvcache import ChatTurn, Engine, GenerationConfig
+from rag_kvcache import ChatTurn, Engine, GenerationConfig, RequestError
 
 from .support import QUESTION, Prompts, matched_tokens
 
@@ -104,8 +104,9 @@ def test_metadata(llm: RagKVCacheLLM) -> None:
 
 
 def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
-    with pytest.raises(KeyError, match="0123456789abcdef"):
+    with pytest.raises(RequestError, match="0123456789abcdef") as refused:  # the parameter at fault named
         llm.complete(QUESTION, chunk_ids=["0123456789abcdef"])
+    assert (refused.value.param, refused.value.code) == ("chunk_ids", "unknown_chunk")
     with pytest.raises(ValueError, match="no tool calling"):
         llm.chat([ChatMessage(role=MessageRole.TOOL, content="3")])
     some_chunk = demo_engine.run(lambda: next(iter(demo_engine.index.chunks.all_chunks())).id)

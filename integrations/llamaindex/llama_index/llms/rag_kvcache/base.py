@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -40,12 +41,9 @@ from rag_kvcache import (
     ChatTurn,
     Engine,
     EngineHandle,
-    FusedGenerator,
     FusionConfig,
-    GenerationConfig,
-    KVIndex,
-    Segment,
 )
+from rag_kvcache.request import Options, chat_prompt, generation_of
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 _CALL_OPTIONS = frozenset({"temperature", "max_tokens", "top_p", "seed", "stop", "json_schema"})
@@ -156,7 +154,7 @@ class RagKVCacheLLM(CustomLLM):
         engine = self._handle.get()
         return LLMMetadata(
             context_window=engine.index.adapter.model.config.max_position_embeddings,
-            num_output=self._generation(engine.index, {}).max_new_tokens,
+            num_output=generation_of(engine.index, self._options({})).max_new_tokens,
             is_chat_model=True,
             model_name=self._handle.model_name,
         )
@@ -207,33 +205,28 @@ class RagKVCacheLLM(CustomLLM):
         """(delta, text so far, raw, stats) per generated piece; raw (`{"usage": ...}`) and stats only on
         the last, empty, step."""
         engine = self._handle.get()
-        generation = self._generation(engine.index, options)
-        segments = engine.run(_segments, engine.generator, turns, list(chunk_ids), self.fusion)
+        request = replace(self._options(options), chunk_ids=list(chunk_ids) or None)
+        prompt = engine.run(chat_prompt, engine.generator, turns, request)
         text = ""
-        for step in engine.stream(segments, self.fusion, generation, self.timeout):
+        for step in engine.stream(prompt.segments, prompt.fusion, prompt.generation, self.timeout):
             if isinstance(step, Answer):
                 yield "", text, {"usage": step.usage}, {**step.usage, "prompt_tokens": step.prompt_tokens, **step.fusion_stats}
             elif step:
                 text += step
                 yield step, text, None, {}
 
-    def _generation(self, index: KVIndex, options: dict[str, Any]) -> GenerationConfig:
-        """The index's generation settings under this LLM's, under a call's `options`."""
+    def _options(self, options: dict[str, Any]) -> Options:
+        """This LLM's settings under a call's `options`, as the library's request options (the index's own
+        settings under both)."""
         if unknown := options.keys() - _CALL_OPTIONS:
             raise TypeError(f"RagKVCacheLLM got unexpected arguments {sorted(unknown)!r}")
         schema = options.get("json_schema")
-        return index.config.generation.with_options(
-            max_new_tokens=options.get("max_tokens", self.max_tokens), temperature=options.get("temperature", self.temperature),
-            top_p=options.get("top_p", self.top_p), seed=options.get("seed", self.seed), stop=options.get("stop", self.stop),
+        return Options(
+            fusion=asdict(self.fusion), max_tokens=options.get("max_tokens", self.max_tokens),
+            temperature=options.get("temperature", self.temperature), top_p=options.get("top_p", self.top_p),
+            seed=options.get("seed", self.seed), stop=options.get("stop", self.stop),
             json_schema=schema if schema is None or isinstance(schema, str) else json.dumps(schema),
         )
-
-
-def _segments(
-    generator: FusedGenerator, turns: list[ChatTurn], chunk_ids: list[str], fusion: FusionConfig
-) -> list[Segment]:
-    """The prompt's segments, the chunks named by id at the head of the last (user) turn."""
-    return generator.chat_segments(turns, generator.index.chunks.get(chunk_ids) if chunk_ids else (), fusion)
 
 
 def _role(message: ChatMessage) -> str:
