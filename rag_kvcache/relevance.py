@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 import torch
 
-from .engine.cache import LayerSource
 from .engine.decoding import DecodeCache, DecodePool
+from .engine.fusion import FusionInput
 from .engine.prompt import Segment
 from .errors import RagKVCacheError
 from .generator import FusedGenerator
@@ -67,7 +68,7 @@ class RelevanceCheck:
         computed: list[int] = []
         for chunk in chunks:
             segments = fmt.segments([chunk.token_ids], check)
-            keys, values, n_opened = _exact_head(generator.index, segments[:-1])
+            keys, values, n_opened = _exact_head(generator.index, segments)
             tails.append([t for seg in segments for t in seg.ids][keys[0].shape[1]:])
             rows.append(pool.admit(keys, values, room=len(tails[-1])))
             computed.append(len(tails[-1]) + n_opened)
@@ -83,24 +84,19 @@ class RelevanceCheck:
 
 
 def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """The per-layer K/V [H_kv, N, D] of the leading segments whose caches are exact (computed at their
-    prompt position behind the very tokens before them: what a full prefill computes there), and the tokens
-    whose caches the index computed now (missing entries, recomputed when opened)."""
+    """The per-layer K/V [H_kv, N, D] of a check prompt's leading segments whose caches are exact
+    (`SegmentKV.exact`: what a full prefill computes there), and the tokens whose caches the index computed
+    now (missing entries, recomputed when opened)."""
     caches = index.open_caches(segments)
-    exact: list[LayerSource] = []
-    start = 0
-    for seg, source, context in zip(segments, caches.sources, caches.contexts):
-        if source is None or source.position != start or tuple(context) != tuple(t for s in segments[: len(exact)] for t in s.ids):
-            break
-        exact.append(source)
-        start += len(seg.ids)
+    parts = FusionInput.build(segments, caches.sources, caches.contexts).parts
+    head = [p.kv for p in takewhile(lambda p: p.exact, parts) if p.kv is not None]  # an exact part has a cache
     layout, device = index.adapter.layout, index.adapter.device
     none = torch.empty(layout.n_kv_heads, 0, layout.head_dim, dtype=layout.dtype, device=device)  # [H_kv, 0, D]
     keys, values = [], []
     for layer in range(layout.n_layers):
-        parts = [source.layer(layer) for source in exact]
-        keys.append(torch.cat([none, *(k.to(device) for k, _ in parts)], 1))  # [H_kv, N, D]
-        values.append(torch.cat([none, *(v.to(device) for _, v in parts)], 1))  # [H_kv, N, D]
+        layers = [source.layer(layer) for source in head]
+        keys.append(torch.cat([none, *(k.to(device) for k, _ in layers)], 1))  # [H_kv, N, D]
+        values.append(torch.cat([none, *(v.to(device) for _, v in layers)], 1))  # [H_kv, N, D]
     return keys, values, caches.computed_tokens
 
 

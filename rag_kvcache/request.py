@@ -36,13 +36,13 @@ class RequestError(RagKVCacheError, ValueError):
 @dataclass(frozen=True)
 class Options:
     """What a request asks beside its messages. Chunks: `chunk_ids` (those chunks) or `top_k` (retrieved
-    for the last user message), at the head of the last user turn. `fusion`: changes to the index's fusion
-    defaults (`FusionConfig` fields). Sampling: each None keeps the index's setting; `max_tokens` also at
+    for the last user message), at the head of the last user turn. `fusion`: a `FusionConfig` to use as it
+    is, or changes to the index's fusion defaults (`FusionConfig` fields). Sampling: each None keeps the index's setting; `max_tokens` also at
     most `max_tokens_limit` (a deployment's cap, which is then the default too)."""
 
     chunk_ids: Sequence[str] | None = None
     top_k: int | None = None
-    fusion: Mapping[str, Any] = field(default_factory=dict)
+    fusion: FusionConfig | Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
     max_tokens_limit: int | None = None
     temperature: float | None = None
@@ -68,14 +68,19 @@ class Prompt:
         return sum(len(s.ids) for s in self.segments)
 
 
+_SAMPLING = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}  # setting -> parameter
+
+
 def fusion_of(index: KVIndex, options: Options) -> FusionConfig:
-    """The index's fusion settings with the request's changes."""
-    changes = dict(options.fusion)
-    if "method" in changes and changes["method"] not in METHODS:
-        raise RequestError(f"unknown fusion method {changes['method']!r}; registered: {', '.join(METHODS)}",
-                           "method", "invalid_method")
+    """The request's fusion settings: as given, or the index's with the request's changes."""
+    method = options.fusion.method if isinstance(options.fusion, FusionConfig) else options.fusion.get("method")
+    if method is not None and method not in METHODS:
+        raise RequestError(f"unknown fusion method {method!r}; registered: {', '.join(METHODS)}", "method",
+                           "invalid_method")
+    if isinstance(options.fusion, FusionConfig):
+        return options.fusion
     try:
-        return replace(index.config.fusion, **changes)
+        return replace(index.config.fusion, **options.fusion)
     except (TypeError, ValueError) as e:
         raise RequestError(str(e), "fusion") from None
 
@@ -94,8 +99,8 @@ def generation_of(index: KVIndex, options: Options) -> GenerationConfig:
             temperature=options.temperature, top_p=options.top_p, seed=options.seed, stop=options.stop,
             json_schema=options.json_schema,
         )
-    except ValueError as e:
-        raise RequestError(str(e), "max_tokens" if "max_new_tokens" in str(e) else "sampling") from None
+    except ValueError as e:  # a setting out of range: its message begins with the setting's name
+        raise RequestError(str(e), next((p for name, p in _SAMPLING.items() if str(e).startswith(name)), "sampling")) from None
     if generation.json_schema is not None:
         try:
             JsonSchemaConstraint(index.adapter.tokenizer, index.adapter.eos_token_ids, generation.json_schema)

@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from functools import partial
 from importlib.resources import files
 from pathlib import Path
@@ -105,7 +104,7 @@ def main() -> None:
 def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill, greedy) forced through the cached run's fused prompt."""
     generator, adapter = engine.generator, engine.generator.adapter
-    segments = _prompt(generator, messages, Options(fusion=asdict(fusion))).segments
+    segments = _prompt(generator, messages, Options(fusion=fusion)).segments
     reference = generator.fuse(segments, FULL)
     answer = greedy_answer_ids(adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
     if not answer:

@@ -16,7 +16,7 @@ from .settings import ServerConfig
 
 # the library's names of a request's parameters -> this API's fields
 _PARAMS = {"method": "rag_kvcache.method", "fusion": "rag_kvcache", "chunk_ids": "rag_kvcache.chunk_ids",
-           "top_k": "rag_kvcache.top_k", "sampling": "temperature"}
+           "top_k": "rag_kvcache.top_k"}
 
 
 def _options(request: Sampling, config: ServerConfig) -> Options:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -127,7 +126,7 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         if tools:
             raise ValueError("ChatRagKVCache has no tool calling, so tools take no prompt tokens; got tools")
         engine = self._handle.get()
-        return engine.run(_prompt, engine.generator, messages, Options(fusion=asdict(self.fusion))).n_tokens
+        return engine.run(_prompt, engine.generator, messages, Options(fusion=self.fusion)).n_tokens
 
     def with_structured_output(
         self, schema: Mapping[str, Any] | type, *, method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
@@ -193,7 +192,7 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         if json_schema is not None:  # the constraint keeps the shape; the model still needs to know what to fill in
             messages = [*messages, HumanMessage(f"Answer with JSON matching this JSON Schema: {json_schema}")]
         options = Options(
-            fusion=asdict(kwargs.get("fusion", self.fusion)), max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            fusion=kwargs.get("fusion", self.fusion), max_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
             seed=kwargs.get("seed", self.seed), stop=stop or self.stop, json_schema=json_schema,
         )

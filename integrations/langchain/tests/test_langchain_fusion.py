@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
@@ -107,7 +105,7 @@ def _cache_read(message) -> int:
 def _matched(model: ChatRagKVCache, messages) -> int:
     """Prompt tokens of `messages` found in the index's chunks (read from their caches)."""
     engine = model._handle.get()
-    segments = engine.run(_prompt, engine.generator, messages, Options(fusion=asdict(model.fusion))).segments
+    segments = engine.run(_prompt, engine.generator, messages, Options(fusion=model.fusion)).segments
     return sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
 
 

@@ -4,7 +4,6 @@ LangChain's tutorial chain over it reads the retrieved chunks from cache; langch
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,7 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
     assert "Harrow" in answer.text
     assert answer.usage_metadata["input_token_details"]["cache_read"] > 0
     messages = prompt.invoke({"context": format_docs(retriever.invoke(QUESTION)), "question": QUESTION}).to_messages()
-    segments = store_engine.run(_prompt, store_engine.generator, messages, Options(fusion=asdict(model.fusion))).segments
+    segments = store_engine.run(_prompt, store_engine.generator, messages, Options(fusion=model.fusion)).segments
     matched = sum(len(s.ids) for s in segments if s.cacheable and s.label.startswith("chunk:"))
     chunk_tokens = sum(len(h.chunk.token_ids) for h in store_engine.search(QUESTION, 3))
     assert matched >= 0.9 * chunk_tokens

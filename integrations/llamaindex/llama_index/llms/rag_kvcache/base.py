@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -222,7 +222,7 @@ class RagKVCacheLLM(CustomLLM):
             raise TypeError(f"RagKVCacheLLM got unexpected arguments {sorted(unknown)!r}")
         schema = options.get("json_schema")
         return Options(
-            fusion=asdict(self.fusion), max_tokens=options.get("max_tokens", self.max_tokens),
+            fusion=self.fusion, max_tokens=options.get("max_tokens", self.max_tokens),
             temperature=options.get("temperature", self.temperature), top_p=options.get("top_p", self.top_p),
             seed=options.get("seed", self.seed), stop=options.get("stop", self.stop),
             json_schema=schema if schema is None or isinstance(schema, str) else json.dumps(schema),
