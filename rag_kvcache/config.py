@@ -146,7 +146,8 @@ class GenerationConfig:
 class StorageConfig:
     """Where chunk caches live and how they are read at query time.
 
-    A memory tier (`memory_bytes`, 0 disables it) sits over the disk tier (`disk_bytes`, None for no
+    A memory tier (`memory_bytes`, 0 disables it; in host memory, or on the model's device with
+    `memory_on_device`) sits over the disk tier (`disk_bytes`, None for no
     limit); both evict by `eviction` (least recently or least frequently used) when over budget.
     `codec` is how caches are stored on disk: by default int8 with per-channel scales (its caches' answers
     match float32 caches' within noise, `benchmarks/fusion-quality/codec20-results.md`), or int8 with
@@ -168,6 +169,10 @@ class StorageConfig:
     """
 
     memory_bytes: int = 256 << 20
+    memory_on_device: bool = setting(
+        False, "Keep the memory tier's caches on the model's device (a GPU's memory; memory_bytes is then spent there): "
+        "a query reads them in place, with no host-to-device copy per layer. On a CPU it changes nothing.",
+    )
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
     codec: CodecName = setting(

@@ -97,7 +97,7 @@ class KVIndex:
         self.config = config
         self.chunks = chunks
         self.adapter = adapter
-        self.store = KVStore(path / "kv", config.storage)
+        self.store = KVStore(path / "kv", config.storage, adapter.device)
         self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text (`request_tier`)
         self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())

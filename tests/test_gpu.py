@@ -14,6 +14,7 @@ from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.ops import attend_lse, mask_bias
+from rag_kvcache.store.tiers import MemoryTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -78,3 +79,27 @@ def test_read_layer_on_cuda_equals_copying_each_segment():
                 continue
             for a, b in zip(kv, source.layer(layer)):
                 assert a.device.type == "cuda" and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("method", ["prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"])
+def test_every_method_on_cuda_equals_the_cpu_path(tokenizer, method):
+    # the same weights and prompt in float32: the device's answer is the CPU path's, method for method
+    model = tiny_llama()
+    cpu = ModelAdapter(model, tokenizer, name="tiny")
+    ref = get_method(method)(cpu, rag_prompt(cpu), FusionConfig(method=method))
+    cuda = ModelAdapter(tiny_llama().to("cuda"), tokenizer, name="tiny-cuda")
+    out = get_method(method)(cuda, rag_prompt(cuda), FusionConfig(method=method))
+    assert out.compute_fraction == ref.compute_fraction  # the same tokens recomputed
+    torch.testing.assert_close(out.logits.cpu(), ref.logits, atol=1e-3, rtol=0)
+
+
+def test_memory_tier_on_the_device_is_read_in_place():
+    # a cache put in a device-resident tier is moved there once; reading a layer then copies nothing
+    g = torch.Generator().manual_seed(3)
+    host = ChunkKV([torch.randn(2, 7, 16, generator=g) for _ in range(2)], [torch.randn(2, 7, 16, generator=g) for _ in range(2)], 0)
+    tier = MemoryTier(1 << 20, "lru", "cuda")
+    tier.put("k", host)
+    held = tier.get("k")
+    assert held is not None and all(t.device.type == "cuda" for t in (*held.keys, *held.values))
+    (k, v), = read_layer([held], 1, "cuda")
+    assert k.data_ptr() == held.keys[1].data_ptr() and torch.equal(v.cpu(), host.values[1])

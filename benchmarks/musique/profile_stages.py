@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from rag_kvcache import Config, FusedGenerator, FusionConfig, KVIndex
+from rag_kvcache.cli.common import model_process
 from rag_kvcache.config import StorageConfig
 
 METHODS = ("full", "prefix", "reuse", "epic", "cacheblend", "cacheblend_repick")
@@ -47,11 +48,17 @@ def main() -> None:
     parser.add_argument("--dtype", default=Config.dtype)
     parser.add_argument("--prefetch-layers", type=int, default=StorageConfig.prefetch_layers,
                         help="layers the reader thread reads ahead (0: read in the fusion's thread)")
+    parser.add_argument("--memory-mib", type=int, default=StorageConfig.memory_bytes >> 20,
+                        help="the memory tier's budget (a prompt's caches must fit it for the timed runs to hit it)")
+    parser.add_argument("--memory-on-device", action="store_true",
+                        help="keep the memory tier on the model's device (a GPU's memory), not in host memory")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, full first")
     parser.add_argument("--profile", action="store_true",
                         help="also run each method once more under torch.profiler and print its top operators "
                              "(on CUDA: host time against device time, i.e. launch-bound or compute-bound)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    model_process()  # as every CLI command that loads a model: cuDNN attention off on CUDA
     logging.basicConfig(level=logging.WARNING)
 
     data = json.loads(args.data.read_text(encoding="utf-8"))[: args.questions]
@@ -61,20 +68,24 @@ def main() -> None:
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
     cfg = Config(chunk_tokens=512, top_k=args.top_k, model=args.model, embedder=args.embedder, device=args.device,
-                 dtype=args.dtype, storage=StorageConfig(prefetch_layers=args.prefetch_layers))
+                 dtype=args.dtype, storage=StorageConfig(prefetch_layers=args.prefetch_layers, memory_bytes=args.memory_mib << 20,
+                                       memory_on_device=args.memory_on_device))
     index = KVIndex.build(docs, args.work / "index", cfg, progress=False)
     generator = FusedGenerator(index)
     fmt = index.format
 
-    runs: dict[str, list] = {m: [] for m in METHODS}
+    methods = args.methods.split(",")
+    if methods[0] != "full" or not set(methods) <= set(METHODS):
+        parser.error(f"--methods {args.methods!r}: full first, then any of {', '.join(METHODS[1:])}")
+    runs: dict[str, list] = {m: [] for m in methods}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
         hits = index.search(example["question"], args.top_k)
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"]))
-        for method in METHODS:  # warm-up: first touch of the caches and the kernels
+        for method in methods:  # warm-up: first touch of the caches and the kernels
             generator.fuse(segments, FusionConfig(method=method))
         for _ in range(args.repeats):
-            for method in METHODS:
+            for method in methods:
                 t0 = time.perf_counter()
                 fused = generator.fuse(segments, FusionConfig(method=method))
                 fused.result.logits.argmax().item()  # on CUDA: wait for the device, as sampling the first token does
@@ -83,7 +94,7 @@ def main() -> None:
 
     dispatched = {}  # method -> PyTorch operators dispatched per layer, the host's work the issue counts
     n_layers = index.adapter.layout.n_layers
-    for method in METHODS:
+    for method in methods:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             generator.fuse(segments, FusionConfig(method=method))  # the last question's prompt
         dispatched[method] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / n_layers
@@ -94,7 +105,8 @@ def main() -> None:
             print(f"\n## {method}\n" + prof.key_averages().table(sort_by=sort, row_limit=12))
 
     full_s = statistics.median(r[0] for r in runs["full"])
-    print(f"{args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
+    tier = f"memory tier on {index.store.memory.device} ({index.store.memory.nbytes >> 20} MiB held)"
+    print(f"{tier}; {args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
           f"tokens (median), {args.threads} threads, load average {load_before} before the timed runs, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
     print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | aten ops / layer | stages (ms) |")

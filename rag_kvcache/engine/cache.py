@@ -42,6 +42,12 @@ class ChunkKV:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[i], self.values[i]
 
+    def to(self, device: torch.device | str) -> ChunkKV:
+        """This cache on `device` (itself when already there)."""
+        if all(t.device == torch.device(device) for t in (*self.keys, *self.values)):
+            return self
+        return ChunkKV([k.to(device) for k in self.keys], [v.to(device) for v in self.values], self.position)
+
 
 class LayerSource(Protocol):
     """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a stored `Entry`."""

@@ -38,14 +38,15 @@ _STATS_FILE = "stats.json"
 
 
 class KVStore:
-    """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front and a
-    remote tier behind."""
+    """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front (in host
+    memory, or on the model's device) and a remote tier behind."""
 
-    def __init__(self, root: Path, config: StorageConfig = StorageConfig()) -> None:
+    def __init__(self, root: Path, config: StorageConfig = StorageConfig(), device: torch.device | str = "cpu") -> None:
+        """`device` is the model's: where the memory tier keeps its caches when `config.memory_on_device`."""
         self.root = Path(root)
         self.config = config
         self.codec = get_codec(config.codec)
-        self.memory = MemoryTier(config.memory_bytes, config.eviction)
+        self.memory = MemoryTier(config.memory_bytes, config.eviction, device if config.memory_on_device else "cpu")
         promote = self.memory.put if config.memory_bytes > 0 else None
         self.disk = DiskTier(self.root, self.codec, config.disk_bytes, config.eviction, on_loaded=promote)
         self.remote = _remote_tier(config, promote) if config.remote is not None else None

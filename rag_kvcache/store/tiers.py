@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 
 from ..config import Eviction
 from ..engine.cache import ChunkKV
@@ -97,10 +98,12 @@ class EvictionPolicy:
 
 
 class MemoryTier(Counted):
-    """Decoded chunk caches in process memory, within `budget` bytes."""
+    """Decoded chunk caches in process memory, within `budget` bytes, held on `device` (host memory, or a
+    GPU's: a cache put here is moved there once, so every later read finds it in place)."""
 
-    def __init__(self, budget: int, eviction: Eviction) -> None:
+    def __init__(self, budget: int, eviction: Eviction, device: torch.device | str = "cpu") -> None:
         self.budget = budget
+        self.device = torch.device(device)
         super().__init__()
         self._policy = EvictionPolicy(eviction)
         self._items: dict[str, ChunkKV] = {}
@@ -131,6 +134,7 @@ class MemoryTier(Counted):
     def put(self, key: str, kv: ChunkKV) -> None:
         if kv.nbytes > self.budget:
             return
+        kv = kv.to(self.device)
         with self._lock:
             self._items[key] = kv
             self._policy.add(key, kv.nbytes)

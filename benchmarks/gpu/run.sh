@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 30's GPU table in one device run: the fused path's CUDA tests, then benchmarks/musique/profile_stages.py
+# on random-weight Llamas of Llama-3.2-1B's shape and of an 8B shape (bf16, MuSiQue top-6 x 512), with the
+# memory tier in host memory (each layer staged through pinned memory) and on the device, reported apart.
+#
+#   bash benchmarks/gpu/run.sh MUSIQUE_JSON TOKENIZER_DIR OUT_DIR
+#
+# TOKENIZER_DIR is a saved Hugging Face tokenizer (SmolLM2's); nothing is downloaded. Each step has its own
+# time limit and the next runs whatever the last did, so a run cut short still leaves what it measured in OUT_DIR.
+set -u
+data=$1 tok=$2 out=$3
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+work=$(mktemp -d)
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
+    local name=$1 limit=$2; shift 2
+    echo "== $name ($(date -u +%T))"
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "   rc=$? ($(date -u +%T))"; tail -n 12 "$out/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step llama-1b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
+step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$tok" --out "$work/bow"
+common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
+        --threads 8 --memory-mib 8192)
+step 1b-host 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --profile
+step 1b-device 120 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device
+rm -rf "$work/llama-1b"
+step llama-8b 150 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-8b" --device cuda \
+    --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336
+step 8b-device 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-8b" --model "$work/llama-8b" \
+    --memory-on-device --methods full,reuse,epic,cacheblend
+rm -rf "$work"
