@@ -84,11 +84,11 @@ def test_read_layer_on_cuda_equals_copying_each_segment():
 @pytest.mark.parametrize("method", ["prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"])
 def test_every_method_on_cuda_equals_the_cpu_path(tokenizer, method):
     # the same weights and prompt in float32: the device's answer is the CPU path's, method for method
-    model = tiny_llama()
-    cpu = ModelAdapter(model, tokenizer, name="tiny")
-    ref = get_method(method)(cpu, rag_prompt(cpu), FusionConfig(method=method))
+    cfg = FusionConfig(method=method, repick_layers=(2, 3))  # re-picks inside the tiny model's 4 layers
+    cpu = ModelAdapter(tiny_llama(), tokenizer, name="tiny")
+    ref = get_method(method)(cpu, rag_prompt(cpu), cfg)
     cuda = ModelAdapter(tiny_llama().to("cuda"), tokenizer, name="tiny-cuda")
-    out = get_method(method)(cuda, rag_prompt(cuda), FusionConfig(method=method))
+    out = get_method(method)(cuda, rag_prompt(cuda), cfg)
     assert out.compute_fraction == ref.compute_fraction  # the same tokens recomputed
     torch.testing.assert_close(out.logits.cpu(), ref.logits, atol=1e-3, rtol=0)
 

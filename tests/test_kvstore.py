@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -32,6 +33,19 @@ def test_round_trip(tmp_path):
     for a, b in zip(got.keys + got.values, kv.keys + kv.values):
         assert torch.equal(a, b) and a.dtype == torch.bfloat16
     assert not list(tmp_path.rglob(".tmp-*"))  # nothing half-written left behind
+
+
+def test_memory_tier_on_the_device_holds_what_is_read_there(tmp_path):
+    # with memory_on_device, an entry read whole from disk is promoted onto the model's device ("meta" stands
+    # in for a GPU here; tests/test_gpu.py reads one on CUDA); without it, the tier stays in host memory
+    key = cache_key("ns", (), (3, 4, 5))
+    for on_device, where in ((True, "meta"), (False, "cpu")):
+        store = KVStore(tmp_path / str(on_device), replace(LOSSLESS, memory_on_device=on_device), device="meta")
+        store.put(key, make_kv())
+        assert store.get(key).keys[0].device.type == "cpu"  # read from disk, then promoted
+        held = store.open(key)
+        assert isinstance(held, ChunkKV) and {t.device.type for t in (*held.keys, *held.values)} == {where}
+        assert store.memory.nbytes == make_kv().nbytes
 
 
 def test_key_depends_on_namespace_context_and_ids():

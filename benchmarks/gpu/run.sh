@@ -3,12 +3,13 @@
 # on random-weight Llamas of Llama-3.2-1B's shape and of an 8B shape (bf16, MuSiQue top-6 x 512), with the
 # memory tier in host memory (each layer staged through pinned memory) and on the device, reported apart.
 #
-#   bash benchmarks/gpu/run.sh MUSIQUE_JSON TOKENIZER_DIR OUT_DIR
+#   bash benchmarks/gpu/run.sh MUSIQUE_JSON LLM_TOKENIZER_DIR EMBEDDER_TOKENIZER_DIR OUT_DIR
 #
-# TOKENIZER_DIR is a saved Hugging Face tokenizer (SmolLM2's); nothing is downloaded. Each step has its own
+# The tokenizer folders are saved Hugging Face tokenizers (SmolLM2's for the Llamas; MiniLM's WordPiece for the
+# bag-of-words embedder, with which retrieval gives ~2,500-3,000-token prompts); nothing is downloaded. Each step has its own
 # time limit and the next runs whatever the last did, so a run cut short still leaves what it measured in OUT_DIR.
 set -u
-data=$1 tok=$2 out=$3
+data=$1 tok=$2 embed_tok=$3 out=$4
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 work=$(mktemp -d)
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 step llama-1b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
-step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$tok" --out "$work/bow"
+step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$embed_tok" --out "$work/bow"
 common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
         --threads 8 --memory-mib 8192)
 step 1b-host 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --profile

@@ -24,6 +24,7 @@ from .common import (
     DeviationName,
     DType,
     KVCodec,
+    KVOnDevice,
     KVRemote,
     PromptStyle,
     base_config,
@@ -112,6 +113,7 @@ def bench(
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
     kv_remote: KVRemote = None,
+    kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
     resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
                                          "measure the rest (same settings and machine only).")] = False,
@@ -147,7 +149,7 @@ def bench(
         cfg = cfg.with_fusion(ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
                               deviation=deviation.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
-        cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value)
+        cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value, memory_on_device=kv_on_device)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:

@@ -16,6 +16,7 @@ from ..serving.settings import ServerConfig
 from .common import (
     INDEX_HELP,
     History,
+    KVOnDevice,
     KVRemote,
     Order,
     PlacedDevice,
@@ -47,6 +48,7 @@ def serve(
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
+    kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
     template_text: Annotated[bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")] = default(
@@ -71,7 +73,7 @@ def serve(
                                   max_body_bytes=max_body_bytes, max_per_key=max_per_key, order=order.value,
                                   history=history.value)
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(template_text=template_text)
-        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, conversation_bytes=conversation_bytes,
+        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, memory_on_device=kv_on_device, conversation_bytes=conversation_bytes,
                                                       request_bytes=request_bytes))
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
