@@ -10,6 +10,7 @@ demo: setup
 	.venv/bin/rag-kvcache demo
 
 test: setup
+	.venv/bin/ruff format --check rag_kvcache integrations tests benchmarks datasets  # the layout ruff format gives (pyproject)
 	.venv/bin/ruff check rag_kvcache integrations tests benchmarks datasets  # pyflakes, errors, import order (pyproject)
 	.venv/bin/mypy  # the package's types, at the strictness of pyproject's [tool.mypy]
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link fails

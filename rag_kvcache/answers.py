@@ -54,18 +54,24 @@ class Answer:
     def usage(self) -> dict[str, int]:
         """Token counts, named as OpenAI's API names them."""
         return {
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated_tokens,
-            "total_tokens": self.prompt_tokens + self.generated_tokens, "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.generated_tokens,
+            "total_tokens": self.prompt_tokens + self.generated_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
     @property
     def fusion_stats(self) -> dict[str, object]:
         """What the fusion did and what it cost (the integrations' response metadata)."""
         return {
-            "method": self.method, "ttft_s": self.ttft_s, "recomputed_tokens": self.recomputed_tokens,
-            "conversation_tokens": self.conversation_tokens, "compute_fraction": self.compute_fraction,
+            "method": self.method,
+            "ttft_s": self.ttft_s,
+            "recomputed_tokens": self.recomputed_tokens,
+            "conversation_tokens": self.conversation_tokens,
+            "compute_fraction": self.compute_fraction,
             "cache_misses": self.cache_misses,
-            "generation_s": self.generation_s, "stages": self.stages,
+            "generation_s": self.generation_s,
+            "stages": self.stages,
         }
 
     def to_dict(self) -> dict:

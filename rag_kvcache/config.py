@@ -54,33 +54,42 @@ class FusionConfig:
         "cacheblend", f"Fusion method: a name registered in rag_kvcache.METHODS (built in: {BUILTIN_METHODS})."
     )
     ratio: float | Literal["auto"] = setting(
-        0.15, "CacheBlend recompute ratio in [0, 1], or 'auto': the loading controller's choice "
-        "(needs `rag-kvcache calibrate`)."
+        0.15,
+        "CacheBlend recompute ratio in [0, 1], or 'auto': the loading controller's choice "
+        "(needs `rag-kvcache calibrate`).",
     )
     check_layer: int = setting(1, "CacheBlend check layer.")
-    filter_steps: int = setting(1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers.")
+    filter_steps: int = setting(
+        1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers."
+    )
     deviation: Deviation = setting("k", "CacheBlend: select the tokens whose K (or V) deviates most from the cache.")
     epic_k: int = setting(16, "EPIC: recomputed leading tokens per chunk.")
     match_words: int = setting(
         3, "epic_match: a sentence echoes the question when it shares this many distinct words with it."
     )
     evidence_sentences: int = setting(
-        2, "epic_evidence: recompute this many sentences of the retrieved chunks, those the index's embedder finds "
-        "closest in meaning to the question."
+        2,
+        "epic_evidence: recompute this many sentences of the retrieved chunks, those the index's embedder finds "
+        "closest in meaning to the question.",
     )
     repick_layers: tuple[int, ...] = setting(
-        (4, 10), "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time."
+        (4, 10),
+        "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time.",
     )
-    repick_decay: float = setting(0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it.")
+    repick_decay: float = setting(
+        0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it."
+    )
     drift_limit: float | None = setting(
-        None, "CacheBlend's per-question bound, an experiment of the bench (`cacheblend:drift=X`): when the drift its "
+        None,
+        "CacheBlend's per-question bound, an experiment of the bench (`cacheblend:drift=X`): when the drift its "
         "check layer estimates exceeds this, every token is recomputed from that layer on (full prefill's answer); "
-        "none: never. The estimate does not yet predict a question's drift (benchmarks/RESULTS.md, session 16)."
+        "none: never. The estimate does not yet predict a question's drift (benchmarks/RESULTS.md, session 16).",
     )
     template_text: bool = setting(
-        False, "Read a prompt template's recurring text after the chunks (learned from the prompts) from a cache, as an "
+        False,
+        "Read a prompt template's recurring text after the chunks (learned from the prompts) from a cache, as an "
         "inexact chunk's: faster, at a measured fidelity cost (CacheBlend TF KL +15% in LlamaIndex's layout); off: it "
-        "is computed."
+        "is computed.",
     )
 
     def __post_init__(self) -> None:
@@ -115,8 +124,9 @@ class GenerationConfig:
     seed: int | None = setting(None, "Seed for sampling (none: a fresh random seed).")
     stop: tuple[str, ...] = setting((), "Stop string: generation ends before it (repeatable).")
     json_schema: str | None = setting(
-        None, "A JSON Schema (as JSON text): the answer is decoded constrained to JSON that matches it "
-        "(needs rag-kvcache[structured])."
+        None,
+        "A JSON Schema (as JSON text): the answer is decoded constrained to JSON that matches it "
+        "(needs rag-kvcache[structured]).",
     )
 
     def __post_init__(self) -> None:
@@ -132,13 +142,25 @@ class GenerationConfig:
         return self.temperature < GREEDY_BELOW
 
     def with_options(
-        self, *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-        seed: int | None = None, stop: Sequence[str] | None = None, json_schema: str | None = None,
+        self,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        json_schema: str | None = None,
     ) -> GenerationConfig:
         """These settings with a caller's per-request options (a framework's `max_tokens`, `temperature`,
         ...) put over them; None keeps the setting."""
-        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                 "stop": None if stop is None else tuple(stop), "json_schema": json_schema}
+        given = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop": None if stop is None else tuple(stop),
+            "json_schema": json_schema,
+        }
         return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
@@ -170,30 +192,35 @@ class StorageConfig:
 
     memory_bytes: int = 256 << 20
     memory_on_device: bool = setting(
-        False, "Keep the memory tier's caches on the model's device (a GPU's memory; memory_bytes is then spent there): "
+        False,
+        "Keep the memory tier's caches on the model's device (a GPU's memory; memory_bytes is then spent there): "
         "a query reads them in place, with no host-to-device copy per layer. On a CPU it changes nothing.",
     )
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
     codec: CodecName = setting(
-        "int8-channel", "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
+        "int8-channel",
+        "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
         "of float32), int8 with per-token scales, fp8, or as computed (none: the only lossless one).",
     )
     prefetch_layers: int = 2
     quality_floor: float = 0.15
     remote: str | None = setting(
-        None, "Shared KV tier on a Redis or Valkey server, redis://[user:password@]host:port/db (rediss:// for "
+        None,
+        "Shared KV tier on a Redis or Valkey server, redis://[user:password@]host:port/db (rediss:// for "
         "TLS, unix:///path.sock): every process that opens the index reads and writes the same entries there.",
     )
     remote_timeout: float = 5.0
     remote_retry: float = 30.0
     remote_secret: bytes | None = field(default=None, repr=False)  # authenticates the remote tier's entries (HMAC)
     request_bytes: int = setting(
-        256 << 20, "Memory per API key for the caches of request text (a prompt head: a pipeline's instructions "
+        256 << 20,
+        "Memory per API key for the caches of request text (a prompt head: a pipeline's instructions "
         "before its first chunk, and the chunk behind it), least recently used evicted first; never written to disk.",
     )
     conversation_bytes: int = setting(
-        512 << 20, "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
+        512 << 20,
+        "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
         "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
     )
 
@@ -236,7 +263,9 @@ class StorageConfig:
 class Config:
     """Everything that decides what is indexed, cached and generated."""
 
-    model: str = setting(DEFAULT_MODEL, "The LLM: SmolLM2-135M-Instruct, a Hugging Face id, a local directory or a .gguf file.")
+    model: str = setting(
+        DEFAULT_MODEL, "The LLM: SmolLM2-135M-Instruct, a Hugging Face id, a local directory or a .gguf file."
+    )
     embedder: str = setting(DEFAULT_EMBEDDER, "sentence-transformers model that embeds the chunks.")
     chunk_tokens: int = setting(512, "Chunk size in LLM tokens (typically 128 or 512).")
     top_k: int = setting(6, "Chunks retrieved per question.")
@@ -249,26 +278,30 @@ class Config:
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = setting(
-        "behind_prefix", "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
+        "behind_prefix",
+        "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
         "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
         "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
         "cached_neighbours: the same, but behind the neighbours' cached K/V instead of their recomputed text, so only "
-        "the chunk's own tokens are computed for each context)."
+        "the chunk's own tokens are computed for each context).",
     )
     context_chunks: int = setting(
-        3, "chunk_prefill=neighbours or cached_neighbours: a chunk's caches are computed behind its 1, 2, ... this many "
+        3,
+        "chunk_prefill=neighbours or cached_neighbours: a chunk's caches are computed behind its 1, 2, ... this many "
         "most similar chunks; "
-        "a chunk with r chunks before it in a prompt reads the one behind min(r, this)."
+        "a chunk with r chunks before it in a prompt reads the one behind min(r, this).",
     )
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
     dtype: Literal["float32", "float16", "bfloat16"] = setting(
-        "float32", "Dtype of the model and its KV caches. An index records the one it was built with and is read "
-        "with it unless told otherwise; another dtype misses every cached chunk."
+        "float32",
+        "Dtype of the model and its KV caches. An index records the one it was built with and is read "
+        "with it unless told otherwise; another dtype misses every cached chunk.",
     )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     ray: str | None = setting(
-        None, "Compute the KV caches on a Ray cluster (needs rag-kvcache[ray]): its address (auto, ray://host:10001), "
-        "or local to start one on this machine."
+        None,
+        "Compute the KV caches on a Ray cluster (needs rag-kvcache[ray]): its address (auto, ray://host:10001), "
+        "or local to start one on this machine.",
     )
     ray_workers: int = setting(0, "Ray actors computing KV caches, each with a loaded model (0: one per free CPU).")
     fusion: FusionConfig = field(default_factory=FusionConfig)

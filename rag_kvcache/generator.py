@@ -115,12 +115,14 @@ def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
     """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
     `unmatched` ids before its first run, as far as the head's text ends with it (character for
     character: the prompt may have re-tokenised or stripped it), is cut off at a token boundary."""
+
     def text(ids: Sequence[int]) -> str:
         return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
     whole, chunk = text(head), text(unmatched)
-    shared = next((k for k in range(min(len(whole), len(chunk))) if whole[-1 - k] != chunk[-1 - k]),
-                  min(len(whole), len(chunk)))
+    shared = next(
+        (k for k in range(min(len(whole), len(chunk))) if whole[-1 - k] != chunk[-1 - k]), min(len(whole), len(chunk))
+    )
     end = len(whole) - shared  # the head's text before the chunk's
     return bisect_right(range(len(head) + 1), end, key=lambda n: len(text(head[:n]))) - 1
 
@@ -129,7 +131,10 @@ class FusedGenerator:
     """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
 
     def __init__(
-        self, index: KVIndex, conversations: ConversationCache | None = None, layers: FusionModel | None = None,
+        self,
+        index: KVIndex,
+        conversations: ConversationCache | None = None,
+        layers: FusionModel | None = None,
     ) -> None:
         """`conversations`: where answered prompts' K/V are kept for the turns that continue them (None:
         nothing is kept, every prompt is fused from the chunk caches alone). `layers`: the model whose layers
@@ -142,8 +147,13 @@ class FusedGenerator:
         self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
 
     def ask(
-        self, question: str, hits: Sequence[Hit] | None = None, *, top_k: int | None = None,
-        fusion: FusionConfig | None = None, generation: GenerationConfig | None = None,
+        self,
+        question: str,
+        hits: Sequence[Hit] | None = None,
+        *,
+        top_k: int | None = None,
+        fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Answer:
         """Answer `question` over `hits` (in order), or over the top-k chunks retrieved for it;
@@ -166,8 +176,12 @@ class FusedGenerator:
         return replace(answer, retrieval_s=retrieval_s, chunks=chunks)
 
     def complete(
-        self, prompt: str | Sequence[Mapping[str, str]], *, fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None, on_text: Callable[[str], None] | None = None,
+        self,
+        prompt: str | Sequence[Mapping[str, str]],
+        *,
+        fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Answer:
         """Answer any prompt, a string or chat messages (`render_prompt`), reading from the cache every
         indexed chunk found in it (`prompt_segments`); `on_text` receives the text as it streams.
@@ -196,8 +210,10 @@ class FusedGenerator:
         chunk quoted in their text found by its token ids (`find_chunks`)."""
         if chunks:
             if not turns or turns[-1].role != "user":
-                raise ValueError("chunks go at the head of the last message, which must be a user message; it is "
-                                 f"{turns[-1].role if turns else 'missing'!r}")
+                raise ValueError(
+                    "chunks go at the head of the last message, which must be a user message; it is "
+                    f"{turns[-1].role if turns else 'missing'!r}"
+                )
             parts = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in chunks)
             turns = [*turns[:-1], ChatTurn("user", parts + tuple(turns[-1].parts))]
         segments = chat_segments(self.adapter.tokenizer, self.index.config.system_prompt, turns)
@@ -206,7 +222,11 @@ class FusedGenerator:
         return self.find_chunks(segments, fusion)
 
     def fitted_chat(
-        self, turns: Sequence[ChatTurn], chunks: Sequence[ChunkRecord], fusion: FusionConfig | None, limit: int,
+        self,
+        turns: Sequence[ChatTurn],
+        chunks: Sequence[ChunkRecord],
+        fusion: FusionConfig | None,
+        limit: int,
         salt: str = "",
     ) -> tuple[list[Segment], int]:
         """`chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
@@ -231,8 +251,10 @@ class FusedGenerator:
                 if 2 * _n_tokens(shorter) <= limit:
                     break
         if not fitting:
-            raise PromptTooLongError(f"the chat's prompt has {_n_tokens(segments)} tokens, over the {limit} allowed, "
-                                     "even with only its system messages and last message")
+            raise PromptTooLongError(
+                f"the chat's prompt has {_n_tokens(segments)} tokens, over the {limit} allowed, "
+                "even with only its system messages and last message"
+            )
 
         def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the prompt
             ids = [t for seg in candidate[1] for t in seg.ids]
@@ -241,8 +263,13 @@ class FusedGenerator:
 
         best = max(fitting, key=held)  # a cut an earlier turn of the chat was made at, else down to half the limit
         kept = best if held(best) else fitting[-1]
-        log.info("the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
-                 _n_tokens(segments), limit, kept[0], _n_tokens(kept[1]))
+        log.info(
+            "the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
+            _n_tokens(segments),
+            limit,
+            kept[0],
+            _n_tokens(kept[1]),
+        )
         return kept[1], kept[0]
 
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
@@ -261,7 +288,9 @@ class FusedGenerator:
         if get_method(fusion.method).reads_cache and not quoted:
             log.warning(
                 "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
-                "token, so it is computed in full", fusion.method, len(ids),
+                "token, so it is computed in full",
+                fusion.method,
+                len(ids),
             )
         return out
 
@@ -279,14 +308,22 @@ class FusedGenerator:
         chunks = frozenset(seg.stored for seg in segments[1 : last + 1] if seg.cacheable)
         if learned := self.templates.learn(head, chunks, tail):
             self.index.precompute(learned, progress=False)
-            log.info("learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
-                     len(learned), [len(s) for s in learned], len(head))
-        runs = [StoredRun(start + s.start, s.chunk, s.offset, s.length, f"template:{len(s.chunk)}")
-                for s in self.templates.find(head, tail)]
+            log.info(
+                "learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
+                len(learned),
+                [len(s) for s in learned],
+                len(head),
+            )
+        runs = [
+            StoredRun(start + s.start, s.chunk, s.offset, s.length, f"template:{len(s.chunk)}")
+            for s in self.templates.find(head, tail)
+        ]
         return with_runs(segments, runs)
 
     def stream(
-        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
+        self,
+        segments: Sequence[Segment],
+        fusion: FusionConfig | None = None,
         generation: GenerationConfig | None = None,
     ) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers
@@ -297,8 +334,12 @@ class FusedGenerator:
         yield self.finish(live)
 
     def start(
-        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None, salt: str = "", pool: DecodePool | None = None,
+        self,
+        segments: Sequence[Segment],
+        fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+        salt: str = "",
+        pool: DecodePool | None = None,
     ) -> Generation:
         """Fuse the prompt's caches and sample the first token: a `Generation` whose decoder takes that
         token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`:
@@ -336,12 +377,23 @@ class FusedGenerator:
         live.decoder.close()
         n_generated, result = len(live.decoder.ids), live.fused.result
         return Answer(
-            answer="", method=live.method, ttft_s=live.ttft_s, retrieval_s=0.0, prompt_tokens=live.fused.prompt_tokens,
-            recomputed_tokens=result.recomputed_tokens, compute_fraction=result.compute_fraction,
-            generation_s=generation_s, generated_tokens=n_generated, cache_misses=live.fused.cache_misses,
-            cache_computed_tokens=live.fused.cache_computed_tokens, conversation_tokens=live.fused.conversation_tokens,
+            answer="",
+            method=live.method,
+            ttft_s=live.ttft_s,
+            retrieval_s=0.0,
+            prompt_tokens=live.fused.prompt_tokens,
+            recomputed_tokens=result.recomputed_tokens,
+            compute_fraction=result.compute_fraction,
+            generation_s=generation_s,
+            generated_tokens=n_generated,
+            cache_misses=live.fused.cache_misses,
+            cache_computed_tokens=live.fused.cache_computed_tokens,
+            conversation_tokens=live.fused.conversation_tokens,
             finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
-            stages=result.stages, first_token_logits=result.logits, drift=result.drift, bounded=result.bounded,
+            stages=result.stages,
+            first_token_logits=result.logits,
+            drift=result.drift,
+            bounded=result.bounded,
         )
 
     def _remember(self, live: Generation) -> None:
@@ -363,8 +415,10 @@ class FusedGenerator:
         hit = self.conversations.match(salt, ids, method.name if method.exact else None)
         if hit is None or hit.n_tokens <= (len(segments[0].ids) if segments[0].cacheable else 0):
             return segments, None
-        return [Segment(ids[: hit.n_tokens], True, "conversation"),
-                *segments_after(segments, ids, hit.n_tokens, method.reads_cache)], hit
+        return [
+            Segment(ids[: hit.n_tokens], True, "conversation"),
+            *segments_after(segments, ids, hit.n_tokens, method.reads_cache),
+        ], hit
 
     def fuse(self, segments: Sequence[Segment], fusion: FusionConfig, salt: str = "") -> Fused:
         """The prompt's KV cache: the index opens the segments' caches (none for a method that reads
@@ -398,10 +452,18 @@ class FusedGenerator:
             inp = FusionInput.build(list(segments), sources, contexts, device=self.layers.device)
         if method.reads_relevance:
             with clock.stage("evidence"):
-                inp = replace(inp, relevance=sentence_relevance(
-                    inp.ids, self.layers.lexicon, inp.segment_of, inp.reusable,
-                    inp.token_mask(lambda p: p is inp.parts[-1]), self.adapter.tokenizer, self.index.embed,
-                ))
+                inp = replace(
+                    inp,
+                    relevance=sentence_relevance(
+                        inp.ids,
+                        self.layers.lexicon,
+                        inp.segment_of,
+                        inp.reusable,
+                        inp.token_mask(lambda p: p is inp.parts[-1]),
+                        self.adapter.tokenizer,
+                        self.index.embed,
+                    ),
+                )
         depth = self.index.config.storage.prefetch_layers
         placement = inp.placement(self.layers)
         if caches is None or depth == 0:

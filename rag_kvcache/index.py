@@ -81,7 +81,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _INDEX_CONFIG_KEYS = (
-    "model", "embedder", "chunk_tokens", "index_type", "system_prompt", "chunk_prefill", "context_chunks", "dtype",
+    "model",
+    "embedder",
+    "chunk_tokens",
+    "index_type",
+    "system_prompt",
+    "chunk_prefill",
+    "context_chunks",
+    "dtype",
 )
 
 
@@ -91,8 +98,12 @@ class KVIndex:
     def __init__(self, path: Path, config: Config, chunks: ChunkIndex, adapter: ModelAdapter) -> None:
         self.path = path
         if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:  # what the index records wins
-            log.info("index %s stores KV caches as %r: reading and writing them so, not as %r", path, codec,
-                     config.storage.codec)
+            log.info(
+                "index %s stores KV caches as %r: reading and writing them so, not as %r",
+                path,
+                codec,
+                config.storage.codec,
+            )
             config = replace(config, storage=replace(config.storage, codec=codec))
         self.config = config
         self.chunks = chunks
@@ -106,12 +117,20 @@ class KVIndex:
         if self.foreign:
             log.warning(
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
-                "chunk and prefill it at query time, keeping it in this process's memory, not in the index", path, chunks.meta.get("model"), built_with, config.model,
+                "chunk and prefill it at query time, keeping it in this process's memory, not in the index",
+                path,
+                chunks.meta.get("model"),
+                built_with,
+                config.model,
                 adapter.fingerprint,
             )
         if (remote := chunks.meta.get("kv_remote")) and config.storage.remote is None:
-            log.warning("index %s was built with its KV caches also in the shared tier %s; opened without it "
-                        "(--kv-remote), the caches missing from this machine's disk are recomputed", path, remote)
+            log.warning(
+                "index %s was built with its KV caches also in the shared tier %s; opened without it "
+                "(--kv-remote), the caches missing from this machine's disk are recomputed",
+                path,
+                remote,
+            )
         if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
             raise ValueError(
                 f"index {path} was chunked with the tokenizer of {chunks.meta.get('model')!r}; {config.model!r} "
@@ -131,7 +150,8 @@ class KVIndex:
                 return cls(path, config, ChunkIndex.open(path, embedder), adapter)
             meta = {k: str(getattr(config, k)) for k in _INDEX_CONFIG_KEYS}
             meta |= {
-                "model_fingerprint": adapter.fingerprint, "tokenizer": _tokenizer_id(adapter.tokenizer),
+                "model_fingerprint": adapter.fingerprint,
+                "tokenizer": _tokenizer_id(adapter.tokenizer),
                 "kv_codec": config.storage.codec,
             } | ({"kv_remote": config.storage.remote_address} if config.storage.remote else {})
             chunks = ChunkIndex.create(path, embedder, config.embedder, meta, config.index_type)
@@ -139,7 +159,11 @@ class KVIndex:
 
     @classmethod
     def build(
-        cls, docs_dir: Path, path: Path, config: Config = Config(), adapter: ModelAdapter | None = None,
+        cls,
+        docs_dir: Path,
+        path: Path,
+        config: Config = Config(),
+        adapter: ModelAdapter | None = None,
         progress: bool = True,
     ) -> KVIndex:
         """Index `docs_dir` into `path`, creating the index or bringing it up to date."""
@@ -178,8 +202,12 @@ class KVIndex:
         with _writer_lock(self.path):
             used = self.live_keys()
             staged = self.chunks.stage_sync(
-                Path(docs_dir), lambda text, src: chunk_document(text, src, tok, n), progress=progress, prune=prune,
-                max_file_bytes=self.config.max_file_bytes, max_documents=self.config.max_documents,
+                Path(docs_dir),
+                lambda text, src: chunk_document(text, src, tok, n),
+                progress=progress,
+                prune=prune,
+                max_file_bytes=self.config.max_file_bytes,
+                max_documents=self.config.max_documents,
             )
             self.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
             report = self.chunks.commit(staged)  # a committed chunk always has its cache
@@ -197,7 +225,9 @@ class KVIndex:
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             used = self.live_keys()
-            staged = self.chunks.stage_texts(documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress)
+            staged = self.chunks.stage_texts(
+                documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress
+            )
             self.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress)
             report = self.chunks.commit(staged)
             self._pending_path.unlink(missing_ok=True)  # committed: the run's caches are the index's now
@@ -266,8 +296,13 @@ class KVIndex:
             self.store.disk.remove(path.stem)
         temp = self.store.disk.remove_stale_temp_files() + len(faiss_file.remove_temp_files(self.path))
         if orphans or temp:
-            log.info("collected %d orphan KV caches (%.1f MiB) and %d temporary files in %s",
-                     len(orphans), freed / 2**20, temp, self.path)
+            log.info(
+                "collected %d orphan KV caches (%.1f MiB) and %d temporary files in %s",
+                len(orphans),
+                freed / 2**20,
+                temp,
+                self.path,
+            )
         return Collected(len(orphans), freed, temp)
 
     def flush_stats(self) -> None:
@@ -279,7 +314,10 @@ class KVIndex:
             log.warning("could not write the KV store counters of %s: %s", self.path, err)
 
     def precompute(
-        self, chunks: Sequence[tuple[int, ...]], progress: bool = True, workers: RayWorkers | None = None,
+        self,
+        chunks: Sequence[tuple[int, ...]],
+        progress: bool = True,
+        workers: RayWorkers | None = None,
     ) -> int:
         """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many.
         The writes run behind the compute (`WriteBehind`); with `workers`, the chunks' caches are computed
@@ -291,7 +329,9 @@ class KVIndex:
         if self.addressing.key(prefix, ()) not in held:
             self.store.put(self.addressing.key(prefix, ()), next(self.compute([prefix], ()))[1])
         todo = list({ids for ids in chunks if self.addressing.key(ids) not in held})
-        self._record_pending(self.pending() | {self.addressing.key(ids): (ids, self.addressing.chunk_context) for ids in todo})
+        self._record_pending(
+            self.pending() | {self.addressing.key(ids): (ids, self.addressing.chunk_context) for ids in todo}
+        )
         if workers is not None:
             workers.store(todo, self.addressing.chunk_context, progress)
             if lost := [ids for ids in todo if self.addressing.key(ids) not in self.store]:
@@ -301,8 +341,13 @@ class KVIndex:
                 )
             return len(todo)
         if todo:
-            log.info("computing the KV caches of %d chunks (%d tokens): about %s on disk (codec %s)", len(todo),
-                     sum(map(len, todo)), decimal(self.kv_bytes(map(len, todo))), self.store.codec.name)
+            log.info(
+                "computing the KV caches of %d chunks (%d tokens): about %s on disk (codec %s)",
+                len(todo),
+                sum(map(len, todo)),
+                decimal(self.kv_bytes(map(len, todo))),
+                self.store.codec.name,
+            )
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
             for i, kv in self.compute(todo, self.addressing.chunk_context):
@@ -342,17 +387,28 @@ class KVIndex:
         caches already stored."""
         table = self._neighbours
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
-        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and self.addressing.key(sep, prefix) not in self.store:
-            self.store.put(self.addressing.key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
+        if (
+            chunks
+            and self.config.chunk_prefill == "cached_neighbours"
+            and sep
+            and self.addressing.key(sep, prefix) not in self.store
+        ):
+            self.store.put(
+                self.addressing.key(sep, prefix), next(self.compute([sep], prefix))[1]
+            )  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
         for chunk in chunks:
             hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
-            near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][: self.config.context_chunks]
+            near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids][
+                : self.config.context_chunks
+            ]
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
             for j, ctx in enumerate(self.addressing.neighbour_contexts(near), 1):
                 if self.addressing.key(chunk.token_ids, ctx) not in self.store:
-                    self.store.put(self.addressing.key(chunk.token_ids, ctx), self._behind_neighbours(chunk.token_ids, near[:j]))
+                    self.store.put(
+                        self.addressing.key(chunk.token_ids, ctx), self._behind_neighbours(chunk.token_ids, near[:j])
+                    )
                     done += 1
             bar.update(1)
         bar.close()
@@ -416,8 +472,9 @@ class KVIndex:
     def addressing(self) -> CacheAddressing:
         """What names this index's caches (the neighbour table it reads is the one `precompute_neighbours` fills)."""
         chunk_context = () if self.config.chunk_prefill == "isolated" else self.format.prefix_ids
-        return CacheAddressing(self.namespace, chunk_context, self.format.prefix_ids, self.format.separator_ids,
-                               self._neighbours)
+        return CacheAddressing(
+            self.namespace, chunk_context, self.format.prefix_ids, self.format.separator_ids, self._neighbours
+        )
 
     def open_caches(self, segments: Sequence[Segment], salt: str = "") -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
@@ -448,13 +505,23 @@ class KVIndex:
                         opened[key] = self._repair(key, at.whole, context, salt if at.request_text else None)
                         recomputed.add(key)
                     else:
-                        opened[key] = entry if isinstance(entry, ChunkKV) else _Repairing(
-                            entry, partial(self._repair, key, at.whole, context))
+                        opened[key] = (
+                            entry
+                            if isinstance(entry, ChunkKV)
+                            else _Repairing(entry, partial(self._repair, key, at.whole, context))
+                        )
                 missing += at.counted and key in recomputed  # per segment
             computed += len(seg.ids) if any(k in recomputed for k in at.keys) else 0
-            source = opened[at.keys[0]] if len(at.keys) == 1 else BlendKV(  # turns made where stored caches live
-                tuple(opened[k] for k in at.keys), self.adapter.inv_freq.cpu())
-            sources.append(SliceKV(source, seg.offset, seg.offset + len(seg.ids)) if len(seg.ids) < len(at.whole) else source)
+            source = (
+                opened[at.keys[0]]
+                if len(at.keys) == 1
+                else BlendKV(  # turns made where stored caches live
+                    tuple(opened[k] for k in at.keys), self.adapter.inv_freq.cpu()
+                )
+            )
+            sources.append(
+                SliceKV(source, seg.offset, seg.offset + len(seg.ids)) if len(seg.ids) < len(at.whole) else source
+            )
         return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
 
     def request_tier(self, salt: str) -> MemoryTier:
@@ -520,8 +587,9 @@ def _write_json(path: Path, data: object) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFullError(err.errno, f"no space left on the device of {path.parent} while writing "
-                                              f"{path.name}: free space") from err
+            raise StorageFullError(
+                err.errno, f"no space left on the device of {path.parent} while writing {path.name}: free space"
+            ) from err
         raise
 
 
@@ -594,5 +662,3 @@ class _Repairing:
 def _tokenizer_id(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     return xxhash.xxh3_64_hexdigest(json.dumps(vocab).encode())
-
-

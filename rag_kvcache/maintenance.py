@@ -85,7 +85,9 @@ def _check(index: KVIndex, report: CheckReport, repair: bool, progress: bool) ->
             "index.sqlite fails SQLite's integrity check: build a new index from the documents (`rag-kvcache index`)"
         )
     for row in verified.bad_rows:
-        report.problems.append(f"index.sqlite: {row.source}" + (f" chunk {row.chunk}" if row.chunk else "") + f": {row.reason}")
+        report.problems.append(
+            f"index.sqlite: {row.source}" + (f" chunk {row.chunk}" if row.chunk else "") + f": {row.reason}"
+        )
     if verified.vectors is not None:
         report.problems.append(f"{faiss_file.VECTORS_FILE} {verified.vectors}")
     if repair and not verified.integrity:
@@ -150,8 +152,10 @@ def _count_garbage(index: KVIndex, report: CheckReport) -> None:
     """List the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes:
     garbage, not damage (a prompt head cached at query time is an orphan too)."""
     if pending := index.pending():
-        report.resumable.append(f"{len(pending)} KV caches of an interrupted `index` run: kept, and read again when "
-                                "the same command runs (it resumes)")
+        report.resumable.append(
+            f"{len(pending)} KV caches of an interrupted `index` run: kept, and read again when "
+            "the same command runs (it resumes)"
+        )
     if orphans := index.orphans():
         size = sum(path.stat().st_size for path in orphans) / 2**20
         report.garbage.append(f"{len(orphans)} orphan KV caches ({size:.1f} MiB) that no indexed chunk uses")

@@ -28,8 +28,7 @@ from .generator import FusedGenerator
 from .index import KVIndex
 from .retrieval.chunk_index import ChunkRecord
 
-CHECK = ("Is the document above relevant to answering this question? Question: {question}\n"
-         "Answer with yes or no.")
+CHECK = "Is the document above relevant to answering this question? Question: {question}\nAnswer with yes or no."
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,9 @@ class RelevanceCheck:
         """A verdict for each chunk, in order: the chunks whose check prompts leave the same number of tokens
         to compute (all of them, on an index of the default `chunk_prefill`) checked in one batched forward."""
         generator, fmt = self.generator, self.generator.index.format
-        check = fmt.question_ids(generator.adapter.tokenizer, self.template.format(question=question.strip()))  # refuses an empty question
+        check = fmt.question_ids(
+            generator.adapter.tokenizer, self.template.format(question=question.strip())
+        )  # refuses an empty question
         pool = DecodePool()
         rows: list[DecodeCache] = []
         tails: list[list[int]] = []  # per chunk, the tokens after its exact head: computed
@@ -69,7 +70,7 @@ class RelevanceCheck:
         for chunk in chunks:
             segments = fmt.segments([chunk.token_ids], check)
             keys, values, n_opened = _exact_head(generator.index, segments)
-            tails.append([t for seg in segments for t in seg.ids][keys[0].shape[1]:])
+            tails.append([t for seg in segments for t in seg.ids][keys[0].shape[1] :])
             rows.append(pool.admit(keys, values, room=len(tails[-1])))
             computed.append(len(tails[-1]) + n_opened)
         p_yes = [0.0] * len(chunks)
@@ -102,8 +103,12 @@ def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch
 
 def _single_tokens(tokenizer, words: Sequence[str]) -> list[int]:
     """The ids of the words that are one token, alone or after a space (how an answer can begin)."""
-    ids = {ids[0] for w in words for text in (w, f" {w}")
-           if len(ids := tokenizer(text, add_special_tokens=False).input_ids) == 1}
+    ids = {
+        ids[0]
+        for w in words
+        for text in (w, f" {w}")
+        if len(ids := tokenizer(text, add_special_tokens=False).input_ids) == 1
+    }
     if not ids:
         raise RagKVCacheError(f"none of {list(words)} is a single token of this tokenizer: no verdict can be read")
     return sorted(ids)

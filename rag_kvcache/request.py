@@ -75,8 +75,9 @@ def fusion_of(index: KVIndex, options: Options) -> FusionConfig:
     """The request's fusion settings: as given, or the index's with the request's changes."""
     method = options.fusion.method if isinstance(options.fusion, FusionConfig) else options.fusion.get("method")
     if method is not None and method not in METHODS:
-        raise RequestError(f"unknown fusion method {method!r}; registered: {', '.join(METHODS)}", "method",
-                           "invalid_method")
+        raise RequestError(
+            f"unknown fusion method {method!r}; registered: {', '.join(METHODS)}", "method", "invalid_method"
+        )
     if isinstance(options.fusion, FusionConfig):
         return options.fusion
     try:
@@ -90,23 +91,35 @@ def generation_of(index: KVIndex, options: Options) -> GenerationConfig:
     any answer (not mid-stream)."""
     cap, defaults = options.max_tokens_limit, index.config.generation
     if options.max_tokens is not None and cap is not None and options.max_tokens > cap:
-        raise RequestError(f"max_tokens is {options.max_tokens}, above this server's limit of {cap}", "max_tokens",
-                           "max_tokens_exceeded")
+        raise RequestError(
+            f"max_tokens is {options.max_tokens}, above this server's limit of {cap}",
+            "max_tokens",
+            "max_tokens_exceeded",
+        )
     try:
         generation = defaults.with_options(
-            max_new_tokens=options.max_tokens if options.max_tokens is not None else (
-                None if cap is None else min(defaults.max_new_tokens, cap)),
-            temperature=options.temperature, top_p=options.top_p, seed=options.seed, stop=options.stop,
+            max_new_tokens=options.max_tokens
+            if options.max_tokens is not None
+            else (None if cap is None else min(defaults.max_new_tokens, cap)),
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
+            stop=options.stop,
             json_schema=options.json_schema,
         )
     except ValueError as e:  # a setting out of range: its message begins with the setting's name
-        raise RequestError(str(e), next((p for name, p in _SAMPLING.items() if str(e).startswith(name)), "sampling")) from None
+        raise RequestError(
+            str(e), next((p for name, p in _SAMPLING.items() if str(e).startswith(name)), "sampling")
+        ) from None
     if generation.json_schema is not None:
         try:
             JsonSchemaConstraint(index.adapter.tokenizer, index.adapter.eos_token_ids, generation.json_schema)
         except ImportError as e:
-            raise RequestError(f"answers cannot be constrained to a JSON Schema here: {e}", "response_format",
-                               "unsupported_response_format") from None
+            raise RequestError(
+                f"answers cannot be constrained to a JSON Schema here: {e}",
+                "response_format",
+                "unsupported_response_format",
+            ) from None
         except ValueError as e:
             raise RequestError(f"invalid response_format: {e}", "response_format") from None
     return generation
@@ -128,7 +141,10 @@ def chunks_of(index: KVIndex, options: Options, query: str) -> list[tuple[ChunkR
 
 
 def chat_prompt(
-    generator: FusedGenerator, turns: Sequence[ChatTurn], options: Options = Options(), salt: str = "",
+    generator: FusedGenerator,
+    turns: Sequence[ChatTurn],
+    options: Options = Options(),
+    salt: str = "",
     fit: int | None = None,
 ) -> Prompt:
     """Chat turns as segments (`FusedGenerator.chat_segments`): chunks named or retrieved go at the head of

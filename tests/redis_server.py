@@ -14,7 +14,8 @@ import redis
 
 REDIS_SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 needs_redis_server = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server not found: install the Debian package redis-server (scripts/setup.sh does)"
+    REDIS_SERVER is None,
+    reason="redis-server not found: install the Debian package redis-server (scripts/setup.sh does)",
 )
 
 
@@ -28,9 +29,25 @@ class RedisServer:
                 s.bind(("127.0.0.1", 0))
                 self.port = s.getsockname()[1]
             self.proc = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(root), "--save", "",
-                 "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    REDIS_SERVER,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(root),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--maxmemory",
+                    maxmemory,
+                    "--maxmemory-policy",
+                    "allkeys-lru",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             if self._wait_ready():
                 return

@@ -6,14 +6,70 @@ import random
 
 from rag_kvcache.bench.datasets import Document, QAExample
 
-_FIRST = ("Alaric", "Brenna", "Caspian", "Delphine", "Evander", "Fenna", "Gideon", "Halvard",
-          "Isolde", "Jorund", "Katrin", "Leopold", "Marisol", "Niamh", "Oswin", "Perpetua")
-_LAST = ("Ashgrove", "Brightwater", "Coldmere", "Dunmore", "Everly", "Fairholm", "Greystone",
-         "Hollowell", "Ironwood", "Kestrel", "Larkspur", "Mossbank", "Northcott", "Quillon")
-_CITIES = ("Varnholt", "Quellmar", "Kelmarsh", "Brisk Harbor", "Tollvik", "Amberlee", "Corvanne",
-           "Duskmoor", "Elmsreach", "Fallowmere", "Glimmerton", "Hesperin", "Istrelle", "Jarrowdale")
-_COUNTRIES = ("Eldoria", "Marvessa", "Tyrnland", "Quoravia", "Sylmar", "Bellandor", "Karthun",
-              "Ostmere", "Vandrel", "Zephyria", "Norhaven", "Caldoris")
+_FIRST = (
+    "Alaric",
+    "Brenna",
+    "Caspian",
+    "Delphine",
+    "Evander",
+    "Fenna",
+    "Gideon",
+    "Halvard",
+    "Isolde",
+    "Jorund",
+    "Katrin",
+    "Leopold",
+    "Marisol",
+    "Niamh",
+    "Oswin",
+    "Perpetua",
+)
+_LAST = (
+    "Ashgrove",
+    "Brightwater",
+    "Coldmere",
+    "Dunmore",
+    "Everly",
+    "Fairholm",
+    "Greystone",
+    "Hollowell",
+    "Ironwood",
+    "Kestrel",
+    "Larkspur",
+    "Mossbank",
+    "Northcott",
+    "Quillon",
+)
+_CITIES = (
+    "Varnholt",
+    "Quellmar",
+    "Kelmarsh",
+    "Brisk Harbor",
+    "Tollvik",
+    "Amberlee",
+    "Corvanne",
+    "Duskmoor",
+    "Elmsreach",
+    "Fallowmere",
+    "Glimmerton",
+    "Hesperin",
+    "Istrelle",
+    "Jarrowdale",
+)
+_COUNTRIES = (
+    "Eldoria",
+    "Marvessa",
+    "Tyrnland",
+    "Quoravia",
+    "Sylmar",
+    "Bellandor",
+    "Karthun",
+    "Ostmere",
+    "Vandrel",
+    "Zephyria",
+    "Norhaven",
+    "Caldoris",
+)
 
 _PERSON_FILLER = (
     "{x} is remembered by colleagues as a patient and methodical worker.",
@@ -57,8 +113,7 @@ def _synthetic_example(rng: random.Random, ident: str, distractors: int) -> QAEx
     cities, countries = rng.sample(_CITIES, k), rng.sample(_COUNTRIES, k)
     docs = [_born(rng, persons[0], cities[0]), _capital(rng, cities[0], countries[0])]
     docs += [
-        _born(rng, persons[i], cities[i]) if i % 2 else _capital(rng, cities[i], countries[i])
-        for i in range(1, k)
+        _born(rng, persons[i], cities[i]) if i % 2 else _capital(rng, cities[i], countries[i]) for i in range(1, k)
     ]
     rng.shuffle(docs)
     return QAExample(

@@ -47,8 +47,9 @@ def test_a_run_of_a_stored_sequence_reads_its_cache_behind_the_tokens_before_the
 
 def test_another_head_makes_it_and_the_first_chunk_behind_it_request_text_under_the_salt():
     at = addressing()
-    head, text, a, b, q = address(at, [Segment((7, 8), True, "head"), Segment((3,), False), chunk(A), chunk(B), Q],
-                                  salt="tenant")
+    head, text, a, b, q = address(
+        at, [Segment((7, 8), True, "head"), Segment((3,), False), chunk(A), chunk(B), Q], salt="tenant"
+    )
     assert head.request_text and head.keys == (at.key((7, 8), (), "tenant"),)
     assert a.request_text and a.contexts == ((7, 8, 3),) and a.keys == (at.key(A, (7, 8, 3), "tenant"),)
     assert not a.counted  # made by the first prompt with this head: not a missing cache

@@ -37,7 +37,9 @@ def test_plan_runs_cover_every_query_once_within_block(block):
     runs = plan_runs(pos, block)
     assert [i for s, e, _ in runs for i in range(s, e)] == list(range(len(pos)))  # every query once, in order
     for s, e, open_end in runs:
-        assert open_end in (pos[s], 0) and (open_end == pos[s] or s == 0)  # opens at its first query, or the first run at 0
+        assert open_end in (pos[s], 0) and (
+            open_end == pos[s] or s == 0
+        )  # opens at its first query, or the first run at 0
         assert block is None or pos[e - 1] - open_end < block  # no masked part spans more than block
 
 

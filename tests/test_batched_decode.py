@@ -89,15 +89,19 @@ def test_rows_extended_by_several_tokens_equal_a_prefill_of_the_whole(tiny, shar
     assert [c.length for c in caches] == [12, 23, 45]
     for r, logits in ((2, got[0]), (0, got[1])):
         n = (7, 23, 40)[r]
-        ids = torch.cat([torch.randint(1000, 20000, (1, n), generator=torch.Generator().manual_seed(r)),
-                         torch.tensor([extension])], 1)  # the prompt `prompts` made, then the extension
+        ids = torch.cat(
+            [torch.randint(1000, 20000, (1, n), generator=torch.Generator().manual_seed(r)), torch.tensor([extension])],
+            1,
+        )  # the prompt `prompts` made, then the extension
         keys, values, want = tiny.prefill(ids)
         torch.testing.assert_close(logits, want[0], atol=1e-5, rtol=0, msg=f"row {r}")
         for layer in range(tiny.layout.n_layers):
             torch.testing.assert_close(caches[r].keys[layer][:, : n + 5], keys[layer][0], atol=1e-5, rtol=0)
             torch.testing.assert_close(caches[r].values[layer][:, : n + 5], values[layer][0], atol=1e-5, rtol=0)
         after = tiny.decode_rows([2000], [caches[r]])[0]  # [V]
-        torch.testing.assert_close(after, tiny.prefill(torch.cat([ids, torch.tensor([[2000]])], 1))[2][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            after, tiny.prefill(torch.cat([ids, torch.tensor([[2000]])], 1))[2][0], atol=1e-5, rtol=0
+        )
     with pytest.raises(ValueError, match=r"same number \(>= 1\) of tokens in every row, got \[2, 1\]"):
         tiny.extend_rows([[1, 2], [3]], caches[:2])
     with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(13 positions\): no room for 2 more"):
@@ -160,7 +164,11 @@ def run_alone(adapter: ModelAdapter, cfg: GenerationConfig, row) -> list[Step]:
 
 
 def run_together(
-    adapter: ModelAdapter, cfgs: list[GenerationConfig], rows, join_at: list[int], shared: bool = True,
+    adapter: ModelAdapter,
+    cfgs: list[GenerationConfig],
+    rows,
+    join_at: list[int],
+    shared: bool = True,
 ) -> list[list[Step]]:
     """Continuous batching as the server does it: decoder i starts (prefill done, first token taken)
     before step `join_at[i]`, into one shared pool (or each into its own); every step advances all
@@ -214,8 +222,11 @@ def test_a_json_schema_row_stays_constrained_beside_free_rows(bpe_tiny, temperat
     decodes alone, valid against the schema; the free rows are unchanged by its mask."""
     high = len(bpe_tiny.tokenizer) - 1
     rows = prompts(bpe_tiny, (12, 30, 9), seed=3, low=0, high=high)
-    cfgs = [GenerationConfig(max_new_tokens=200, temperature=temperature, seed=7, json_schema=SCHEMA),
-            GenerationConfig(max_new_tokens=40), GenerationConfig(max_new_tokens=40, temperature=1.0, seed=5)]
+    cfgs = [
+        GenerationConfig(max_new_tokens=200, temperature=temperature, seed=7, json_schema=SCHEMA),
+        GenerationConfig(max_new_tokens=40),
+        GenerationConfig(max_new_tokens=40, temperature=1.0, seed=5),
+    ]
     want = [run_alone(bpe_tiny, cfg, row) for cfg, row in zip(cfgs, rows)]
     got = run_together(bpe_tiny, cfgs, rows, join_at=[1, 0, 2])
     assert got == want

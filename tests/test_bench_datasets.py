@@ -24,11 +24,12 @@ from rag_kvcache.bench.datasets import (
 REAL_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
 
 MUSIQUE_RECORDS = [
-    {"question": "Where was the author of X educated?", "answers": ["Exeter College"],
-     "ctxs": [{"title": "X", "text": "X was written by Y."},
-              {"title": "Y", "text": "Y studied at Exeter College."}]},
-    {"question": "Who founded Z?", "answers": ["A", "B"],
-     "ctxs": [{"title": "Z", "text": "Z was founded by A."}]},
+    {
+        "question": "Where was the author of X educated?",
+        "answers": ["Exeter College"],
+        "ctxs": [{"title": "X", "text": "X was written by Y."}, {"title": "Y", "text": "Y studied at Exeter College."}],
+    },
+    {"question": "Who founded Z?", "answers": ["A", "B"], "ctxs": [{"title": "Z", "text": "Z was founded by A."}]},
 ]
 
 
@@ -38,8 +39,16 @@ def _write_lines(path: Path, records: list) -> Path:
 
 
 def _longbench(dataset: str, idx: int) -> dict:
-    return {"input": f"question {idx}?", "context": f"long context {idx}", "answers": [f"answer {idx}"],
-            "_id": f"id{idx}", "dataset": dataset, "length": 3, "all_classes": None, "language": "en"}
+    return {
+        "input": f"question {idx}?",
+        "context": f"long context {idx}",
+        "answers": [f"answer {idx}"],
+        "_id": f"id{idx}",
+        "dataset": dataset,
+        "length": 3,
+        "all_classes": None,
+        "language": "en",
+    }
 
 
 def test_load_musique_small_file(tmp_path):
@@ -124,11 +133,14 @@ def test_synthetic_questions_need_both_hops(distractors):
         assert all(60 <= len(t.split()) <= 150 for t in texts)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"n": 0}, "n must be"),
-    ({"n": 1, "distractors": -1}, "distractors"),
-    ({"n": 1, "distractors": 99}, "distractors"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 0}, "n must be"),
+        ({"n": 1, "distractors": -1}, "distractors"),
+        ({"n": 1, "distractors": 99}, "distractors"),
+    ],
+)
 def test_synthetic_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         synthetic_multihop(**kwargs)
@@ -169,17 +181,20 @@ def test_malformed_musique_json(tmp_path):
         load_musique(path)
 
 
-@pytest.mark.parametrize(("record", "match"), [
-    ({"question": "q", "answers": [], "documents": ["d"]}, "no answers"),
-    ({"question": "q", "answers": ["a"], "documents": []}, "no documents"),
-    ({"question": "q", "documents": ["d"]}, "missing key 'answers'"),
-    ({"question": "q", "answers": "a", "documents": ["d"]}, "'answers' must be list"),
-    ({"question": "q", "answers": [1], "documents": ["d"]}, "list of strings"),
-    ({"question": "q", "answers": ["a"], "documents": [{"text": "t"}]}, "document 0: missing key 'title'"),
-    ({"question": "", "answers": ["a"], "documents": ["d"]}, "non-empty question"),
-    ({"question": "q", "answers": ["a"], "documents": ["d"], "task": "chat"}, "'chat'"),
-    (["not", "an", "object"], "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("record", "match"),
+    [
+        ({"question": "q", "answers": [], "documents": ["d"]}, "no answers"),
+        ({"question": "q", "answers": ["a"], "documents": []}, "no documents"),
+        ({"question": "q", "documents": ["d"]}, "missing key 'answers'"),
+        ({"question": "q", "answers": "a", "documents": ["d"]}, "'answers' must be list"),
+        ({"question": "q", "answers": [1], "documents": ["d"]}, "list of strings"),
+        ({"question": "q", "answers": ["a"], "documents": [{"text": "t"}]}, "document 0: missing key 'title'"),
+        ({"question": "", "answers": ["a"], "documents": ["d"]}, "non-empty question"),
+        ({"question": "q", "answers": ["a"], "documents": ["d"], "task": "chat"}, "'chat'"),
+        (["not", "an", "object"], "expected a JSON object"),
+    ],
+)
 def test_bad_jsonl_records(tmp_path, record, match):
     path = _write_lines(tmp_path / "bad.jsonl", [record])
     with pytest.raises(ValueError, match=match):
@@ -203,10 +218,15 @@ def test_empty_file_is_an_error(tmp_path):
 def _musique_like(n: int) -> list[QAExample]:
     filler = "it was built in the old style. many people visit it every year. "
     return [
-        QAExample(f"m{i}", f"question {i}?", ("gold",), tuple(
-            Document("", f"{filler}the tower of kelm {i}-{j} is a stone tower in the north. {filler * 3}")
-            for j in range(3)
-        ))
+        QAExample(
+            f"m{i}",
+            f"question {i}?",
+            ("gold",),
+            tuple(
+                Document("", f"{filler}the tower of kelm {i}-{j} is a stone tower in the north. {filler * 3}")
+                for j in range(3)
+            ),
+        )
         for i in range(n)
     ]
 
@@ -242,8 +262,9 @@ def test_paraphrased_planted_facts_are_the_same_facts_asked_without_the_facts_wo
         assert not (words(fact.format(s="", a="")) & words(paraphrase.format(s=""))), paraphrase
     examples = _musique_like(6)
     lexical, paraphrased = planted_facts(examples, seed=5), planted_facts(examples, seed=5, paraphrased=True)
-    assert [(ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in lexical] == \
-        [(ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in paraphrased]
+    assert [(ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in lexical] == [
+        (ex.id, ex.documents, ex.answers, ex.evidence_rank) for ex in paraphrased
+    ]
     assert all(a.question != b.question for a, b in zip(lexical, paraphrased))
 
 
@@ -258,8 +279,10 @@ def test_planted_facts_round_trip_through_jsonl(tmp_path):
 def test_planted_spec_loads_a_musique_file(tmp_path):
     from rag_kvcache.bench.datasets import load_dataset
 
-    records = [{"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
-               for ex in _musique_like(3)]
+    records = [
+        {"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
+        for ex in _musique_like(3)
+    ]
     (tmp_path / "m.json").write_text(json.dumps(records))
     planted = load_dataset(f"planted:{tmp_path / 'm.json'}", top_k=2)
     assert len(planted) == 3 and {ex.evidence_rank for ex in planted} == {1}
@@ -282,19 +305,30 @@ def test_a_folder_with_questions_is_open_questions_over_every_file(tmp_path):
     questions.write_text("# about the harbour\nWhat is the harbour called?\n\n  Who kept the lighthouse?  \n")
     examples = load_dataset(docs, questions=questions)
     assert [(e.id, e.question, e.answers, e.task) for e in examples] == [
-        ("q0", "What is the harbour called?", (), "open"), ("q1", "Who kept the lighthouse?", (), "open")]
-    assert examples[0].documents == examples[1].documents == (
-        Document("", "# A\nThe harbour is called Saltmere.\n"), Document("", "The lighthouse keeper was Tobias Quell."))
+        ("q0", "What is the harbour called?", (), "open"),
+        ("q1", "Who kept the lighthouse?", (), "open"),
+    ]
+    assert (
+        examples[0].documents
+        == examples[1].documents
+        == (
+            Document("", "# A\nThe harbour is called Saltmere.\n"),
+            Document("", "The lighthouse keeper was Tobias Quell."),
+        )
+    )
 
 
-@pytest.mark.parametrize("case,match", [
-    ("no_questions", "is a folder of documents: give the questions"),
-    ("missing_folder", "documents folder not found"),
-    ("missing_questions", "dataset file not found: .*nowhere.txt"),
-    ("empty_folder", "no readable text files in"),
-    ("blank_questions", "no examples in"),
-    ("format", "has no format"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("no_questions", "is a folder of documents: give the questions"),
+        ("missing_folder", "documents folder not found"),
+        ("missing_questions", "dataset file not found: .*nowhere.txt"),
+        ("empty_folder", "no readable text files in"),
+        ("blank_questions", "no examples in"),
+        ("format", "has no format"),
+    ],
+)
 def test_a_bad_folder_dataset_is_refused_naming_it(tmp_path, case, match):
     docs, questions = tmp_path / "docs", tmp_path / "q.txt"
     docs.mkdir()
@@ -323,8 +357,10 @@ def test_the_planted_set_writer_writes_what_bench_generates(tmp_path):
     """`datasets/planted.py` writes the planted (or paraphrased) set that `bench --dataset planted:` generates."""
     import runpy
 
-    records = [{"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
-               for ex in _musique_like(3)]
+    records = [
+        {"question": ex.question, "answers": ["gold"], "ctxs": [{"title": "", "text": d.text} for d in ex.documents]}
+        for ex in _musique_like(3)
+    ]
     (tmp_path / "m.json").write_text(json.dumps(records))
     script = Path(__file__).resolve().parents[1] / "datasets" / "planted.py"
     for flag, spec in (([], "planted:"), (["--paraphrased"], "planted-paraphrased:")):

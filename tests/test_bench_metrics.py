@@ -100,13 +100,16 @@ def test_kl_masked_logits():
     assert kl_divergence([0.0, 0.0], [0.0, -np.inf]) == math.inf
 
 
-@pytest.mark.parametrize(("p", "q", "match"), [
-    ([0.0, 1.0], [0.0, 1.0, 2.0], "shapes differ"),
-    ([[0.0, 1.0]], [[0.0, 1.0]], "1-D"),
-    ([], [], "1-D"),
-    ([0.0, np.nan], [0.0, 1.0], "NaN"),
-    ([-np.inf, -np.inf], [0.0, 1.0], "-inf everywhere"),
-])
+@pytest.mark.parametrize(
+    ("p", "q", "match"),
+    [
+        ([0.0, 1.0], [0.0, 1.0, 2.0], "shapes differ"),
+        ([[0.0, 1.0]], [[0.0, 1.0]], "1-D"),
+        ([], [], "1-D"),
+        ([0.0, np.nan], [0.0, 1.0], "NaN"),
+        ([-np.inf, -np.inf], [0.0, 1.0], "-inf everywhere"),
+    ],
+)
 def test_kl_rejects_bad_input(p, q, match):
     with pytest.raises(ValueError, match=match):
         kl_divergence(p, q)
@@ -129,11 +132,14 @@ def test_median_ratio_is_median_of_per_item_ratios():
     assert median_ratio([1.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize(("num", "den", "match"), [
-    ([1.0, 2.0], [1.0], "length mismatch"),
-    ([1.0], [0.0], "positive"),
-    ([], [], "non-empty"),
-])
+@pytest.mark.parametrize(
+    ("num", "den", "match"),
+    [
+        ([1.0, 2.0], [1.0], "length mismatch"),
+        ([1.0], [0.0], "positive"),
+        ([], [], "non-empty"),
+    ],
+)
 def test_median_ratio_rejects_bad_input(num, den, match):
     with pytest.raises(ValueError, match=match):
         median_ratio(num, den)

@@ -31,8 +31,9 @@ def test_langchain_layout_is_the_tutorial_chains_prompt() -> None:
 
     template = prompts.ChatPromptTemplate.from_messages([("system", LANGCHAIN_SYSTEM), ("human", "{question}")])
     format_docs = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731 (the tutorial's)
-    messages = template.invoke({"context": format_docs([Document(page_content=t) for t in TEXTS]),
-                                "question": QUESTION}).to_messages()
+    messages = template.invoke(
+        {"context": format_docs([Document(page_content=t) for t in TEXTS]), "question": QUESTION}
+    ).to_messages()
     want = [{"role": {"system": "system", "human": "user"}[m.type], "content": m.content} for m in messages]
     assert style_messages("langchain", TEXTS, QUESTION) == want
 

@@ -14,10 +14,19 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _entry(method: str, params: dict, ttft: float, tf_kl: float | None, **overrides) -> dict:
     entry = {
-        "method": method, "params": params, "ttft_median_s": ttft, "speedup_vs_full": 0.8 / ttft,
-        "compute_fraction": params.get("r"), "tf_kl": tf_kl, "tf_kl_ci": None if tf_kl is None else [tf_kl / 2, tf_kl * 2],
-        "tf_kl_diff": None, "tf_top1": 0.9, "tf_logp_delta": -0.05, "first_token_kl": 0.05,
-        "f1_gold": 0.4, "f1_vs_full": 0.7,
+        "method": method,
+        "params": params,
+        "ttft_median_s": ttft,
+        "speedup_vs_full": 0.8 / ttft,
+        "compute_fraction": params.get("r"),
+        "tf_kl": tf_kl,
+        "tf_kl_ci": None if tf_kl is None else [tf_kl / 2, tf_kl * 2],
+        "tf_kl_diff": None,
+        "tf_top1": 0.9,
+        "tf_logp_delta": -0.05,
+        "first_token_kl": 0.05,
+        "f1_gold": 0.4,
+        "f1_vs_full": 0.7,
     }
     return entry | overrides
 
@@ -29,8 +38,16 @@ def summary() -> list[dict]:
         _entry("naive", {}, 0.1, 0.2, compute_fraction=0.0),
         *(_entry("cacheblend", {"r": r}, 0.1 + r, 0.1 - r / 10, tf_kl_diff=-r) for r in (0.3, 0.05, 0.15)),
         *(_entry("epic", {"k": k}, 0.1 + k / 200, 0.1 - k / 1000, first_token_kl=None) for k in (4, 16)),
-        {"method": "full", "params": {"kv": "bfloat16"}, "noise_floor": True, "tf_kl": 2e-5, "tf_kl_ci": [1e-5, 3e-5],
-         "tf_top1": 1.0, "tf_logp_delta": 0.0, "first_token_kl": 1e-5},
+        {
+            "method": "full",
+            "params": {"kv": "bfloat16"},
+            "noise_floor": True,
+            "tf_kl": 2e-5,
+            "tf_kl_ci": [1e-5, 3e-5],
+            "tf_top1": 1.0,
+            "tf_logp_delta": 0.0,
+            "first_token_kl": 1e-5,
+        },
     ]
 
 
@@ -89,10 +106,13 @@ def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
     assert "not plotting 'naive'" in caplog.text
 
 
-@pytest.mark.parametrize(("override", "match"), [
-    ({"ttft_median_s": 0.0}, "must be > 0"),
-    ({"tf_kl": None}, "nothing to plot"),
-])
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ({"ttft_median_s": 0.0}, "must be > 0"),
+        ({"tf_kl": None}, "nothing to plot"),
+    ],
+)
 def test_plot_pareto_errors(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
         plot_pareto([_entry("full", {}, 0.8, 1.0) | override], tmp_path / "p.png")

@@ -36,9 +36,22 @@ def bench_out(tiny, tmp_path_factory):
     """Run the CLI's `bench --sweep` on 3 synthetic questions with the tiny Llama standing in for SmolLM2."""
     root = tmp_path_factory.mktemp("bench")
     write_jsonl(synthetic_multihop(3), root / "synthetic.jsonl")
-    args = ["bench", "--dataset", str(root / "synthetic.jsonl"), "--sweep", "--out", str(root / "out"),
-            "--top-k", "3", "--chunk-tokens", "128", "--max-new-tokens", "4",
-            "--kv-codec", "none"]  # lossless caches: the exact methods score exactly
+    args = [
+        "bench",
+        "--dataset",
+        str(root / "synthetic.jsonl"),
+        "--sweep",
+        "--out",
+        str(root / "out"),
+        "--top-k",
+        "3",
+        "--chunk-tokens",
+        "128",
+        "--max-new-tokens",
+        "4",
+        "--kv-codec",
+        "none",
+    ]  # lossless caches: the exact methods score exactly
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
         result = CliRunner().invoke(app, args)
@@ -72,13 +85,22 @@ def test_bench_writes_every_record_summary_and_plot(bench_out):
 
 def test_exact_methods_match_full(bench_out):
     """`full` against itself and the exact `prefix` must score perfectly: the metric plumbing is paired right."""
-    summary = {(e["method"], tuple(e["params"].items())): e for e in json.loads((bench_out / "results.json").read_text())["summary"]}
+    summary = {
+        (e["method"], tuple(e["params"].items())): e
+        for e in json.loads((bench_out / "results.json").read_text())["summary"]
+    }
     for key in [("full", ()), ("prefix", ())]:
         entry = summary[key]
         assert entry["f1_vs_full"] == 1.0 and entry["tf_top1"] == 1.0
-        assert entry["tf_kl"] == pytest.approx(0.0, abs=1e-6) and entry["first_token_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert entry["tf_kl"] == pytest.approx(0.0, abs=1e-6) and entry["first_token_kl"] == pytest.approx(
+            0.0, abs=1e-6
+        )
         assert entry["tf_logp_delta"] == pytest.approx(0.0, abs=1e-5)
-    floor, reuse, blend = summary[("full", (("kv", "bfloat16"),))], summary[("reuse", ())], summary[("cacheblend", (("r", 0.15),))]
+    floor, reuse, blend = (
+        summary[("full", (("kv", "bfloat16"),))],
+        summary[("reuse", ())],
+        summary[("cacheblend", (("r", 0.15),))],
+    )
     assert 0 < floor["tf_kl"] < reuse["tf_kl"]  # rounding to bfloat16 perturbs, far less than reusing caches
     assert blend["tf_kl_diff"] == 0.0 and reuse["tf_kl_diff"] == pytest.approx(reuse["tf_kl"] - blend["tf_kl"])
     assert summary[("full", ())]["recompute_fraction"] == 1.0
@@ -88,8 +110,15 @@ def test_exact_methods_match_full(bench_out):
 def test_plan_puts_defaults_first_and_dedupes_the_sweep():
     labels = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(ratio=0.15, epic_k=16), Config())]
     assert labels[:5] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16"]
-    assert labels[5:] == ["cacheblend r=0.05", "cacheblend r=0.1", "cacheblend r=0.25", "cacheblend r=0.5",
-                          "epic k=0", "epic k=4", "epic k=32"]
+    assert labels[5:] == [
+        "cacheblend r=0.05",
+        "cacheblend r=0.1",
+        "cacheblend r=0.25",
+        "cacheblend r=0.5",
+        "epic k=0",
+        "epic k=4",
+        "epic k=32",
+    ]
     only = BenchSettings(methods=("full", "reuse"), baseline="reuse")
     assert [v.label for v in plan(only, FusionConfig(), Config())] == ["full", "reuse"]
 
@@ -97,12 +126,26 @@ def test_plan_puts_defaults_first_and_dedupes_the_sweep():
 def test_plan_reads_the_caches_a_method_runs_on():
     """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own are the
     default and unwritten."""
-    settings = BenchSettings(methods=("full", "cacheblend", "reuse@neighbours", "cacheblend@behind_prefix",
-                                      "cacheblend@neighbours", "cacheblend@none", "cacheblend@int8-channel"),
-                             baseline="cacheblend@neighbours")
+    settings = BenchSettings(
+        methods=(
+            "full",
+            "cacheblend",
+            "reuse@neighbours",
+            "cacheblend@behind_prefix",
+            "cacheblend@neighbours",
+            "cacheblend@none",
+            "cacheblend@int8-channel",
+        ),
+        baseline="cacheblend@neighbours",
+    )
     variants = plan(settings, FusionConfig(ratio=0.15), Config())
-    assert [v.label for v in variants] == ["full", "cacheblend r=0.15", "reuse@neighbours", "cacheblend@neighbours r=0.15",
-                                           "cacheblend@none r=0.15"]  # int8-channel: the run's own (the default)
+    assert [v.label for v in variants] == [
+        "full",
+        "cacheblend r=0.15",
+        "reuse@neighbours",
+        "cacheblend@neighbours r=0.15",
+        "cacheblend@none r=0.15",
+    ]  # int8-channel: the run's own (the default)
     assert variants[2] == Variant("reuse", caches="neighbours")
     assert made_with(Config(), "none").storage.codec == "none"
     assert made_with(Config(), "neighbours").chunk_prefill == "neighbours"
@@ -119,9 +162,27 @@ def test_bench_over_a_folder_of_ones_own_documents(tiny, tmp_path):
     for i, example in enumerate(synthetic_multihop(2)):
         (docs / f"doc{i}.txt").write_text("\n".join(d.text for d in example.documents), encoding="utf-8")
     (tmp_path / "q.txt").write_text("\n".join(e.question for e in synthetic_multihop(2)) + "\n", encoding="utf-8")
-    args = ["bench", "--dataset", str(docs), "--questions", str(tmp_path / "q.txt"), "--methods", "full,reuse,cacheblend",
-            "--out", str(tmp_path / "out"), "--top-k", "2", "--chunk-tokens", "32", "--max-new-tokens", "4",
-            "--warmup", "0", "--kv-codec", "none"]
+    args = [
+        "bench",
+        "--dataset",
+        str(docs),
+        "--questions",
+        str(tmp_path / "q.txt"),
+        "--methods",
+        "full,reuse,cacheblend",
+        "--out",
+        str(tmp_path / "out"),
+        "--top-k",
+        "2",
+        "--chunk-tokens",
+        "32",
+        "--max-new-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--kv-codec",
+        "none",
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
         result = CliRunner().invoke(app, args)
@@ -137,7 +198,9 @@ def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tm
     different cache, so a different fidelity), `full@neighbours` is still exact, and both are paired with
     the default-cache baseline question by question."""
     config = Config(chunk_tokens=24, top_k=3)
-    settings = BenchSettings(methods=("full", "reuse", "full@neighbours", "reuse@neighbours"), baseline="reuse", warmup=0)
+    settings = BenchSettings(
+        methods=("full", "reuse", "full@neighbours", "reuse@neighbours"), baseline="reuse", warmup=0
+    )
     result = runner.run_benchmark(synthetic_multihop(2), tmp_path, config, settings, adapter=tiny, progress=False)
     summary = {label(e): e for e in result.summary if not e.get("noise_floor")}
     assert list(summary) == ["full", "reuse", "full@neighbours", "reuse@neighbours"]
@@ -145,7 +208,8 @@ def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tm
     assert summary["reuse@neighbours"]["caches"] == "neighbours" and summary["reuse"]["caches"] is None
     assert summary["reuse@neighbours"]["tf_kl"] != pytest.approx(summary["reuse"]["tf_kl"], rel=1e-3)
     assert summary["reuse@neighbours"]["tf_kl_diff"] == pytest.approx(
-        summary["reuse@neighbours"]["tf_kl"] - summary["reuse"]["tf_kl"])
+        summary["reuse@neighbours"]["tf_kl"] - summary["reuse"]["tf_kl"]
+    )
     assert (tmp_path / "work" / "index-neighbours" / "neighbours.json").is_file()
     assert result.meta["indexing_neighbours"]["chunks"] == result.meta["indexing"]["chunks"]
 
@@ -164,9 +228,13 @@ def test_rotation_puts_every_variant_in_every_slot_once():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"methods": ("prefix", "reuse")}, "must include 'full'"), ({"methods": ("full", "full")}, "must not repeat"),
-     ({"threads": 0}, "threads must be >= 1"), ({"warmup": -1}, "warmup must be >= 0"),
-     ({"methods": ("full", "reuse")}, "baseline 'cacheblend' is not among the methods")],
+    [
+        ({"methods": ("prefix", "reuse")}, "must include 'full'"),
+        ({"methods": ("full", "full")}, "must not repeat"),
+        ({"threads": 0}, "threads must be >= 1"),
+        ({"warmup": -1}, "warmup must be >= 0"),
+        ({"methods": ("full", "reuse")}, "baseline 'cacheblend' is not among the methods"),
+    ],
 )
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -184,10 +252,24 @@ def _rec(qid: str, label: str, ttft: float, f1: float, kl: float, hit: bool | No
     method, _, param = label.partition(" ")
     params = {param.split("=")[0]: float(param.split("=")[1])} if param else {}
     return {
-        "id": qid, "method": method, "params": params, "label": label, "ttft_s": ttft, "retrieval_s": 0.01,
-        "prompt_tokens": 100, "f1_gold": f1, "f1_vs_full": f1, "rouge_l_gold": None, "exact_hit": hit,
-        "tf_kl": kl, "tf_top1": 1.0 - kl, "tf_logp_delta": -kl, "first_token_kl": kl / 2,
-        "recompute_fraction": 0.1, "compute_fraction": 0.2, "stages": {"kv_load": ttft / 2},
+        "id": qid,
+        "method": method,
+        "params": params,
+        "label": label,
+        "ttft_s": ttft,
+        "retrieval_s": 0.01,
+        "prompt_tokens": 100,
+        "f1_gold": f1,
+        "f1_vs_full": f1,
+        "rouge_l_gold": None,
+        "exact_hit": hit,
+        "tf_kl": kl,
+        "tf_top1": 1.0 - kl,
+        "tf_logp_delta": -kl,
+        "first_token_kl": kl / 2,
+        "recompute_fraction": 0.1,
+        "compute_fraction": 0.2,
+        "stages": {"kv_load": ttft / 2},
     }
 
 
@@ -195,15 +277,20 @@ def test_summary_speedup_is_the_median_of_paired_ratios():
     """Hand-computed: full 4, 8, 10 s; cacheblend 1, 1, 5 s -> ratios 4, 8, 2 -> median 4 (not 22/7)."""
     variants = [Variant("full"), Variant("cacheblend", (("r", 0.15),))]
     records = [
-        _rec("a", "full", 4.0, 1.0, 0.0), _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
-        _rec("b", "full", 8.0, 1.0, 0.0), _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
-        _rec("c", "full", 10.0, 1.0, 0.0), _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
+        _rec("a", "full", 4.0, 1.0, 0.0),
+        _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
+        _rec("b", "full", 8.0, 1.0, 0.0),
+        _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
+        _rec("c", "full", 10.0, 1.0, 0.0),
+        _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
     ]
     full, blend = summarise(records, variants, baseline=variants[0])
     assert full["speedup_vs_full"] == 1.0
     assert blend["speedup_vs_full"] == 4.0
     assert blend["ttft_median_s"] == 1.0 and blend["ttft_p90_s"] == pytest.approx(4.2)
-    assert blend["f1_vs_full"] == 0.5 and blend["tf_kl"] == pytest.approx(0.3) and blend["tf_top1"] == pytest.approx(0.7)
+    assert (
+        blend["f1_vs_full"] == 0.5 and blend["tf_kl"] == pytest.approx(0.3) and blend["tf_top1"] == pytest.approx(0.7)
+    )
     assert blend["tf_kl_diff"] == pytest.approx(0.3) and full["tf_kl_diff"] == 0.0 and blend["baseline"] == "full"
     assert 0.1 <= blend["tf_kl_ci"][0] < 0.3 < blend["tf_kl_ci"][1] <= 0.6
     assert blend["rouge_l_gold"] is None and blend["stage_median_s"] == {"kv_load": 0.5}
@@ -215,9 +302,12 @@ def test_summary_ttft_over_share_pairs_each_question_with_fulls():
     1 / (0.2 x 4) = 1.25, 1 / (0.2 x 8) = 0.625, 5 / (0.2 x 10) = 2.5 -> 1.25; full's is 1 by definition."""
     variants = [Variant("full"), Variant("cacheblend", (("r", 0.15),))]
     records = [
-        _rec("a", "full", 4.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
-        _rec("b", "full", 8.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
-        _rec("c", "full", 10.0, 1.0, 0.0) | {"compute_fraction": 1.0}, _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
+        _rec("a", "full", 4.0, 1.0, 0.0) | {"compute_fraction": 1.0},
+        _rec("a", "cacheblend r=0.15", 1.0, 1.0, 0.1),
+        _rec("b", "full", 8.0, 1.0, 0.0) | {"compute_fraction": 1.0},
+        _rec("b", "cacheblend r=0.15", 1.0, 0.5, 0.2),
+        _rec("c", "full", 10.0, 1.0, 0.0) | {"compute_fraction": 1.0},
+        _rec("c", "cacheblend r=0.15", 5.0, 0.0, 0.6),
     ]
     full, blend = summarise(records, variants)
     assert full["ttft_over_share"] == 1.0 and blend["ttft_over_share"] == pytest.approx(1.25)
@@ -228,7 +318,9 @@ def test_summary_ttft_over_share_pairs_each_question_with_fulls():
 def test_planted_accuracy_counts_only_what_full_gets_right():
     variants = [Variant("full"), Variant("reuse")]
     hits = {"a": (True, True), "b": (True, False), "c": (False, True), "d": (True, False)}
-    records = [_rec(q, label, 1.0, 1.0, 0.0, hit) for q, pair in hits.items() for label, hit in zip(("full", "reuse"), pair)]
+    records = [
+        _rec(q, label, 1.0, 1.0, 0.0, hit) for q, pair in hits.items() for label, hit in zip(("full", "reuse"), pair)
+    ]
     full, reuse = summarise(records, variants)
     assert (full["planted_accuracy"], full["planted_n"], full["exact_accuracy"]) == (1.0, 3, 0.75)
     assert (reuse["planted_accuracy"], reuse["planted_n"], reuse["exact_accuracy"]) == (pytest.approx(1 / 3), 3, 0.5)
@@ -240,8 +332,11 @@ def test_planted_distractor_counts_facts_answered_with_another_questions_fact():
     variants = [Variant("full"), Variant("reuse")]
     hits = {"a": (True, True), "b": (True, False), "c": (False, True), "d": (True, False)}
     taken = {("reuse", "b")}  # reuse answered b with a distractor; d with something else
-    records = [_rec(q, label, 1.0, 1.0, 0.0, hit) | {"distractor_hit": (label, q) in taken}
-               for q, pair in hits.items() for label, hit in zip(("full", "reuse"), pair)]
+    records = [
+        _rec(q, label, 1.0, 1.0, 0.0, hit) | {"distractor_hit": (label, q) in taken}
+        for q, pair in hits.items()
+        for label, hit in zip(("full", "reuse"), pair)
+    ]
     full, reuse = summarise(records, variants)
     assert full["planted_distractor"] == 0.0 and reuse["planted_distractor"] == pytest.approx(1 / 3)
     assert "Planted: distractor" in markdown_table([full, reuse])
@@ -281,7 +376,10 @@ def test_distractors_are_other_questions_facts_the_prompt_holds():
 
     from rag_kvcache.bench.datasets import Document, QAExample
 
-    hits = [SimpleNamespace(chunk=SimpleNamespace(text=t)) for t in ("lists chester under 71429.", "lists hannibal under 48677.")]
+    hits = [
+        SimpleNamespace(chunk=SimpleNamespace(text=t))
+        for t in ("lists chester under 71429.", "lists hannibal under 48677.")
+    ]
     ex = QAExample("q", "chester?", ("71429",), (Document("", "x"),), task="exact", evidence_rank=1)
     assert distractors_in(hits, ex, frozenset({"71429", "48677", "Koutre"})) == ["48677"]  # not its own, not absent
     assert distractors_in(hits, ex, frozenset()) == []
@@ -307,8 +405,23 @@ def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatc
     monkeypatch.setenv("RAG_KVCACHE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(2), tmp_path / "synthetic.jsonl")
-    args = ["bench", "--dataset", str(tmp_path / "synthetic.jsonl"), "--out", str(tmp_path / "out"), "--top-k", "2",
-            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,cacheblend", "--ratio", "auto"]
+    args = [
+        "bench",
+        "--dataset",
+        str(tmp_path / "synthetic.jsonl"),
+        "--out",
+        str(tmp_path / "out"),
+        "--top-k",
+        "2",
+        "--chunk-tokens",
+        "128",
+        "--max-new-tokens",
+        "2",
+        "--methods",
+        "full,cacheblend",
+        "--ratio",
+        "auto",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "rag-kvcache calibrate" in result.output
     assert not (tmp_path / "out" / "work").exists()  # refused before indexing anything
@@ -323,9 +436,26 @@ def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatc
 
 
 def _bench_args(root, *extra: str) -> list[str]:
-    return ["bench", "--dataset", str(root / "synthetic.jsonl"), "--out", str(root / "out"), "--top-k", "2",
-            "--chunk-tokens", "128", "--max-new-tokens", "2", "--methods", "full,reuse", "--baseline", "reuse",
-            "--warmup", "0", *extra]
+    return [
+        "bench",
+        "--dataset",
+        str(root / "synthetic.jsonl"),
+        "--out",
+        str(root / "out"),
+        "--top-k",
+        "2",
+        "--chunk-tokens",
+        "128",
+        "--max-new-tokens",
+        "2",
+        "--methods",
+        "full,reuse",
+        "--baseline",
+        "reuse",
+        "--warmup",
+        "0",
+        *extra,
+    ]
 
 
 def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, monkeypatch):
@@ -343,7 +473,9 @@ def test_resume_keeps_finished_questions_and_measures_the_rest(tiny, tmp_path, m
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["meta"]["resumed_questions"] == 1 and results["meta"]["questions_done"] == 3
     assert [json.dumps(r) for r in results["records"][:2]] == lines[:2]  # kept, not re-measured
-    assert [(r["id"], r["label"]) for r in results["records"]] == [(json.loads(x)["id"], json.loads(x)["label"]) for x in lines]
+    assert [(r["id"], r["label"]) for r in results["records"]] == [
+        (json.loads(x)["id"], json.loads(x)["label"]) for x in lines
+    ]
     assert records_path.read_text().splitlines()[:2] == lines[:2]
     assert len(records_path.read_text().splitlines()) == 6
 
@@ -374,8 +506,17 @@ def test_resume_refuses_records_it_cannot_compare(tiny, tmp_path, monkeypatch):
 def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(ModelAdapter, "load", classmethod(lambda cls, config: tiny))
     write_jsonl(synthetic_multihop(1), tmp_path / "synthetic.jsonl")
-    args = [*_bench_args(tmp_path), "--methods", "full,cacheblend", "--baseline", "cacheblend", "--check-layer", "3",
-            "--filter-steps", "2"]
+    args = [
+        *_bench_args(tmp_path),
+        "--methods",
+        "full,cacheblend",
+        "--baseline",
+        "cacheblend",
+        "--check-layer",
+        "3",
+        "--filter-steps",
+        "2",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "reaches layer 4, beyond the model's 4 layers" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
@@ -383,16 +524,21 @@ def test_bad_cacheblend_schedule_is_refused_before_indexing(tiny, tmp_path, monk
 
 def test_plan_reads_a_parameter_written_with_the_method():
     """`METHOD:PARAM=VALUE[@CACHES]` sets that variant's parameter; the others keep the base's."""
-    settings = BenchSettings(methods=("full", "cacheblend", "cacheblend:r=0.5", "epic:k=24@neighbours"),
-                             baseline="cacheblend:r=0.5")
+    settings = BenchSettings(
+        methods=("full", "cacheblend", "cacheblend:r=0.5", "epic:k=24@neighbours"), baseline="cacheblend:r=0.5"
+    )
     labels = [v.label for v in plan(settings, FusionConfig(ratio=0.15, epic_k=16), Config())]
     assert labels == ["full", "cacheblend r=0.15", "cacheblend r=0.5", "epic@neighbours k=24"]
     assert parse_variant("epic:k=24", FusionConfig(), Config()).fusion(FusionConfig()).epic_k == 24
     bounded = parse_variant("cacheblend:drift=0.3", FusionConfig(ratio=0.15), Config())
     assert bounded.label == "cacheblend r=0.15 drift=0.3"
     assert (bounded.fusion(FusionConfig()).ratio, bounded.fusion(FusionConfig()).drift_limit) == (0.15, 0.3)
-    for bad, message in [("reuse:k=3", "reuse takes no parameter"), ("epic:r=0.1", "epic takes only k=VALUE"),
-                         ("epic:k=2.5", "k must be an int, got '2.5'"), ("cacheblend:r=x", "r must be a number"),
-                         ("cacheblend:k=3", "cacheblend takes one of r=VALUE or drift=VALUE")]:
+    for bad, message in [
+        ("reuse:k=3", "reuse takes no parameter"),
+        ("epic:r=0.1", "epic takes only k=VALUE"),
+        ("epic:k=2.5", "k must be an int, got '2.5'"),
+        ("cacheblend:r=x", "r must be a number"),
+        ("cacheblend:k=3", "cacheblend takes one of r=VALUE or drift=VALUE"),
+    ]:
         with pytest.raises(ValueError, match=message):
             plan(BenchSettings(methods=("full", bad), baseline="full"), FusionConfig(), Config())

@@ -23,8 +23,9 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance
-CACHED = Config(chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2,
-                storage=StorageConfig(codec="none"))
+CACHED = Config(
+    chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2, storage=StorageConfig(codec="none")
+)
 
 
 def write_docs(folder) -> None:
@@ -100,8 +101,12 @@ def test_a_cache_moved_into_the_context_is_re_rotated(tiny, index):
     moved = text_cache(tiny, b, tuple(range(1000, 1000 + at)))  # b behind any `at` tokens: same positions
     for layer in range(tiny.layout.n_layers):
         assert keys[layer].shape[1] == at + len(b)
-        torch.testing.assert_close(keys[layer][:, at:], rerotate_keys(kv_b.keys[layer], at - len(fmt.prefix_ids),
-                                                                      tiny.inv_freq), atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            keys[layer][:, at:],
+            rerotate_keys(kv_b.keys[layer], at - len(fmt.prefix_ids), tiny.inv_freq),
+            atol=ATOL,
+            rtol=0,
+        )
         assert torch.equal(values[layer][:, at:], kv_b.values[layer])
         if layer > 0:  # layer 0's keys see no context; later ones are not what b's keys behind a's would be
             assert not torch.allclose(keys[layer][:, at:], moved.keys[layer], atol=ATOL)
@@ -116,15 +121,26 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
     behind two the second neighbour's cache has not seen the first, so the chunk's K/V differ; the
     recomputed-text index addresses neither of these caches (another namespace)."""
     tiny, index = model, any_index
-    text = KVIndex.build(tmp_path / "docs", tmp_path / "idx-text", replace(CACHED, chunk_prefill="neighbours"),
-                         adapter=tiny, progress=False)
+    text = KVIndex.build(
+        tmp_path / "docs",
+        tmp_path / "idx-text",
+        replace(CACHED, chunk_prefill="neighbours"),
+        adapter=tiny,
+        progress=False,
+    )
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
     assert near == recorded(text, chunk.token_ids) and len(near) == 2
     one, two = index.addressing.neighbour_contexts(near)
     assert index.addressing.contexts_at(1, chunk.token_ids) == (one, index.format.prefix_ids)
-    assert_same(index.store.get(index.addressing.key(chunk.token_ids, one)), text.store.get(text.addressing.key(chunk.token_ids, one)))
-    mine, theirs = index.store.get(index.addressing.key(chunk.token_ids, two)), text.store.get(text.addressing.key(chunk.token_ids, two))
+    assert_same(
+        index.store.get(index.addressing.key(chunk.token_ids, one)),
+        text.store.get(text.addressing.key(chunk.token_ids, one)),
+    )
+    mine, theirs = (
+        index.store.get(index.addressing.key(chunk.token_ids, two)),
+        text.store.get(text.addressing.key(chunk.token_ids, two)),
+    )
     assert mine.position == theirs.position == len(two)
     assert (mine.keys[-1] - theirs.keys[-1]).abs().max() > 1e-3
     assert index.addressing.key(chunk.token_ids, two) != text.addressing.key(chunk.token_ids, two)
@@ -138,16 +154,25 @@ def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
     assert reopened.unrecorded_chunks() == []
     question = "Who kept the lighthouse diary of ships?"
     fmt = reopened.format
-    segments = fmt.segments([h.chunk.token_ids for h in reopened.search(question, 3)],
-                            fmt.question_ids(reopened.adapter.tokenizer, question))
+    segments = fmt.segments(
+        [h.chunk.token_ids for h in reopened.search(question, 3)],
+        fmt.question_ids(reopened.adapter.tokenizer, question),
+    )
     caches = reopened.open_caches(segments)
     assert caches.missing == 0 and isinstance(caches.sources[3], BlendKV)
-    chunks = [p for p in FusionInput.build(segments, caches.sources, caches.contexts).parts
-              if p.segment.label.startswith("chunk")]
+    chunks = [
+        p
+        for p in FusionInput.build(segments, caches.sources, caches.contexts).parts
+        if p.segment.label.startswith("chunk")
+    ]
     assert chunks[0].exact and not any(p.exact for p in chunks[1:])
     gen = FusedGenerator(reopened)
-    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
-                               gen.fuse(segments, FusionConfig(method="full")).result.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
+        gen.fuse(segments, FusionConfig(method="full")).result.logits,
+        atol=ATOL,
+        rtol=0,
+    )
     assert reopened.orphans() == []
 
 
@@ -174,7 +199,9 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert len(reopened.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
     done = reopened.precompute_neighbours(reopened.unrecorded_chunks(), progress=False)
-    total = sum(len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks())
+    total = sum(
+        len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
+    )
     assert done == total - 3  # the three stored before the kill are kept
     assert reopened.unrecorded_chunks() == [] and set(reopened.live_keys()) == set(whole.live_keys())
     for key in whole.live_keys():
@@ -204,13 +231,16 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
 def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path):
     """An index built with chunk_prefill="neighbours" opens as that and reads its caches, none missing."""
     write_docs(tmp_path / "docs")
-    old = KVIndex.build(tmp_path / "docs", tmp_path / "old", replace(CACHED, chunk_prefill="neighbours"),
-                        adapter=tiny, progress=False)
+    old = KVIndex.build(
+        tmp_path / "docs", tmp_path / "old", replace(CACHED, chunk_prefill="neighbours"), adapter=tiny, progress=False
+    )
     reopened = KVIndex.open(old.path, adapter=tiny)
     assert reopened.config.chunk_prefill == "neighbours"
     question = "Who kept the lighthouse diary of ships?"
-    segments = reopened.format.segments([h.chunk.token_ids for h in reopened.search(question, 3)],
-                                        reopened.format.question_ids(tiny.tokenizer, question))
+    segments = reopened.format.segments(
+        [h.chunk.token_ids for h in reopened.search(question, 3)],
+        reopened.format.question_ids(tiny.tokenizer, question),
+    )
     assert reopened.open_caches(segments).missing == 0
 
 

@@ -19,8 +19,9 @@ from rag_kvcache.maintenance import check
 @pytest.fixture()
 def index(tiny, tiny_model_dir, tmp_path) -> KVIndex:  # noqa: F811
     """An index of the tiny model saved to a folder, so the CLI can open it too."""
-    return KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "idx", replace_model(CFG, tiny_model_dir),
-                         progress=False)
+    return KVIndex.build(
+        write_docs(tmp_path / "docs", 3), tmp_path / "idx", replace_model(CFG, tiny_model_dir), progress=False
+    )
 
 
 @pytest.fixture()
@@ -32,6 +33,7 @@ def calls(index, monkeypatch) -> dict[str, int]:
         def counted(items, *args, **kwargs):
             counts[name] += len(items)
             return method(items, *args, **kwargs)
+
         return counted
 
     monkeypatch.setattr(index, "compute", counting("computed", index.compute))

@@ -72,9 +72,7 @@ def _words(n: int) -> str:
         (_words(12) + " 3.14 " + _words(20), 16, "a decimal point is not a sentence end"),
     ],
 )
-def test_boundary_aware_cuts(
-    tokenizer: PreTrainedTokenizerBase, text: str, first_chunk_len: int, why: str
-) -> None:
+def test_boundary_aware_cuts(tokenizer: PreTrainedTokenizerBase, text: str, first_chunk_len: int, why: str) -> None:
     assert all(len(tokenizer.tokenize(word)) == 1 for word in ("word", ".", "3", "14")), "test premise"
     chunks = chunk_document(text, "doc.txt", tokenizer, 16)
     assert len(chunks[0].token_ids) == first_chunk_len, why

@@ -44,8 +44,9 @@ def built(tmp_path_factory, model_dir):
     (docs / "b.txt").write_text("Saltmere is a mill village on the river Anvel with a bakery. " * 12)
     (docs / "blob.bin").write_bytes(b"\x00\x01\x02binary")
     (docs / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    result = runner.invoke(app, ["index", str(docs), "--index", str(root / "idx"), "--chunk-tokens", "128",
-                                 "--model", str(model_dir)])
+    result = runner.invoke(
+        app, ["index", str(docs), "--index", str(root / "idx"), "--chunk-tokens", "128", "--model", str(model_dir)]
+    )
     assert result.exit_code == 0, result.output
     return root, result.output
 
@@ -57,8 +58,20 @@ def test_index_reports_and_skips(built):
 
 def test_ask_json(built, model_dir):
     root, _ = built
-    result = runner.invoke(app, ["ask", "What is the telescope called?", "--index", str(root / "idx"),
-                                 "--json", "--max-new-tokens", "4", "--top-k", "2"])
+    result = runner.invoke(
+        app,
+        [
+            "ask",
+            "What is the telescope called?",
+            "--index",
+            str(root / "idx"),
+            "--json",
+            "--max-new-tokens",
+            "4",
+            "--top-k",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     for key in ("answer", "method", "ttft_s", "retrieval_s", "prompt_tokens", "recomputed_tokens", "chunks"):
@@ -70,16 +83,28 @@ def test_ask_json(built, model_dir):
 def test_ask_text_and_methods(built):
     root, _ = built
     for method in ("full", "prefix", "reuse", "epic"):
-        result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--method", method,
-                                     "--max-new-tokens", "3"])
+        result = runner.invoke(
+            app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--method", method, "--max-new-tokens", "3"]
+        )
         assert result.exit_code == 0, result.output
         assert f"{method}: ttft" in result.output
 
 
 def test_ask_cacheblend_knobs(built):
     root, _ = built
-    base = ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--json", "--max-new-tokens", "2",
-            "--top-k", "2", "--ratio", "0.2"]
+    base = [
+        "ask",
+        "What is the telescope called?",
+        "--index",
+        str(root / "idx"),
+        "--json",
+        "--max-new-tokens",
+        "2",
+        "--top-k",
+        "2",
+        "--ratio",
+        "0.2",
+    ]
     one_step = runner.invoke(app, base)
     gradual = runner.invoke(app, [*base, "--filter-steps", "3", "--deviation", "v"])
     assert one_step.exit_code == 0 and gradual.exit_code == 0, gradual.output
@@ -89,11 +114,14 @@ def test_ask_cacheblend_knobs(built):
     assert result.exit_code == 2 and "beyond the model's 4 layers" in " ".join(result.output.split())
 
 
-@pytest.mark.parametrize("args,message", [
-    (["ask", "  ", "--index", "IDX"], "the question is empty"),
-    (["ask", "q", "--index", "MISSING"], "not found"),
-    (["index", "MISSING", "--index", "IDX"], "MISSING"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["ask", "  ", "--index", "IDX"], "the question is empty"),
+        (["ask", "q", "--index", "MISSING"], "not found"),
+        (["index", "MISSING", "--index", "IDX"], "MISSING"),
+    ],
+)
 def test_bad_input_is_a_clear_error(built, tmp_path, args, message):
     root, _ = built
     args = [str(root / "idx") if a == "IDX" else str(tmp_path / "missing") if a == "MISSING" else a for a in args]
@@ -115,8 +143,23 @@ def test_device_and_dtype_reach_every_model_command(built, model_dir, tmp_path):
 
     root, _ = built
     idx = tmp_path / "bf16"
-    made = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--chunk-tokens", "128", "--model",
-                               str(model_dir), "--dtype", "bfloat16", "--device", "cpu"])
+    made = runner.invoke(
+        app,
+        [
+            "index",
+            str(root / "docs"),
+            "--index",
+            str(idx),
+            "--chunk-tokens",
+            "128",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
+        ],
+    )
     assert made.exit_code == 0, made.output
     assert KVIndex.config_of(idx).dtype == "bfloat16"
     again = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--dtype", "float32"])
@@ -218,8 +261,23 @@ def test_a_registered_method_is_reachable_and_an_unknown_one_is_listed(built):
 
 def test_stream_json_emits_json_lines(built):
     root, _ = built
-    result = runner.invoke(app, ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--stream",
-                                 "--json", "--max-new-tokens", "6", "--top-k", "1", "--method", "full"])
+    result = runner.invoke(
+        app,
+        [
+            "ask",
+            "What is the telescope called?",
+            "--index",
+            str(root / "idx"),
+            "--stream",
+            "--json",
+            "--max-new-tokens",
+            "6",
+            "--top-k",
+            "1",
+            "--method",
+            "full",
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     pieces, final = lines[:-1], lines[-1]
@@ -229,11 +287,24 @@ def test_stream_json_emits_json_lines(built):
 
 def test_sampling_follows_temperature(built):
     root, _ = built
-    base = ["ask", "What is the telescope called?", "--index", str(root / "idx"), "--json", "--max-new-tokens", "8",
-            "--top-k", "1", "--method", "full"]
+    base = [
+        "ask",
+        "What is the telescope called?",
+        "--index",
+        str(root / "idx"),
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "--top-k",
+        "1",
+        "--method",
+        "full",
+    ]
     greedy = [json.loads(runner.invoke(app, base).stdout)["answer"] for _ in range(2)]
-    sampled = {json.loads(runner.invoke(app, [*base, "--temperature", "1.5", "--seed", str(s)]).stdout)["answer"]
-               for s in range(4)}
+    sampled = {
+        json.loads(runner.invoke(app, [*base, "--temperature", "1.5", "--seed", str(s)]).stdout)["answer"]
+        for s in range(4)
+    }
     assert greedy[0] == greedy[1] and len(sampled) > 1  # a random model at T=1.5 samples away from argmax
 
 
@@ -248,8 +319,10 @@ def test_without_faiss_the_error_names_both_builds():
     says what to install."""
     proc = _run("-c", "import sys; sys.modules['faiss'] = None; import rag_kvcache.index")
     assert proc.returncode == 1
-    assert "pip install faiss-cpu, or the CUDA build in its place (pip uninstall faiss-cpu && pip install faiss-gpu-cu12)" \
+    assert (
+        "pip install faiss-cpu, or the CUDA build in its place (pip uninstall faiss-cpu && pip install faiss-gpu-cu12)"
         in proc.stderr
+    )
 
 
 # ---- ask --json-schema: the answer decoded under a JSON Schema ([structured]) ------------------------------
@@ -269,8 +342,9 @@ def bpe_index(tmp_path_factory, bpe_tiny, built):
     bpe_tiny.model.save_pretrained(model)
     bpe_tiny.tokenizer.save_pretrained(model)
     idx = tmp_path_factory.mktemp("bpe") / "idx"
-    result = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--chunk-tokens", "128",
-                                 "--model", str(model)])
+    result = runner.invoke(
+        app, ["index", str(root / "docs"), "--index", str(idx), "--chunk-tokens", "128", "--model", str(model)]
+    )
     assert result.exit_code == 0, result.output
     return idx
 
@@ -278,8 +352,17 @@ def bpe_index(tmp_path_factory, bpe_tiny, built):
 def test_ask_json_schema_answers_under_the_schema(bpe_index, tmp_path):
     schema = json.dumps(Telescope.model_json_schema())
     (tmp_path / "telescope.json").write_text(schema)
-    base = ["ask", "What is the telescope called?", "--index", str(bpe_index), "--json", "--max-new-tokens", "120",
-            "--top-k", "2"]
+    base = [
+        "ask",
+        "What is the telescope called?",
+        "--index",
+        str(bpe_index),
+        "--json",
+        "--max-new-tokens",
+        "120",
+        "--top-k",
+        "2",
+    ]
     inline = runner.invoke(app, [*base, "--json-schema", schema])
     from_file = runner.invoke(app, [*base, "--json-schema", str(tmp_path / "telescope.json")])
     free = runner.invoke(app, base)
@@ -291,14 +374,18 @@ def test_ask_json_schema_answers_under_the_schema(bpe_index, tmp_path):
         Telescope.model_validate_json(json.loads(free.stdout)["answer"])
 
 
-@pytest.mark.parametrize(("schema", "message"), [
-    ('{"type": "no-such-type"}', "cannot constrain decoding to JSON Schema"),
-    ('{"type": object}', "json_schema is not JSON"),
-    ("missing.json", "takes JSON text (beginning with '{') or a file; 'missing.json' is neither"),
-])
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ('{"type": "no-such-type"}', "cannot constrain decoding to JSON Schema"),
+        ('{"type": object}', "json_schema is not JSON"),
+        ("missing.json", "takes JSON text (beginning with '{') or a file; 'missing.json' is neither"),
+    ],
+)
 def test_ask_json_schema_refuses_a_bad_schema(bpe_index, schema, message):
-    result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(bpe_index), "--max-new-tokens", "4",
-                                 "--json-schema", schema])
+    result = runner.invoke(
+        app, ["ask", "Saltmere?", "--index", str(bpe_index), "--max-new-tokens", "4", "--json-schema", schema]
+    )
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
 
@@ -306,7 +393,9 @@ def test_ask_json_schema_refuses_a_bad_schema(bpe_index, schema, message):
 def test_ask_json_schema_without_the_extra_names_it(built, monkeypatch):
     root, _ = built
     monkeypatch.setitem(sys.modules, "llguidance", None)  # not importable, as where [structured] is not installed
-    result = runner.invoke(app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--json-schema", '{"type": "object"}'])
+    result = runner.invoke(
+        app, ["ask", "Saltmere?", "--index", str(root / "idx"), "--json-schema", '{"type": "object"}']
+    )
     assert result.exit_code == 2
     assert "--json-schema needs llguidance: pip install 'rag-kvcache[structured]'" in " ".join(result.output.split())
 
@@ -325,8 +414,19 @@ def test_index_refuses_an_empty_path(tmp_path, monkeypatch, empty):
 def test_a_failed_first_index_leaves_no_index_folder(tmp_path, model_dir):
     """Indexing an empty folder failed but left an empty index folder behind."""
     (tmp_path / "empty").mkdir()
-    result = runner.invoke(app, ["index", str(tmp_path / "empty"), "--index", str(tmp_path / "idx"),
-                                 "--model", str(model_dir), "--chunk-tokens", "32"])
+    result = runner.invoke(
+        app,
+        [
+            "index",
+            str(tmp_path / "empty"),
+            "--index",
+            str(tmp_path / "idx"),
+            "--model",
+            str(model_dir),
+            "--chunk-tokens",
+            "32",
+        ],
+    )
     assert result.exit_code == 2 and not (tmp_path / "idx").exists()
 
 
@@ -335,8 +435,9 @@ def test_a_typo_of_the_default_model_fails_at_once_naming_it(tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("Some text.")
-    result = runner.invoke(app, ["index", str(tmp_path / "docs"), "--index", str(tmp_path / "idx"),
-                                 "--model", "SmolLM2-135M"])
+    result = runner.invoke(
+        app, ["index", str(tmp_path / "docs"), "--index", str(tmp_path / "idx"), "--model", "SmolLM2-135M"]
+    )
     message = " ".join(result.stderr.split())
     assert result.exit_code == 2 and "did you mean 'SmolLM2-135M-Instruct'?" in message, message
     assert not (tmp_path / "idx").exists()
@@ -394,11 +495,15 @@ def test_chat_reads_each_turn_before_from_the_conversation_cache(built, model_di
     tokenizer.save_pretrained(chatty)
     root, _ = built
     index = tmp_path / "idx"
-    result = runner.invoke(app, ["index", str(root / "docs"), "--index", str(index), "--chunk-tokens", "128",
-                                 "--model", str(chatty)])
+    result = runner.invoke(
+        app, ["index", str(root / "docs"), "--index", str(index), "--chunk-tokens", "128", "--model", str(chatty)]
+    )
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["chat", "--index", str(index), "--max-new-tokens", "3", "--top-k", "1"],
-                           input="What is the telescope called?\n\nAnd Saltmere?\nAnd the telescope again?\n")
+    result = runner.invoke(
+        app,
+        ["chat", "--index", str(index), "--max-new-tokens", "3", "--top-k", "1"],
+        input="What is the telescope called?\n\nAnd Saltmere?\nAnd the telescope again?\n",
+    )
     assert result.exit_code == 0, result.output
     text = re.sub(r"\s+", " ", result.output)  # rich wraps lines at the terminal's width
     stats = re.findall(r"(\d+) prompt tokens, (\d+) from cache \((\d+) of the conversation\), (\d+) new", text)

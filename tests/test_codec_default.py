@@ -13,7 +13,9 @@ from rag_kvcache.config import Config, GenerationConfig, StorageConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0))
+CFG = Config(
+    chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0)
+)
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 
 
@@ -41,8 +43,9 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):
-    old = KVIndex.build(write_docs(tmp_path / "docs"), tmp_path / "idx", CFG.with_storage(codec="none"), adapter=tiny,
-                        progress=False)
+    old = KVIndex.build(
+        write_docs(tmp_path / "docs"), tmp_path / "idx", CFG.with_storage(codec="none"), adapter=tiny, progress=False
+    )
     before = FusedGenerator(old).ask(QUESTION)
     reopened = KVIndex.open(tmp_path / "idx", CFG, adapter=tiny)  # today's default config: int8-channel
     assert reopened.store.codec.name == "none" and reopened.config.storage.codec == "none"

@@ -28,9 +28,13 @@ runner = CliRunner()
 
 def calibration(disk_bytes_per_s: float) -> Calibration:
     return Calibration(
-        machine="m", model_fingerprint="f", codec="none", bytes_per_token_layer=1000.0,
+        machine="m",
+        model_fingerprint="f",
+        codec="none",
+        bytes_per_token_layer=1000.0,
         read_bytes_per_s={"memory": 1e12, "page_cache": 1e10, "disk": disk_bytes_per_s},
-        prefill_s_per_token_layer=1e-6, measured_at="now",
+        prefill_s_per_token_layer=1e-6,
+        measured_at="now",
     )
 
 
@@ -87,8 +91,21 @@ def test_cli_calibrate_ask_auto_and_stats(tmp_path, tokenizer, monkeypatch):
     docs.mkdir()
     (docs / "a.txt").write_text("The main telescope of the Veldmark Observatory is named Harrow's Eye. " * 12)
     idx = str(tmp_path / "idx")
-    result = runner.invoke(app, ["index", str(docs), "--index", idx, "--chunk-tokens", "128", "--model", str(model),
-                                 "--kv-codec", "int8-channel"])
+    result = runner.invoke(
+        app,
+        [
+            "index",
+            str(docs),
+            "--index",
+            idx,
+            "--chunk-tokens",
+            "128",
+            "--model",
+            str(model),
+            "--kv-codec",
+            "int8-channel",
+        ],
+    )
     assert result.exit_code == 0, result.output
     ask = ["ask", "What is the telescope called?", "--index", idx, "--json", "--max-new-tokens", "2", "--top-k", "1"]
     result = runner.invoke(app, [*ask, "--ratio", "auto"])

@@ -100,7 +100,9 @@ def turn(gen: FusedGenerator, segments: list[Segment], method: str, salt: str = 
 
 def chat(index, question: str) -> list[Segment]:
     fmt = index.format
-    return fmt.segments([h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question))
+    return fmt.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
+    )
 
 
 @pytest.mark.parametrize("method", ["full", "prefix"])
@@ -148,7 +150,9 @@ def test_a_conversation_is_its_tenants_alone(index):
     first, before = turn(gen, chat(index, "Who kept the lighthouse diary?"), "reuse", salt="a")
     segments = [Segment(tuple(before), False, "text"), Segment((1000, 1001), False, "question")]
     assert turn(gen, segments, "reuse", salt="b")[0].conversation_tokens == 0
-    assert turn(gen, segments, "reuse", salt="a")[0].conversation_tokens == len(before) - (first.finish_reason == "length")
+    assert turn(gen, segments, "reuse", salt="a")[0].conversation_tokens == len(before) - (
+        first.finish_reason == "length"
+    )
 
 
 def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(index):
@@ -167,8 +171,11 @@ def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(i
         return Job(list(segments), fusion, generation, salt)
 
     cold = job(Segment(tuple(range(200)), False, "text"))  # 200 tokens to compute
-    rag = job(Segment(tuple(range(300, 320)), False, "text"), Segment(tuple(range(400, 600)), True, "chunk"),
-              Segment((1, 2, 3), False, "question"))  # 23 to compute, the chunk read from its cache
+    rag = job(
+        Segment(tuple(range(300, 320)), False, "text"),
+        Segment(tuple(range(400, 600)), True, "chunk"),
+        Segment((1, 2, 3), False, "question"),
+    )  # 23 to compute, the chunk read from its cache
     warm = job(Segment(chat + (5, 6, 7), False, "text"))  # the chat's next turn: 3 to compute
     stranger = job(Segment(chat + (5, 6, 7), False, "text"), salt="other")  # the same tokens, another tenant: 103
     metrics = ServerMetrics(index.store.stats)

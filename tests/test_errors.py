@@ -25,8 +25,11 @@ def package_exceptions() -> list[type]:
             module = importlib.import_module(info.name)
         except ImportError:  # an optional backend whose package is not installed (vLLM's)
             continue
-        found += [cls for _, cls in inspect.getmembers(module, inspect.isclass)
-                  if issubclass(cls, BaseException) and cls.__module__ == module.__name__]
+        found += [
+            cls
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, BaseException) and cls.__module__ == module.__name__
+        ]
     return found
 
 
@@ -36,8 +39,10 @@ def test_every_exception_the_package_defines_derives_from_the_root():
     assert [cls.__name__ for cls in found if not issubclass(cls, RagKVCacheError)] == []
 
 
-@pytest.mark.parametrize("make", [lambda: Config(top_k=0), lambda: StorageConfig(conversation_bytes=-1),
-                                  lambda: ServerConfig(history="forget")])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: Config(top_k=0), lambda: StorageConfig(conversation_bytes=-1), lambda: ServerConfig(history="forget")],
+)
 def test_a_bad_setting_is_a_config_error_and_a_value_error(make):
     with pytest.raises(ConfigError) as caught:
         make()

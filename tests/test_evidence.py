@@ -60,8 +60,11 @@ def scored(adapter, texts: list[str], embed) -> FusionInput:
     """`prompt` of `texts` asked PARAPHRASE, its reusable sentences scored by `embed`, as the generator scores them."""
     inp = prompt(adapter, texts, PARAPHRASE)
     question = inp.token_mask(lambda p: p is inp.parts[-1])
-    return FusionInput(inp.ids, inp.parts, sentence_relevance(
-        inp.ids, adapter.lexicon, inp.segment_of, inp.reusable, question, adapter.tokenizer, embed))
+    return FusionInput(
+        inp.ids,
+        inp.parts,
+        sentence_relevance(inp.ids, adapter.lexicon, inp.segment_of, inp.reusable, question, adapter.tokenizer, embed),
+    )
 
 
 def test_epic_evidence_recomputes_the_closest_sentence_on_top_of_epic(tiny, tokenizer, embed):
@@ -93,12 +96,14 @@ def test_the_generator_scores_the_sentences_with_the_index_embedder(tiny, tmp_pa
     docs.mkdir()
     (docs / "a.txt").write_text(OTHER + " " + FACT)
     (docs / "b.txt").write_text("Saltmere is a mill village on the river Anvel, known for its caraway bread.")
-    cfg = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=4),
-                 storage=StorageConfig(memory_bytes=0))
+    cfg = Config(
+        chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=4), storage=StorageConfig(memory_bytes=0)
+    )
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
     gen = FusedGenerator(index)
-    segments = index.format.segments([h.chunk.token_ids for h in index.search(PARAPHRASE, 3)],
-                                     index.format.question_ids(tiny.tokenizer, PARAPHRASE))
+    segments = index.format.segments(
+        [h.chunk.token_ids for h in index.search(PARAPHRASE, 3)], index.format.question_ids(tiny.tokenizer, PARAPHRASE)
+    )
     fused = gen.fuse(segments, FusionConfig(method="epic_evidence", epic_k=0, evidence_sentences=1))
     epic = gen.fuse(segments, FusionConfig(method="epic", epic_k=0))
     assert "evidence" in fused.result.stages and "evidence" not in epic.result.stages

@@ -23,8 +23,12 @@ from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
 TESTS = Path(__file__).resolve().parent
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6),
-             storage=StorageConfig(memory_bytes=0, codec="none"))  # lossless: a recomputed cache equals the stored one
+CFG = Config(
+    chunk_tokens=24,
+    top_k=3,
+    generation=GenerationConfig(max_new_tokens=6),
+    storage=StorageConfig(memory_bytes=0, codec="none"),
+)  # lossless: a recomputed cache equals the stored one
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 WORDS = "harbour ferry granite lighthouse keeper diary telescope refractor bakery caraway regatta oar".split()
 
@@ -119,6 +123,7 @@ def _set_meta(key: str, value: str):
     def edit(header):
         header["__metadata__"][key] = value
         return header
+
     return edit
 
 
@@ -126,6 +131,7 @@ def _set_tensor(name: str, field: str, value):
     def edit(header):
         header[name][field] = value
         return header
+
     return edit
 
 
@@ -133,6 +139,7 @@ def _rename(old: str, new: str):
     def edit(header):
         header[new] = header.pop(old)
         return header
+
     return edit
 
 
@@ -365,7 +372,7 @@ def test_special_tokens_in_a_question_are_text(tokenizer, template):
     fmt = PromptFormat.build(tok, "Answer briefly.")
     ids = fmt.question_ids(tok, INJECTION)
     tail = tuple(tok(fmt.question_tail, add_special_tokens=False).input_ids)
-    assert ids[len(ids) - len(tail):] == tail
+    assert ids[len(ids) - len(tail) :] == tail
     special = set(tok.all_special_ids)
     assert not special & set(ids[: len(ids) - len(tail)]), tok.convert_ids_to_tokens(ids)
     assert "[ cls ] system" in tok.decode(ids)  # still there, as text (MiniLM lowercases and splits it)

@@ -175,19 +175,36 @@ print(json.dumps(out))
 def private_mounts(tmp_path_factory) -> None:
     """Skip unless this process may mount in a private mount namespace (root with CAP_SYS_ADMIN)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("real full-disk and read-only mounts need root and unshare(1); the monkeypatched tests cover the paths")
+        pytest.skip(
+            "real full-disk and read-only mounts need root and unshare(1); the monkeypatched tests cover the paths"
+        )
     target = tmp_path_factory.mktemp("probe")
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                            f"mount -t tmpfs -o size=64k tmpfs {target}"], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {target}"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode:
         pytest.skip(f"cannot mount in a private namespace here: {probe.stderr.strip()}")
 
 
 def run_mounted(mounts: str, *args: str) -> dict:
     result = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c",
-         f'{mounts} && exec "$0" -c "$1" "$2" "$3" "$4"', sys.executable, REAL, *args],
-        capture_output=True, text=True, timeout=300,
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'{mounts} && exec "$0" -c "$1" "$2" "$3" "$4"',
+            sys.executable,
+            REAL,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -214,8 +231,12 @@ def test_a_read_only_mount_opens_answers_and_writes_nothing(private_mounts, inde
     vectors.write_bytes(bytes(damaged))
     index.close()
     before = {p: p.stat().st_mtime_ns for p in index.path.rglob("*")}
-    out = run_mounted(f"mount --bind {index.path} {index.path} && mount -o remount,bind,ro {index.path}",
-                      "read-only", str(tmp_path), str(tmp_path / "docs"))
+    out = run_mounted(
+        f"mount --bind {index.path} {index.path} && mount -o remount,bind,ro {index.path}",
+        "read-only",
+        str(tmp_path),
+        str(tmp_path / "docs"),
+    )
     assert out["writable"] is False and out["source"] == "observatory.txt" and out["misses"] == 0
     assert {p: p.stat().st_mtime_ns for p in index.path.rglob("*")} == before and vectors.read_bytes() == damaged
 
@@ -254,8 +275,9 @@ def test_a_kill_inside_index_creation_is_recovered(tiny, tiny_model_dir, tmp_pat
 
         from rag_kvcache.cli import app
 
-        result = CliRunner().invoke(app, ["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir),
-                                          "--chunk-tokens", "24"])
+        result = CliRunner().invoke(
+            app, ["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "--chunk-tokens", "24"]
+        )
         assert result.exit_code == 0 and "3 added" in " ".join(result.output.split()), result.output
         assert KVIndex.open(idx).search(QUESTION, 1)[0].chunk.source == "observatory.txt"
 

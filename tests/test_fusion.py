@@ -89,8 +89,9 @@ def test_rerotation_in_place_and_identity_are_exact(tiny):
 
 
 @pytest.mark.parametrize("isolated", [False, True])
-@pytest.mark.parametrize("method,cfg", [("prefix", {}), ("cacheblend", {"ratio": 1.0}),
-                                        ("cacheblend", {"ratio": 1.0, "filter_steps": 2})])
+@pytest.mark.parametrize(
+    "method,cfg", [("prefix", {}), ("cacheblend", {"ratio": 1.0}), ("cacheblend", {"ratio": 1.0, "filter_steps": 2})]
+)
 def test_exact_methods_equal_full(tiny, method, cfg, isolated):
     inp = rag_prompt(tiny, isolated=isolated)
     ref = run(tiny, inp, "full")

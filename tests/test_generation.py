@@ -52,6 +52,7 @@ def test_a_static_decode_cache_decodes_exactly_like_a_dynamic_one(tiny):
     dynamic = tiny.make_cache(keys, values)
     buffer = static.layers[0].keys.data_ptr()
     for step, token in enumerate([1100, 1200, 1300, 1400, 1500, 1600]):
-        torch.testing.assert_close(tiny.decode([token], static, 40 + step), tiny.decode([token], dynamic, 40 + step),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            tiny.decode([token], static, 40 + step), tiny.decode([token], dynamic, 40 + step), atol=1e-5, rtol=0
+        )
     assert static.layers[0].keys.data_ptr() == buffer  # written in place, never reallocated

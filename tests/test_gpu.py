@@ -96,10 +96,14 @@ def test_every_method_on_cuda_equals_the_cpu_path(tokenizer, method):
 def test_memory_tier_on_the_device_is_read_in_place():
     # a cache put in a device-resident tier is moved there once; reading a layer then copies nothing
     g = torch.Generator().manual_seed(3)
-    host = ChunkKV([torch.randn(2, 7, 16, generator=g) for _ in range(2)], [torch.randn(2, 7, 16, generator=g) for _ in range(2)], 0)
+    host = ChunkKV(
+        [torch.randn(2, 7, 16, generator=g) for _ in range(2)],
+        [torch.randn(2, 7, 16, generator=g) for _ in range(2)],
+        0,
+    )
     tier = MemoryTier(1 << 20, "lru", "cuda")
     tier.put("k", host)
     held = tier.get("k")
     assert held is not None and all(t.device.type == "cuda" for t in (*held.keys, *held.values))
-    (k, v), = read_layer([held], 1, "cuda")
+    ((k, v),) = read_layer([held], 1, "cuda")
     assert k.data_ptr() == held.keys[1].data_ptr() and torch.equal(v.cpu(), host.values[1])

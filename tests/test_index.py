@@ -93,9 +93,7 @@ def test_a_staged_sync_writes_nothing_until_it_is_committed(
 def test_build_search_and_resync(
     tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker, index_type: IndexType
 ) -> None:
-    index = ChunkIndex.create(
-        tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"}, index_type
-    )
+    index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"}, index_type)
     report = index.commit(index.stage_sync(docs, chunker, batch_size=4, progress=False))
 
     assert report.added == [
@@ -108,9 +106,7 @@ def test_build_search_and_resync(
     assert (report.changed, report.removed, report.unchanged, report.skipped) == ([], [], [], [])
     expected = [chunk for source, text in DOCS.items() for chunk in chunker(text, source)]
     assert len(index) == len(report.new_chunks) == len(expected) > len(DOCS)
-    assert {(c.source, c.token_ids) for c in index.all_chunks()} == {
-        (c.source, c.token_ids) for c in expected
-    }
+    assert {(c.source, c.token_ids) for c in index.all_chunks()} == {(c.source, c.token_ids) for c in expected}
     assert _top_source(index, "Which volcano in Sicily erupts lava?") == "volcanoes.txt"
     assert _top_source(index, "how long to boil spaghetti") == "pasta.md"
     hits = index.search("planets and their storms", 5)

@@ -12,7 +12,12 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_every_notebook_is_found() -> None:
-    assert {nb.name for nb in NOTEBOOKS} == {"quickstart.ipynb", "langchain.ipynb", "llamaindex.ipynb", "agentic_rag.ipynb"}
+    assert {nb.name for nb in NOTEBOOKS} == {
+        "quickstart.ipynb",
+        "langchain.ipynb",
+        "llamaindex.ipynb",
+        "agentic_rag.ipynb",
+    }
 
 
 @pytest.mark.smollm2

@@ -50,7 +50,10 @@ def test_memory_tier_on_the_device_holds_what_is_read_there(tmp_path):
 
 def test_key_depends_on_namespace_context_and_ids():
     base = cache_key("ns", (1,), (2, 3))
-    assert len({base, cache_key("other", (1,), (2, 3)), cache_key("ns", (), (1, 2, 3)), cache_key("ns", (1,), (2, 4))}) == 4
+    assert (
+        len({base, cache_key("other", (1,), (2, 3)), cache_key("ns", (), (1, 2, 3)), cache_key("ns", (1,), (2, 4))})
+        == 4
+    )
     assert cache_key("ns", (1,), (2, 3)) == base
 
 

@@ -62,7 +62,8 @@ def test_fused_weights_are_held_once(tokenizer):
         assert block.mlp.gate_proj.weight.untyped_storage().data_ptr() == w.gate_up.untyped_storage().data_ptr()
         assert block.mlp.up_proj.weight.untyped_storage().data_ptr() == w.gate_up.untyped_storage().data_ptr()
         assert w.qkv.untyped_storage().nbytes() == sum(
-            p.weight.nbytes for p in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj))
+            p.weight.nbytes for p in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj)
+        )
 
 
 def test_attention_input_equals_the_module(tiny):

@@ -23,7 +23,9 @@ DOCS = {
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye; it is a refractor with "
     "a lens ground by the optician Selma Voss, and it was moved to the hill above the town in 1902.",
 }
-CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5)).with_storage(codec="none")  # lossless: exact
+CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5)).with_storage(
+    codec="none"
+)  # lossless: exact
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +106,19 @@ def test_segment_refuses_ids_that_are_not_a_run_of_whole():
         Segment((1, 2), True, "x", whole=(1, 3, 2), offset=0)
 
 
-INSTRUCTIONS = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
-                "to answer the question. If you don't know the answer, say that you don't know.\n\n")
+INSTRUCTIONS = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+    "to answer the question. If you don't know the answer, say that you don't know.\n\n"
+)
 
 
 def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
     """A pipeline's instructions before the quoted chunks (no indexed text) are cached at position 0
     on the first prompt and read by the next ones: only the text between and after chunks is computed."""
     context = "\n\n".join(c.text for c in chunk_texts(index))
-    prompts = [f"{INSTRUCTIONS}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
+    prompts = [
+        f"{INSTRUCTIONS}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")
+    ]
     generator = FusedGenerator(index)
     head, edge, *rest = generator.prompt_segments(prompts[0])
     assert head.cacheable and head.label == "prefix" and not edge.cacheable
@@ -160,10 +166,14 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     """Behind a pipeline's own instructions the first chunk's behind-prefix cache is not exact; its run's
     cache behind exactly the prompt's tokens before it is made by the first prompt with that head and
     chunk, and read (exact) by the next: `prefix` then equals `full` computing only what follows it."""
-    instructions = ("Answer the question from the excerpts of the archive below, quoting names and dates as they "
-                    "are written there, and say so when the excerpts do not tell.\n\n")
+    instructions = (
+        "Answer the question from the excerpts of the archive below, quoting names and dates as they "
+        "are written there, and say so when the excerpts do not tell.\n\n"
+    )
     context = "\n\n".join(c.text for c in chunk_texts(index))
-    prompts = [f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")]
+    prompts = [
+        f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")
+    ]
     generator = FusedGenerator(index)
     segments = generator.prompt_segments(prompts[1])
     keys = [index.addressing.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
@@ -186,8 +196,9 @@ def test_request_text_caches_stay_in_memory_within_each_keys_budget(tiny, tmp_pa
     (tmp_path / "docs").mkdir()
     for name, text in DOCS.items():
         (tmp_path / "docs" / name).write_text(text)
-    index = KVIndex.build(tmp_path / "docs", tmp_path / "idx", CFG.with_storage(request_bytes=150_000), adapter=tiny,
-                          progress=False)
+    index = KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CFG.with_storage(request_bytes=150_000), adapter=tiny, progress=False
+    )
     on_disk = set((tmp_path / "idx" / "kv").rglob("*.safetensors"))
     generator, context = FusedGenerator(index), "\n\n".join(c.text for c in chunk_texts(index))
 

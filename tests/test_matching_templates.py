@@ -18,8 +18,10 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.retrieval.templates import TemplateSpans, _contains
 
 HEAD = "You are an expert Q&A system that is trusted around the world. Always answer the query using the context.\n"
-TAIL = ("\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
-        "Query: {q}\nAnswer:")
+TAIL = (
+    "\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
+    "Query: {q}\nAnswer:"
+)
 QUESTIONS = ("who ground the lens of the telescope?", "when was the lighthouse lit?", "what did the keeper keep?")
 
 

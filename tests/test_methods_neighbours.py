@@ -23,11 +23,11 @@ from rag_kvcache.index import KVIndex
 NEIGHBOURS = Config(chunk_tokens=24, top_k=3, chunk_prefill="neighbours", context_chunks=2).with_storage(codec="none")
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
-                      "passed the point, the weather each morning, and the state of the lamp and its oil.",
+    "passed the point, the weather each morning, and the state of the lamp and its oil.",
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor "
-                       "built in 1911 and it still observes double stars on clear winter nights.",
+    "built in 1911 and it still observes double stars on clear winter nights.",
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day, and on Sundays "
-                  "it bakes small honey cakes for the children of the harbour families.",
+    "it bakes small honey cakes for the children of the harbour families.",
 }
 
 
@@ -69,8 +69,9 @@ def test_neighbour_cache_is_the_chunk_behind_as_many_similar_chunks_as_precede_i
 def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
     question = "Who kept the lighthouse diary of ships?"
     fmt = index.format
-    segments = fmt.segments([h.chunk.token_ids for h in index.search(question, 3)],
-                            fmt.question_ids(index.adapter.tokenizer, question))
+    segments = fmt.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
+    )
     caches = index.open_caches(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
@@ -81,8 +82,9 @@ def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
     assert [s.position for s in blend.sources] == [len(caches.contexts[3]), len(fmt.prefix_ids)]
     gen = FusedGenerator(index)
     full = gen.fuse(segments, FusionConfig(method="full")).result
-    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits, full.logits,
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        gen.fuse(segments, FusionConfig(method="prefix")).result.logits, full.logits, atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -100,8 +102,12 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     assert chunks[0].exact and chunks[-1].exact  # a middle chunk reads its own neighbours' cache: inexact
     assert not isinstance(caches.sources[-2], BlendKV)  # the exact cache alone, not blended
     gen = FusedGenerator(index)
-    torch.testing.assert_close(gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
-                               gen.fuse(segments, FusionConfig(method="full")).result.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        gen.fuse(segments, FusionConfig(method="prefix")).result.logits,
+        gen.fuse(segments, FusionConfig(method="full")).result.logits,
+        atol=ATOL,
+        rtol=0,
+    )
     swapped = index.format.segments([tuple(near[1]), chunk.token_ids], question)  # another chunk first: inexact
     caches = index.open_caches(swapped)
     assert not FusionInput.build(swapped, caches.sources, caches.contexts).parts[3].exact
@@ -111,16 +117,23 @@ def test_another_setting_is_a_miss(tiny, index):
     chunk = some_chunk(index)
     plain = KVIndex(index.path, replace(NEIGHBOURS, chunk_prefill="behind_prefix"), index.chunks, tiny)
     others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
-    assert len(others) == 3 and index.addressing.key(chunk.token_ids, layout(index, others)) not in index.store  # 3 > context_chunks
+    assert (
+        len(others) == 3 and index.addressing.key(chunk.token_ids, layout(index, others)) not in index.store
+    )  # 3 > context_chunks
     assert plain.addressing.key(chunk.token_ids) not in index.store
-    assert plain.addressing.contexts_at(2, chunk.token_ids) == (plain.format.prefix_ids,)  # no neighbours outside the mode
+    assert plain.addressing.contexts_at(2, chunk.token_ids) == (
+        plain.format.prefix_ids,
+    )  # no neighbours outside the mode
 
 
 def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny, index, tmp_path, monkeypatch):
     """Chunks are committed before their neighbours are recorded: a run killed in between leaves chunks
     without neighbour caches, and the next update (with nothing new to index) computes them."""
-    (tmp_path / "docs" / "harbour.txt").write_text("The harbour of Saltmere freezes over in hard winters, and the "
-                                                    "fishing boats are then drawn up on the shingle beach.")
+    (tmp_path / "docs" / "harbour.txt").write_text(
+        "The harbour of Saltmere freezes over in hard winters, and the "
+        "fishing boats are then drawn up on the shingle beach."
+    )
+
     def killed(chunks, progress=True):
         raise KeyboardInterrupt("killed while computing neighbour caches")
 
@@ -135,7 +148,10 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
     assert not report.new_chunks and reopened.unrecorded_chunks() == []
     for chunk in missing:
         context = reopened.addressing.contexts_at(2, chunk.token_ids)[0]
-        assert context != reopened.addressing.chunk_context and reopened.addressing.key(chunk.token_ids, context) in reopened.store
+        assert (
+            context != reopened.addressing.chunk_context
+            and reopened.addressing.key(chunk.token_ids, context) in reopened.store
+        )
 
 
 def moved(kv: ChunkKV, delta: int, inv_freq) -> ChunkKV:
@@ -159,18 +175,28 @@ def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, inde
         torch.testing.assert_close(same.layer(layer), a.layer(layer), atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="two or more caches of one chunk"):
         BlendKV((a,), tiny.inv_freq)
-    other = index.store.get(index.addressing.key(next(c for c in index.chunks.all_chunks() if c.token_ids != chunk.token_ids
-                                           and len(c.token_ids) != len(chunk.token_ids)).token_ids))
+    other = index.store.get(
+        index.addressing.key(
+            next(
+                c
+                for c in index.chunks.all_chunks()
+                if c.token_ids != chunk.token_ids and len(c.token_ids) != len(chunk.token_ids)
+            ).token_ids
+        )
+    )
     with pytest.raises(ValueError, match="two or more caches of one chunk"):
         BlendKV((a, other), tiny.inv_freq)
 
 
 def test_a_corrupt_cache_in_a_blend_is_recomputed_and_the_answer_unchanged(tiny, index, caplog):
-    index = KVIndex.open(index.path, replace(NEIGHBOURS, storage=replace(NEIGHBOURS.storage, memory_bytes=0)), adapter=tiny)
+    index = KVIndex.open(
+        index.path, replace(NEIGHBOURS, storage=replace(NEIGHBOURS.storage, memory_bytes=0)), adapter=tiny
+    )
     question = "Who kept the lighthouse diary of ships?"
     fmt = index.format
-    segments = fmt.segments([h.chunk.token_ids for h in index.search(question, 3)],
-                            fmt.question_ids(index.adapter.tokenizer, question))
+    segments = fmt.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
+    )
     gen = FusedGenerator(index)
     epic = FusionConfig(method="epic", epic_k=4)
     before = gen.fuse(segments, epic).result

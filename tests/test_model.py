@@ -13,8 +13,15 @@ from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter, UnsupportedModelError
 
-SMALL = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+SMALL = dict(
+    vocab_size=30522,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
 
 
 def build(model_type: str, **overrides):
@@ -23,13 +30,28 @@ def build(model_type: str, **overrides):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("mistral", {"head_dim": 16, "sliding_window": None}),
-    ("qwen2", {}),
-    ("qwen3", {"head_dim": 16}),
-    ("llama", {"head_dim": 16, "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),
-])
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("mistral", {"head_dim": 16, "sliding_window": None}),
+        ("qwen2", {}),
+        ("qwen3", {"head_dim": 16}),
+        (
+            "llama",
+            {
+                "head_dim": 16,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                },
+            },
+        ),
+    ],
+)
 def test_llama_family_fuses_exactly(tokenizer, model_type, extra):
     adapter = ModelAdapter(build(model_type, **extra), tokenizer, name=model_type)
     inp = rag_prompt(adapter)
@@ -38,13 +60,30 @@ def test_llama_family_fuses_exactly(tokenizer, model_type, extra):
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("model_type,extra,reason", [
-    ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4}, "model_type 'gpt2' is not supported"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-               "original_max_position_embeddings": 256}}, "rope_type 'yarn'"),
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope_type 'dynamic'"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
-])
+@pytest.mark.parametrize(
+    "model_type,extra,reason",
+    [
+        ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4}, "model_type 'gpt2' is not supported"),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+            "rope_type 'yarn'",
+        ),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+            "rope_type 'dynamic'",
+        ),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
+    ],
+)
 def test_unsupported_models_are_refused(tokenizer, model_type, extra, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         ModelAdapter(build(model_type, **extra), tokenizer, name=model_type)

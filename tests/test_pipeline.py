@@ -21,7 +21,9 @@ DOCS = {
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
     "notes/harbour.txt": "Orrin's Ford harbour has a granite breakwater and a ferry to Tessaly twice a day. " * 3,
 }
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6)).with_storage(codec="none")  # lossless: exact
+CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6)).with_storage(
+    codec="none"
+)  # lossless: exact
 
 
 @pytest.fixture()
@@ -59,7 +61,9 @@ def test_exact_methods_answer_like_full(index):
     hits = index.search(q, 3)
     answers = {m: gen.ask(q, hits, fusion=FusionConfig(method=m, ratio=1.0)) for m in ("full", "prefix", "cacheblend")}
     assert answers["full"].answer == answers["prefix"].answer == answers["cacheblend"].answer
-    torch.testing.assert_close(answers["prefix"].first_token_logits, answers["full"].first_token_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        answers["prefix"].first_token_logits, answers["full"].first_token_logits, atol=1e-4, rtol=0
+    )
 
 
 def test_another_model_misses_never_hits_wrongly(index, tokenizer, tmp_path):
@@ -138,8 +142,14 @@ def test_engine_serves_on_its_thread_and_closes(index):
 
     with Engine(index.path, index.config, index.adapter) as engine:
         hits = engine.search("Who kept the lighthouse diary?", 2)
-        steps = list(engine.stream(engine.index.format.segments([h.chunk.token_ids for h in hits],
-                                   engine.index.format.question_ids(engine.index.adapter.tokenizer, "Who?"))))
+        steps = list(
+            engine.stream(
+                engine.index.format.segments(
+                    [h.chunk.token_ids for h in hits],
+                    engine.index.format.question_ids(engine.index.adapter.tokenizer, "Who?"),
+                )
+            )
+        )
         assert steps[-1].prompt_tokens > 0 and steps[-1].usage["cached_tokens"] > 0
     with pytest.raises(RuntimeError, match="shutdown"):
         engine.search("diary", 1)

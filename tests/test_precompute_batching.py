@@ -15,8 +15,12 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import WriteBehind, compute_caches, token_packs
 from rag_kvcache.store.kvstore import KVStore
 
-WORDS = "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()
-DOCS = {f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)}
+WORDS = (
+    "ferry harbour dawn crates salt rye keeper lamp granite breakwater market loaf seeds telescope refractor".split()
+)
+DOCS = {
+    f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)
+}
 CFG = Config(chunk_tokens=24).with_storage(codec="none")  # lossless: stored equals computed
 
 
@@ -51,14 +55,14 @@ def test_packed_caches_equal_chunk_by_chunk_bit_for_bit_and_a_full_prefill(tiny,
     packed = dict(compute_caches(tiny, chunks, context, 64))
     assert sorted(packed) == list(range(11))
     for i, ids in enumerate(chunks):
-        (_, alone), = compute_caches(tiny, [ids], context, 64)
+        ((_, alone),) = compute_caches(tiny, [ids], context, 64)
         keys, values, _ = tiny.prefill(torch.tensor([context + ids]))  # L x [1, H_kv, P + T, D]
         assert packed[i].position == alone.position == len(context)
         for layer in range(alone.n_layers):
             for got, want, full in zip(packed[i].layer(layer), alone.layer(layer), (keys[layer], values[layer])):
                 assert got.shape == want.shape == (2, len(ids), 16)  # [H_kv, T, D]
                 assert torch.equal(got, want)
-                torch.testing.assert_close(got, full[0, :, len(context):], atol=1e-5, rtol=0)
+                torch.testing.assert_close(got, full[0, :, len(context) :], atol=1e-5, rtol=0)
 
 
 def test_a_packed_chunk_sees_nothing_of_the_chunks_beside_it(tiny):
@@ -82,9 +86,11 @@ def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
         keys, values, _ = tiny.prefill(torch.cat([prefix, torch.tensor([chunk.token_ids])], 1))  # L x [1, H_kv, P+T, D]
         stored = index.store.get(index.addressing.key(chunk.token_ids))
         for layer in range(len(keys)):
-            torch.testing.assert_close(stored.keys[layer], keys[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
-            torch.testing.assert_close(stored.values[layer], values[layer][0, :, prefix.shape[1]:], atol=1e-5, rtol=0)
-        with safe_open(index.store.path(index.addressing.key(chunk.token_ids)), "pt") as f:  # a plain safetensors file too
+            torch.testing.assert_close(stored.keys[layer], keys[layer][0, :, prefix.shape[1] :], atol=1e-5, rtol=0)
+            torch.testing.assert_close(stored.values[layer], values[layer][0, :, prefix.shape[1] :], atol=1e-5, rtol=0)
+        with safe_open(
+            index.store.path(index.addressing.key(chunk.token_ids)), "pt"
+        ) as f:  # a plain safetensors file too
             assert len(f.keys()) == 2 * len(keys) and torch.equal(f.get_tensor("v.1"), stored.values[1])
 
 

@@ -37,8 +37,9 @@ def config(tmp_path_factory, tokenizer) -> Config:
     folder = tmp_path_factory.mktemp("tiny-model")
     tiny_llama().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return Config(model=str(folder), chunk_tokens=24, top_k=3, ray_workers=2,
-                  generation=GenerationConfig(max_new_tokens=6))
+    return Config(
+        model=str(folder), chunk_tokens=24, top_k=3, ray_workers=2, generation=GenerationConfig(max_new_tokens=6)
+    )
 
 
 @pytest.fixture()
@@ -53,19 +54,41 @@ def one_thread():
 
 def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs, tmp_path, one_thread):
     local = KVIndex.build(docs, tmp_path / "local", config, progress=False)
-    result = CliRunner().invoke(app, ["index", str(docs), "--index", str(tmp_path / "ray"), "--model", config.model,
-                                      "--chunk-tokens", "24", "--ray", "local", "--ray-workers", "2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "index",
+            str(docs),
+            "--index",
+            str(tmp_path / "ray"),
+            "--model",
+            config.model,
+            "--chunk-tokens",
+            "24",
+            "--ray",
+            "local",
+            "--ray-workers",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     on_ray = KVIndex.open(tmp_path / "ray", config)
     chunks = sorted(local.chunks.all_chunks(), key=lambda c: c.id)
     assert [c.id for c in chunks] == sorted(c.id for c in on_ray.chunks.all_chunks())
-    assert len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8  # several packs (4 chunks each at most) for two actors
+    assert (
+        len({len(c.token_ids) for c in chunks}) > 1 and len(chunks) > 8
+    )  # several packs (4 chunks each at most) for two actors
     for chunk in chunks:
-        want, got = local.store.get(local.addressing.key(chunk.token_ids)), on_ray.store.get(on_ray.addressing.key(chunk.token_ids))
+        want, got = (
+            local.store.get(local.addressing.key(chunk.token_ids)),
+            on_ray.store.get(on_ray.addressing.key(chunk.token_ids)),
+        )
         assert got.position == want.position
         assert all(torch.equal(g, w) for g, w in zip(got.keys + got.values, want.keys + want.values))
     question = "Which crates left the harbour at dawn?"
-    answers = [FusedGenerator(index).ask(question, fusion=FusionConfig(method="cacheblend")) for index in (local, on_ray)]
+    answers = [
+        FusedGenerator(index).ask(question, fusion=FusionConfig(method="cacheblend")) for index in (local, on_ray)
+    ]
     assert answers[0].answer == answers[1].answer and answers[1].cache_misses == 0
     assert [c.id for c in answers[0].chunks] == [c.id for c in answers[1].chunks]
 
@@ -110,8 +133,11 @@ def test_workers_whose_caches_the_driver_cannot_see_or_of_another_model_are_refu
         index.update(docs, progress=False, workers=workers)
     assert len(index.chunks) == 0
 
-    other = KVIndex.create(tmp_path / "other", replace(config, ray_workers=1),
-                           adapter=ModelAdapter(tiny_llama(seed=7), tokenizer, name="other"))
+    other = KVIndex.create(
+        tmp_path / "other",
+        replace(config, ray_workers=1),
+        adapter=ModelAdapter(tiny_llama(seed=7), tokenizer, name="other"),
+    )
     with other.ray_workers() as workers, pytest.raises(ray.exceptions.RayActorError, match="not the driver's"):
         other.update(docs, progress=False, workers=workers)
     assert len(other.chunks) == 0

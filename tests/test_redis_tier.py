@@ -70,8 +70,9 @@ def shared(tiny, corpus, server, tmp_path) -> KVIndex:
     tier = RedisTier(remote_cfg(server.url))
     for path in (corpus[0] / "kv").rglob("*.safetensors"):
         tier.write(path.stem, path.read_bytes())
-    return KVIndex.open(copy_without_caches(corpus[0], tmp_path / "b"), replace(CFG, storage=remote_cfg(server.url)),
-                        adapter=tiny)
+    return KVIndex.open(
+        copy_without_caches(corpus[0], tmp_path / "b"), replace(CFG, storage=remote_cfg(server.url)), adapter=tiny
+    )
 
 
 def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
@@ -99,7 +100,9 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
 
 
 def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
-    first, second = (KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url, codec="none")) for name in "ab")
+    first, second = (
+        KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url, codec="none")) for name in "ab"
+    )
     mine, theirs = make_kv(), make_kv(position=3)
     first.put("k1", mine)
     second.put("k1", theirs)  # computed too, later: the remote keeps the first
@@ -224,9 +227,13 @@ def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
     with Engine(shared.path, no_memory, tiny) as engine:
         http, thread, url = start_server(create_app(engine))
         try:
+
             def metric(name: str) -> float:
-                found = re.search(rf'^rag_kvcache_kv_cache_{name}_total{{tier="remote"}} (\S+)$',
-                                  httpx.get(f"{url}/metrics").text, re.MULTILINE)
+                found = re.search(
+                    rf'^rag_kvcache_kv_cache_{name}_total{{tier="remote"}} (\S+)$',
+                    httpx.get(f"{url}/metrics").text,
+                    re.MULTILINE,
+                )
                 assert found is not None, f"no remote {name} in /metrics"
                 return float(found.group(1))
 
@@ -310,7 +317,10 @@ def test_an_index_built_with_the_shared_tier_warns_when_opened_without_it(tiny, 
     with caplog.at_level(logging.WARNING):
         KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), CFG, adapter=tiny)
     assert "built with its KV caches also in the shared tier " + StorageConfig(remote=url).remote_address in caplog.text
-    assert "hunter2" not in caplog.text and StorageConfig(remote=url).remote_address == remote_cfg(server.url).remote_address
+    assert (
+        "hunter2" not in caplog.text
+        and StorageConfig(remote=url).remote_address == remote_cfg(server.url).remote_address
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         KVIndex.open(tmp_path / "b", cfg, adapter=tiny)

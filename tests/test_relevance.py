@@ -19,7 +19,9 @@ from rag_kvcache.relevance import CHECK, RelevanceCheck
 @pytest.fixture(scope="module")
 def generator(tiny, tmp_path_factory) -> FusedGenerator:
     root = tmp_path_factory.mktemp("relevance")
-    return FusedGenerator(KVIndex.build(write_docs(root / "docs", 3), root / "index", CFG, adapter=tiny, progress=False))
+    return FusedGenerator(
+        KVIndex.build(write_docs(root / "docs", 3), root / "index", CFG, adapter=tiny, progress=False)
+    )
 
 
 def test_a_check_computes_only_its_question_and_equals_a_full_prefill(generator):
@@ -31,16 +33,22 @@ def test_a_check_computes_only_its_question_and_equals_a_full_prefill(generator)
     assert [v.chunk for v in verdicts] == chunks
     for verdict, chunk in zip(verdicts, chunks):
         assert verdict.computed_tokens == len(question)  # the prefix and the chunk read from their caches
-        logits = generator.fuse(index.format.segments([chunk.token_ids], question), FusionConfig(method="full")).result.logits
+        logits = generator.fuse(
+            index.format.segments([chunk.token_ids], question), FusionConfig(method="full")
+        ).result.logits
         p = torch.softmax(logits.float(), dim=-1)  # [V]
         want = float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum()))
         assert verdict.p_yes == pytest.approx(want, abs=1e-4)
         assert verdict.relevant == (verdict.p_yes >= 0.5)
 
 
-@pytest.mark.parametrize("template,threshold,message", [
-    ("Is it relevant?", 0.5, "must contain '{question}'"), (CHECK, 1.5, "threshold must be in"),
-])
+@pytest.mark.parametrize(
+    "template,threshold,message",
+    [
+        ("Is it relevant?", 0.5, "must contain '{question}'"),
+        (CHECK, 1.5, "threshold must be in"),
+    ],
+)
 def test_a_bad_check_is_refused(generator, template, threshold, message):
     with pytest.raises(RagKVCacheError, match=message):
         RelevanceCheck(generator, template, threshold)
@@ -50,16 +58,25 @@ def test_chunk_caches_that_are_not_exact_are_computed(tiny, tmp_path):
     """An index whose chunks were computed alone (`isolated`: at position 0, not behind the prefix), so their
     caches are not what a full prefill computes in a check prompt: each verdict equals the `prefix` method's
     for that chunk's check prompt alone (exact: the chunk's tokens are computed)."""
-    index = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "index", replace(CFG, chunk_prefill="isolated"),
-                          adapter=tiny, progress=False)
+    index = KVIndex.build(
+        write_docs(tmp_path / "docs", 3),
+        tmp_path / "index",
+        replace(CFG, chunk_prefill="isolated"),
+        adapter=tiny,
+        progress=False,
+    )
     generator = FusedGenerator(index)
     chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
     check = RelevanceCheck(generator)
     question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
     for verdict, chunk in zip(check(QUESTION, chunks), chunks):
-        logits = generator.fuse(index.format.segments([chunk.token_ids], question), FusionConfig(method="prefix")).result.logits
+        logits = generator.fuse(
+            index.format.segments([chunk.token_ids], question), FusionConfig(method="prefix")
+        ).result.logits
         p = torch.softmax(logits.float(), dim=-1)  # [V]
-        assert verdict.p_yes == pytest.approx(float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum())), abs=1e-4)
+        assert verdict.p_yes == pytest.approx(
+            float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum())), abs=1e-4
+        )
 
 
 @pytest.mark.parametrize("fault", ["missing", "bit_flip"])

@@ -23,18 +23,25 @@ def generator(tokenizer, tmp_path_factory) -> FusedGenerator:
     chat.chat_template = CHATML
     adapter = ModelAdapter(tiny_llama(), chat, name="tiny-chat")
     root = tmp_path_factory.mktemp("request")
-    return FusedGenerator(KVIndex.build(write_docs(root / "docs", 3), root / "index", CFG, adapter=adapter, progress=False))
+    return FusedGenerator(
+        KVIndex.build(write_docs(root / "docs", 3), root / "index", CFG, adapter=adapter, progress=False)
+    )
 
 
 def test_a_chat_with_chunks_named_is_the_generators_chat_layout(generator):
     index = generator.index
     records = [hit.chunk for hit in index.search(QUESTION, 2)]
     turns = [ChatTurn("system", ("Be brief.",)), ChatTurn("user", (QUESTION,))]
-    prompt = chat_prompt(generator, turns, Options(chunk_ids=[r.id for r in records], fusion={"method": "epic"},
-                                                   max_tokens=5, temperature=0.0))
+    prompt = chat_prompt(
+        generator,
+        turns,
+        Options(chunk_ids=[r.id for r in records], fusion={"method": "epic"}, max_tokens=5, temperature=0.0),
+    )
     assert prompt.segments == generator.chat_segments(turns, records, prompt.fusion)
     assert prompt.fusion.method == "epic" and prompt.generation.max_new_tokens == 5
-    assert [c["id"] for c in prompt.chunks] == [r.id for r in records] and all(c["score"] is None for c in prompt.chunks)
+    assert [c["id"] for c in prompt.chunks] == [r.id for r in records] and all(
+        c["score"] is None for c in prompt.chunks
+    )
 
 
 def test_a_completion_with_chunks_retrieved_is_asks_layout(generator):
@@ -57,24 +64,29 @@ def test_a_deployments_cap_is_the_default_and_the_most(generator):
 
 
 def test_a_chat_over_the_fit_drops_its_oldest_turns(generator):
-    turns = [ChatTurn(role, (f"{role} message {i}: " + "words " * 30,)) for i in range(6) for role in ("user", "assistant")]
+    turns = [
+        ChatTurn(role, (f"{role} message {i}: " + "words " * 30,)) for i in range(6) for role in ("user", "assistant")
+    ]
     turns.append(ChatTurn("user", (QUESTION,)))
     whole = chat_prompt(generator, turns)
     fitted = chat_prompt(generator, turns, fit=whole.n_tokens // 2)
     assert fitted.dropped > 0 and fitted.n_tokens <= whole.n_tokens // 2
 
 
-@pytest.mark.parametrize("build,options,param,code", [
-    ("chat", Options(chunk_ids=["0123456789abcdef"]), "chunk_ids", "unknown_chunk"),
-    ("chat", Options(fusion={"method": "nonesuch"}), "method", "invalid_method"),
-    ("chat", Options(fusion={"ratio": 7.0}), "fusion", None),
-    ("chat", Options(fusion={"no_such_field": 1}), "fusion", None),
-    ("chat", Options(max_tokens=0), "max_tokens", None),
-    ("chat", Options(json_schema="{not json"), "response_format", None),
-    ("empty_user", Options(top_k=2), "top_k", None),
-    ("no_user", None, "messages", None),  # a chunk named, and no user message to put it in
-    ("empty_completion", Options(), "prompt", None),
-])
+@pytest.mark.parametrize(
+    "build,options,param,code",
+    [
+        ("chat", Options(chunk_ids=["0123456789abcdef"]), "chunk_ids", "unknown_chunk"),
+        ("chat", Options(fusion={"method": "nonesuch"}), "method", "invalid_method"),
+        ("chat", Options(fusion={"ratio": 7.0}), "fusion", None),
+        ("chat", Options(fusion={"no_such_field": 1}), "fusion", None),
+        ("chat", Options(max_tokens=0), "max_tokens", None),
+        ("chat", Options(json_schema="{not json"), "response_format", None),
+        ("empty_user", Options(top_k=2), "top_k", None),
+        ("no_user", None, "messages", None),  # a chunk named, and no user message to put it in
+        ("empty_completion", Options(), "prompt", None),
+    ],
+)
 def test_a_bad_request_is_refused_naming_the_parameter(generator, build, options, param, code):
     with pytest.raises(RequestError) as refused:
         if build == "empty_completion":

@@ -23,6 +23,7 @@ def ids(tokenizer, text: str) -> tuple[int, ...]:
 
 def test_lexicon_classes(tokenizer):
     lex = Lexicon.of(tokenizer)
+
     def flag(table: torch.Tensor, word: str) -> bool:
         return bool(table[tokenizer.convert_tokens_to_ids(word)])
 
@@ -83,9 +84,14 @@ def prompt(adapter, texts: list[str], question: str = QUESTION) -> FusionInput:
     """A prefix, the chunks `texts` cached behind the prefix alone, the question."""
     tok = adapter.tokenizer
     prefix = ids(tok, "answer from the documents.")
-    segments = [Segment(prefix, True, "prefix"), *(Segment(ids(tok, t), True, f"chunk{i}") for i, t in enumerate(texts)),
-                Segment(ids(tok, question), False, "question")]
-    caches = [chunk_kv(adapter, s.ids, () if s.label == "prefix" else prefix) if s.cacheable else None for s in segments]
+    segments = [
+        Segment(prefix, True, "prefix"),
+        *(Segment(ids(tok, t), True, f"chunk{i}") for i, t in enumerate(texts)),
+        Segment(ids(tok, question), False, "question"),
+    ]
+    caches = [
+        chunk_kv(adapter, s.ids, () if s.label == "prefix" else prefix) if s.cacheable else None for s in segments
+    ]
     contexts = [() if s.label == "prefix" else prefix for s in segments]
     return FusionInput.build(segments, caches, contexts, device=adapter.device)
 
@@ -103,8 +109,9 @@ def test_epic_match_recomputes_the_echoes_on_top_of_epic(tiny):
 
 def test_epic_match_without_echoes_is_epic(tiny):
     inp = prompt(tiny, [FIRST, "nothing here is asked about.", "nor is anything here."])
-    torch.testing.assert_close(fuse(tiny, inp, "epic_match", epic_k=3).logits, fuse(tiny, inp, "epic", epic_k=3).logits,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        fuse(tiny, inp, "epic_match", epic_k=3).logits, fuse(tiny, inp, "epic", epic_k=3).logits, atol=0, rtol=0
+    )
 
 
 def test_echoes_recomputed_whole_equal_full(tiny):

@@ -78,7 +78,6 @@ class Running:
         return httpx.get(f"{self.url}/health").json()
 
 
-
 def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     """uvicorn on a free 127.0.0.1 port, in a thread; returns once it accepts connections."""
     sock = socket.socket()
@@ -133,10 +132,13 @@ def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
 
 def reference(engine: Engine, question: str, method: str, chunk_ids: list[str], max_tokens: int = 6) -> Answer:
     """`ask`'s answer on the engine, for the given chunks in order."""
+
     def ask() -> Answer:
         hits = [h for cid in chunk_ids for h in engine.index.search(question, 10) if h.chunk.id == cid]
-        return engine.generator.ask(question, hits, fusion=FusionConfig(method=method),
-                                    generation=GenerationConfig(max_new_tokens=max_tokens))
+        return engine.generator.ask(
+            question, hits, fusion=FusionConfig(method=method), generation=GenerationConfig(max_new_tokens=max_tokens)
+        )
+
     return engine.run(ask)
 
 
@@ -153,8 +155,13 @@ def test_openai_chat_equals_ask(running, method):
     want = reference(running.engine, QUESTION, method, ids)
     client = running.client()
     extra = {"rag_kvcache": {"method": method, "chunk_ids": ids}}
-    got = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": QUESTION}],
-                                         max_tokens=6, temperature=0, extra_body=extra)
+    got = client.chat.completions.create(
+        model=running.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        extra_body=extra,
+    )
     assert got.choices[0].message.content.strip() == want.answer
     assert got.choices[0].finish_reason == want.finish_reason
     assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == want.generated_tokens
@@ -165,8 +172,13 @@ def test_openai_chat_equals_ask(running, method):
 
     pieces, usage = [], None
     for chunk in client.chat.completions.create(
-        model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        model=running.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     ):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
@@ -178,15 +190,25 @@ def test_openai_chat_equals_ask(running, method):
 
 def test_chat_with_history_equals_engine_stream(running):
     ids = top_ids(running, "bakery rye loaf", 2)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there."},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What does the bakery sell?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What does the bakery sell?"},
+    ]
     records = running.engine.run(running.engine.index.chunks.get, ids)
-    turns = [ChatTurn("system", ("Be brief.",)), ChatTurn("user", ("Hello there.",)), ChatTurn("assistant", ("Hello.",)),
-             ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?"))]
+    turns = [
+        ChatTurn("system", ("Be brief.",)),
+        ChatTurn("user", ("Hello there.",)),
+        ChatTurn("assistant", ("Hello.",)),
+        ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?")),
+    ]
     segments = chat_segments(running.engine.index.adapter.tokenizer, CFG.system_prompt, turns)
     steps = list(running.engine.stream(segments, FusionConfig(method="epic"), GenerationConfig(max_new_tokens=5)))
     got = running.client().chat.completions.create(
-        model=running.model, messages=messages, max_completion_tokens=5,
+        model=running.model,
+        messages=messages,
+        max_completion_tokens=5,
         extra_body={"rag_kvcache": {"method": "epic", "chunk_ids": ids}},
     )
     assert got.choices[0].message.content == "".join(s for s in steps if isinstance(s, str))
@@ -194,38 +216,56 @@ def test_chat_with_history_equals_engine_stream(running):
 
 
 def test_openai_completion_equals_ask_and_retrieves_itself(running):
-    want = running.engine.run(lambda: running.engine.generator.ask(
-        QUESTION, top_k=3, fusion=FusionConfig(method="cacheblend"), generation=GenerationConfig(max_new_tokens=6)))
+    want = running.engine.run(
+        lambda: running.engine.generator.ask(
+            QUESTION, top_k=3, fusion=FusionConfig(method="cacheblend"), generation=GenerationConfig(max_new_tokens=6)
+        )
+    )
     client = running.client()
     extra = {"rag_kvcache": {"top_k": 3}}  # retrieved by the server, fused with the index's default method
     got = client.completions.create(model=running.model, prompt=QUESTION, max_tokens=6, extra_body=extra)
     assert got.choices[0].text.strip() == want.answer
     assert got.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
     assert [c["id"] for c in got.model_extra["rag_kvcache"]["chunks"]] == [c.id for c in want.chunks]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=running.model, prompt=QUESTION, max_tokens=6, extra_body=extra, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=running.model, prompt=QUESTION, max_tokens=6, extra_body=extra, stream=True
+        )
+        if c.choices
+    )
     assert streamed == got.choices[0].text
     plain = client.completions.create(model=running.model, prompt="Once upon a time", max_tokens=4)
     assert plain.usage.completion_tokens <= 4 and plain.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_reuse_is_transparent_for_a_prompt_that_quotes_indexed_text(running):
-    hits = httpx.post(f"{running.url}/v1/retrieve", json={"query": QUESTION, "top_k": 2},
-                      headers=running.headers()).json()["data"]
+    hits = httpx.post(
+        f"{running.url}/v1/retrieve", json={"query": QUESTION, "top_k": 2}, headers=running.headers()
+    ).json()["data"]
     rag = "Documents:\n" + "\n\n".join(h["text"] for h in hits) + f"\n\nQuestion: {QUESTION}"
     client = running.client()
-    chat = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": rag}],
-                                          max_tokens=4, extra_body={"rag_kvcache": {"method": "epic"}})
-    want = running.engine.run(lambda: running.engine.generator.complete(
-        [{"role": "user", "content": rag}], fusion=FusionConfig(method="epic"),
-        generation=GenerationConfig(max_new_tokens=4)))
+    chat = client.chat.completions.create(
+        model=running.model,
+        messages=[{"role": "user", "content": rag}],
+        max_tokens=4,
+        extra_body={"rag_kvcache": {"method": "epic"}},
+    )
+    want = running.engine.run(
+        lambda: running.engine.generator.complete(
+            [{"role": "user", "content": rag}],
+            fusion=FusionConfig(method="epic"),
+            generation=GenerationConfig(max_new_tokens=4),
+        )
+    )
     assert chat.choices[0].message.content.strip() == want.answer
     assert chat.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
     assert chat.usage.prompt_tokens_details.cached_tokens > chat.usage.prompt_tokens / 2
     completion = client.completions.create(model=running.model, prompt=rag, max_tokens=4)
     assert completion.usage.prompt_tokens_details.cached_tokens > completion.usage.prompt_tokens / 2
-    plain = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": "Hi there."}],
-                                           max_tokens=2)
+    plain = client.chat.completions.create(
+        model=running.model, messages=[{"role": "user", "content": "Hi there."}], max_tokens=2
+    )
     assert plain.usage.prompt_tokens_details.cached_tokens <= len(running.engine.index.format.prefix_ids)  # prefix only
 
 
@@ -236,10 +276,17 @@ def test_tenants_never_read_each_others_prompt_heads(running):
     is no longer reported as cached."""
     config = ServerConfig(api_keys=(KEY, "other-key"))
     server, thread, url = start_server(create_app(running.engine, config))
-    hits = httpx.post(f"{url}/v1/retrieve", json={"query": QUESTION, "top_k": 2}, headers=running.headers()).json()["data"]
+    hits = httpx.post(f"{url}/v1/retrieve", json={"query": QUESTION, "top_k": 2}, headers=running.headers()).json()[
+        "data"
+    ]
     system = "You answer for the harbour office of Tessaly. The door code is 7391; never tell it to anyone. " * 2
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": "Documents:\n" + "\n\n".join(h["text"] for h in hits) + f"\n\nQuestion: {QUESTION}"}]
+    messages = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": "Documents:\n" + "\n\n".join(h["text"] for h in hits) + f"\n\nQuestion: {QUESTION}",
+        },
+    ]
 
     def cached(key: str, salt: str | None = None) -> int:
         body = {"model": running.model, "messages": messages, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
@@ -262,8 +309,16 @@ def test_langchain_chat_openai(running):
 
     ids = top_ids(running)
     want = reference(running.engine, QUESTION, "cacheblend", ids)
-    model = ChatOpenAI(model=running.model, base_url=f"{running.url}/v1", api_key=KEY, temperature=0, max_tokens=6,
-                       max_retries=0, extra_body={"rag_kvcache": {"chunk_ids": ids}}, stream_usage=True)
+    model = ChatOpenAI(
+        model=running.model,
+        base_url=f"{running.url}/v1",
+        api_key=KEY,
+        temperature=0,
+        max_tokens=6,
+        max_retries=0,
+        extra_body={"rag_kvcache": {"chunk_ids": ids}},
+        stream_usage=True,
+    )
     message = model.invoke(QUESTION)
     assert message.content.strip() == want.answer
     assert message.usage_metadata["input_token_details"]["cache_read"] == want.cached_tokens
@@ -277,16 +332,30 @@ def test_llamaindex_openai_like(running):
 
     ids = top_ids(running)
     want = reference(running.engine, QUESTION, "epic", ids)
-    llm = OpenAILike(model=running.model, api_base=f"{running.url}/v1", api_key=KEY, is_chat_model=True,
-                     temperature=0, max_tokens=6, max_retries=0,
-                     additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}})
+    llm = OpenAILike(
+        model=running.model,
+        api_base=f"{running.url}/v1",
+        api_key=KEY,
+        is_chat_model=True,
+        temperature=0,
+        max_tokens=6,
+        max_retries=0,
+        additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}},
+    )
     reply = llm.chat([ChatMessage(role="user", content=QUESTION)])
     assert reply.message.content.strip() == want.answer
     streamed = "".join(r.delta or "" for r in llm.stream_chat([ChatMessage(role="user", content=QUESTION)]))
     assert streamed == reply.message.content
-    completion = OpenAILike(model=running.model, api_base=f"{running.url}/v1", api_key=KEY, is_chat_model=False,
-                            temperature=0, max_tokens=6, max_retries=0,
-                            additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}})
+    completion = OpenAILike(
+        model=running.model,
+        api_base=f"{running.url}/v1",
+        api_key=KEY,
+        is_chat_model=False,
+        temperature=0,
+        max_tokens=6,
+        max_retries=0,
+        additional_kwargs={"extra_body": {"rag_kvcache": {"method": "epic", "chunk_ids": ids}}},
+    )
     assert completion.complete(QUESTION).text.strip() == want.answer
 
 
@@ -294,33 +363,50 @@ def test_llamaindex_openai_like(running):
 def test_models_health_retrieve_metrics(running):
     assert [m.id for m in running.client().models.list()] == [running.model]
     assert running.health()["status"] == "ok"
-    hits = httpx.post(f"{running.url}/v1/retrieve", json={"query": "telescope Veldmark", "top_k": 2},
-                      headers=running.headers()).json()["data"]
+    hits = httpx.post(
+        f"{running.url}/v1/retrieve", json={"query": "telescope Veldmark", "top_k": 2}, headers=running.headers()
+    ).json()["data"]
     assert len(hits) == 2 and hits[0]["source"] == "observatory.txt" and hits[0]["score"] >= hits[1]["score"]
-    running.client().chat.completions.create(model=running.model, messages=[{"role": "user", "content": QUESTION}],
-                                             max_tokens=3, extra_body={"rag_kvcache": {"top_k": 2}})
+    running.client().chat.completions.create(
+        model=running.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=3,
+        extra_body={"rag_kvcache": {"top_k": 2}},
+    )
     assert running.metric("rag_kvcache_ttft_seconds_count", method="cacheblend") >= 1
     assert running.metric("rag_kvcache_recomputed_fraction_count", method="cacheblend") >= 1
-    assert running.metric("rag_kvcache_kv_cache_hits_total", tier="disk") + running.metric(
-        "rag_kvcache_kv_cache_hits_total", tier="memory") > 0
+    assert (
+        running.metric("rag_kvcache_kv_cache_hits_total", tier="disk")
+        + running.metric("rag_kvcache_kv_cache_hits_total", tier="memory")
+        > 0
+    )
     assert running.metric("rag_kvcache_completion_tokens_total", method="cacheblend") > 0
     assert running.metric("rag_kvcache_requests_total", route="/v1/chat/completions", status="200") >= 1
 
 
 def test_documents_added_over_http_are_retrieved_and_fused(running):
-    doc = {"source": "added/regatta.txt", "text": "The regatta winners receive a silver oar kept in the town hall. " * 3}
+    doc = {
+        "source": "added/regatta.txt",
+        "text": "The regatta winners receive a silver oar kept in the town hall. " * 3,
+    }
     r = httpx.post(f"{running.url}/v1/documents", json={"documents": [doc]}, headers=running.headers(), timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["added"] == ["added/regatta.txt"] and r.json()["new_chunks"]
     assert (running.docs / "added" / "regatta.txt").read_text() == doc["text"]
     got = running.client().chat.completions.create(
-        model=running.model, messages=[{"role": "user", "content": "What do regatta winners receive?"}],
-        max_tokens=3, extra_body={"rag_kvcache": {"top_k": 1}})
+        model=running.model,
+        messages=[{"role": "user", "content": "What do regatta winners receive?"}],
+        max_tokens=3,
+        extra_body={"rag_kvcache": {"top_k": 1}},
+    )
     assert got.model_extra["rag_kvcache"]["chunks"][0]["source"] == "added/regatta.txt"
     assert got.model_extra["rag_kvcache"]["cache_misses"] == 0  # its cache was computed when it was added
     for source in ("../escape.txt", "/etc/passwd", ".hidden", "a/../../b"):
-        bad = httpx.post(f"{running.url}/v1/documents", json={"documents": [{"source": source, "text": "x"}]},
-                         headers=running.headers())
+        bad = httpx.post(
+            f"{running.url}/v1/documents",
+            json={"documents": [{"source": source, "text": "x"}]},
+            headers=running.headers(),
+        )
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_source"
 
 
@@ -336,14 +422,22 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
     limit = running.engine.index.config.max_file_bytes
     try:
         for source, text, param in [
-            ("nul\x00.txt", "x", "documents.source"), ("tab\tname.txt", "x", "documents.source"),
-            ("harbour.md/sub.txt", "x", "documents.source"), ("n" * 255, "x", "documents.source"),
-            ("linkdir/escaped.txt", "x", "documents.source"), ("afolder", "x", "documents.source"),
-            (".", "x", "documents.source"), ("./", "x", "documents.source"),  # the folder itself (Hypothesis, 10k)
+            ("nul\x00.txt", "x", "documents.source"),
+            ("tab\tname.txt", "x", "documents.source"),
+            ("harbour.md/sub.txt", "x", "documents.source"),
+            ("n" * 255, "x", "documents.source"),
+            ("linkdir/escaped.txt", "x", "documents.source"),
+            ("afolder", "x", "documents.source"),
+            (".", "x", "documents.source"),
+            ("./", "x", "documents.source"),  # the folder itself (Hypothesis, 10k)
             ("big.txt", "y" * (limit + 1), "documents.text"),
         ]:
-            r = httpx.post(f"{running.url}/v1/documents", json={"documents": [{"source": source, "text": text}]},
-                           headers=running.headers(), timeout=60)
+            r = httpx.post(
+                f"{running.url}/v1/documents",
+                json={"documents": [{"source": source, "text": text}]},
+                headers=running.headers(),
+                timeout=60,
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (source, r.text)
         assert not list(outside.iterdir())
         assert sorted(p.relative_to(running.docs) for p in running.docs.rglob("*")) == before
@@ -355,8 +449,14 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
 
 # ---- security, limits, bad requests ------------------------------------------------------------------
 def test_api_key_is_required_everywhere_but_health(running):
-    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/v1/completions"), ("POST", "/v1/retrieve"), ("POST", "/v1/documents")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/retrieve"),
+        ("POST", "/v1/documents"),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             for body in ({"json": {}}, {"content": b"{not json", "headers": {"Content-Type": "application/json"}}):
                 sent = {**body, "headers": {**body.get("headers", {}), **headers}}  # a malformed body is a 401 too
@@ -368,36 +468,50 @@ def test_api_key_is_required_everywhere_but_health(running):
         openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": 1e23}, "seed"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"methd": "epic"}},
-     "rag_kvcache.methd"),
-    ({"model": "M", "messages": [{"role": "tool", "content": "hi"}]}, "messages.0.role"),
-    ({"model": "M", "messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"ratio": 2.0}}, "rag_kvcache"),
-    # JSON's \ud800 escape decodes to an unpaired surrogate, which the tokenizer refused with a TypeError (a 500)
-    ({"model": "M", "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
-    # the index was never calibrated on this machine: a 500 FileNotFoundError once
-    ({"model": "M", "messages": [{"role": "user", "content": QUESTION}], "rag_kvcache": {"ratio": "auto"}},
-     "rag_kvcache"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"method": "nope"}},
-     "rag_kvcache.method"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"chunk_ids": ["nope"]}},
-     "rag_kvcache.chunk_ids"),
-    ({"model": "M", "messages": [{"role": "system", "content": "hi"}]}, "messages"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG + 1}, "max_tokens"),
-    ({"model": "M", "messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": 1e23}, "seed"),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"methd": "epic"}},
+            "rag_kvcache.methd",
+        ),
+        ({"model": "M", "messages": [{"role": "tool", "content": "hi"}]}, "messages.0.role"),
+        ({"model": "M", "messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"ratio": 2.0}}, "rag_kvcache"),
+        # JSON's \ud800 escape decodes to an unpaired surrogate, which the tokenizer refused with a TypeError (a 500)
+        ({"model": "M", "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+        # the index was never calibrated on this machine: a 500 FileNotFoundError once
+        (
+            {"model": "M", "messages": [{"role": "user", "content": QUESTION}], "rag_kvcache": {"ratio": "auto"}},
+            "rag_kvcache",
+        ),
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"method": "nope"}},
+            "rag_kvcache.method",
+        ),
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"chunk_ids": ["nope"]}},
+            "rag_kvcache.chunk_ids",
+        ),
+        ({"model": "M", "messages": [{"role": "system", "content": "hi"}]}, "messages"),
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG + 1}, "max_tokens"),
+        ({"model": "M", "messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
+    ],
+)
 def test_bad_requests_are_openai_400s(running, body, param):
     if "model" in body:
         body = body | {"model": running.model}
-    r = httpx.post(f"{running.url}/v1/chat/completions", content=json.dumps(body),  # ASCII: \ud800 escaped
-                   headers=running.headers() | {"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{running.url}/v1/chat/completions",
+        content=json.dumps(body),  # ASCII: \ud800 escaped
+        headers=running.headers() | {"Content-Type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
@@ -413,12 +527,20 @@ def test_an_oversized_body_is_a_413_before_it_is_parsed(running):
     body = json.dumps({"model": running.model, "messages": [{"role": "user", "content": "word " * (1 << 20)}]}).encode()
     try:
         declared = httpx.post(f"{url}/v1/chat/completions", content=body, headers=running.headers(), timeout=60)
-        streamed = httpx.post(f"{url}/v1/chat/completions", content=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
-                              headers=running.headers(), timeout=60)
+        streamed = httpx.post(
+            f"{url}/v1/chat/completions",
+            content=iter([body[i : i + 65536] for i in range(0, len(body), 65536)]),
+            headers=running.headers(),
+            timeout=60,
+        )
         for r in (declared, streamed):
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
-        small = httpx.post(f"{url}/v1/chat/completions", headers=running.headers(), timeout=60, json={
-            "model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2})
+        small = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=running.headers(),
+            timeout=60,
+            json={"model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2},
+        )
         assert small.status_code == 200, small.text
     finally:
         stop_server(server, thread)
@@ -434,11 +556,15 @@ def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenised(runni
     text = "word " * (400 * longest // 5 + 1)  # one character over what 400 tokens can hold
     seen: list[int] = []
     real = type(tokenizer).__call__
-    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, t, *a, **k: seen.append(len(str(t))) or real(self, t, *a, **k))
-    monkeypatch.setattr(type(tokenizer), "apply_chat_template",
-                        lambda self, *a, **k: pytest.fail("the oversized prompt was rendered"))
+    monkeypatch.setattr(
+        type(tokenizer), "__call__", lambda self, t, *a, **k: seen.append(len(str(t))) or real(self, t, *a, **k)
+    )
+    monkeypatch.setattr(
+        type(tokenizer), "apply_chat_template", lambda self, *a, **k: pytest.fail("the oversized prompt was rendered")
+    )
     body = {"model": running.model, "max_tokens": 2} | (
-        {"messages": [{"role": "user", "content": text}]} if field == "messages" else {"prompt": text})
+        {"messages": [{"role": "user", "content": text}]} if field == "messages" else {"prompt": text}
+    )
     r = httpx.post(f"{running.url}/v1/{route}", json=body, headers=running.headers(), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert "characters" in r.json()["error"]["message"] and not [n for n in seen if n >= len(text)]
@@ -483,8 +609,11 @@ def test_a_burst_fills_the_batch_and_the_queue_then_gets_429_with_retry_after(ru
 
     def ask() -> None:
         try:
-            outcomes.append(client.chat.completions.create(
-                model=running.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+            outcomes.append(
+                client.chat.completions.create(
+                    model=running.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            )
         except openai.RateLimitError as e:
             outcomes.append(e)
 
@@ -518,8 +647,12 @@ def test_one_key_cannot_take_every_place(running):
     outcomes: dict[str, list[int]] = {KEY: [], "other-key": []}
 
     def ask(key: str) -> None:
-        r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120, json={
-            "model": running.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+            json={"model": running.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         outcomes[key].append(r.status_code if r.status_code != 429 or r.json()["error"]["code"] == "key_busy" else -1)
 
     clients = [threading.Thread(target=ask, args=(KEY,)) for _ in range(4)]
@@ -548,9 +681,15 @@ def test_disconnect_stops_the_generation(running):
         next(stream.iter_lines())
     _wait(lambda: running.metric("rag_kvcache_requests_cancelled_total") == cancelled + 1, "the stream to be cancelled")
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
-        httpx.post(f"{running.url}/v1/completions", headers=running.headers(), timeout=0.3,
-                   json={"model": running.model, "prompt": "Once upon a time", "max_tokens": LONG})
-    _wait(lambda: running.metric("rag_kvcache_requests_cancelled_total") == cancelled + 2, "the request to be cancelled")
+        httpx.post(
+            f"{running.url}/v1/completions",
+            headers=running.headers(),
+            timeout=0.3,
+            json={"model": running.model, "prompt": "Once upon a time", "max_tokens": LONG},
+        )
+    _wait(
+        lambda: running.metric("rag_kvcache_requests_cancelled_total") == cancelled + 2, "the request to be cancelled"
+    )
     _wait(lambda: running.health()["active"] == 0, "the engine to be free")
     # the cancelled generations never finished: no tokens were counted for them
     assert running.metric("rag_kvcache_completion_tokens_total", method="cacheblend") == generated
@@ -573,8 +712,12 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
 
     def ask(i: int, method: str, n: int) -> None:
         answers[i] = batched.client().chat.completions.create(
-            model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=n, temperature=0,
-            extra_body={"rag_kvcache": {"method": method, "chunk_ids": ids}})
+            model=running.model,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=n,
+            temperature=0,
+            extra_body={"rag_kvcache": {"method": method, "chunk_ids": ids}},
+        )
 
     def leave_after_one_token() -> None:
         with httpx.Client(timeout=60) as client, _long_stream(batched, client) as stream:
@@ -603,8 +746,10 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
             assert got.usage.completion_tokens == want.generated_tokens
             assert got.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
         _wait(lambda: batched.metric("rag_kvcache_requests_cancelled_total") == 1, "the stream to be cancelled")
-        _wait(lambda: batched.health()["active"] == 0 and batched.metric("rag_kvcache_decoding_requests") == 0,
-              "the batch to drain")
+        _wait(
+            lambda: batched.health()["active"] == 0 and batched.metric("rag_kvcache_decoding_requests") == 0,
+            "the batch to drain",
+        )
         assert batched.metric("rag_kvcache_decode_cache_bytes") == 0  # every slot given back, the left one's too
         steps = batched.metric("rag_kvcache_decode_batch_size_count")
         alone = batched.metric("rag_kvcache_decode_batch_size_bucket", le="1.0")
@@ -648,8 +793,13 @@ def rag_segments(running: Running) -> list[Segment]:
     return fmt.segments([r.token_ids for r in records], fmt.question_ids(engine.index.adapter.tokenizer, QUESTION))
 
 
-def assert_answered_as_alone(running: Running, segments: list[Segment], generation: GenerationConfig,
-                             results: list[object], metrics: ServerMetrics) -> None:
+def assert_answered_as_alone(
+    running: Running,
+    segments: list[Segment],
+    generation: GenerationConfig,
+    results: list[object],
+    metrics: ServerMetrics,
+) -> None:
     *pieces, want = list(running.engine.stream(segments, FusionConfig(method="cacheblend"), generation))
     for got in results:
         assert got[:-1] == pieces
@@ -663,7 +813,8 @@ def test_a_failing_prefill_fails_only_its_own_request(running):
     cached chunk); it gets that error, and the other two still decode together and answer as alone."""
     segments, generation = rag_segments(running), GenerationConfig(max_new_tokens=6)
     (first, refused, third), metrics = three_in_one_scheduler(
-        running, [(segments, generation), (segments[:-1], generation), (segments, generation)])
+        running, [(segments, generation), (segments[:-1], generation), (segments, generation)]
+    )
     assert isinstance(refused, ValueError) and "must end with an uncached segment" in str(refused)
     assert_answered_as_alone(running, segments, generation, [first, third], metrics)
 
@@ -682,14 +833,20 @@ def test_a_request_failing_mid_batch_fails_alone(running, monkeypatch):
 
     monkeypatch.setattr(Decoder, "sample", faulty)
     (first, failed, third), metrics = three_in_one_scheduler(
-        running, [(segments, generation), (segments, replace(generation, seed=13)), (segments, generation)])
+        running, [(segments, generation), (segments, replace(generation, seed=13)), (segments, generation)]
+    )
     assert isinstance(failed, RuntimeError) and "nan" in str(failed)
     assert_answered_as_alone(running, segments, generation, [first, third], metrics)
 
 
 def test_streamed_events_are_sse_with_usage_last(running):
-    body = {"model": running.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": running.model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, headers=running.headers()) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
@@ -726,10 +883,14 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
         try:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             named = client.chat.completions.create(
-                model=cfg.model, messages=[{"role": "user", "content": question}], max_tokens=12,
-                extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits], "method": "cacheblend"}})
-            found = client.chat.completions.create(model=cfg.model, messages=quoted, max_tokens=12,
-                                                   extra_body={"rag_kvcache": {"method": "cacheblend"}})
+                model=cfg.model,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=12,
+                extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits], "method": "cacheblend"}},
+            )
+            found = client.chat.completions.create(
+                model=cfg.model, messages=quoted, max_tokens=12, extra_body={"rag_kvcache": {"method": "cacheblend"}}
+            )
         finally:
             stop_server(server, thread)
     assert "Harrow" in want.answer, want.answer

@@ -17,8 +17,12 @@ from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.serving.settings import ServerConfig
 
 OTHER = "other-key"
-QUESTIONS = ("What is the telescope of the Veldmark Observatory named?", "What kind of telescope is it?",
-             "Who kept a diary?", "When was the lighthouse lit?")
+QUESTIONS = (
+    "What is the telescope of the Veldmark Observatory named?",
+    "What kind of telescope is it?",
+    "Who kept a diary?",
+    "When was the lighthouse lit?",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,9 @@ def converse(running: Running, method: str, key: str = KEY, salt: str | None = N
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
         extra = {"rag_kvcache": {"method": method}} | ({"cache_salt": salt} if salt else {})
-        r = client(running, key).chat.completions.create(model=running.model, messages=messages, max_tokens=5,
-                                                         temperature=0, extra_body=extra)
+        r = client(running, key).chat.completions.create(
+            model=running.model, messages=messages, max_tokens=5, temperature=0, extra_body=extra
+        )
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         responses.append(r)
     return responses
@@ -49,8 +54,11 @@ def converse(running: Running, method: str, key: str = KEY, salt: str | None = N
 def alone(running: Running, messages: list[dict], method: str) -> str:
     """The answer to `messages` fused without a conversation cache, on the server's engine."""
     gen = FusedGenerator(running.engine.index)
-    return running.engine.run(lambda: gen.complete(messages, fusion=FusionConfig(method=method),
-                                                   generation=GenerationConfig(max_new_tokens=5))).answer
+    return running.engine.run(
+        lambda: gen.complete(
+            messages, fusion=FusionConfig(method=method), generation=GenerationConfig(max_new_tokens=5)
+        )
+    ).answer
 
 
 @pytest.mark.parametrize("method", ["full", "prefix"])
@@ -104,14 +112,25 @@ def test_a_chat_over_the_limit_drops_its_oldest_messages_once_and_the_next_turns
         messages, turns = [], []
         for i in range(12):
             messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
-            r = talk.chat.completions.create(model=chatting.model, messages=messages, max_tokens=5, temperature=0,
-                                             extra_body={"cache_salt": "halving"})
+            r = talk.chat.completions.create(
+                model=chatting.model,
+                messages=messages,
+                max_tokens=5,
+                temperature=0,
+                extra_body={"cache_salt": "halving"},
+            )
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
-            turns.append((r.usage.prompt_tokens, r.model_extra["rag_kvcache"]["dropped_messages"],
-                          r.model_extra["rag_kvcache"]["conversation_tokens"]))
+            turns.append(
+                (
+                    r.usage.prompt_tokens,
+                    r.model_extra["rag_kvcache"]["dropped_messages"],
+                    r.model_extra["rag_kvcache"]["conversation_tokens"],
+                )
+            )
         with pytest.raises(openai.BadRequestError, match="context_length_exceeded|over the"):
             openai.OpenAI(base_url=f"{rurl}/v1", api_key=KEY, max_retries=0).chat.completions.create(
-                model=chatting.model, messages=messages, max_tokens=5)
+                model=chatting.model, messages=messages, max_tokens=5
+            )
     finally:
         stop_server(server, thread)
         stop_server(refusing, rthread)

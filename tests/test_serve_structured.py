@@ -47,8 +47,9 @@ def running(bpe_tiny: ModelAdapter, tmp_path_factory) -> Iterator[Running]:
 def test_parse_returns_a_validated_object(running):
     """The client's `parse` sends the Pydantic model as a strict `json_schema` format and validates the answer."""
     client = running.client()
-    completion = client.chat.completions.parse(model=running.model, messages=MESSAGES, response_format=Telescope,
-                                               max_tokens=150, extra_body=RAG)
+    completion = client.chat.completions.parse(
+        model=running.model, messages=MESSAGES, response_format=Telescope, max_tokens=150, extra_body=RAG
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Telescope)
     free = client.chat.completions.create(model=running.model, messages=MESSAGES, max_tokens=60, extra_body=RAG)
@@ -59,10 +60,17 @@ def test_parse_returns_a_validated_object(running):
 def test_json_schema_plain_and_streamed(running):
     client = running.client()
     schema_format = {"type": "json_schema", "json_schema": {"name": "telescope", "schema": SCHEMA}}
-    whole = client.chat.completions.create(model=running.model, messages=MESSAGES, max_tokens=150,
-                                           response_format=schema_format, extra_body=RAG)
-    streamed = client.chat.completions.create(model=running.model, messages=MESSAGES, max_tokens=150,
-                                              response_format=schema_format, extra_body=RAG, stream=True)
+    whole = client.chat.completions.create(
+        model=running.model, messages=MESSAGES, max_tokens=150, response_format=schema_format, extra_body=RAG
+    )
+    streamed = client.chat.completions.create(
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=150,
+        response_format=schema_format,
+        extra_body=RAG,
+        stream=True,
+    )
     pieces = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     Telescope.model_validate_json(whole.choices[0].message.content)
     assert pieces == whole.choices[0].message.content  # greedy: the stream is the same answer
@@ -71,28 +79,48 @@ def test_json_schema_plain_and_streamed(running):
 def test_json_object_answers_only_objects(running):
     """`json_object` allows any object, which a random model may fill without end: every answer begins one,
     and every answer that ends (sampled, several seeds) is one."""
-    answers = [running.client().chat.completions.create(
-        model=running.model, messages=MESSAGES, max_tokens=150, temperature=1.0, seed=seed,
-        response_format={"type": "json_object"}).choices[0] for seed in range(4)]
+    answers = [
+        running.client()
+        .chat.completions.create(
+            model=running.model,
+            messages=MESSAGES,
+            max_tokens=150,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_object"},
+        )
+        .choices[0]
+        for seed in range(4)
+    ]
     assert all(a.message.content.startswith("{") for a in answers)
     ended = [a.message.content for a in answers if a.finish_reason == "stop"]
     assert ended and all(isinstance(json.loads(text), dict) for text in ended)
 
 
-@pytest.mark.parametrize(("response_format", "message"), [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
-     "invalid response_format: cannot constrain decoding to JSON Schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}},
-     "response_format.json_schema.schema: Input should be a valid dictionary"),
-    ({"type": "json_schema"}, "json_schema is required with type 'json_schema'"),
-    ({"type": "xml"}, "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "grammar": "g"}},
-     "unknown field 'response_format.json_schema.grammar'"),
-])
+@pytest.mark.parametrize(
+    ("response_format", "message"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+            "invalid response_format: cannot constrain decoding to JSON Schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}},
+            "response_format.json_schema.schema: Input should be a valid dictionary",
+        ),
+        ({"type": "json_schema"}, "json_schema is required with type 'json_schema'"),
+        ({"type": "xml"}, "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "grammar": "g"}},
+            "unknown field 'response_format.json_schema.grammar'",
+        ),
+    ],
+)
 def test_bad_formats_are_openai_400s(running, response_format, message):
     with pytest.raises(openai.BadRequestError) as caught:
-        running.client().chat.completions.create(model=running.model, messages=MESSAGES, max_tokens=8,
-                                                 response_format=response_format)
+        running.client().chat.completions.create(
+            model=running.model, messages=MESSAGES, max_tokens=8, response_format=response_format
+        )
     error = caught.value.body
     assert message in error["message"] and error["param"].startswith("response_format"), error
     assert error["type"] == "invalid_request_error"
@@ -101,8 +129,9 @@ def test_bad_formats_are_openai_400s(running, response_format, message):
 def test_without_the_extra_the_format_is_refused_naming_it(running, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # not importable, as where [structured] is not installed
     with pytest.raises(openai.BadRequestError) as caught:
-        running.client().chat.completions.create(model=running.model, messages=MESSAGES, max_tokens=8,
-                                                 response_format={"type": "json_object"})
+        running.client().chat.completions.create(
+            model=running.model, messages=MESSAGES, max_tokens=8, response_format={"type": "json_object"}
+        )
     error = caught.value.body
     assert "pip install 'rag-kvcache[structured]'" in error["message"]
     assert (error["param"], error["code"]) == ("response_format", "unsupported_response_format")

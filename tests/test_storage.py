@@ -118,7 +118,9 @@ def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec):
     the codec decodes them; 3 tokens of 3 channels put the float32 scales at offsets a typed view
     cannot start at, which must not matter."""
     g = torch.Generator().manual_seed(1)
-    kv = ChunkKV([torch.randn(1, 3, 3, generator=g) for _ in range(2)], [torch.randn(1, 3, 3, generator=g) for _ in range(2)], 0)
+    kv = ChunkKV(
+        [torch.randn(1, 3, 3, generator=g) for _ in range(2)], [torch.randn(1, 3, 3, generator=g) for _ in range(2)], 0
+    )
     store = KVStore(tmp_path, StorageConfig(memory_bytes=0, codec=codec))
     store.put(KEYS[0], kv)
     k, v = store.open(KEYS[0]).layer(1)

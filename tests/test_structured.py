@@ -88,9 +88,12 @@ def test_a_schema_nested_too_deeply_is_refused_not_a_recursion_error(bpe_tiny: M
 
 def test_objects_are_closed_unless_the_schema_says_otherwise() -> None:
     schema = {
-        "type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}, "free": {"type": "object"}},
-        "$defs": {"Inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
-                  "Open": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}},
+        "type": "object",
+        "properties": {"inner": {"$ref": "#/$defs/Inner"}, "free": {"type": "object"}},
+        "$defs": {
+            "Inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "Open": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}},
+        },
     }
     closed = _closed(schema)
     assert closed["additionalProperties"] is False and closed["$defs"]["Inner"]["additionalProperties"] is False
@@ -105,8 +108,12 @@ class City(BaseModel):
 
 @pytest.mark.smollm2
 def test_smollm2_answers_a_simple_schema(smollm2: ModelAdapter) -> None:
-    messages = [{"role": "user", "content": "Which city is the capital of France? Answer with the city and its country."}]
-    ids = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    messages = [
+        {"role": "user", "content": "Which city is the capital of France? Answer with the city and its country."}
+    ]
+    ids = smollm2.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     keys, values, logits = smollm2.prefill(ids["input_ids"])
     decoder = Decoder(smollm2, GenerationConfig(max_new_tokens=40, json_schema=json.dumps(City.model_json_schema())))
     steps = list(decoder.steps(keys, values, logits[0], decoder.sample(logits[0])))

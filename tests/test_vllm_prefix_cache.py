@@ -29,7 +29,11 @@ pytestmark = pytest.mark.smollm2
 @pytest.fixture(scope="module")
 def cached_llm(built: Built) -> Iterator[LLM]:  # noqa: F811
     engine = LLM(
-        model=built.model, dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, enable_prefix_caching=True,
+        model=built.model,
+        dtype="float32",
+        gpu_memory_utilization=0.25,
+        max_model_len=4096,
+        enable_prefix_caching=True,
         kv_transfer_config=kv_transfer_config(built.path, "prefix"),
     )
     yield engine

@@ -29,11 +29,16 @@ def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_p
         index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", tmp_path / "a", config, progress=False)
         records = list(index.chunks.all_chunks())[:3]
         fmt = index.format
-        prompt = [t for s in fmt.segments([r.token_ids for r in records], fmt.question_ids(index.adapter.tokenizer, "Why?"))
-                  for t in s.ids]
+        prompt = [
+            t
+            for s in fmt.segments([r.token_ids for r in records], fmt.question_ids(index.adapter.tokenizer, "Why?"))
+            for t in s.ids
+        ]
         index.close()
         # another machine: the index's chunks and vectors, none of its disk caches
-        shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=lambda d, names: ["kv"] if Path(d) == tmp_path / "a" else [])
+        shutil.copytree(
+            tmp_path / "a", tmp_path / "b", ignore=lambda d, names: ["kv"] if Path(d) == tmp_path / "a" else []
+        )
 
         planner = Planner(tmp_path / "b", server.url)
         _, inp = planner.layout(prompt, FusionConfig(method="reuse"))

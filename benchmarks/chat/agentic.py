@@ -65,8 +65,10 @@ def main() -> None:
         retriever = RagKVCacheRetriever(engine=engine, k=4)
         cached_model = ChatRagKVCache(engine=engine, max_tokens=MAX_TOKENS)
         plain_model = ChatRagKVCache(engine=engine, fusion=FULL, max_tokens=MAX_TOKENS)
-        graphs = [create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
-                  create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model)]
+        graphs = [
+            create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
+            create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model),
+        ]
 
         def run(graph, question: str):
             state = graph.invoke({"question": question})
@@ -81,22 +83,34 @@ def main() -> None:
             t1 = time.perf_counter()
             kept_p, answer_p = plain(question)
             t2 = time.perf_counter()
-            row = {"question": question, "cached_s": t1 - t0, "plain_s": t2 - t1,
-                   "kept_cached": [d.id for d in kept_c], "kept_plain": [d.id for d in kept_p],
-                   "answer_cached": answer_c.text, "answer_plain": answer_p.text}
+            row = {
+                "question": question,
+                "cached_s": t1 - t0,
+                "plain_s": t2 - t1,
+                "kept_cached": [d.id for d in kept_c],
+                "kept_plain": [d.id for d in kept_p],
+                "answer_cached": answer_c.text,
+                "answer_plain": answer_p.text,
+            }
             if row["kept_cached"] == row["kept_plain"]:
                 row |= engine.run(fidelity, engine, [rag_message(kept_c, question)], cached_model.fusion)
             rows.append(row)
-            print(f"{question[:50]:50s} cached {row['cached_s']:.2f} s, plain {row['plain_s']:.2f} s, kept "
-                  f"{len(kept_c)}/{len(kept_p)}, tf_kl {row.get('tf_kl', float('nan')):.3f}", flush=True)
+            print(
+                f"{question[:50]:50s} cached {row['cached_s']:.2f} s, plain {row['plain_s']:.2f} s, kept "
+                f"{len(kept_c)}/{len(kept_p)}, tf_kl {row.get('tf_kl', float('nan')):.3f}",
+                flush=True,
+            )
     ratio = statistics.median(r["plain_s"] / r["cached_s"] for r in rows)
     same = [r for r in rows if "tf_kl" in r]
-    summary = {"questions": len(rows), "median_plain_over_cached": ratio,
-               "cached_s_median": statistics.median(r["cached_s"] for r in rows),
-               "plain_s_median": statistics.median(r["plain_s"] for r in rows),
-               "same_documents_kept": len(same),
-               "tf_kl_mean": statistics.mean(r["tf_kl"] for r in same) if same else None,
-               "tf_top1_mean": statistics.mean(r["tf_top1"] for r in same) if same else None}
+    summary = {
+        "questions": len(rows),
+        "median_plain_over_cached": ratio,
+        "cached_s_median": statistics.median(r["cached_s"] for r in rows),
+        "plain_s_median": statistics.median(r["plain_s"] for r in rows),
+        "same_documents_kept": len(same),
+        "tf_kl_mean": statistics.mean(r["tf_kl"] for r in same) if same else None,
+        "tf_top1_mean": statistics.mean(r["tf_top1"] for r in same) if same else None,
+    }
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
 
@@ -110,8 +124,10 @@ def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig)
     if not answer:
         return {}
     fused = generator.fuse(segments, fusion).result
-    ref, got = (teacher_forced_logits(adapter, r.keys, r.values, r.logits, answer).cpu().numpy()
-                for r in (reference.result, fused))  # [T, V] x 2
+    ref, got = (
+        teacher_forced_logits(adapter, r.keys, r.values, r.logits, answer).cpu().numpy()
+        for r in (reference.result, fused)
+    )  # [T, V] x 2
     scores = teacher_forced(ref, got, answer)
     return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
 

@@ -73,8 +73,12 @@ class Server:
     def __init__(self, index: Path, *options: str, api_key: str = "unused") -> None:
         self.port = free_port()
         cli = Path(sys.executable).with_name("rag-kvcache")
-        self.proc = subprocess.Popen([str(cli), "serve", "--index", str(index), "--port", str(self.port), *options],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [str(cli), "serve", "--index", str(index), "--port", str(self.port), *options],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         wait_healthy(self.proc, self.url, 300, lambda: self.proc.stderr.read())
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=600)
@@ -92,8 +96,13 @@ class Server:
         t0 = time.perf_counter()
         ttft, pieces, last = None, [], None
         for chunk in self.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=body,
+            model=self.model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=body,
         ):
             if chunk.choices and chunk.choices[0].delta.content:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
@@ -101,10 +110,14 @@ class Server:
             last = chunk
         extension = last.model_extra.get("rag_kvcache", {})
         ttft = ttft if ttft is not None else time.perf_counter() - t0  # no text: the whole response's time
-        return {"ttft_s": ttft, "answer": "".join(pieces).strip(), "prompt_tokens": last.usage.prompt_tokens,
-                "cached_tokens": last.usage.prompt_tokens_details.cached_tokens,
-                "conversation_tokens": extension.get("conversation_tokens"),
-                "server_ttft_s": extension.get("ttft_s")}
+        return {
+            "ttft_s": ttft,
+            "answer": "".join(pieces).strip(),
+            "prompt_tokens": last.usage.prompt_tokens,
+            "cached_tokens": last.usage.prompt_tokens_details.cached_tokens,
+            "conversation_tokens": extension.get("conversation_tokens"),
+            "server_ttft_s": extension.get("ttft_s"),
+        }
 
     def close(self) -> None:
         self.proc.terminate()
@@ -127,9 +140,12 @@ def chat(warm: Server, cold: Server, method: str, turns: int, top_k: int, max_to
         messages.append({"role": "user", "content": content})
         w, c = warm.ask(messages, method, max_tokens), cold.ask(messages, method, max_tokens)
         rows.append({"turn": i + 1, "method": method, "warm": w, "cold": c})
-        print(f"{method} turn {i + 1:2d}: {w['prompt_tokens']} tokens, cached {w['cached_tokens']} "
-              f"(conversation {w['conversation_tokens']}) vs cold {c['cached_tokens']}; TTFT {w['ttft_s'] * 1e3:.0f} ms "
-              f"vs cold {c['ttft_s'] * 1e3:.0f} ms; same answer: {w['answer'] == c['answer']}", flush=True)
+        print(
+            f"{method} turn {i + 1:2d}: {w['prompt_tokens']} tokens, cached {w['cached_tokens']} "
+            f"(conversation {w['conversation_tokens']}) vs cold {c['cached_tokens']}; TTFT {w['ttft_s'] * 1e3:.0f} ms "
+            f"vs cold {c['ttft_s'] * 1e3:.0f} ms; same answer: {w['answer'] == c['answer']}",
+            flush=True,
+        )
         messages.append({"role": "assistant", "content": w["answer"]})
     return rows
 
@@ -147,8 +163,11 @@ def main() -> None:
         build_index(args.index)
     warm, cold = Server(args.index), Server(args.index, "--conversation-bytes", "0")
     try:
-        rows = [row for method in args.methods.split(",") for row in chat(warm, cold, method, args.turns, args.top_k,
-                                                                          args.max_tokens)]
+        rows = [
+            row
+            for method in args.methods.split(",")
+            for row in chat(warm, cold, method, args.turns, args.top_k, args.max_tokens)
+        ]
     finally:
         warm.close()
         cold.close()
@@ -160,8 +179,11 @@ def main() -> None:
             "last_turn_cached_fraction": last["warm"]["cached_tokens"] / last["warm"]["prompt_tokens"],
             "last_turn_cold_cached_fraction": last["cold"]["cached_tokens"] / last["cold"]["prompt_tokens"],
             "last_turn_ttft_speedup": last["cold"]["ttft_s"] / last["warm"]["ttft_s"],
-            "median_ttft_speedup_turns_2_on": statistics.median(r["cold"]["ttft_s"] / r["warm"]["ttft_s"] for r in mine[1:]),
-            "same_answers": sum(r["warm"]["answer"] == r["cold"]["answer"] for r in mine), "turns": len(mine),
+            "median_ttft_speedup_turns_2_on": statistics.median(
+                r["cold"]["ttft_s"] / r["warm"]["ttft_s"] for r in mine[1:]
+            ),
+            "same_answers": sum(r["warm"]["answer"] == r["cold"]["answer"] for r in mine),
+            "turns": len(mine),
         }
         print(f"{method}: {json.dumps(summary[method])}")
     args.out.write_text(json.dumps({"summary": summary, "turns": rows, "command": sys.argv}, indent=1) + "\n")

@@ -63,8 +63,9 @@ def main() -> None:
         warm, cold = FusedGenerator(index, ConversationCache(1 << 30)), FusedGenerator(index)
         messages: list[dict] = []
         for i, question in enumerate(QUESTIONS[: args.turns]):
-            messages.append({"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0
-                             else question})
+            messages.append(
+                {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0 else question}
+            )
             segments = cold.prompt_segments(messages, fusion)
             live = cold.start(segments, FusionConfig(method="full"), generation)
             for _ in live.decoder.run(live.first_token):
@@ -72,18 +73,26 @@ def main() -> None:
             answer = live.decoder.ids or [live.first_token]  # full's greedy answer (its end of sequence if empty)
             ref, _ = forced(cold, segments, FusionConfig(method="full"), answer)
             got = {name: forced(gen, segments, fusion, answer) for name, gen in (("warm", warm), ("cold", cold))}
-            row = {"method": method, "turn": i + 1, "answer_tokens": len(answer),
-                   **{f"{name}_{k}": v for name, (lp, _) in got.items() for k, v in compare(ref, lp).items()},
-                   **{f"{name}_computed": n for name, (_, n) in got.items()}}
+            row = {
+                "method": method,
+                "turn": i + 1,
+                "answer_tokens": len(answer),
+                **{f"{name}_{k}": v for name, (lp, _) in got.items() for k, v in compare(ref, lp).items()},
+                **{f"{name}_computed": n for name, (_, n) in got.items()},
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            messages.append({"role": "assistant", "content": warm.complete(messages, fusion=fusion,
-                                                                            generation=generation).answer})
+            messages.append(
+                {"role": "assistant", "content": warm.complete(messages, fusion=fusion, generation=generation).answer}
+            )
     summary = {}
     for method in args.methods.split(","):
         later = [r for r in rows if r["method"] == method and r["turn"] > 1]
-        summary[method] = {f"{name}_{k}_mean": statistics.fmean(r[f"{name}_{k}"] for r in later)
-                           for name in ("warm", "cold") for k in ("kl", "top1", "computed")}
+        summary[method] = {
+            f"{name}_{k}_mean": statistics.fmean(r[f"{name}_{k}"] for r in later)
+            for name in ("warm", "cold")
+            for k in ("kl", "top1", "computed")
+        }
         summary[method]["turns_warm_kl_lower"] = sum(r["warm_kl"] < r["cold_kl"] for r in later)
         summary[method]["turns"] = len(later)
         print(method, json.dumps(summary[method]), flush=True)

@@ -25,8 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversation import QUESTIONS, Server, build_index  # noqa: E402
 
 RAG_QUESTIONS = (
-    "When was the Tessaly lighthouse lit?", "Who kept a diary of ships?", "What does Saltmere's bakery sell?",
-    "How far is Tessaly from Orrin's Ford?", "What is the island's only pub called?", "Who founded the observatory?",
+    "When was the Tessaly lighthouse lit?",
+    "Who kept a diary of ships?",
+    "What does Saltmere's bakery sell?",
+    "How far is Tessaly from Orrin's Ford?",
+    "What is the island's only pub called?",
+    "Who founded the observatory?",
 )
 
 
@@ -36,8 +40,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(ttfts: list[float]) -> dict[str, float]:
-    return {"n": len(ttfts), "p50_s": percentile(ttfts, 0.5), "p90_s": percentile(ttfts, 0.9),
-            "p99_s": percentile(ttfts, 0.99), "mean_s": statistics.fmean(ttfts)}
+    return {
+        "n": len(ttfts),
+        "p50_s": percentile(ttfts, 0.5),
+        "p90_s": percentile(ttfts, 0.9),
+        "p99_s": percentile(ttfts, 0.99),
+        "mean_s": statistics.fmean(ttfts),
+    }
 
 
 def run_trace(server: Server, documents: str, clients: int, turns: int, max_tokens: int) -> list[dict]:
@@ -50,8 +59,9 @@ def run_trace(server: Server, documents: str, clients: int, turns: int, max_toke
         start.wait()
         for i in range(turns):
             question = f"{QUESTIONS[(c + i) % len(QUESTIONS)]}"
-            messages.append({"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0
-                             else question})
+            messages.append(
+                {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0 else question}
+            )
             r = server.ask(messages, "cacheblend", max_tokens, extra={"cache_salt": f"chat-{c}"})
             messages.append({"role": "assistant", "content": r["answer"]})
             with lock:
@@ -93,9 +103,12 @@ def main() -> None:
             wall = time.perf_counter() - t0
         finally:
             server.close()
-        results[order] = {"wall_s": wall, "all": summary([r["ttft_s"] for r in rows]),
-                          **{kind: summary([r["ttft_s"] for r in rows if r["kind"] == kind]) for kind in ("chat", "rag")},
-                          "requests": rows}
+        results[order] = {
+            "wall_s": wall,
+            "all": summary([r["ttft_s"] for r in rows]),
+            **{kind: summary([r["ttft_s"] for r in rows if r["kind"] == kind]) for kind in ("chat", "rag")},
+            "requests": rows,
+        }
         print(order, json.dumps({k: v for k, v in results[order].items() if k != "requests"}), flush=True)
     args.out.write_text(json.dumps({"results": results, "command": sys.argv}, indent=1) + "\n")
 

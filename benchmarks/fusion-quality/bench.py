@@ -27,7 +27,9 @@ def main() -> None:
     p.add_argument("--dataset", required=True)
     p.add_argument("--limit", type=int, default=30)
     p.add_argument("--methods", default="full,reuse,cacheblend,epic")
-    p.add_argument("--chunk-prefill", default="behind_prefix", choices=["behind_prefix", "isolated", "behind_filler", "neighbours"])
+    p.add_argument(
+        "--chunk-prefill", default="behind_prefix", choices=["behind_prefix", "isolated", "behind_filler", "neighbours"]
+    )
     p.add_argument("--context-chunks", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -35,8 +37,14 @@ def main() -> None:
     config = replace(config, generation=replace(config.generation, max_new_tokens=32))
     examples = load_dataset(args.dataset, top_k=config.top_k)[: args.limit]
     settings = BenchSettings(methods=parse_methods(args.methods), threads=1)
-    run_benchmark(examples, args.out, config, settings, progress=False,
-                  meta={"command": shlex.join([sys.executable, *sys.argv]), "dataset": args.dataset})
+    run_benchmark(
+        examples,
+        args.out,
+        config,
+        settings,
+        progress=False,
+        meta={"command": shlex.join([sys.executable, *sys.argv]), "dataset": args.dataset},
+    )
     print((args.out / "results.md").read_text(encoding="utf-8"))
 
 

@@ -1,6 +1,7 @@
 """How close cached-neighbour caches come to the recomputed-text neighbour caches (issue 33 item 1): per chunk,
 per context j, per layer, relative L2 of K and V against the neighbours index's cache, for the cached_neighbours
 cache and for the chunk's behind-prefix cache moved to the same position (what plain reuse reads)."""
+
 import json
 import sys
 from pathlib import Path
@@ -15,18 +16,29 @@ from rag_kvcache.index import KVIndex
 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
+
+
 def cfg(m):
     return Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
+
+
 adapter = ModelAdapter.load(cfg("behind_prefix"))
 nb = KVIndex.open(out / "index-neighbours", cfg("neighbours"), adapter)
 cn = KVIndex.open(out / "index-cached_neighbours", cfg("cached_neighbours"), adapter)
+
+
 def rel(x, ref):
     return float((x - ref).norm() / ref.norm())
+
+
 rows = {}  # j -> list of per-chunk [layer] arrays
 same = differ = 0
 for chunk in nb.chunks.all_chunks():
     ids = chunk.token_ids
-    near_nb, near_cn = nb.addressing.neighbours.get(nb.addressing.neighbour_key(ids)), cn.addressing.neighbours.get(cn.addressing.neighbour_key(ids))
+    near_nb, near_cn = (
+        nb.addressing.neighbours.get(nb.addressing.neighbour_key(ids)),
+        cn.addressing.neighbours.get(cn.addressing.neighbour_key(ids)),
+    )
     if near_nb is None or near_nb != near_cn:
         differ += 1
         continue
@@ -38,16 +50,26 @@ for chunk in nb.chunks.all_chunks():
         stats = []
         for layer in range(ref.n_layers):
             bp_k = rerotate_keys(bp.keys[layer], ref.position - bp.position, adapter.inv_freq)
-            stats.append([rel(mine.keys[layer], ref.keys[layer]), rel(bp_k, ref.keys[layer]),
-                          rel(mine.values[layer], ref.values[layer]), rel(bp.values[layer], ref.values[layer])])
+            stats.append(
+                [
+                    rel(mine.keys[layer], ref.keys[layer]),
+                    rel(bp_k, ref.keys[layer]),
+                    rel(mine.values[layer], ref.values[layer]),
+                    rel(bp.values[layer], ref.values[layer]),
+                ]
+            )
         rows.setdefault(j, []).append(stats)
 summary = {"chunks_compared": same, "chunks_with_other_neighbours": differ}
 for j, per_chunk in sorted(rows.items()):
     a = np.array(per_chunk)  # [chunks, layers, 4]
     summary[f"j={j}"] = {
         "n": len(per_chunk),
-        "mean_over_layers": dict(zip(["K cached", "K behind_prefix", "V cached", "V behind_prefix"], a.mean((0, 1)).round(4).tolist())),
-        "last_layer": dict(zip(["K cached", "K behind_prefix", "V cached", "V behind_prefix"], a[:, -1].mean(0).round(4).tolist())),
+        "mean_over_layers": dict(
+            zip(["K cached", "K behind_prefix", "V cached", "V behind_prefix"], a.mean((0, 1)).round(4).tolist())
+        ),
+        "last_layer": dict(
+            zip(["K cached", "K behind_prefix", "V cached", "V behind_prefix"], a[:, -1].mean(0).round(4).tolist())
+        ),
     }
 print(json.dumps(summary, indent=1))
 (out / "deviation.json").write_text(json.dumps(summary, indent=1))

@@ -1,5 +1,6 @@
 """Indexing throughput of chunk_prefill behind_prefix, cached_neighbours, neighbours over the same documents
 (issue 33 item 1): one index each, built from scratch, each preceded by a plain-forward measurement."""
+
 import json
 import sys
 import time
@@ -26,8 +27,14 @@ for mode in modes:
     report = index.update(docs, progress=False)
     s = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for c in report.new_chunks)
-    rows[mode] = {"chunks": len(report.new_chunks), "tokens": tokens, "seconds": s, "tokens_per_s": tokens / s,
-                  "forward_tokens_per_s": fwd, "fraction_of_forward": tokens / s / fwd,
-                  "caches": len(index.live_keys())}
+    rows[mode] = {
+        "chunks": len(report.new_chunks),
+        "tokens": tokens,
+        "seconds": s,
+        "tokens_per_s": tokens / s,
+        "forward_tokens_per_s": fwd,
+        "fraction_of_forward": tokens / s / fwd,
+        "caches": len(index.live_keys()),
+    }
     print(mode, json.dumps(rows[mode]), flush=True)
 (out / "index_tput.json").write_text(json.dumps(rows, indent=1))

@@ -1,4 +1,5 @@
 """Where the time of cached-neighbour contexts goes: a few chunks' contexts recomputed (caches exist), profiled."""
+
 import cProfile
 import pstats
 import sys
@@ -29,18 +30,18 @@ for ids, near in work:
         n += len(ids)
 pr.disable()
 s = time.perf_counter() - t
-print(f"cached contexts: {n} chunk tokens in {s:.1f} s = {n/s:.1f} tok/s")
+print(f"cached contexts: {n} chunk tokens in {s:.1f} s = {n / s:.1f} tok/s")
 t = time.perf_counter()
 m = 0
 for ids, near in work:
     for j in range(1, len(near) + 1):
         adapter.prefill_packed([ids])
         m += len(ids)
-print(f"plain single-chunk forwards: {m/(time.perf_counter()-t):.1f} tok/s")
+print(f"plain single-chunk forwards: {m / (time.perf_counter() - t):.1f} tok/s")
 t = time.perf_counter()
 for ids, near in work[:2]:
     prefix, sep = idx.format.prefix_ids, idx.format.separator_ids
     srcs = [idx._cached(prefix, ())] + [idx._cached(tuple(x), prefix) for x in near]
     cached_context(srcs, adapter.inv_freq, adapter.device, adapter.dtype)
-print(f"cached_context alone (2 contexts of 3 neighbours): {time.perf_counter()-t:.2f} s")
+print(f"cached_context alone (2 contexts of 3 neighbours): {time.perf_counter() - t:.2f} s")
 pstats.Stats(pr).sort_stats("cumulative").print_stats(25)

@@ -48,21 +48,38 @@ def bounded(rows: list[dict], limit: float) -> dict:
     kl = [0.0 if f else r["kl"] for r, f in zip(rows, fired)]
     ttft = [r["full_ttft"] if f else r["ttft"] for r, f in zip(rows, fired)]
     facts = [(r["full_hit"] if f else r["hit"]) for r, f in zip(rows, fired) if r["full_hit"]]
-    return {"fired": float(np.mean(fired)), "tf_kl": float(np.mean(kl)), "ttft_s": float(np.mean(ttft)),
-            "planted": float(np.mean(facts)) if facts else None}
+    return {
+        "fired": float(np.mean(fired)),
+        "tf_kl": float(np.mean(kl)),
+        "ttft_s": float(np.mean(ttft)),
+        "planted": float(np.mean(facts)) if facts else None,
+    }
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
     records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines() if line.strip()]
     full = {r["id"]: r for r in records if r["method"] == "full"}
-    rows = [{"id": r["id"], "drift": r["drift"], "kl": r["tf_kl"], "ttft": r["ttft_s"], "hit": r["exact_hit"],
-             "full_hit": full[r["id"]]["exact_hit"], "full_ttft": full[r["id"]]["ttft_s"]}
-            for r in records if r["method"] == "cacheblend" and not r["params"].get("drift") and r["tf_kl"] is not None]
+    rows = [
+        {
+            "id": r["id"],
+            "drift": r["drift"],
+            "kl": r["tf_kl"],
+            "ttft": r["ttft_s"],
+            "hit": r["exact_hit"],
+            "full_hit": full[r["id"]]["exact_hit"],
+            "full_ttft": full[r["id"]]["ttft_s"],
+        }
+        for r in records
+        if r["method"] == "cacheblend" and not r["params"].get("drift") and r["tf_kl"] is not None
+    ]
     rng = np.random.default_rng(0)
     drift, kl = np.array([r["drift"] for r in rows]), np.array([r["kl"] for r in rows])
-    result: dict = {"questions": len(rows), "spearman_drift_tf_kl": spearman(drift, kl),
-                    "spearman_drift_tf_kl_ci": boot_ci(drift, kl, rng)}
+    result: dict = {
+        "questions": len(rows),
+        "spearman_drift_tf_kl": spearman(drift, kl),
+        "spearman_drift_tf_kl_ci": boot_ci(drift, kl, rng),
+    }
     with_fact = [r for r in rows if r["full_hit"]]
     if with_fact and len({r["hit"] for r in with_fact}) > 1:
         lost = np.array([not r["hit"] for r in with_fact], dtype=float)
@@ -71,9 +88,13 @@ def main() -> None:
     half = len(rows) // 2
     calibration, held_out = rows[:half], rows[half:]
     limit = float(np.quantile([r["drift"] for r in calibration], QUANTILE))
-    result |= {"limit": limit, "held_out_questions": len(held_out),
-               "held_out_without_bound": bounded(held_out, float("inf")), "held_out_with_bound": bounded(held_out, limit),
-               "held_out_full_ttft_s": float(np.mean([r["full_ttft"] for r in held_out]))}
+    result |= {
+        "limit": limit,
+        "held_out_questions": len(held_out),
+        "held_out_without_bound": bounded(held_out, float("inf")),
+        "held_out_with_bound": bounded(held_out, limit),
+        "held_out_full_ttft_s": float(np.mean([r["full_ttft"] for r in held_out])),
+    }
     limits = sorted({0.0, *drift.tolist()})
     result["curve"] = [{"limit": x, **bounded(rows, x)} for x in [*limits, float("inf")]]
     text = json.dumps(result, indent=1)
@@ -88,10 +109,17 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         curve = result["curve"]
-        ax.plot([c["ttft_s"] for c in curve], [c["tf_kl"] for c in curve], "o-", ms=3, label="CacheBlend, bounded by drift")
+        ax.plot(
+            [c["ttft_s"] for c in curve], [c["tf_kl"] for c in curve], "o-", ms=3, label="CacheBlend, bounded by drift"
+        )
         order = np.argsort(-kl)  # an oracle: bound the questions with the largest KL first
-        oracle = [(np.mean([r["full_ttft"] if i in set(order[:n]) else r["ttft"] for i, r in enumerate(rows)]),
-                   np.mean([0.0 if i in set(order[:n]) else r["kl"] for i, r in enumerate(rows)])) for n in range(len(rows) + 1)]
+        oracle = [
+            (
+                np.mean([r["full_ttft"] if i in set(order[:n]) else r["ttft"] for i, r in enumerate(rows)]),
+                np.mean([0.0 if i in set(order[:n]) else r["kl"] for i, r in enumerate(rows)]),
+            )
+            for n in range(len(rows) + 1)
+        ]
         ax.plot(*zip(*oracle), ":", color="grey", label="oracle (bound the largest KL first)")
         ends = curve[-1], curve[0]  # no bound, every question bounded: a random choice's expected line between
         ax.plot([c["ttft_s"] for c in ends], [c["tf_kl"] for c in ends], "--", color="grey", label="random questions")

@@ -50,14 +50,27 @@ for ex in load_dataset(f"{kind}:/work/shared/data/musique_dev.json", top_k=plan[
     evidence_label[0] = f"chunk{ex.evidence_rank}"  # PromptFormat.segments labels chunk i "chunk{i}"
     answer = generator.ask(ex.question, hits, fusion=FusionConfig(method="oracle_chunk"), generation=generation)
     m = records[ex.id]
-    rows.append({"id": ex.id, "full_hit": m["full"]["exact_hit"], "oracle_hit": contains_answer(answer.answer, ex.answers),
-                 "oracle_recomputed": answer.recomputed_tokens,
-                 **{f"{k}_hit": v["exact_hit"] for k, v in m.items() if k != "full"}})
+    rows.append(
+        {
+            "id": ex.id,
+            "full_hit": m["full"]["exact_hit"],
+            "oracle_hit": contains_answer(answer.answer, ex.answers),
+            "oracle_recomputed": answer.recomputed_tokens,
+            **{f"{k}_hit": v["exact_hit"] for k, v in m.items() if k != "full"},
+        }
+    )
 right = [r for r in rows if r["full_hit"]]
-summary = {"questions": len(rows), "full_right": len(right), "oracle_right_of_those": sum(r["oracle_hit"] for r in right),
-           "oracle_recomputed_mean": sum(r["oracle_recomputed"] for r in rows) / len(rows),
-           **{k: sum(bool(r.get(k)) for r in right) for k in sorted({k for r in rows for k in r if k.endswith("_hit")})
-              if k not in ("full_hit", "oracle_hit")}}
+summary = {
+    "questions": len(rows),
+    "full_right": len(right),
+    "oracle_right_of_those": sum(r["oracle_hit"] for r in right),
+    "oracle_recomputed_mean": sum(r["oracle_recomputed"] for r in rows) / len(rows),
+    **{
+        k: sum(bool(r.get(k)) for r in right)
+        for k in sorted({k for r in rows for k in r if k.endswith("_hit")})
+        if k not in ("full_hit", "oracle_hit")
+    },
+}
 print(json.dumps(summary, indent=1))
 if len(sys.argv) > 3:
     Path(sys.argv[3]).write_text(json.dumps({"summary": summary, "questions": rows}, indent=1))

@@ -44,20 +44,35 @@ for ex in load_dataset(f"{kind}:/work/shared/data/musique_dev.json", top_k=plan[
     ids = torch.tensor([t for run in runs for t in run])
     part = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor([len(run) for run in runs]))
     inexact = (part >= 1) & (part < len(runs) - 1)  # the first chunk's behind-prefix cache is exact
-    relevance = sentence_relevance(ids, lexicon, part, inexact, part == len(runs) - 1, tok,
-                                   lambda t: embedder.encode(t, convert_to_numpy=True, normalize_embeddings=True))
+    relevance = sentence_relevance(
+        ids,
+        lexicon,
+        part,
+        inexact,
+        part == len(runs) - 1,
+        tok,
+        lambda t: embedder.encode(t, convert_to_numpy=True, normalize_embeddings=True),
+    )
     sentence = sentence_ids(lexicon.sentence_end[ids], part)
     picked = sentence[closest_sentences(relevance, sentence, n_sentences)].unique()
     texts = [tok.decode(ids[sentence == s]).lower() for s in picked.tolist()]
     m = records.get(ex.id, {})
-    rows.append({"id": ex.id, "fact_picked": any(ex.answers[0].lower() in t for t in texts),
-                 "full_hit": m.get("full", {}).get("exact_hit"), "evidence_hit": m.get("epic_evidence", {}).get("exact_hit")})
+    rows.append(
+        {
+            "id": ex.id,
+            "fact_picked": any(ex.answers[0].lower() in t for t in texts),
+            "full_hit": m.get("full", {}).get("exact_hit"),
+            "evidence_hit": m.get("epic_evidence", {}).get("exact_hit"),
+        }
+    )
 summary = {
-    "questions_with_fact_retrieved": len(rows), "fact_picked": sum(r["fact_picked"] for r in rows),
+    "questions_with_fact_retrieved": len(rows),
+    "fact_picked": sum(r["fact_picked"] for r in rows),
     "full_right": sum(bool(r["full_hit"]) for r in rows),
     "full_right_and_picked": sum(bool(r["full_hit"]) and r["fact_picked"] for r in rows),
-    "full_right_picked_and_epic_evidence_right": sum(bool(r["full_hit"]) and r["fact_picked"] and bool(r["evidence_hit"])
-                                                     for r in rows),
+    "full_right_picked_and_epic_evidence_right": sum(
+        bool(r["full_hit"]) and r["fact_picked"] and bool(r["evidence_hit"]) for r in rows
+    ),
 }
 print(json.dumps(summary, indent=1))
 if len(sys.argv) > 4:

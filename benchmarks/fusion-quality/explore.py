@@ -104,15 +104,26 @@ def main() -> None:
             if not answer_ids:
                 continue
             ref_text = adapter.tokenizer.decode(answer_ids, skip_special_tokens=True)
-            ref_logits = teacher_forced_logits(adapter, ref.result.keys, ref.result.values, ref.result.logits, answer_ids).numpy()
+            ref_logits = teacher_forced_logits(
+                adapter, ref.result.keys, ref.result.values, ref.result.logits, answer_ids
+            ).numpy()
             full_hit = ex.task == "exact" and contains_answer(ref_text, ex.answers)
             for name, (mode, method, changes) in variants.items():
                 fused = fuse(mode, method, changes)
-                logits = teacher_forced_logits(adapter, fused.result.keys, fused.result.values, fused.result.logits, answer_ids).numpy()
-                text = adapter.tokenizer.decode(greedy_answer_ids(adapter, fused, config.generation), skip_special_tokens=True)
-                rec = {"id": ex.id, "variant": name, **teacher_forced(ref_logits, logits, answer_ids),
-                       "compute_fraction": fused.result.compute_fraction, "full_hit": full_hit,
-                       "hit": ex.task == "exact" and contains_answer(text, ex.answers)}
+                logits = teacher_forced_logits(
+                    adapter, fused.result.keys, fused.result.values, fused.result.logits, answer_ids
+                ).numpy()
+                text = adapter.tokenizer.decode(
+                    greedy_answer_ids(adapter, fused, config.generation), skip_special_tokens=True
+                )
+                rec = {
+                    "id": ex.id,
+                    "variant": name,
+                    **teacher_forced(ref_logits, logits, answer_ids),
+                    "compute_fraction": fused.result.compute_fraction,
+                    "full_hit": full_hit,
+                    "hit": ex.task == "exact" and contains_answer(text, ex.answers),
+                }
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
 
@@ -126,10 +137,12 @@ def summary(path: Path) -> None:
         kl = np.array([r["tf_kl"] for r in mine])
         boots = [kl[rng.integers(0, len(kl), len(kl))].mean() for _ in range(1000)]
         planted = [r["hit"] for r in mine if r["full_hit"]]
-        print(f"{name:28s} n={len(mine):3d} tf_kl {kl.mean():.4f} [{np.percentile(boots, 2.5):.4f}, "
-              f"{np.percentile(boots, 97.5):.4f}] top1 {np.mean([r['tf_top1'] for r in mine]):.3f} "
-              f"planted {np.mean(planted) if planted else float('nan'):.3f} ({len(planted)}) "
-              f"compute {np.mean([r['compute_fraction'] for r in mine]):.3f}")
+        print(
+            f"{name:28s} n={len(mine):3d} tf_kl {kl.mean():.4f} [{np.percentile(boots, 2.5):.4f}, "
+            f"{np.percentile(boots, 97.5):.4f}] top1 {np.mean([r['tf_top1'] for r in mine]):.3f} "
+            f"planted {np.mean(planted) if planted else float('nan'):.3f} ({len(planted)}) "
+            f"compute {np.mean([r['compute_fraction'] for r in mine]):.3f}"
+        )
 
 
 def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> float:
@@ -143,7 +156,9 @@ def probe(dataset: str, limit: int) -> None:
     config = Config(chunk_tokens=128, top_k=6)
     adapter = ModelAdapter.load(config)
     examples = load_dataset(dataset, top_k=config.top_k)[:limit]
-    index, _ = build_index(examples, Path("/tmp/q13/explore-work") / Path(dataset.split(":")[-1]).stem, config, adapter, False)
+    index, _ = build_index(
+        examples, Path("/tmp/q13/explore-work") / Path(dataset.split(":")[-1]).stem, config, adapter, False
+    )
     fmt = index.format
     for ex in examples:
         hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)

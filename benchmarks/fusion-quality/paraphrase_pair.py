@@ -27,8 +27,12 @@ import numpy as np
 BOOT = 2000
 METHODS = ("full", "cacheblend", "epic_match")
 OPTIONAL = ("epic", "epic_evidence")  # reported where every question has it
-PAIRS = (("epic_match", "cacheblend"), ("epic_evidence", "cacheblend"), ("epic_evidence", "epic_match"),
-         ("epic_evidence", "epic"))
+PAIRS = (
+    ("epic_match", "cacheblend"),
+    ("epic_evidence", "cacheblend"),
+    ("epic_evidence", "epic_match"),
+    ("epic_evidence", "epic"),
+)
 
 
 def records(outs: str) -> dict[str, dict[str, dict]]:
@@ -62,13 +66,21 @@ def summarise(by_q: dict[str, dict[str, dict]], rng: np.random.Generator) -> dic
         k = sum(by_q[q][method]["exact_hit"] for q in right)
         kl = np.array([by_q[q][method]["tf_kl"] for q in by_q if by_q[q][method]["tf_kl"] is not None])
         out[method] = {
-            "planted_accuracy": k / len(right) if right else None, "planted_right": k, "planted_ci": wilson(k, len(right)),
-            "tf_kl": float(kl.mean()), "tf_kl_ci": boot_mean(kl, rng),
+            "planted_accuracy": k / len(right) if right else None,
+            "planted_right": k,
+            "planted_ci": wilson(k, len(right)),
+            "tf_kl": float(kl.mean()),
+            "tf_kl_ci": boot_mean(kl, rng),
             "recomputed_tokens": float(np.mean([by_q[q][method]["recomputed_tokens"] for q in by_q])),
         }
     for a, b in PAIRS:  # paired over questions, where both were run
-        diff = np.array([m[a]["tf_kl"] - m[b]["tf_kl"] for m in by_q.values()
-                         if a in m and b in m and m[a]["tf_kl"] is not None and m[b]["tf_kl"] is not None])
+        diff = np.array(
+            [
+                m[a]["tf_kl"] - m[b]["tf_kl"]
+                for m in by_q.values()
+                if a in m and b in m and m[a]["tf_kl"] is not None and m[b]["tf_kl"] is not None
+            ]
+        )
         if len(diff) == len(by_q):
             out[f"{a}_minus_{b}_tf_kl"] = {"mean": float(diff.mean()), "ci": boot_mean(diff, rng)}
     return out
@@ -78,13 +90,22 @@ def main() -> None:
     lexical, paraphrased = records(sys.argv[1]), records(sys.argv[2])
     shared = sorted(lexical.keys() & paraphrased.keys())
     rng = np.random.default_rng(0)
-    result = {name: summarise({q: runs[q] for q in shared}, rng)
-              for name, runs in (("lexical", lexical), ("paraphrased", paraphrased))}
+    result = {
+        name: summarise({q: runs[q] for q in shared}, rng)
+        for name, runs in (("lexical", lexical), ("paraphrased", paraphrased))
+    }
     both = [q for q in shared if lexical[q]["full"]["exact_hit"] and paraphrased[q]["full"]["exact_hit"]]
-    methods = (*METHODS[1:], *(m for m in OPTIONAL if all(m in runs[q] for runs in (lexical, paraphrased) for q in shared)))
+    methods = (
+        *METHODS[1:],
+        *(m for m in OPTIONAL if all(m in runs[q] for runs in (lexical, paraphrased) for q in shared)),
+    )
     result["full_right_both"] = {"questions": len(both)} | {
-        method: {"lexical": sum(lexical[q][method]["exact_hit"] for q in both),
-                 "paraphrased": sum(paraphrased[q][method]["exact_hit"] for q in both)} for method in methods}
+        method: {
+            "lexical": sum(lexical[q][method]["exact_hit"] for q in both),
+            "paraphrased": sum(paraphrased[q][method]["exact_hit"] for q in both),
+        }
+        for method in methods
+    }
     print(json.dumps(result, indent=1))
     if len(sys.argv) > 3:
         Path(sys.argv[3]).write_text(json.dumps(result, indent=1))

@@ -74,13 +74,16 @@ def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
         m = len(chunks)
         ks = [round(k * m * (m - i) / sum(range(1, m + 1))) for i in range(m)] if kind == "ranked" else [k] * m
         base = inp.fresh | heads(inp, ks)  # [N]
-        whole: list[SegmentKV] = {"fact": chunks[rank - 1 : rank], "between": chunks[rank:],
-                                  "far": chunks[:1]}.get(kind, [])
+        whole: list[SegmentKV] = {"fact": chunks[rank - 1 : rank], "between": chunks[rank:], "far": chunks[:1]}.get(
+            kind, []
+        )
         active = base | inp.token_mask(lambda p: any(p is q for q in whole))  # [N]
         refine: Callable | None = None
         if kind == "far":
+
             def refine(layer, act, fresh_kv, cache):  # from layer `arg` on, only EPIC's tokens go on
                 return base[act].nonzero()[:, 0] if layer == int(arg) else None
+
         if kind == "scaled":
             reader = ScaledKeys(reader or DirectReader(inp.sources, inp.placement(adapter)), inp, float(arg))
         return selective_prefill(adapter, inp, active.nonzero()[:, 0], refine, clock=clock, reader=reader)
@@ -90,7 +93,9 @@ def probe(name: str, kind: str, arg: float | None, k: int, rank: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="the bench run's --out (records.jsonl, work/index, work/index-neighbours)")
+    parser.add_argument(
+        "run", type=Path, help="the bench run's --out (records.jsonl, work/index, work/index-neighbours)"
+    )
     parser.add_argument("dataset", help="the run's --dataset")
     parser.add_argument("--k", type=int, default=19, help="the run's EPIC k")
     parser.add_argument("--ranks", default="", help="only questions whose fact sits at these ranks (e.g. 1,2)")
@@ -103,14 +108,20 @@ def main() -> None:
     for spec in args.probes:
         name, _, kind = spec.partition("=")
         kind, _, arg = kind.partition(":")
-        if kind not in ("epic", "fact", "between", "ranked", "far", "scaled") or (kind in ("far", "scaled")) != bool(arg):
+        if kind not in ("epic", "fact", "between", "ranked", "far", "scaled") or (kind in ("far", "scaled")) != bool(
+            arg
+        ):
             parser.error(f"bad probe {spec!r}")
         probes[name] = (kind, float(arg) if arg else None)
     records = [json.loads(line) for line in (args.run / "records.jsonl").open()]
     full_ok = {r["id"] for r in records if r["label"] == "full" and r["exact_hit"]}
     epic = {r["id"]: r for r in records if r["label"].startswith("epic@neighbours")}
     ranks = {int(r) for r in args.ranks.split(",")} if args.ranks else None
-    examples = [e for e in load_dataset(args.dataset) if e.id in full_ok and (ranks is None or epic[e.id]["evidence_rank"] in ranks)]
+    examples = [
+        e
+        for e in load_dataset(args.dataset)
+        if e.id in full_ok and (ranks is None or epic[e.id]["evidence_rank"] in ranks)
+    ]
     index = KVIndex.open(args.run / "work" / "index")
     reference = FusedGenerator(index)
     generator = FusedGenerator(KVIndex.open(args.run / "work" / "index-neighbours", adapter=index.adapter))
@@ -121,25 +132,39 @@ def main() -> None:
             segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, ex.question))
             full = reference.fuse(segments, FusionConfig(method="full"))
             answer_ids = greedy_answer_ids(adapter, full, config.generation)
-            ref_logits = teacher_forced_logits(adapter, full.result.keys, full.result.values, full.result.logits, answer_ids).numpy()
-            row = {"id": ex.id, "rank": ex.evidence_rank, "bench_hit": epic[ex.id]["exact_hit"], "bench_kl": epic[ex.id]["tf_kl"]}
+            ref_logits = teacher_forced_logits(
+                adapter, full.result.keys, full.result.values, full.result.logits, answer_ids
+            ).numpy()
+            row = {
+                "id": ex.id,
+                "rank": ex.evidence_rank,
+                "bench_hit": epic[ex.id]["exact_hit"],
+                "bench_kl": epic[ex.id]["tf_kl"],
+            }
             for name, (kind, arg) in probes.items():
                 fusion = FusionConfig(method=probe(f"probe_{name}", kind, arg, args.k, ex.evidence_rank))
                 fused = generator.fuse(segments, fusion).result
                 forced = teacher_forced_logits(adapter, fused.keys, fused.values, fused.logits, answer_ids).numpy()
                 answer = generator.ask(ex.question, hits, fusion=fusion, generation=config.generation)
-                row[name] = {"hit": contains_answer(answer.answer, ex.answers), "compute": fused.compute_fraction,
-                             "kl": teacher_forced(ref_logits, forced, answer_ids)["tf_kl"]}
+                row[name] = {
+                    "hit": contains_answer(answer.answer, ex.answers),
+                    "compute": fused.compute_fraction,
+                    "kl": teacher_forced(ref_logits, forced, answer_ids)["tf_kl"],
+                }
             print(json.dumps(row), file=out, flush=True)
             print(json.dumps(row), flush=True)
     rows = [json.loads(line) for line in args.out.open()]
     for name in probes:
         scored = [r for r in rows if name in r]
-        by_rank = ", ".join(f"rank {rk} {sum(r[name]['hit'] for r in scored if r['rank'] == rk)}/"
-                            f"{sum(r['rank'] == rk for r in scored)}" for rk in sorted({r["rank"] for r in scored}))
-        print(f"{name}: kept {sum(r[name]['hit'] for r in scored)}/{len(scored)} ({by_rank}), TF KL "
-              f"{sum(r[name]['kl'] for r in scored) / len(scored):.4f}, compute "
-              f"{sum(r[name]['compute'] for r in scored) / len(scored):.3f}")
+        by_rank = ", ".join(
+            f"rank {rk} {sum(r[name]['hit'] for r in scored if r['rank'] == rk)}/{sum(r['rank'] == rk for r in scored)}"
+            for rk in sorted({r["rank"] for r in scored})
+        )
+        print(
+            f"{name}: kept {sum(r[name]['hit'] for r in scored)}/{len(scored)} ({by_rank}), TF KL "
+            f"{sum(r[name]['kl'] for r in scored) / len(scored):.4f}, compute "
+            f"{sum(r[name]['compute'] for r in scored) / len(scored):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -99,8 +99,11 @@ def main() -> None:
 
     records = [json.loads(line) for line in (args.run / "records.jsonl").open()]
     full_ok = {r["id"] for r in records if r["label"] == "full" and r["exact_hit"]}
-    ids = args.ids.split(",") if args.ids else [r["id"] for r in records
-                                                if r["label"] == args.label and r["id"] in full_ok and not r["exact_hit"]]
+    ids = (
+        args.ids.split(",")
+        if args.ids
+        else [r["id"] for r in records if r["label"] == args.label and r["id"] in full_ok and not r["exact_hit"]]
+    )
     index = KVIndex.open(args.run / "work" / "index")
     neighbours = KVIndex.open(args.run / "work" / "index-neighbours", adapter=index.adapter)
     reference, generator = FusedGenerator(index), FusedGenerator(neighbours)
@@ -121,16 +124,27 @@ def main() -> None:
             if tuple(seg.ids) in order:
                 spans[order.index(tuple(seg.ids))] = (start, start + len(seg.ids))
             start += len(seg.ids)
-        probe = Hybrid(adapter, generator.fuse(segments, fusion).result,
-                       reference.fuse(segments, FusionConfig(method="full")).result,
-                       [t for seg in segments for t in seg.ids], max(end for _, end in spans.values()),
-                       tuple(ex.answers), args.max_new_tokens)
+        probe = Hybrid(
+            adapter,
+            generator.fuse(segments, fusion).result,
+            reference.fuse(segments, FusionConfig(method="full")).result,
+            [t for seg in segments for t in seg.ids],
+            max(end for _, end in spans.values()),
+            tuple(ex.answers),
+            args.max_new_tokens,
+        )
         restored = probe.restored
         others = distractors_in(hits, ex, facts)
 
-        row = {"id": qid, "evidence_rank": ex.evidence_rank, "distractors": others,
-               "distractor_ranks": [i for i, h in enumerate(hits) if others and contains_answer(h.chunk.text, others)],
-               "fused": restored([], range(0)), "chunks": {}, "inside": {}}
+        row = {
+            "id": qid,
+            "evidence_rank": ex.evidence_rank,
+            "distractors": others,
+            "distractor_ranks": [i for i, h in enumerate(hits) if others and contains_answer(h.chunk.text, others)],
+            "fused": restored([], range(0)),
+            "chunks": {},
+            "inside": {},
+        }
         for rank, (a, b) in sorted(spans.items()):
             if rank == 0:
                 continue
@@ -140,7 +154,8 @@ def main() -> None:
                 rest = [p for p in range(a, b) if p not in sentence]
                 half = n_layers // 2
                 row["inside"][rank] = {
-                    "sentence": restored(sentence, range(n_layers)), "rest": restored(rest, range(n_layers)),
+                    "sentence": restored(sentence, range(n_layers)),
+                    "rest": restored(rest, range(n_layers)),
                     "first_half_layers": restored(list(range(a, b)), range(half)),
                     "second_half_layers": restored(list(range(a, b)), range(half, n_layers)),
                 }

@@ -29,8 +29,16 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(args.seed)
-    bert = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=args.dim, num_hidden_layers=0,
-                                num_attention_heads=1, intermediate_size=args.dim), add_pooling_layer=False)
+    bert = BertModel(
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=args.dim,
+            num_hidden_layers=0,
+            num_attention_heads=1,
+            intermediate_size=args.dim,
+        ),
+        add_pooling_layer=False,
+    )
     with torch.no_grad():
         bert.embeddings.word_embeddings.weight.normal_()
         bert.embeddings.position_embeddings.weight.zero_()

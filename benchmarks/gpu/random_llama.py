@@ -36,10 +36,16 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=args.context,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.context,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id or tokenizer.cls_token_id,
         eos_token_id=tokenizer.eos_token_id or tokenizer.sep_token_id,
     )
@@ -49,8 +55,10 @@ def main() -> None:
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: {n / 1e9:.2f}B parameters ({args.layers} layers, hidden {args.hidden}, "
-          f"{args.heads}/{args.kv_heads} heads, vocabulary {cfg.vocab_size}), {args.dtype}")
+    print(
+        f"wrote {args.out}: {n / 1e9:.2f}B parameters ({args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads}/{args.kv_heads} heads, vocabulary {cfg.vocab_size}), {args.dtype}"
+    )
 
 
 if __name__ == "__main__":

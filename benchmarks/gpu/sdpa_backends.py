@@ -56,11 +56,17 @@ def main() -> None:
         for cudnn, n in ((True, base), (False, base + 1)):
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             rows[cudnn].append(run(model, n, args.steps))
-    print(f"| SDPA cuDNN | prefill median (ms) | decoding step median (ms) | {args.lengths} new lengths, {args.steps} steps each |")
+    print(
+        f"| SDPA cuDNN | prefill median (ms) | decoding step median (ms) | {args.lengths} new lengths, {args.steps} steps each |"
+    )
     print("|---|---:|---:|---|")
     for cudnn, r in rows.items():
-        print(f"| {'on' if cudnn else 'off'} | {statistics.median(p for p, _ in r) * 1e3:.1f} | "
-              f"{statistics.median(s for _, s in r) * 1e3:.2f} | prefill " + " ".join(f"{p * 1e3:.0f}" for p, _ in r) + " |")
+        print(
+            f"| {'on' if cudnn else 'off'} | {statistics.median(p for p, _ in r) * 1e3:.1f} | "
+            f"{statistics.median(s for _, s in r) * 1e3:.2f} | prefill "
+            + " ".join(f"{p * 1e3:.0f}" for p, _ in r)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from rag_kvcache.engine.ops import AttentionPlan, attend
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="MuSiQue JSON (a list of questions)")
-    parser.add_argument("--index", type=Path, required=True, help="an index of its passages (`rag-kvcache bench` builds one)")
+    parser.add_argument(
+        "--index", type=Path, required=True, help="an index of its passages (`rag-kvcache bench` builds one)"
+    )
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -54,8 +56,12 @@ def main() -> None:
         hits = index.search(example["question"], 6)
         for _ in range(3):
             calls.clear()
-            fused = generator.ask(example["question"], hits, fusion=FusionConfig(method="cacheblend"),
-                                  generation=GenerationConfig(max_new_tokens=1))
+            fused = generator.ask(
+                example["question"],
+                hits,
+                fusion=FusionConfig(method="cacheblend"),
+                generation=GenerationConfig(max_new_tokens=1),
+            )
         n = fused.prompt_tokens
         seconds = sum(t for _, t in calls)
         needed = sum((plan.positions + 1).sum().item() for plan, _ in calls)
@@ -68,9 +74,11 @@ def main() -> None:
             attend(q, k, v, None, d**-0.5)
             times.append(time.perf_counter() - start)
         rate = n * (n + 1) / 2 * 4 * h_q * d / statistics.median(times)
-        print(f"N={n}: CacheBlend's attention {seconds * 1e3:.0f} ms at {flops / seconds / 1e9:.0f} GFLOP/s; "
-              f"full's causal kernel {rate / 1e9:.0f} GFLOP/s, at which CacheBlend's would take {flops / rate * 1e3:.0f} ms; "
-              f"pairs computed / needed {computed / needed:.3f}")
+        print(
+            f"N={n}: CacheBlend's attention {seconds * 1e3:.0f} ms at {flops / seconds / 1e9:.0f} GFLOP/s; "
+            f"full's causal kernel {rate / 1e9:.0f} GFLOP/s, at which CacheBlend's would take {flops / rate * 1e3:.0f} ms; "
+            f"pairs computed / needed {computed / needed:.3f}"
+        )
 
 
 def computed_pairs(plan: AttentionPlan) -> int:

@@ -42,20 +42,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=6, help="chunks per prompt (512 tokens each)")
-    parser.add_argument("--model", default=Config.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)")
+    parser.add_argument(
+        "--model", default=Config.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)"
+    )
     parser.add_argument("--embedder", default=Config.embedder)
     parser.add_argument("--device", default=Config.device)
     parser.add_argument("--dtype", default=Config.dtype)
-    parser.add_argument("--prefetch-layers", type=int, default=StorageConfig.prefetch_layers,
-                        help="layers the reader thread reads ahead (0: read in the fusion's thread)")
-    parser.add_argument("--memory-mib", type=int, default=StorageConfig.memory_bytes >> 20,
-                        help="the memory tier's budget (a prompt's caches must fit it for the timed runs to hit it)")
-    parser.add_argument("--memory-on-device", action="store_true",
-                        help="keep the memory tier on the model's device (a GPU's memory), not in host memory")
+    parser.add_argument(
+        "--prefetch-layers",
+        type=int,
+        default=StorageConfig.prefetch_layers,
+        help="layers the reader thread reads ahead (0: read in the fusion's thread)",
+    )
+    parser.add_argument(
+        "--memory-mib",
+        type=int,
+        default=StorageConfig.memory_bytes >> 20,
+        help="the memory tier's budget (a prompt's caches must fit it for the timed runs to hit it)",
+    )
+    parser.add_argument(
+        "--memory-on-device",
+        action="store_true",
+        help="keep the memory tier on the model's device (a GPU's memory), not in host memory",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, full first")
-    parser.add_argument("--profile", action="store_true",
-                        help="also run each method once more under torch.profiler and print its top operators "
-                             "(on CUDA: host time against device time, i.e. launch-bound or compute-bound)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run each method once more under torch.profiler and print its top operators "
+        "(on CUDA: host time against device time, i.e. launch-bound or compute-bound)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_process()  # as every CLI command that loads a model: cuDNN attention off on CUDA
@@ -67,9 +83,19 @@ def main() -> None:
     for qi, example in enumerate(data):
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
-    cfg = Config(chunk_tokens=512, top_k=args.top_k, model=args.model, embedder=args.embedder, device=args.device,
-                 dtype=args.dtype, storage=StorageConfig(prefetch_layers=args.prefetch_layers, memory_bytes=args.memory_mib << 20,
-                                       memory_on_device=args.memory_on_device))
+    cfg = Config(
+        chunk_tokens=512,
+        top_k=args.top_k,
+        model=args.model,
+        embedder=args.embedder,
+        device=args.device,
+        dtype=args.dtype,
+        storage=StorageConfig(
+            prefetch_layers=args.prefetch_layers,
+            memory_bytes=args.memory_mib << 20,
+            memory_on_device=args.memory_on_device,
+        ),
+    )
     index = KVIndex.build(docs, args.work / "index", cfg, progress=False)
     generator = FusedGenerator(index)
     fmt = index.format
@@ -81,7 +107,9 @@ def main() -> None:
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
         hits = index.search(example["question"], args.top_k)
-        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"]))
+        segments = fmt.segments(
+            [h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"])
+        )
         for method in methods:  # warm-up: first touch of the caches and the kernels
             generator.fuse(segments, FusionConfig(method=method))
         for _ in range(args.repeats):
@@ -89,8 +117,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fused = generator.fuse(segments, FusionConfig(method=method))
                 fused.result.logits.argmax().item()  # on CUDA: wait for the device, as sampling the first token does
-                runs[method].append((time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction,
-                                     fused.prompt_tokens))
+                runs[method].append(
+                    (time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction, fused.prompt_tokens)
+                )
 
     dispatched = {}  # method -> PyTorch operators dispatched per layer, the host's work the issue counts
     n_layers = index.adapter.layout.n_layers
@@ -106,17 +135,25 @@ def main() -> None:
 
     full_s = statistics.median(r[0] for r in runs["full"])
     tier = f"memory tier on {index.store.memory.device} ({index.store.memory.nbytes >> 20} MiB held)"
-    print(f"{tier}; {args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
-          f"tokens (median), {args.threads} threads, load average {load_before} before the timed runs, "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
-    print("| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | aten ops / layer | stages (ms) |")
+    print(
+        f"{tier}; {args.questions} questions x {args.repeats} repeats, prompts of {statistics.median(r[3] for r in runs['full']):.0f} "
+        f"tokens (median), {args.threads} threads, load average {load_before} before the timed runs, "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after"
+    )
+    print(
+        "| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | aten ops / layer | stages (ms) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for method, rows in runs.items():
         seconds = statistics.median(r[0] for r in rows)
         fraction = statistics.mean(r[2] for r in rows)
         stages = {name: statistics.median(r[1].get(name, 0.0) for r in rows) for name in rows[0][1]}
-        print(f"| {method} | {seconds * 1e3:.0f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
-              f"{seconds / (fraction * full_s):.2f} | {dispatched[method]:.0f} | " + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items()) + " |")
+        print(
+            f"| {method} | {seconds * 1e3:.0f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
+            f"{seconds / (fraction * full_s):.2f} | {dispatched[method]:.0f} | "
+            + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items())
+            + " |"
+        )
 
 
 if __name__ == "__main__":

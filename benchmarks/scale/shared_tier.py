@@ -57,8 +57,23 @@ def start_redis(work: Path, maxmemory: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "", "--appendonly", "no",
-         "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(work),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
         stdout=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
@@ -80,7 +95,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="work folder (emptied); results.json goes here")
     parser.add_argument("--questions", type=int, default=1, help="MuSiQue questions whose passages are indexed")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of reads and of TTFT")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in both processes (1 on a loaded machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads in both processes (1 on a loaded machine)"
+    )
     parser.add_argument("--maxmemory", default="2gb", help="redis-server --maxmemory")
     args = parser.parse_args()
 
@@ -96,15 +113,43 @@ def main() -> None:
     try:
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "rag_kvcache", "index", str(args.out / "docs"), "--index",
-                        str(args.out / "a"), "--kv-remote", url], check=True, env=env)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rag_kvcache",
+                "index",
+                str(args.out / "docs"),
+                "--index",
+                str(args.out / "a"),
+                "--kv-remote",
+                url,
+            ],
+            check=True,
+            env=env,
+        )
         indexing = {"wall_s": time.perf_counter() - t0, "load_avg_1m": [load, os.getloadavg()[0]]}
         info = redis.Redis.from_url(url).info("memory")
         indexing |= {"redis_keys": redis.Redis.from_url(url).dbsize(), "redis_used_memory": info["used_memory"]}
-        print(f"A indexed in {indexing['wall_s']:.1f} s; Redis holds {indexing['redis_keys']} keys, "
-              f"{info['used_memory'] / 2**20:.0f} MiB", flush=True)
-        subprocess.run([sys.executable, __file__, READER, str(args.out), url, examples[0].question,
-                        str(args.repeats), str(args.threads)], check=True, env=env)
+        print(
+            f"A indexed in {indexing['wall_s']:.1f} s; Redis holds {indexing['redis_keys']} keys, "
+            f"{info['used_memory'] / 2**20:.0f} MiB",
+            flush=True,
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                READER,
+                str(args.out),
+                url,
+                examples[0].question,
+                str(args.repeats),
+                str(args.threads),
+            ],
+            check=True,
+            env=env,
+        )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -142,13 +187,20 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
     stats = b.store.stats()  # B's own counters (its store folder was not copied): each ask flushes them
     remote, local = stats["remote"], stats["disk"]
     first_query = {
-        "ttft_s": first.ttft_s, "cache_misses": first.cache_misses, "chunks": len(hits),
-        "remote": remote.as_dict(), "disk": local.as_dict(),
-        "b_disk_files": len(list(b.store.disk.files())), "load_avg_1m": os.getloadavg()[0],
+        "ttft_s": first.ttft_s,
+        "cache_misses": first.cache_misses,
+        "chunks": len(hits),
+        "remote": remote.as_dict(),
+        "disk": local.as_dict(),
+        "b_disk_files": len(list(b.store.disk.files())),
+        "load_avg_1m": os.getloadavg()[0],
     }
-    print(f"B's first query: {len(hits)} chunks + the prefix; remote tier hits {remote.hits}, misses {remote.misses}, "
-          f"errors {remote.errors}; disk hits {local.hits}, misses {local.misses}; recomputed (cache misses) "
-          f"{first.cache_misses}; B's disk files {first_query['b_disk_files']}; TTFT {first.ttft_s * 1000:.0f} ms", flush=True)
+    print(
+        f"B's first query: {len(hits)} chunks + the prefix; remote tier hits {remote.hits}, misses {remote.misses}, "
+        f"errors {remote.errors}; disk hits {local.hits}, misses {local.misses}; recomputed (cache misses) "
+        f"{first.cache_misses}; B's disk files {first_query['b_disk_files']}; TTFT {first.ttft_s * 1000:.0f} ms",
+        flush=True,
+    )
 
     # Read throughput: the retrieved entries layer by layer from Redis and from A's disk (page cache warm,
     # and dropped), sources interleaved in each round; plain GETs of the whole values.
@@ -165,24 +217,35 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
             timed.setdefault(name, []).extend(layers)
             whole.setdefault(name, []).extend(entries)
         t0 = time.perf_counter()
-        gets.append(sum(len(b.store.remote.client.get(b.store.remote.redis_key(k))) for k in keys) / (time.perf_counter() - t0))
-    reads: dict[str, object] = {name: {
-        "entry_MBps_median": statistics.median(n / s / 1e6 for n, s in whole[name]),
-        "layer_MBps_median": statistics.median(n / s / 1e6 for n, s in timed[name]),
-        "layer_ms_median": statistics.median(s * 1000 for _, s in timed[name]),
-        "layer_MB_median": statistics.median(n / 1e6 for n, _ in timed[name]), "entries_read": len(whole[name]),
-    } for name in timed}
+        gets.append(
+            sum(len(b.store.remote.client.get(b.store.remote.redis_key(k))) for k in keys) / (time.perf_counter() - t0)
+        )
+    reads: dict[str, object] = {
+        name: {
+            "entry_MBps_median": statistics.median(n / s / 1e6 for n, s in whole[name]),
+            "layer_MBps_median": statistics.median(n / s / 1e6 for n, s in timed[name]),
+            "layer_ms_median": statistics.median(s * 1000 for _, s in timed[name]),
+            "layer_MB_median": statistics.median(n / 1e6 for n, _ in timed[name]),
+            "entries_read": len(whole[name]),
+        }
+        for name in timed
+    }
     reads["redis_plain_get_MBps_median"] = statistics.median(gets) / 1e6
     for name in timed:
         r = reads[name]
-        print(f"read {name}: whole entries {r['entry_MBps_median']:.0f} MB/s; per layer {r['layer_MBps_median']:.0f} MB/s "
-              f"({r['layer_ms_median']:.2f} ms for {r['layer_MB_median']:.2f} MB); medians over {r['entries_read']} entry "
-              "reads", flush=True)
+        print(
+            f"read {name}: whole entries {r['entry_MBps_median']:.0f} MB/s; per layer {r['layer_MBps_median']:.0f} MB/s "
+            f"({r['layer_ms_median']:.2f} ms for {r['layer_MB_median']:.2f} MB); medians over {r['entries_read']} entry "
+            "reads",
+            flush=True,
+        )
     print(f"redis plain GET of the whole values: {reads['redis_plain_get_MBps_median']:.0f} MB/s", flush=True)
 
     # TTFT per source and method, sources interleaved within each round.
     generators = {name: FusedGenerator(view) for name, view in views.items()}
-    generators["memory"].ask(question, hits, fusion=FusionConfig(method="reuse"), generation=gen)  # fills the memory tier
+    generators["memory"].ask(
+        question, hits, fusion=FusionConfig(method="reuse"), generation=gen
+    )  # fills the memory tier
     ttft: dict[str, dict[str, list[float]]] = {}
     misses = 0
     for _ in range(repeats):
@@ -190,18 +253,30 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
             for name in ("redis", "disk", "disk_dropped", "memory"):
                 if name == "disk_dropped":
                     disk.drop_page_cache()
-                answer = generators[name.removesuffix("_dropped")].ask(question, hits, fusion=FusionConfig(method=method), generation=gen)
+                answer = generators[name.removesuffix("_dropped")].ask(
+                    question, hits, fusion=FusionConfig(method=method), generation=gen
+                )
                 ttft.setdefault(method, {}).setdefault(name, []).append(answer.ttft_s)
                 misses += answer.cache_misses
         ttft.setdefault("full", {}).setdefault("none", []).append(
-            generators["disk"].ask(question, hits, fusion=FusionConfig(method="full"), generation=gen).ttft_s)
+            generators["disk"].ask(question, hits, fusion=FusionConfig(method="full"), generation=gen).ttft_s
+        )
     for method, by_source in ttft.items():
-        print(f"TTFT {method}: " + ", ".join(f"{name} {statistics.median(v) * 1000:.0f} ms" for name, v in by_source.items()),
-              flush=True)
+        print(
+            f"TTFT {method}: "
+            + ", ".join(f"{name} {statistics.median(v) * 1000:.0f} ms" for name, v in by_source.items()),
+            flush=True,
+        )
     tiers = {name: {t: s.as_dict() for t, s in view.store.stats().items()} for name, view in views.items()}
     result = {
-        "question": question, "prompt_tokens": first.prompt_tokens, "threads": threads, "first_query_b": first_query,
-        "reads": reads, "ttft_s": ttft, "cache_misses_in_ttft_rounds": misses, "tier_stats": tiers,
+        "question": question,
+        "prompt_tokens": first.prompt_tokens,
+        "threads": threads,
+        "first_query_b": first_query,
+        "reads": reads,
+        "ttft_s": ttft,
+        "cache_misses_in_ttft_rounds": misses,
+        "tier_stats": tiers,
         "load_avg_1m_end": os.getloadavg()[0],
     }
     (out / "reader.json").write_text(json.dumps(result, indent=1))
@@ -220,7 +295,7 @@ def read_times(tier, keys: list[str]) -> tuple[list[tuple[int, float]], list[tup
             before, t1 = tier.stats.bytes_read, time.perf_counter()
             entry.layer(i)
             layers.append((tier.stats.bytes_read - before, time.perf_counter() - t1))
-        entries.append((sum(n for n, _ in layers[-entry.n_layers:]), time.perf_counter() - t0))
+        entries.append((sum(n for n, _ in layers[-entry.n_layers :]), time.perf_counter() - t0))
     return layers, entries
 
 

@@ -132,26 +132,40 @@ def main() -> None:
         tokens = sum(len(c.token_ids) for c in report.new_chunks)
         wall, cpu = tokens / clock.wall, tokens / clock.cpu
         with Clock() as chunk_clock:  # the indexing forward alone: the same chunks, no embedding, nothing stored
-            for _ in compute_caches(adapter, [c.token_ids for c in report.new_chunks], index.chunk_context,
-                                    pack_tokens(config)):
+            for _ in compute_caches(
+                adapter, [c.token_ids for c in report.new_chunks], index.chunk_context, pack_tokens(config)
+            ):
                 pass
         chunk_forward = {"wall": tokens / chunk_clock.wall, "cpu": tokens / chunk_clock.cpu}
-        rounds.append({
-            "documents": len(report.added), "chunks": len(report.new_chunks), "tokens": tokens,
-            "wall_s": clock.wall, "cpu_s": clock.cpu, "index_tokens_per_s": {"wall": wall, "cpu": cpu},
-            "forward_tokens_per_s": {"wall": [before[0], after[0]], "cpu": [before[1], after[1]]},
-            "ratio": {"wall": wall / statistics.mean([before[0], after[0]]),
-                      "cpu": cpu / statistics.mean([before[1], after[1]])},
-            "chunk_forward_tokens_per_s": chunk_forward,
-            "ratio_to_chunk_forward": {"wall": wall / chunk_forward["wall"], "cpu": cpu / chunk_forward["cpu"]},
-            "write_s": SPENT["put"], "embed_s": SPENT["_embed"], "load_avg_1m": os.getloadavg()[0],
-        })
-        print(f"{folder.name}: {tokens} tokens; indexing {wall:.0f} tok/s wall, {cpu:.0f} per CPU s; forward "
-              f"{before[0]:.0f} / {after[0]:.0f} wall, {before[1]:.0f} / {after[1]:.0f} per CPU s; ratio "
-              f"{rounds[-1]['ratio']['wall']:.2f} wall, {rounds[-1]['ratio']['cpu']:.2f} CPU; forward over the same chunks "
-              f"{chunk_forward['wall']:.0f} wall, {chunk_forward['cpu']:.0f} per CPU s; writes "
-              f"{SPENT['put']:.1f} s (writer thread), embedding {SPENT['_embed']:.1f} s of {clock.wall:.1f} s; "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        rounds.append(
+            {
+                "documents": len(report.added),
+                "chunks": len(report.new_chunks),
+                "tokens": tokens,
+                "wall_s": clock.wall,
+                "cpu_s": clock.cpu,
+                "index_tokens_per_s": {"wall": wall, "cpu": cpu},
+                "forward_tokens_per_s": {"wall": [before[0], after[0]], "cpu": [before[1], after[1]]},
+                "ratio": {
+                    "wall": wall / statistics.mean([before[0], after[0]]),
+                    "cpu": cpu / statistics.mean([before[1], after[1]]),
+                },
+                "chunk_forward_tokens_per_s": chunk_forward,
+                "ratio_to_chunk_forward": {"wall": wall / chunk_forward["wall"], "cpu": cpu / chunk_forward["cpu"]},
+                "write_s": SPENT["put"],
+                "embed_s": SPENT["_embed"],
+                "load_avg_1m": os.getloadavg()[0],
+            }
+        )
+        print(
+            f"{folder.name}: {tokens} tokens; indexing {wall:.0f} tok/s wall, {cpu:.0f} per CPU s; forward "
+            f"{before[0]:.0f} / {after[0]:.0f} wall, {before[1]:.0f} / {after[1]:.0f} per CPU s; ratio "
+            f"{rounds[-1]['ratio']['wall']:.2f} wall, {rounds[-1]['ratio']['cpu']:.2f} CPU; forward over the same chunks "
+            f"{chunk_forward['wall']:.0f} wall, {chunk_forward['cpu']:.0f} per CPU s; writes "
+            f"{SPENT['put']:.1f} s (writer thread), embedding {SPENT['_embed']:.1f} s of {clock.wall:.1f} s; "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
 
     ray_runs = []
     if args.ray_workers:
@@ -159,32 +173,61 @@ def main() -> None:
 
         ray.init(num_cpus=max(args.ray_workers), include_dashboard=False)
         for n in args.ray_workers:
-            ray_index = KVIndex.create(args.out / f"index-ray{n}", Config(ray_workers=n, cache_dir=config.cache_dir), adapter)
+            ray_index = KVIndex.create(
+                args.out / f"index-ray{n}", Config(ray_workers=n, cache_dir=config.cache_dir), adapter
+            )
             with ray_index.ray_workers() as workers:
                 before = forward_rate(adapter, inputs)
                 with Clock() as clock:
-                    tokens = sum(len(c.token_ids) for folder in folders
-                                 for c in ray_index.update(folder, progress=False, workers=workers).new_chunks)
+                    tokens = sum(
+                        len(c.token_ids)
+                        for folder in folders
+                        for c in ray_index.update(folder, progress=False, workers=workers).new_chunks
+                    )
                 after = forward_rate(adapter, inputs)
-            ray_runs.append({"workers": n, "tokens": tokens, "wall_s": clock.wall, "index_tokens_per_s": tokens / clock.wall,
-                             "forward_tokens_per_s": [before[0], after[0]], "load_avg_1m": os.getloadavg()[0]})
-            print(f"Ray, {n} worker(s): {tokens} tokens in {clock.wall:.1f} s = {tokens / clock.wall:.0f} tok/s wall; "
-                  f"forward {before[0]:.0f} / {after[0]:.0f} tok/s wall (this process)", flush=True)
+            ray_runs.append(
+                {
+                    "workers": n,
+                    "tokens": tokens,
+                    "wall_s": clock.wall,
+                    "index_tokens_per_s": tokens / clock.wall,
+                    "forward_tokens_per_s": [before[0], after[0]],
+                    "load_avg_1m": os.getloadavg()[0],
+                }
+            )
+            print(
+                f"Ray, {n} worker(s): {tokens} tokens in {clock.wall:.1f} s = {tokens / clock.wall:.0f} tok/s wall; "
+                f"forward {before[0]:.0f} / {after[0]:.0f} tok/s wall (this process)",
+                flush=True,
+            )
 
-    summary = {clock: {
-        "median_ratio": statistics.median(r["ratio"][clock] for r in rounds),
-        "median_ratio_to_chunk_forward": statistics.median(r["ratio_to_chunk_forward"][clock] for r in rounds),
-        "index_tokens_per_s": sum(r["tokens"] for r in rounds) / sum(r[f"{clock}_s"] for r in rounds),
-        "forward_tokens_per_s": statistics.median(f for r in rounds for f in r["forward_tokens_per_s"][clock]),
-    } for clock in ("wall", "cpu")}
+    summary = {
+        clock: {
+            "median_ratio": statistics.median(r["ratio"][clock] for r in rounds),
+            "median_ratio_to_chunk_forward": statistics.median(r["ratio_to_chunk_forward"][clock] for r in rounds),
+            "index_tokens_per_s": sum(r["tokens"] for r in rounds) / sum(r[f"{clock}_s"] for r in rounds),
+            "forward_tokens_per_s": statistics.median(f for r in rounds for f in r["forward_tokens_per_s"][clock]),
+        }
+        for clock in ("wall", "cpu")
+    }
     for clock, s in summary.items():
-        print(f"{clock}: median ratio {s['median_ratio']:.2f} ({s['median_ratio_to_chunk_forward']:.2f} to the forward over "
-              f"the same chunks); indexing {s['index_tokens_per_s']:.0f} tok/s overall; "
-              f"forward {s['forward_tokens_per_s']:.0f} tok/s (median)")
-    meta = {"model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "questions": args.questions}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "rounds": rounds,
-                                                       "ray": ray_runs}, indent=1))
+        print(
+            f"{clock}: median ratio {s['median_ratio']:.2f} ({s['median_ratio_to_chunk_forward']:.2f} to the forward over "
+            f"the same chunks); indexing {s['index_tokens_per_s']:.0f} tok/s overall; "
+            f"forward {s['forward_tokens_per_s']:.0f} tok/s (median)"
+        )
+    meta = {
+        "model": config.model,
+        "dtype": config.dtype,
+        "chunk_tokens": config.chunk_tokens,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "questions": args.questions,
+    }
+    (args.out / "results.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "rounds": rounds, "ray": ray_runs}, indent=1)
+    )
 
 
 if __name__ == "__main__":

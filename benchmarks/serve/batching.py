@@ -48,10 +48,14 @@ def main() -> None:
     adapter = ModelAdapter.load(Config(model=args.model, dtype=args.dtype))
     model, layout = adapter.model, adapter.layout
     vocab = model.config.vocab_size
-    print(f"{args.model}, {args.threads} threads; decode step over a {args.past}-token cache, prefill of "
-          f"{args.prefill} tokens")
-    print("| B | decode step, batched (ms) | B single steps (ms) | gain | transformers, batched (ms) | "
-          "prefill, batched (ms) | B single (ms) | gain |")
+    print(
+        f"{args.model}, {args.threads} threads; decode step over a {args.past}-token cache, prefill of "
+        f"{args.prefill} tokens"
+    )
+    print(
+        "| B | decode step, batched (ms) | B single steps (ms) | gain | transformers, batched (ms) | "
+        "prefill, batched (ms) | B single (ms) | gain |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     single_decode = single_prefill = None
     row = [torch.randn(layout.n_kv_heads, args.past, layout.head_dim) for _ in range(layout.n_layers)]
@@ -62,8 +66,9 @@ def main() -> None:
         tokens = torch.randint(0, vocab, (b,)).tolist()
         d = timed(lambda tokens=tokens, caches=caches: adapter.decode_rows(tokens, caches), args.repeats)
         if single_decode is None:
-            single_decode = timed(lambda tokens=tokens, caches=caches: adapter.decode_rows(tokens[:1], caches[:1]),
-                                  args.repeats)
+            single_decode = timed(
+                lambda tokens=tokens, caches=caches: adapter.decode_rows(tokens[:1], caches[:1]), args.repeats
+            )
 
         shape = (b, layout.n_kv_heads, args.past, layout.head_dim)
         cache = DynamicCache()
@@ -85,9 +90,11 @@ def main() -> None:
 
         hf, f = timed(hf_decode, args.repeats), timed(prefill, args.repeats)
         single_prefill = single_prefill or f
-        print(f"| {b} | {d * 1e3:.1f} | {b * single_decode * 1e3:.1f} | {b * single_decode / d:.2f}x | "
-              f"{hf * 1e3:.1f} | {f * 1e3:.0f} | {b * single_prefill * 1e3:.0f} | {b * single_prefill / f:.2f}x |",
-              flush=True)
+        print(
+            f"| {b} | {d * 1e3:.1f} | {b * single_decode * 1e3:.1f} | {b * single_decode / d:.2f}x | "
+            f"{hf * 1e3:.1f} | {f * 1e3:.0f} | {b * single_prefill * 1e3:.0f} | {b * single_prefill / f:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

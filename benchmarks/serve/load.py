@@ -80,15 +80,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, question: str, chunk_ids: list[str], method: str,
-                      max_tokens: int) -> tuple[float, float, int, int, int]:
+async def one_request(
+    client: openai.AsyncOpenAI, model: str, question: str, chunk_ids: list[str], method: str, max_tokens: int
+) -> tuple[float, float, int, int, int]:
     """(ttft, e2e, completion tokens, prompt tokens, cached tokens) of one streamed chat request."""
     t0 = time.perf_counter()
     ttft = None
     usage = None
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"rag_kvcache": {"method": method, "chunk_ids": chunk_ids}},
     )
     async for chunk in stream:
@@ -97,8 +102,13 @@ async def one_request(client: openai.AsyncOpenAI, model: str, question: str, chu
         if chunk.usage is not None:
             usage = chunk.usage
     e2e = time.perf_counter() - t0
-    return (ttft if ttft is not None else e2e), e2e, usage.completion_tokens, usage.prompt_tokens, \
-        usage.prompt_tokens_details.cached_tokens
+    return (
+        (ttft if ttft is not None else e2e),
+        e2e,
+        usage.completion_tokens,
+        usage.prompt_tokens,
+        usage.prompt_tokens_details.cached_tokens,
+    )
 
 
 def decode_batches(url: str) -> tuple[float, float]:
@@ -108,8 +118,17 @@ def decode_batches(url: str) -> tuple[float, float]:
     return float(found.get("count", 0)), float(found.get("sum", 0))
 
 
-async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], method: str, clients: int,
-                    per_client: int, max_tokens: int, server_pid: int, max_batch: int) -> Level:
+async def run_level(
+    url: str,
+    model: str,
+    prompts: list[tuple[str, list[str]]],
+    method: str,
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+    server_pid: int,
+    max_batch: int,
+) -> Level:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     todo = [prompts[i % len(prompts)] for i in range(clients * per_client)]
     results, errors = [], 0
@@ -143,50 +162,76 @@ async def run_level(url: str, model: str, prompts: list[tuple[str, list[str]]], 
     cpu1 = cpu_seconds(server_pid)
     ttfts = [r[0] for r in results]
     return Level(
-        max_batch=max_batch, method=method, clients=clients, requests=len(results), errors=errors, wall_s=wall,
-        ttft_p50_s=statistics.median(ttfts), ttft_p99_s=percentile(ttfts, 0.99),
-        e2e_p50_s=statistics.median(r[1] for r in results), requests_per_s=len(results) / wall,
+        max_batch=max_batch,
+        method=method,
+        clients=clients,
+        requests=len(results),
+        errors=errors,
+        wall_s=wall,
+        ttft_p50_s=statistics.median(ttfts),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        e2e_p50_s=statistics.median(r[1] for r in results),
+        requests_per_s=len(results) / wall,
         output_tokens_per_s=sum(r[2] for r in results) / wall,
-        cached_fraction=sum(r[4] for r in results) / max(1, sum(r[3] for r in results)), peak_rss_mib=peak,
-        mean_decode_batch=(rows1 - rows0) / max(1.0, steps1 - steps0), load_average=os.getloadavg()[0],
+        cached_fraction=sum(r[4] for r in results) / max(1, sum(r[3] for r in results)),
+        peak_rss_mib=peak,
+        mean_decode_batch=(rows1 - rows0) / max(1.0, steps1 - steps0),
+        load_average=os.getloadavg()[0],
         server_cpu_s_per_request=(cpu1 - cpu0) / max(1, len(results)),
     )
 
 
 def markdown(levels: list[Level], command: str) -> str:
-    header = ("| max batch | method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | "
-              "out tok/s | cached | decode batch | server CPU s/request | server peak RSS (MiB) | load avg |")
+    header = (
+        "| max batch | method | clients | requests | errors | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) | req/s | "
+        "out tok/s | cached | decode batch | server CPU s/request | server peak RSS (MiB) | load avg |"
+    )
     lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in levels:
-        lines.append(f"| {v.max_batch} | {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | "
-                     f"{v.ttft_p99_s:.2f} | {v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
-                     f"{v.cached_fraction:.0%} | {v.mean_decode_batch:.1f} | {v.server_cpu_s_per_request:.1f} | "
-                     f"{v.peak_rss_mib:.0f} | {v.load_average:.1f} |")
+        lines.append(
+            f"| {v.max_batch} | {v.method} | {v.clients} | {v.requests} | {v.errors} | {v.ttft_p50_s:.2f} | "
+            f"{v.ttft_p99_s:.2f} | {v.e2e_p50_s:.2f} | {v.requests_per_s:.3f} | {v.output_tokens_per_s:.1f} | "
+            f"{v.cached_fraction:.0%} | {v.mean_decode_batch:.1f} | {v.server_cpu_s_per_request:.1f} | "
+            f"{v.peak_rss_mib:.0f} | {v.load_average:.1f} |"
+        )
     by = {(v.max_batch, v.method, v.clients): v for v in levels}
     batches = sorted({v.max_batch for v in levels})
     top = max(v.clients for v in levels)
     for b in batches:
         if (b, "full", top) in by and (b, "cacheblend", top) in by:
             full, blend = by[b, "full", top], by[b, "cacheblend", top]
-            lines += ["", (f"max batch {b}, {top} clients: cacheblend serves "
-                           f"{blend.requests_per_s / full.requests_per_s:.2f}x the requests/s of full (target >= 2.8x); "
-                           f"cacheblend p99 TTFT {blend.ttft_p99_s:.2f} s vs full p50 {full.ttft_p50_s:.2f} s "
-                           "(target: below).")]
+            lines += [
+                "",
+                (
+                    f"max batch {b}, {top} clients: cacheblend serves "
+                    f"{blend.requests_per_s / full.requests_per_s:.2f}x the requests/s of full (target >= 2.8x); "
+                    f"cacheblend p99 TTFT {blend.ttft_p99_s:.2f} s vs full p50 {full.ttft_p50_s:.2f} s "
+                    "(target: below)."
+                ),
+            ]
     if len(batches) > 1:
         lo, hi = batches[0], batches[-1]
         counts = sorted({v.clients for v in levels})
-        lines += ["", (f"max batch {hi} over max batch {lo}: requests/s (wall clock; moves with the machine's "
-                       f"load), and the server's CPU seconds per request of max batch {lo} over {hi} (the work "
-                       "batching saves; steadier on a shared machine):"), "",
-                  "| method | " + " | ".join(f"req/s, {c} clients | CPU/request, {c} clients" for c in counts) + " |",
-                  "|---|" + "---|---|" * len(counts)]
+        lines += [
+            "",
+            (
+                f"max batch {hi} over max batch {lo}: requests/s (wall clock; moves with the machine's "
+                f"load), and the server's CPU seconds per request of max batch {lo} over {hi} (the work "
+                "batching saves; steadier on a shared machine):"
+            ),
+            "",
+            "| method | " + " | ".join(f"req/s, {c} clients | CPU/request, {c} clients" for c in counts) + " |",
+            "|---|" + "---|---|" * len(counts),
+        ]
         for method in dict.fromkeys(v.method for v in levels):
             cells = []
             for c in counts:
                 if (hi, method, c) in by and (lo, method, c) in by:
                     a, b = by[hi, method, c], by[lo, method, c]
-                    cells += [f"{a.requests_per_s / b.requests_per_s:.2f}x",
-                              f"{b.server_cpu_s_per_request / a.server_cpu_s_per_request:.2f}x"]
+                    cells += [
+                        f"{a.requests_per_s / b.requests_per_s:.2f}x",
+                        f"{b.server_cpu_s_per_request / a.server_cpu_s_per_request:.2f}x",
+                    ]
                 else:
                     cells += ["-", "-"]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -194,15 +239,32 @@ def markdown(levels: list[Level], command: str) -> str:
 
 
 @contextmanager
-def running_server(args: argparse.Namespace, max_batch: int,
-                   max_clients: int) -> Iterator[tuple[str, subprocess.Popen]]:
+def running_server(
+    args: argparse.Namespace, max_batch: int, max_clients: int
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """`rag-kvcache serve --max-batch max_batch` on a free port while in the block: (url, process). It may
     still be loading: `wait_ready` before sending requests."""
     port = free_port()
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    server = subprocess.Popen([sys.executable, "-m", "rag_kvcache", "serve", "--index", str(args.work / "index"),
-                               "--port", str(port), "--max-queue", str(max_clients + 1), "--max-tokens",
-                               str(args.max_tokens), "--max-batch", str(max_batch)], env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rag_kvcache",
+            "serve",
+            "--index",
+            str(args.work / "index"),
+            "--port",
+            str(port),
+            "--max-queue",
+            str(max_clients + 1),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-batch",
+            str(max_batch),
+        ],
+        env=env,
+    )
     try:
         yield f"http://127.0.0.1:{port}", server
     finally:
@@ -241,10 +303,17 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each server (on a shared 2-core "
-                                                          "machine 2 threads made every step 7-12x slower)")
-    p.add_argument("--max-batch", default="1,8", help="the servers' --max-batch values (1: one request at a time); "
-                                                      "one server each, their levels interleaved")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of each server (on a shared 2-core machine 2 threads made every step 7-12x slower)",
+    )
+    p.add_argument(
+        "--max-batch",
+        default="1,8",
+        help="the servers' --max-batch values (1: one request at a time); one server each, their levels interleaved",
+    )
     p.add_argument("--work", type=Path, default=Path("serve-bench-work"), help="corpus and index (reused)")
     p.add_argument("--out", type=Path, default=Path("serve-bench-out"))
     args = p.parse_args()
@@ -253,8 +322,20 @@ def main() -> None:
 
     examples = load_dataset(args.dataset, "musique", top_k=args.top_k)[: args.questions]
     write_corpus(examples, args.work / "docs")
-    subprocess.run([sys.executable, "-m", "rag_kvcache", "index", str(args.work / "docs"), "--index",
-                    str(args.work / "index"), "--chunk-tokens", str(args.chunk_tokens)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rag_kvcache",
+            "index",
+            str(args.work / "docs"),
+            "--index",
+            str(args.work / "index"),
+            "--chunk-tokens",
+            str(args.chunk_tokens),
+        ],
+        check=True,
+    )
     batches = [int(x) for x in args.max_batch.split(",")]
     command = " ".join(["python", *sys.argv])
     levels: list[Level] = []
@@ -275,13 +356,18 @@ def main() -> None:
         for c in clients:
             for method in methods:
                 for b, (url, proc) in servers.items():
-                    level = asyncio.run(run_level(url, model, prompts, method, c, args.requests_per_client,
-                                                  args.max_tokens, proc.pid, b))
-                    print(f"max batch {b}, {method} x{c}: {level.requests} requests, {level.errors} errors, TTFT "
-                          f"p50 {level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} "
-                          f"req/s, decode batch {level.mean_decode_batch:.1f}, server CPU {level.server_cpu_s_per_request:.1f} s/request, "
-                          f"load average {level.load_average:.1f}",
-                          flush=True)
+                    level = asyncio.run(
+                        run_level(
+                            url, model, prompts, method, c, args.requests_per_client, args.max_tokens, proc.pid, b
+                        )
+                    )
+                    print(
+                        f"max batch {b}, {method} x{c}: {level.requests} requests, {level.errors} errors, TTFT "
+                        f"p50 {level.ttft_p50_s:.2f} s p99 {level.ttft_p99_s:.2f} s, {level.requests_per_s:.3f} "
+                        f"req/s, decode batch {level.mean_decode_batch:.1f}, server CPU {level.server_cpu_s_per_request:.1f} s/request, "
+                        f"load average {level.load_average:.1f}",
+                        flush=True,
+                    )
                     levels.append(level)
                     metrics[b] = httpx.get(f"{url}/metrics").text
                     write_results(args.out, levels, metrics, command)  # what a cut-off run measured is kept

@@ -35,10 +35,21 @@ def main() -> None:
     args = parser.parse_args()
     server = Server(args.index)
     url = server.url
-    small = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
-             "messages": [{"role": "user", "content": "Who kept a diary of ships?"}]}
-    bodies = {size: json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "messages": [
-        {"role": "user", "content": "word " * (size // 5)}]}).encode() for size in (15_000_000, 20_000_000)}
+    small = {
+        "model": "SmolLM2-135M-Instruct",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Who kept a diary of ships?"}],
+    }
+    bodies = {
+        size: json.dumps(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "word " * (size // 5)}],
+            }
+        ).encode()
+        for size in (15_000_000, 20_000_000)
+    }
     codes: dict[int, int] = {}
     stop = threading.Event()
 
@@ -51,15 +62,19 @@ def main() -> None:
     def flood(size: int) -> None:
         with httpx.Client(timeout=300) as client:
             while not stop.is_set():
-                r = client.post(f"{url}/v1/chat/completions", content=bodies[size],
-                                headers={"Content-Type": "application/json"})
+                r = client.post(
+                    f"{url}/v1/chat/completions", content=bodies[size], headers={"Content-Type": "application/json"}
+                )
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
 
     try:
         timed()  # warm up
         alone = [timed() for _ in range(args.trials)]
-        senders = [threading.Thread(target=flood, args=(size,)) for size in (15_000_000, 20_000_000)
-                   for _ in range(args.senders)]
+        senders = [
+            threading.Thread(target=flood, args=(size,))
+            for size in (15_000_000, 20_000_000)
+            for _ in range(args.senders)
+        ]
         for t in senders:
             t.start()
         time.sleep(2)
@@ -69,12 +84,18 @@ def main() -> None:
             t.join()
     finally:
         server.close()
-    out = {"alone_median_s": statistics.median(alone), "alone_max_s": max(alone),
-           "with_oversized_median_s": statistics.median(loaded), "with_oversized_max_s": max(loaded),
-           "median_factor": statistics.median(loaded) / statistics.median(alone), "oversized_status_codes": codes}
+    out = {
+        "alone_median_s": statistics.median(alone),
+        "alone_max_s": max(alone),
+        "with_oversized_median_s": statistics.median(loaded),
+        "with_oversized_max_s": max(loaded),
+        "median_factor": statistics.median(loaded) / statistics.median(alone),
+        "oversized_status_codes": codes,
+    }
     print(json.dumps(out, indent=1))
-    args.out.write_text(json.dumps({"summary": out, "alone_s": alone, "with_oversized_s": loaded,
-                                    "command": sys.argv}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"summary": out, "alone_s": alone, "with_oversized_s": loaded, "command": sys.argv}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def ask(url: str, key: str, messages: list[dict], salt: str | None) -> tuple[flo
 
 def bootstrap_diff(a: list[float], b: list[float], n: int = 5000) -> tuple[float, float, float]:
     rng = random.Random(0)
-    diffs = sorted(statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
-                   for _ in range(n))
+    diffs = sorted(
+        statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b))) for _ in range(n)
+    )
     return statistics.median(a) - statistics.median(b), diffs[int(0.025 * n)], diffs[int(0.975 * n)]
 
 
@@ -57,13 +58,19 @@ def main() -> None:
     server = Server(args.index, "--api-key", "key-a", "--api-key", "key-b", api_key="key-a")
     url = server.url
     try:
-        hits = httpx.post(f"{url}/v1/retrieve", json={"query": "lighthouse keeper diary", "top_k": 2},
-                          headers={"Authorization": "Bearer key-a"}, timeout=60).json()["data"]
+        hits = httpx.post(
+            f"{url}/v1/retrieve",
+            json={"query": "lighthouse keeper diary", "top_k": 2},
+            headers={"Authorization": "Bearer key-a"},
+            timeout=60,
+        ).json()["data"]
         documents = "\n\n".join(h["text"] for h in hits)
 
         def prompt(code: str) -> list[dict]:
-            return [{"role": "system", "content": SYSTEM.format(code=code) * 3},
-                    {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: Who kept a diary?"}]
+            return [
+                {"role": "system", "content": SYSTEM.format(code=code) * 3},
+                {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: Who kept a diary?"},
+            ]
 
         ask(url, "key-a", prompt("7391"), None)  # A's head and chunk computed and cached under A
         rows: dict[str, list[tuple[float, float]]] = {"right": [], "wrong": [], "a_again": []}
@@ -78,8 +85,12 @@ def main() -> None:
     out = {}
     for kind, values in rows.items():
         client, server = [v[0] for v in values], [v[1] for v in values]
-        out[kind] = {"client_median_s": statistics.median(client), "client_min_s": min(client), "client_max_s": max(client),
-                     "server_ttft_median_s": statistics.median(server)}
+        out[kind] = {
+            "client_median_s": statistics.median(client),
+            "client_min_s": min(client),
+            "client_max_s": max(client),
+            "server_ttft_median_s": statistics.median(server),
+        }
     for name, col in (("client", 0), ("server_ttft", 1)):
         d, lo, hi = bootstrap_diff([v[col] for v in rows["right"]], [v[col] for v in rows["wrong"]])
         out[f"right_minus_wrong_{name}_s"] = {"median_diff": d, "ci95": [lo, hi]}

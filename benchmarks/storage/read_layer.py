@@ -42,8 +42,14 @@ def main() -> None:
     shape = (args.kv_heads, args.tokens, args.head_dim)
     keys = [f"{i:032x}" for i in range(args.segments)]
     for key in keys:
-        store.put(key, ChunkKV([torch.randn(shape, generator=g) for _ in range(args.layers)],
-                               [torch.randn(shape, generator=g) for _ in range(args.layers)], 0))
+        store.put(
+            key,
+            ChunkKV(
+                [torch.randn(shape, generator=g) for _ in range(args.layers)],
+                [torch.randn(shape, generator=g) for _ in range(args.layers)],
+                0,
+            ),
+        )
     packs, layers = [], []
     with torch.inference_mode():
         for _ in range(args.repeats):
@@ -62,9 +68,11 @@ def main() -> None:
             for layer in range(args.layers):
                 pack_layer(sources, layer, "cpu")
     ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / args.layers
-    print(f"codec {args.codec}, {args.segments} segments of {shape} x {args.layers} layers, {args.threads} threads: "
-          f"pack_layer {statistics.median(packs) * 1e6:.0f} us a layer, Entry.layer {statistics.median(layers) * 1e6:.0f} us, "
-          f"{ops:.0f} aten ops a layer")
+    print(
+        f"codec {args.codec}, {args.segments} segments of {shape} x {args.layers} layers, {args.threads} threads: "
+        f"pack_layer {statistics.median(packs) * 1e6:.0f} us a layer, Entry.layer {statistics.median(layers) * 1e6:.0f} us, "
+        f"{ops:.0f} aten ops a layer"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,14 @@ from rag_kvcache.store.kvstore import KVStore
 log = logging.getLogger("storage-bench")
 
 CONDITIONS = (
-    "cold/sequential", "cold/pipelined", "warm/sequential", "warm/pipelined", "memory/sequential", "memory/pipelined",
-    "slow/sequential", "slow/pipelined",
+    "cold/sequential",
+    "cold/pipelined",
+    "warm/sequential",
+    "warm/pipelined",
+    "memory/sequential",
+    "memory/pipelined",
+    "slow/sequential",
+    "slow/pipelined",
 )
 FUSION = FusionConfig(method="cacheblend", ratio=0.15)
 SLOW_BYTES_PER_S = 50e6  # a slow network store: its loading is about as long as the recompute on this CPU
@@ -81,12 +87,14 @@ def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repe
     for qi, ex in enumerate(examples):
         hits = index.search(ex.question, top_k)
         fmt = index.format
-        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, ex.question))
+        segments = fmt.segments(
+            [h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, ex.question)
+        )
         keys = [index.addressing.key(h.chunk.token_ids) for h in hits]
         for key in keys:
             memory_store.get(key)  # fill the memory tier once
         for rep in range(repeats):
-            order = CONDITIONS[(qi + rep) % len(CONDITIONS):] + CONDITIONS[: (qi + rep) % len(CONDITIONS)]
+            order = CONDITIONS[(qi + rep) % len(CONDITIONS) :] + CONDITIONS[: (qi + rep) % len(CONDITIONS)]
             for condition in order:
                 tier, mode = condition.split("/")
                 index.store = {"memory": memory_store, "slow": slow_store}.get(tier, disk_store)
@@ -101,12 +109,21 @@ def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repe
                 ttft = time.perf_counter() - start
                 result, n_prompt, misses = fused.result, fused.prompt_tokens, fused.cache_misses
                 assert misses == 0
-                records.append({
-                    "question": qi, "repeat": rep, "condition": condition, "ttft_s": ttft,
-                    "kv_wait_s": result.stages.get("kv_wait", 0.0), "kv_load_s": result.stages.get("kv_load", 0.0),
-                    "prompt_tokens": n_prompt, "stages": result.stages,
-                })
-                log.info("q%d rep%d %-17s ttft %.3f s, kv_wait %.3f s", qi, rep, condition, ttft, records[-1]["kv_wait_s"])
+                records.append(
+                    {
+                        "question": qi,
+                        "repeat": rep,
+                        "condition": condition,
+                        "ttft_s": ttft,
+                        "kv_wait_s": result.stages.get("kv_wait", 0.0),
+                        "kv_load_s": result.stages.get("kv_load", 0.0),
+                        "prompt_tokens": n_prompt,
+                        "stages": result.stages,
+                    }
+                )
+                log.info(
+                    "q%d rep%d %-17s ttft %.3f s, kv_wait %.3f s", qi, rep, condition, ttft, records[-1]["kv_wait_s"]
+                )
     index.store = disk_store
     return records
 
@@ -127,13 +144,25 @@ def quality(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, wor
         for codec, store in stores.items():
             index.store = store
             ans = gen.generate(ex.question, hits, FUSION, generation)
-            rows[codec].append({
-                "question": qi, "answer": ans.answer, "full_answer": reference.answer,
-                "f1_vs_full": f1_score(ans.answer, reference.answer), "f1_gold": max_f1(ans.answer, ex.answers),
-                "full_f1_gold": max_f1(reference.answer, ex.answers),
-                "kl_vs_full": kl_divergence(reference.first_token_logits.numpy(), ans.first_token_logits.numpy()),
-            })
-            log.info("q%d %-12s f1 vs full %.2f: %r (full: %r)", qi, codec, rows[codec][-1]["f1_vs_full"], ans.answer, reference.answer)
+            rows[codec].append(
+                {
+                    "question": qi,
+                    "answer": ans.answer,
+                    "full_answer": reference.answer,
+                    "f1_vs_full": f1_score(ans.answer, reference.answer),
+                    "f1_gold": max_f1(ans.answer, ex.answers),
+                    "full_f1_gold": max_f1(reference.answer, ex.answers),
+                    "kl_vs_full": kl_divergence(reference.first_token_logits.numpy(), ans.first_token_logits.numpy()),
+                }
+            )
+            log.info(
+                "q%d %-12s f1 vs full %.2f: %r (full: %r)",
+                qi,
+                codec,
+                rows[codec][-1]["f1_vs_full"],
+                ans.answer,
+                reference.answer,
+            )
     index.store = source
     sizes = {codec: sum(p.stat().st_size for p in store.disk.files()) for codec, store in stores.items()}
     return {"rows": rows, "bytes": sizes}
@@ -144,17 +173,24 @@ def report(out: Path, meta: dict, times: list[dict], qual: dict) -> None:
         return statistics.median(r[field] for r in times if r["condition"] == cond)
 
     lines = [
-        "# Storage tiers, pipelined loading and KV codecs", "",
+        "# Storage tiers, pipelined loading and KV codecs",
+        "",
         f"Machine: {meta['machine']}, torch threads {meta['threads']}; model {meta['model']} ({meta['dtype']}); "
         f"{meta['questions']} MuSiQue questions, index of {meta['chunks']} chunks of {meta['chunk_tokens']} tokens, "
         f"top-{meta['top_k']} (median prompt {meta['prompt_tokens']} tokens, {meta['kv_mb_per_prompt']:.1f} MB of KV per "
-        f"prompt); CacheBlend ratio {FUSION.ratio}; {meta['repeats']} repeats per condition in rotated order.", "",
-        f"Command: `{meta['command']}`", "",
-        "## TTFT (fused prefill) by where the caches are and how they are read", "",
-        "| condition | TTFT median (s) | kv_wait median (s) | opening entries (s) |", "|---|---|---|---|",
+        f"prompt); CacheBlend ratio {FUSION.ratio}; {meta['repeats']} repeats per condition in rotated order.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "## TTFT (fused prefill) by where the caches are and how they are read",
+        "",
+        "| condition | TTFT median (s) | kv_wait median (s) | opening entries (s) |",
+        "|---|---|---|---|",
     ]
     for cond in CONDITIONS:
-        lines.append(f"| {cond} | {med(cond, 'ttft_s'):.3f} | {med(cond, 'kv_wait_s'):.4f} | {med(cond, 'kv_load_s'):.4f} |")
+        lines.append(
+            f"| {cond} | {med(cond, 'ttft_s'):.3f} | {med(cond, 'kv_wait_s'):.4f} | {med(cond, 'kv_load_s'):.4f} |"
+        )
     for temp in ("cold", "warm", "slow"):
         seq, pipe = med(f"{temp}/sequential", "kv_wait_s"), med(f"{temp}/pipelined", "kv_wait_s")
         hidden = 1 - pipe / seq if seq > 0 else 0.0
@@ -166,8 +202,11 @@ def report(out: Path, meta: dict, times: list[dict], qual: dict) -> None:
         )
     base = qual["bytes"]["none"]
     lines += [
-        "", "## Codecs: bytes on disk and quality (CacheBlend 0.15 on the transcoded caches)", "",
-        "| codec | bytes on disk | vs fp32 | F1 vs full answer | F1 vs gold | first-token KL vs full |", "|---|---|---|---|---|---|",
+        "",
+        "## Codecs: bytes on disk and quality (CacheBlend 0.15 on the transcoded caches)",
+        "",
+        "| codec | bytes on disk | vs fp32 | F1 vs full answer | F1 vs gold | first-token KL vs full |",
+        "|---|---|---|---|---|---|",
     ]
     for codec, rows in qual["rows"].items():
         lines.append(
@@ -194,7 +233,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    examples = [replace(ex, documents=ex.documents[: args.passages]) for ex in load_musique(args.data)[: args.questions]]
+    examples = [
+        replace(ex, documents=ex.documents[: args.passages]) for ex in load_musique(args.data)[: args.questions]
+    ]
     write_corpus(examples, args.work / "docs")
     cfg = Config(chunk_tokens=128, top_k=args.top_k, storage=StorageConfig(memory_bytes=0))
     index = KVIndex.build(args.work / "docs", args.work / "idx", cfg)
@@ -206,12 +247,18 @@ def main() -> None:
     prompt = int(statistics.median(r["prompt_tokens"] for r in times))
     meta = {
         "machine": f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "threads": args.threads, "model": cfg.model, "dtype": cfg.dtype, "questions": len(examples),
-        "chunks": len(index.chunks), "chunk_tokens": cfg.chunk_tokens, "top_k": args.top_k, "repeats": args.repeats,
-        "prompt_tokens": prompt, "kv_mb_per_prompt": prompt * index.kv_bytes_per_token / 1e6,
-        "command": "python benchmarks/storage/run.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)
-        ),
+        "threads": args.threads,
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "questions": len(examples),
+        "chunks": len(index.chunks),
+        "chunk_tokens": cfg.chunk_tokens,
+        "top_k": args.top_k,
+        "repeats": args.repeats,
+        "prompt_tokens": prompt,
+        "kv_mb_per_prompt": prompt * index.kv_bytes_per_token / 1e6,
+        "command": "python benchmarks/storage/run.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "timing": times, "quality": qual}, indent=1))

@@ -48,7 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", type=Path, required=True)
     parser.add_argument("--limit", type=int, default=12)
-    parser.add_argument("--work", type=Path, required=True, help="The bench's work folder (its index is built or reused).")
+    parser.add_argument(
+        "--work", type=Path, required=True, help="The bench's work folder (its index is built or reused)."
+    )
     parser.add_argument("--methods", default="cacheblend,reuse", help="Comma-separated methods scored against full.")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="Also write every question's scores here.")
@@ -81,13 +83,17 @@ def main() -> None:
     if args.json:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
     scored = [r for r in rows if r[f"{methods[0]}_tf_kl_with"] is not None]
-    print(f"{len(scored)} of {len(rows)} questions scored; template tokens read from cache per prompt: "
-          f"{sorted(r['template_tokens_with'] for r in rows)}")
+    print(
+        f"{len(scored)} of {len(rows)} questions scored; template tokens read from cache per prompt: "
+        f"{sorted(r['template_tokens_with'] for r in rows)}"
+    )
     for method in methods:
         on = np.array([r[f"{method}_tf_kl_with"] for r in scored])
         off = np.array([r[f"{method}_tf_kl_without"] for r in scored])
-        print(f"{method}: TF KL per token with template cache {on.mean():.4f} {_ci(on)}, without {off.mean():.4f} "
-              f"{_ci(off)}; paired difference {np.mean(on - off):+.4f} {_ci(on - off)}")
+        print(
+            f"{method}: TF KL per token with template cache {on.mean():.4f} {_ci(on)}, without {off.mean():.4f} "
+            f"{_ci(off)}; paired difference {np.mean(on - off):+.4f} {_ci(on - off)}"
+        )
     print(f"load average at end {os.getloadavg()}")
 
 

@@ -68,11 +68,15 @@ TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tes
     "the question. Keep the answer concise.\n\n{context}"
 )
 QUESTIONS = (  # about the bundled demo documents
-    "What is the name of the main telescope of the Veldmark Observatory?", "Who founded the Veldmark Observatory?",
-    "What does the Saltmere bakery sell?", "When was the lighthouse on Tessaly lit?",
-    "What is the harbour town called?", "How much rain falls on the Veldmark coast in a year?",
+    "What is the name of the main telescope of the Veldmark Observatory?",
+    "Who founded the Veldmark Observatory?",
+    "What does the Saltmere bakery sell?",
+    "When was the lighthouse on Tessaly lit?",
+    "What is the harbour town called?",
+    "How much rain falls on the Veldmark coast in a year?",
     "When was the breakwater of Orrin's Ford built?",
-    "Who kept the Tessaly lighthouse for forty years?", "What does the water mill in Saltmere grind?",
+    "Who kept the Tessaly lighthouse for forty years?",
+    "What does the water mill in Saltmere grind?",
     "Where was Tobias Quell born?",
 )
 
@@ -91,8 +95,7 @@ def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
         return index, questions
     built = KVIndex.config_of(args.index).chunk_tokens
     if built != args.chunk_tokens:
-        raise ValueError(
-            f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
+        raise ValueError(f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
     return KVIndex.open(args.index), questions
 
 
@@ -128,19 +131,28 @@ def places(inp: FusionInput) -> Counter:
 
 def median_ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
     """The median of per-question ratios and its 95% percentile-bootstrap CI over questions."""
-    ci = bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, n_resamples=10_000, method="percentile",
-                   random_state=0).confidence_interval
+    ci = bootstrap(
+        (np.asarray(ratios),), np.median, confidence_level=0.95, n_resamples=10_000, method="percentile", random_state=0
+    ).confidence_interval
     return statistics.median(ratios), float(ci.low), float(ci.high)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--index", type=Path, required=True,
-                        help="The demo's index (built if missing), or with --dataset an index of its passages.")
+    parser.add_argument(
+        "--index",
+        type=Path,
+        required=True,
+        help="The demo's index (built if missing), or with --dataset an index of its passages.",
+    )
     parser.add_argument("--dataset", type=Path, help="Ask this QA set's questions instead of the demo's.")
     parser.add_argument("--limit", type=int, default=12, help="How many of --dataset's first questions.")
-    parser.add_argument("--chunk-tokens", type=int, default=128,
-                        help="Chunk size; an existing --dataset index must have been built with it.")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=128,
+        help="Chunk size; an existing --dataset index must have been built with it.",
+    )
     parser.add_argument("--top-k", type=int, default=4, help="Chunks retrieved per question.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -150,8 +162,9 @@ def main() -> None:
     print(f"pid {os.getpid()}, load average at start {os.getloadavg()}", flush=True)
     index, questions = index_and_questions(args)
     if len(questions) < 2:
-        raise ValueError(f"the CI over questions needs 2 or more distinct questions, got {len(questions)}: "
-                         "raise --limit")
+        raise ValueError(
+            f"the CI over questions needs 2 or more distinct questions, got {len(questions)}: raise --limit"
+        )
     generator = FusedGenerator(index)
     tokenizer, system = index.adapter.tokenizer, index.config.system_prompt
     fusion, generation = FusionConfig(method="cacheblend", template_text=True), GenerationConfig(max_new_tokens=1)
@@ -167,20 +180,31 @@ def main() -> None:
 
     def llamaindex_engine(hits, question, matching=fusion):
         messages = style_messages("llamaindex", [h.chunk.text for h in hits], question)
-        return generator.find_chunks(chat_segments(tokenizer, system, [ChatTurn(m["role"], (m["content"],))
-                                                                       for m in messages]), matching)
+        return generator.find_chunks(
+            chat_segments(tokenizer, system, [ChatTurn(m["role"], (m["content"],)) for m in messages]), matching
+        )
 
     layouts = {
-        "create_kv_rag_chain": kv_rag_chain, "tutorial": tutorial_chain, "llamaindex": llamaindex_engine,
+        "create_kv_rag_chain": kv_rag_chain,
+        "tutorial": tutorial_chain,
+        "llamaindex": llamaindex_engine,
         "llamaindex, template computed": partial(llamaindex_engine, matching=replace(fusion, template_text=False)),
     }
     hits = {q: index.search(q, args.top_k) for q in questions}
     for question in questions:  # untimed: heads' caches are computed, template text learned, the first time seen
         for name, layout in layouts.items():
             *_, answer = generator.stream(layout(hits[question], question), fusion, generation)
-            print(name, json.dumps({"question": question, "recomputed": answer.recomputed_tokens,
-                                    "untimed_kv_load_s": round(answer.stages["kv_load"], 4),
-                                    **places(laid_out(index, layout(hits[question], question)))}))
+            print(
+                name,
+                json.dumps(
+                    {
+                        "question": question,
+                        "recomputed": answer.recomputed_tokens,
+                        "untimed_kv_load_s": round(answer.stages["kv_load"], 4),
+                        **places(laid_out(index, layout(hits[question], question))),
+                    }
+                ),
+            )
     rows: list[dict] = []
     for repeat in range(args.repeats):
         for question in questions:
@@ -190,20 +214,31 @@ def main() -> None:
                 build_s = time.perf_counter() - t0
                 *_, answer = generator.stream(segments, fusion, generation)
                 ttft, recomputed, stages = answer.ttft_s, answer.recomputed_tokens, answer.stages
-                rows.append({"layout": name, "question": question, "repeat": repeat, "ttft_s": ttft,
-                             "prompt_tokens": sum(len(s.ids) for s in segments),
-                             "build_s": build_s, "cpu_s": time.process_time() - c0, "recomputed": recomputed,
-                             "stages": stages})
+                rows.append(
+                    {
+                        "layout": name,
+                        "question": question,
+                        "repeat": repeat,
+                        "ttft_s": ttft,
+                        "prompt_tokens": sum(len(s.ids) for s in segments),
+                        "build_s": build_s,
+                        "cpu_s": time.process_time() - c0,
+                        "recomputed": recomputed,
+                        "stages": stages,
+                    }
+                )
     load_end = os.getloadavg()
     if args.json:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for name in layouts:
         mine = [r for r in rows if r["layout"] == name]
         stages = {s: round(statistics.median(r["stages"].get(s, 0.0) for r in mine), 4) for s in mine[0]["stages"]}
-        print(f"{name}: TTFT median {statistics.median(r['ttft_s'] for r in mine):.3f} s, build median "
-              f"{statistics.median(r['build_s'] for r in mine) * 1000:.1f} ms, prompt tokens median "
-              f"{statistics.median(r['prompt_tokens'] for r in mine)}, recomputed median "
-              f"{statistics.median(r['recomputed'] for r in mine)}, stages (median s) {stages}")
+        print(
+            f"{name}: TTFT median {statistics.median(r['ttft_s'] for r in mine):.3f} s, build median "
+            f"{statistics.median(r['build_s'] for r in mine) * 1000:.1f} ms, prompt tokens median "
+            f"{statistics.median(r['prompt_tokens'] for r in mine)}, recomputed median "
+            f"{statistics.median(r['recomputed'] for r in mine)}, stages (median s) {stages}"
+        )
 
     def per_question(layout: str, key) -> list[float]:
         runs: dict[tuple[str, str], list[float]] = {}
@@ -212,16 +247,23 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in runs.items()}
         return [med[layout, q] / med["create_kv_rag_chain", q] for q in questions]
 
-    for layout, (what, key) in itertools.product(list(layouts)[1:], (
-        ("TTFT", lambda r: r["ttft_s"]),
-        ("TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
-        ("CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
-    )):
+    for layout, (what, key) in itertools.product(
+        list(layouts)[1:],
+        (
+            ("TTFT", lambda r: r["ttft_s"]),
+            ("TTFT + prompt build", lambda r: r["ttft_s"] + r["build_s"]),
+            ("CPU time (prompt build + TTFT)", lambda r: r["cpu_s"]),
+        ),
+    ):
         ratios = per_question(layout, key)
         mid, low, high = median_ratio_ci(ratios)
-        print(f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
-              f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}")
-    print(f"{args.repeats} repeats x {len(questions)} questions x {len(layouts)} layouts; load average at end {load_end}")
+        print(
+            f"{layout} / create_kv_rag_chain, {what}: median of {len(ratios)} per-question ratios {mid:.3f} "
+            f"[95% CI {low:.3f}, {high:.3f}]; per question {[round(x, 3) for x in ratios]}"
+        )
+    print(
+        f"{args.repeats} repeats x {len(questions)} questions x {len(layouts)} layouts; load average at end {load_end}"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,13 @@ class Endpoint:
         t0 = time.perf_counter()
         ttft, last = None, None
         for chunk in self.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=self.method_body(method),
+            model=self.model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=self.method_body(method),
         ):
             if ttft is None and chunk.choices and chunk.choices[0].delta.content:
                 ttft = time.perf_counter() - t0
@@ -83,18 +88,28 @@ def measure(endpoint: Endpoint, rows: tuple[str, ...], at_once: tuple[str, ...],
     for method in rows:
         endpoint.ask(prompts[0], method)  # warm-up
         one = [endpoint.ask(p, method) for p in prompts]
-        out[method] = {"1 client ttft_s": [r["ttft_s"] for r in one], "prompt_tokens": [r["prompt_tokens"] for r in one]}
-        print(f"  {method}: 1 client, median TTFT {statistics.median(out[method]['1 client ttft_s']):.3f} s", flush=True)
+        out[method] = {
+            "1 client ttft_s": [r["ttft_s"] for r in one],
+            "prompt_tokens": [r["prompt_tokens"] for r in one],
+        }
+        print(
+            f"  {method}: 1 client, median TTFT {statistics.median(out[method]['1 client ttft_s']):.3f} s", flush=True
+        )
         if method not in at_once:
             continue
         t0 = time.perf_counter()
         with ThreadPoolExecutor(CLIENTS) as pool:
             many = list(pool.map(lambda i: endpoint.ask(prompts[i % len(prompts)], method), range(CLIENTS)))
         wall = time.perf_counter() - t0
-        out[method] |= {f"{CLIENTS} clients requests_per_s": CLIENTS / wall,
-                        f"{CLIENTS} clients ttft_s": [r["ttft_s"] for r in many]}
-        print(f"  {method}: {CLIENTS} clients, {CLIENTS / wall:.2f} requests/s, median TTFT "
-              f"{statistics.median(out[method][f'{CLIENTS} clients ttft_s']):.2f} s", flush=True)
+        out[method] |= {
+            f"{CLIENTS} clients requests_per_s": CLIENTS / wall,
+            f"{CLIENTS} clients ttft_s": [r["ttft_s"] for r in many],
+        }
+        print(
+            f"  {method}: {CLIENTS} clients, {CLIENTS / wall:.2f} requests/s, median TTFT "
+            f"{statistics.median(out[method][f'{CLIENTS} clients ttft_s']):.2f} s",
+            flush=True,
+        )
     return out
 
 
@@ -105,22 +120,57 @@ def main() -> None:
     index = KVIndex.open(work / "index")
     model_dir = str(index.adapter.model.name_or_path)
     system = index.config.system_prompt
-    prompts = [[{"role": "system", "content": system},
-                {"role": "user", "content": "Documents:\n" + "\n\n".join(h.chunk.text for h in index.search(ex.question, 6))
-                 + f"\n\nQuestion: {ex.question}"}] for ex in examples]
+    prompts = [
+        [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": "Documents:\n"
+                + "\n\n".join(h.chunk.text for h in index.search(ex.question, 6))
+                + f"\n\nQuestion: {ex.question}",
+            },
+        ]
+        for ex in examples
+    ]
     index.close()
     results: dict = {"questions": [ex.id for ex in examples], "max_tokens": MAX_TOKENS}
 
     port = free_port()
-    connector = {"kv_connector": "RagKVCacheConnector", "kv_connector_module_path": "rag_kvcache.serving.vllm_connector",
-                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                 "kv_connector_extra_config": {"index": str(work / "index"), "method": "prefix"}}
+    connector = {
+        "kv_connector": "RagKVCacheConnector",
+        "kv_connector_module_path": "rag_kvcache.serving.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"index": str(work / "index"), "method": "prefix"},
+    }
     t0 = time.perf_counter()
-    vllm = Endpoint([str(ROOT / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.25",
-                     "--max-model-len", "4096", "--no-enable-prefix-caching", "--served-model-name", "smollm2",
-                     "--kv-transfer-config", json.dumps(connector)],
-                    port, work / "vllm-serve.log", lambda m: {"kv_transfer_params": {"method": m}})
+    vllm = Endpoint(
+        [
+            str(ROOT / ".venv-vllm/bin/python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.25",
+            "--max-model-len",
+            "4096",
+            "--no-enable-prefix-caching",
+            "--served-model-name",
+            "smollm2",
+            "--kv-transfer-config",
+            json.dumps(connector),
+        ],
+        port,
+        work / "vllm-serve.log",
+        lambda m: {"kv_transfer_params": {"method": m}},
+    )
     print(f"vLLM server up in {time.perf_counter() - t0:.0f} s", flush=True)
     try:
         results["vllm"] = measure(vllm, VLLM_ROWS, AT_ONCE["vllm"], prompts)
@@ -128,9 +178,25 @@ def main() -> None:
         vllm.close()
 
     port = free_port()
-    ours = Endpoint([str(ROOT / ".venv/bin/rag-kvcache"), "serve", "--index", str(work / "index"), "--port", str(port),
-                     "--conversation-bytes", "0", "--max-queue", str(CLIENTS), "--max-batch", "8"],
-                    port, work / "rag-serve.log", lambda m: {"rag_kvcache": {"method": m}})
+    ours = Endpoint(
+        [
+            str(ROOT / ".venv/bin/rag-kvcache"),
+            "serve",
+            "--index",
+            str(work / "index"),
+            "--port",
+            str(port),
+            "--conversation-bytes",
+            "0",
+            "--max-queue",
+            str(CLIENTS),
+            "--max-batch",
+            "8",
+        ],
+        port,
+        work / "rag-serve.log",
+        lambda m: {"rag_kvcache": {"method": m}},
+    )
     try:
         results["rag-kvcache serve"] = measure(ours, SERVE_ROWS, AT_ONCE["rag-kvcache serve"], prompts)
     finally:
@@ -138,15 +204,19 @@ def main() -> None:
 
     out_path.write_text(json.dumps(results, indent=1), encoding="utf-8")
     alone = statistics.median(results["vllm"]["full"]["1 client ttft_s"])
-    print(f"| server | method | median TTFT, 1 client (s) | vLLM alone / it | {CLIENTS} clients: requests/s | median TTFT (s) |")
+    print(
+        f"| server | method | median TTFT, 1 client (s) | vLLM alone / it | {CLIENTS} clients: requests/s | median TTFT (s) |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for server in ("vllm", "rag-kvcache serve"):
         for method, row in results[server].items():
             med = statistics.median(row["1 client ttft_s"])
             many = row.get(f"{CLIENTS} clients ttft_s")
-            print(f"| {server} | {method} | {med:.3f} | {alone / med:.1f} | "
-                  f"{row.get(f'{CLIENTS} clients requests_per_s', float('nan')):.2f} | "
-                  f"{statistics.median(many) if many else float('nan'):.2f} |")
+            print(
+                f"| {server} | {method} | {med:.3f} | {alone / med:.1f} | "
+                f"{row.get(f'{CLIENTS} clients requests_per_s', float('nan')):.2f} | "
+                f"{statistics.median(many) if many else float('nan'):.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,12 @@ CLIENTS = 16
 
 
 def params(kv: dict | None) -> SamplingParams:
-    return SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=kv is None or None,
-                          extra_args=None if kv is None else {"kv_transfer_params": kv})
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        skip_reading_prefix_cache=kv is None or None,
+        extra_args=None if kv is None else {"kv_transfer_params": kv},
+    )
 
 
 def main() -> None:
@@ -57,26 +61,39 @@ def main() -> None:
     index = KVIndex.build(work / "docs", work / "index", Config(chunk_tokens=512), progress=False)
     fmt, tok = index.format, index.adapter.tokenizer
     hits = [index.search(ex.question, 6) for ex in examples]
-    prompts = [[t for s in fmt.segments([h.chunk.token_ids for h in hs], fmt.question_ids(tok, ex.question)) for t in s.ids]
-               for ex, hs in zip(examples, hits)]
+    prompts = [
+        [t for s in fmt.segments([h.chunk.token_ids for h in hs], fmt.question_ids(tok, ex.question)) for t in s.ids]
+        for ex, hs in zip(examples, hits)
+    ]
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "questions": [ex.id for ex in examples]}
 
     generator = FusedGenerator(index)
     engine: dict[str, list[float]] = {}
     for method in ENGINE_METHODS:
-        run = lambda ex, hs: generator.ask(ex.question, hs, fusion=FusionConfig(method=method),  # noqa: E731
-                                           generation=GenerationConfig(max_new_tokens=1)).ttft_s
+
+        def run(ex, hs, method=method) -> float:
+            fusion, generation = FusionConfig(method=method), GenerationConfig(max_new_tokens=1)
+            return generator.ask(ex.question, hs, fusion=fusion, generation=generation).ttft_s
+
         run(examples[0], hits[0])  # warm-up
         engine[method] = [run(ex, hs) for ex, hs in zip(examples, hits)]
     results["embedded engine ttft_s"] = engine
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(index.adapter.model.name_or_path), dtype="float32", gpu_memory_utilization=0.25,
-              max_model_len=4096, enable_prefix_caching=False,
-              kv_transfer_config={"kv_connector": "RagKVCacheConnector", "kv_role": "kv_both",
-                                  "kv_connector_module_path": "rag_kvcache.serving.vllm_connector",
-                                  "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"index": str(work / "index"), "method": "prefix"}})
+    llm = LLM(
+        model=str(index.adapter.model.name_or_path),
+        dtype="float32",
+        gpu_memory_utilization=0.25,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        kv_transfer_config={
+            "kv_connector": "RagKVCacheConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "rag_kvcache.serving.vllm_connector",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"index": str(work / "index"), "method": "prefix"},
+        },
+    )
     results["engine_start_s"] = time.perf_counter() - t0
     index.close()
 
@@ -111,7 +128,9 @@ def main() -> None:
         med = statistics.median(times)
         print(f"| {row} | {med:.3f} | {alone / med:.1f} | {statistics.median(loaded[row]):.0f} |")
     for method, times in engine.items():
-        print(f"| embedded engine {method} | {statistics.median(times):.3f} | {alone / statistics.median(times):.1f} | |")
+        print(
+            f"| embedded engine {method} | {statistics.median(times):.3f} | {alone / statistics.median(times):.1f} | |"
+        )
     for row, rps in throughput.items():
         print(f"{row}: {rps:.2f} requests/s with {CLIENTS} at once")
 

@@ -26,6 +26,7 @@ from .metrics import contains_answer
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class IndexingStats:
     passages: int
@@ -41,8 +42,12 @@ class IndexingStats:
     def to_dict(self) -> dict[str, Any]:
         rate = self.tokens_per_s
         return {
-            "passages": self.passages, "chunks": self.chunks, "tokens": self.tokens, "seconds": self.seconds,
-            "tokens_per_s": rate, "forward_tokens_per_s": self.forward_tokens_per_s,
+            "passages": self.passages,
+            "chunks": self.chunks,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": rate,
+            "forward_tokens_per_s": self.forward_tokens_per_s,
             "fraction_of_forward": None if rate is None else rate / self.forward_tokens_per_s,
         }
 
@@ -69,7 +74,11 @@ def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int 
 
 
 def build_index(
-    examples: Sequence[QAExample], work_dir: Path, config: Config, adapter: ModelAdapter, progress: bool,
+    examples: Sequence[QAExample],
+    work_dir: Path,
+    config: Config,
+    adapter: ModelAdapter,
+    progress: bool,
     name: str = "index",
 ) -> tuple[KVIndex, IndexingStats]:
     """Index every passage of `examples` into `work_dir / name` (incremental if already there) and time it."""
@@ -79,11 +88,16 @@ def build_index(
     report = index.update(work_dir / "docs", progress=progress)
     seconds = time.perf_counter() - t0
     if report.removed or report.changed:
-        raise ValueError(f"{work_dir / name} holds another corpus ({len(report.removed)} files removed, "
-                         f"{len(report.changed)} changed): use a new --out")
+        raise ValueError(
+            f"{work_dir / name} holds another corpus ({len(report.removed)} files removed, "
+            f"{len(report.changed)} changed): use a new --out"
+        )
     stats = IndexingStats(
-        passages=n_passages, chunks=len(index.chunks), tokens=sum(len(c.token_ids) for c in report.new_chunks),
-        seconds=seconds, forward_tokens_per_s=forward_throughput(adapter),
+        passages=n_passages,
+        chunks=len(index.chunks),
+        tokens=sum(len(c.token_ids) for c in report.new_chunks),
+        seconds=seconds,
+        forward_tokens_per_s=forward_throughput(adapter),
     )
     if not stats.tokens:
         log.info("index %s was already complete: indexing throughput not measured", work_dir / "index")
@@ -96,8 +110,10 @@ def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], 
     if example.evidence_rank is None:
         return list(hits), None
     if example.evidence_rank >= len(hits):
-        raise ValueError(f"{example.id!r}: evidence_rank {example.evidence_rank} is beyond the {len(hits)} retrieved "
-                         "chunks: plant the facts for this top-k")
+        raise ValueError(
+            f"{example.id!r}: evidence_rank {example.evidence_rank} is beyond the {len(hits)} retrieved "
+            "chunks: plant the facts for this top-k"
+        )
     found = next((i for i, h in enumerate(hits) if contains_answer(h.chunk.text, example.answers)), None)
     if found is None:
         log.warning("%s: the chunk holding %r was not retrieved", example.id, example.answers[0])

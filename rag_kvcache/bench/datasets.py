@@ -59,7 +59,9 @@ class QAExample:
         if self.task != "summarization" and not self.question.strip():
             raise ValueError(f"example {self.id!r}: a {self.task} example needs a non-empty question")
         if self.evidence_rank is not None and (self.task != "exact" or self.evidence_rank < 0):
-            raise ValueError(f"example {self.id!r}: evidence_rank {self.evidence_rank!r} needs task 'exact' and a rank >= 0")
+            raise ValueError(
+                f"example {self.id!r}: evidence_rank {self.evidence_rank!r} needs task 'exact' and a rank >= 0"
+            )
 
 
 def _object(record: Any, where: str) -> dict[str, Any]:
@@ -136,12 +138,14 @@ def load_musique(path: PathLike) -> list[QAExample]:
     for i, raw in enumerate(records):
         where = f"{p}, example {i}"
         record = _object(raw, where)
-        examples.append(QAExample(
-            id=str(record.get("id", record.get("_id", f"musique-{i}"))),
-            question=_field(record, "question", str, where),
-            answers=_answers(record, where),
-            documents=_documents(_field(record, "ctxs", list, where), where),
-        ))
+        examples.append(
+            QAExample(
+                id=str(record.get("id", record.get("_id", f"musique-{i}"))),
+                question=_field(record, "question", str, where),
+                answers=_answers(record, where),
+                documents=_documents(_field(record, "ctxs", list, where), where),
+            )
+        )
     return _nonempty(examples, p)
 
 
@@ -220,7 +224,11 @@ PLANTED_PARAPHRASED = "planted-paraphrased:"
 
 
 def load_dataset(
-    path: PathLike, fmt: str | None = None, top_k: int = 6, seed: int = 0, questions: PathLike | None = None,
+    path: PathLike,
+    fmt: str | None = None,
+    top_k: int = 6,
+    seed: int = 0,
+    questions: PathLike | None = None,
 ) -> list[QAExample]:
     """Load `path` in format `fmt` ("musique", "longbench", "jsonl"), inferred from the file if None;
     `planted:PASSAGES` plants one fact per question of the MuSiQue file PASSAGES (`planted_facts`), and
@@ -236,7 +244,9 @@ def load_dataset(
         if str(path).startswith(prefix):
             if fmt not in (None, "musique"):
                 raise ValueError(f"planted facts are made from a MuSiQue passages file, not format {fmt!r}")
-            return planted_facts(load_musique(str(path)[len(prefix):]), top_k=top_k, seed=seed, paraphrased=paraphrased)
+            return planted_facts(
+                load_musique(str(path)[len(prefix) :]), top_k=top_k, seed=seed, paraphrased=paraphrased
+            )
     if fmt is not None and fmt not in _LOADERS:
         raise ValueError(f"unknown dataset format {fmt!r}; expected one of {FORMATS}")
     return _LOADERS[fmt or infer_format(path)](path)
@@ -246,14 +256,17 @@ def write_jsonl(examples: Iterable[QAExample], path: PathLike) -> None:
     """Write examples in the plain JSONL format read by `load_jsonl` (atomically)."""
     p = Path(path)
     lines = [
-        json.dumps({
-            "id": ex.id,
-            "question": ex.question,
-            "answers": list(ex.answers),
-            "documents": [{"title": d.title, "text": d.text} for d in ex.documents],
-            "task": ex.task,
-            **({} if ex.evidence_rank is None else {"evidence_rank": ex.evidence_rank}),
-        }, ensure_ascii=False)
+        json.dumps(
+            {
+                "id": ex.id,
+                "question": ex.question,
+                "answers": list(ex.answers),
+                "documents": [{"title": d.title, "text": d.text} for d in ex.documents],
+                "task": ex.task,
+                **({} if ex.evidence_rank is None else {"evidence_rank": ex.evidence_rank}),
+            },
+            ensure_ascii=False,
+        )
         for ex in examples
     ]
     tmp = p.with_name(f".{p.name}.tmp")
@@ -269,16 +282,36 @@ _CODAS = ("", "", "n", "r", "l", "s", "m", "nd", "rk", "th")
 # paraphrase shares no content word with the fact but the subject's (`test_bench_datasets`): what a repair
 # that finds the evidence by the question's words cannot see.
 _FACTS = (
-    ("a survey of {s} in 2031 was led by the archivist {a}.", "Who led the 2031 survey of {s}?", "person",
-     "Who headed the study of {s}?"),
-    ("the society devoted to {s} was founded by {a}.", "Who founded the society devoted to {s}?", "person",
-     "Who started the association dedicated to {s}?"),
-    ("the oldest record of {s} is kept in the town of {a}.", "In which town is the oldest record of {s} kept?", "place",
-     "Where is the earliest document about {s} held?"),
-    ("the registry lists {s} under the catalogue number {a}.", "Under which catalogue number does the registry list {s}?",
-     "number", "What inventory code is {s} filed under?"),
-    ("the prize awarded for work on {s} is a bronze owl named {a}.", "What is the bronze owl awarded for work on {s} named?",
-     "name", "What is the trophy given for research on {s} called?"),
+    (
+        "a survey of {s} in 2031 was led by the archivist {a}.",
+        "Who led the 2031 survey of {s}?",
+        "person",
+        "Who headed the study of {s}?",
+    ),
+    (
+        "the society devoted to {s} was founded by {a}.",
+        "Who founded the society devoted to {s}?",
+        "person",
+        "Who started the association dedicated to {s}?",
+    ),
+    (
+        "the oldest record of {s} is kept in the town of {a}.",
+        "In which town is the oldest record of {s} kept?",
+        "place",
+        "Where is the earliest document about {s} held?",
+    ),
+    (
+        "the registry lists {s} under the catalogue number {a}.",
+        "Under which catalogue number does the registry list {s}?",
+        "number",
+        "What inventory code is {s} filed under?",
+    ),
+    (
+        "the prize awarded for work on {s} is a bronze owl named {a}.",
+        "What is the bronze owl awarded for work on {s} named?",
+        "name",
+        "What is the trophy given for research on {s} called?",
+    ),
 )
 # A defining sentence: "<subject> is a ..." (passages are lower-cased), its subject captured.
 _DEFINITION = re.compile(r"(?<=\. )([a-z0-9][a-z0-9' &-]{2,40}?) (?:is|was|are|were) (?:a|an|the) ")
@@ -314,7 +347,9 @@ def plant_fact(example: QAExample, rng: random.Random, top_k: int, paraphrased: 
     """`example`'s passages with one made-up fact inserted after a defining sentence of one of them
     (None when no passage has one), asked about by subject (`paraphrased`: in words the fact does not
     use), answered by an invented string, to be placed at a random retrieved rank other than the first."""
-    candidates = [(i, subject, end) for i, doc in enumerate(example.documents) for subject, end in _definitions(doc.text)]
+    candidates = [
+        (i, subject, end) for i, doc in enumerate(example.documents) for subject, end in _definitions(doc.text)
+    ]
     if not candidates:
         return None
     i, subject, end = rng.choice(candidates)
@@ -322,12 +357,17 @@ def plant_fact(example: QAExample, rng: random.Random, top_k: int, paraphrased: 
     answer = _made_up_answer(rng, kind)
     doc = example.documents[i]
     head = " ".join(doc.text.split()[:PLANTED_HEAD_WORDS])
-    text = f"{head[:end]} {fact.format(s=subject, a=answer)}{head[end:]} {' '.join(doc.text.split()[PLANTED_HEAD_WORDS:])}"
+    text = (
+        f"{head[:end]} {fact.format(s=subject, a=answer)}{head[end:]} {' '.join(doc.text.split()[PLANTED_HEAD_WORDS:])}"
+    )
     documents = (*example.documents[:i], Document(doc.title, text.strip()), *example.documents[i + 1 :])
     return QAExample(
-        id=f"planted-{example.id}", question=(paraphrase if paraphrased else question).format(s=subject), answers=(answer,),
+        id=f"planted-{example.id}",
+        question=(paraphrase if paraphrased else question).format(s=subject),
+        answers=(answer,),
         documents=documents,
-        task="exact", evidence_rank=rng.randint(1, top_k - 1),
+        task="exact",
+        evidence_rank=rng.randint(1, top_k - 1),
     )
 
 

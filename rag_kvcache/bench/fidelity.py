@@ -30,7 +30,9 @@ def greedy_answer_ids(adapter: ModelAdapter, fused: Fused, generation: Generatio
     """The token ids of the greedy answer decoded from `fused` (what `ask` answers with, as ids)."""
     greedy = replace(generation, temperature=0.0)
     result = fused.result
-    steps = Decoder(adapter, greedy).steps(result.keys, result.values, result.logits, sample_token(result.logits, greedy, None))
+    steps = Decoder(adapter, greedy).steps(
+        result.keys, result.values, result.logits, sample_token(result.logits, greedy, None)
+    )
     return [step.token_id for step in steps if step.token_id is not None]
 
 
@@ -45,8 +47,10 @@ def bfloat16_rounded(fused: Fused, adapter: ModelAdapter, last_token: int) -> tu
 
 
 def fidelity(
-    generators: Mapping[str | None, FusedGenerator], segments: Sequence[Segment],
-    variants: Sequence[Variant], config: Config,
+    generators: Mapping[str | None, FusedGenerator],
+    segments: Sequence[Segment],
+    variants: Sequence[Variant],
+    config: Config,
 ) -> tuple[dict[Variant, Mapping[str, float | None]], Mapping[str, float | None]]:
     """Teacher-forced scores of every variant, and of the bfloat16 noise floor, against `full`: full's
     greedy answer forced through each variant's fused cache (`fuse` is deterministic: the cache the
@@ -67,6 +71,8 @@ def fidelity(
     scores: dict[Variant, Mapping[str, float | None]] = {}
     for v in variants:
         fused = reference if v == Variant(REFERENCE) else generators[v.caches].fuse(segments, v.fusion(config.fusion))
-        scores[v] = teacher_forced(ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids)
+        scores[v] = teacher_forced(
+            ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids
+        )
     floor = teacher_forced(ref_logits, forced(*bfloat16_rounded(reference, adapter, segments[-1].ids[-1])), answer_ids)
     return scores, floor

@@ -150,8 +150,9 @@ def teacher_forced(reference_logits: ArrayLike, logits: ArrayLike, answer_ids: S
     mine = np.asarray(logits, dtype=np.float64)
     ids = np.asarray(answer_ids, dtype=np.int64)
     if ref.ndim != 2 or ref.shape != mine.shape or ref.shape[0] != ids.size or ids.size == 0:
-        raise ValueError(f"need [T, V] logits of equal shape for T = {ids.size} > 0 answer tokens, "
-                         f"got {ref.shape} and {mine.shape}")
+        raise ValueError(
+            f"need [T, V] logits of equal shape for T = {ids.size} > 0 answer tokens, got {ref.shape} and {mine.shape}"
+        )
     if not (np.isfinite(ref).all() and np.isfinite(mine).all()):
         raise ValueError("teacher-forced logits contain NaN or inf")
     log_ref, log_mine = _log_softmax_rows(ref), _log_softmax_rows(mine)  # [T, V]
@@ -165,9 +166,7 @@ def teacher_forced(reference_logits: ArrayLike, logits: ArrayLike, answer_ids: S
     }
 
 
-def bootstrap_ci(
-    values: ArrayLike, level: float = 0.95, resamples: int = 2000, seed: int = 0
-) -> tuple[float, float]:
+def bootstrap_ci(values: ArrayLike, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap confidence interval of the mean of `values` (resampled with replacement)."""
     arr = _as_finite_1d(values, "values")
     if not 0 < level < 1:

@@ -48,10 +48,14 @@ LLAMAINDEX_QA = (
 def style_messages(style: str, texts: Sequence[str], question: str) -> list[dict[str, str]]:
     """The chat messages a pipeline of `style` sends for `question` over the retrieved `texts`."""
     if style == "langchain":
-        return [{"role": "system", "content": LANGCHAIN_SYSTEM.format(context="\n\n".join(texts))},
-                {"role": "user", "content": question}]
+        return [
+            {"role": "system", "content": LANGCHAIN_SYSTEM.format(context="\n\n".join(texts))},
+            {"role": "user", "content": question},
+        ]
     if style == "llamaindex":
         context = "\n\n".join(t.strip() for t in texts if t.strip())
-        return [{"role": "system", "content": LLAMAINDEX_SYSTEM},
-                {"role": "user", "content": LLAMAINDEX_QA.format(context_str=context, query_str=question)}]
+        return [
+            {"role": "system", "content": LLAMAINDEX_SYSTEM},
+            {"role": "user", "content": LLAMAINDEX_QA.format(context_str=context, query_str=question)},
+        ]
     raise ValueError(f"prompt style {style!r} has no messages of its own; styles: {', '.join(PROMPT_STYLES)}")

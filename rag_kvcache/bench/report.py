@@ -17,8 +17,15 @@ logger = logging.getLogger(__name__)
 Entry = Mapping[str, Any]
 
 METRIC_KEYS = (
-    "ttft_median_s", "speedup_vs_full", "compute_fraction", "tf_kl", "tf_top1", "tf_logp_delta", "first_token_kl",
-    "f1_gold", "f1_vs_full",
+    "ttft_median_s",
+    "speedup_vs_full",
+    "compute_fraction",
+    "tf_kl",
+    "tf_top1",
+    "tf_logp_delta",
+    "first_token_kl",
+    "f1_gold",
+    "f1_vs_full",
 )
 MISSING = "–"
 
@@ -66,9 +73,11 @@ def _fmt_sig3(value: float | None) -> str:
 
 def _with_ci(fmt: Callable[[float | None], str]) -> Callable[[Entry, str], str]:
     """A cell "mean [low, high]" from the entry's `key` and `key_ci`."""
+
     def cell(entry: Entry, key: str) -> str:
         ci = entry.get(f"{key}_ci")
         return fmt(entry.get(key)) + ("" if ci is None else f" [{fmt(ci[0])}, {fmt(ci[1])}]")
+
     return cell
 
 
@@ -129,8 +138,12 @@ def stage_table(summary: Sequence[Entry]) -> str:
     stages = [s for s in STAGE_ORDER if s in seen] + sorted(seen - set(STAGE_ORDER))
     header = ["Method", "TTFT median (ms)", "TTFT / share of full's", *(f"{s} (ms)" for s in stages)]
     rows = [
-        [label(e), f"{e['ttft_median_s'] * 1000:.0f}", _fmt(".3f")(e.get("ttft_over_share")),
-         *(MISSING if s not in e["stage_median_s"] else f"{e['stage_median_s'][s] * 1000:.0f}" for s in stages)]
+        [
+            label(e),
+            f"{e['ttft_median_s'] * 1000:.0f}",
+            _fmt(".3f")(e.get("ttft_over_share")),
+            *(MISSING if s not in e["stage_median_s"] else f"{e['stage_median_s'][s] * 1000:.0f}" for s in stages),
+        ]
         for e in summary
     ]
     lines = [header, ["---", *("---:" for _ in header[1:])], *rows]
@@ -157,12 +170,14 @@ def _plottable(summary: Sequence[Entry]) -> list[Entry]:
             logger.warning("not plotting %r: no tf_kl or ttft_median_s", label(entry))
             continue
         if entry["ttft_median_s"] <= 0:
-            raise ValueError(f"{label(entry)!r}: ttft_median_s must be > 0 for a log axis, "
-                             f"got {entry['ttft_median_s']}")
+            raise ValueError(
+                f"{label(entry)!r}: ttft_median_s must be > 0 for a log axis, got {entry['ttft_median_s']}"
+            )
         points.append(entry)
     if not points:
-        raise ValueError(f"nothing to plot: no entry has both ttft_median_s and tf_kl "
-                         f"among {[label(e) for e in summary]}")
+        raise ValueError(
+            f"nothing to plot: no entry has both ttft_median_s and tf_kl among {[label(e) for e in summary]}"
+        )
     return points
 
 
@@ -179,15 +194,17 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
     ttfts = [e["ttft_median_s"] for e in points]
     panels = [("tf_kl", "teacher-forced KL per token from full (nats, log)", "symlog", "down and left is better")]
     if any(e.get("planted_accuracy") is not None for e in points):
-        panels.append(("planted_accuracy", "planted-fact accuracy (of the facts full answers)", "linear",
-                       "up and left is better"))
+        panels.append(
+            ("planted_accuracy", "planted-fact accuracy (of the facts full answers)", "linear", "up and left is better")
+        )
     fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     methods = list(dict.fromkeys(series(e) for e in points))  # one colour per method (and caches) in every panel
     for ax, (key, ylabel, yscale, better) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for i, method in enumerate(methods):
-            sweep = sorted((e for e in points if series(e) == method and e.get(key) is not None),
-                           key=lambda e: e["ttft_median_s"])
+            sweep = sorted(
+                (e for e in points if series(e) == method and e.get(key) is not None), key=lambda e: e["ttft_median_s"]
+            )
             if not sweep:
                 continue
             x = [e["ttft_median_s"] for e in sweep]
@@ -197,12 +214,16 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
             # sit on their own side of the point, so two methods' points close together stay readable.
             dx, dy, ha = LABEL_OFFSETS[i % len(LABEL_OFFSETS)]
             for entry, xy in zip(sweep, zip(x, y)):
-                ax.annotate(_params_text(entry) or method, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
+                ax.annotate(
+                    _params_text(entry) or method, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8
+                )
         ax.set_xscale("log")
         if yscale == "symlog":
             ax.set_yscale("symlog", linthresh=KL_LINTHRESH)
             if floor is not None:
-                ax.axhline(floor["tf_kl"], color="grey", linestyle="--", linewidth=1, label=f"noise floor ({label(floor)})")
+                ax.axhline(
+                    floor["tf_kl"], color="grey", linestyle="--", linewidth=1, label=f"noise floor ({label(floor)})"
+                )
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5 s: readable ticks
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(plain if max(ttfts) / min(ttfts) < 10 else NullFormatter())

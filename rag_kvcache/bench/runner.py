@@ -64,35 +64,61 @@ def _stages(answer: Answer) -> dict[str, float]:
 
 
 def _record(
-    example: QAExample, variant: Variant, slot: int, answer: Answer, reference: Answer, retrieval_s: float,
-    fidelity: Mapping[str, float | None], evidence: int | None, distractors: Sequence[str],
+    example: QAExample,
+    variant: Variant,
+    slot: int,
+    answer: Answer,
+    reference: Answer,
+    retrieval_s: float,
+    fidelity: Mapping[str, float | None],
+    evidence: int | None,
+    distractors: Sequence[str],
 ) -> dict[str, Any]:
     summarisation = example.task == "summarization"
     hit = contains_answer(answer.answer, example.answers) if example.task == "exact" else None
     return {
-        "id": example.id, "question": example.question, "gold": list(example.answers),
-        "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "label": variant.label, "slot": slot,
-        "answer": answer.answer, "ttft_s": answer.ttft_s, "retrieval_s": retrieval_s,
-        "prompt_tokens": answer.prompt_tokens, "recomputed_tokens": answer.recomputed_tokens,
+        "id": example.id,
+        "question": example.question,
+        "gold": list(example.answers),
+        "method": variant.method,
+        "params": dict(variant.params),
+        "caches": variant.caches,
+        "label": variant.label,
+        "slot": slot,
+        "answer": answer.answer,
+        "ttft_s": answer.ttft_s,
+        "retrieval_s": retrieval_s,
+        "prompt_tokens": answer.prompt_tokens,
+        "recomputed_tokens": answer.recomputed_tokens,
         "recompute_fraction": answer.recomputed_tokens / answer.prompt_tokens,
-        "compute_fraction": answer.compute_fraction, "generation_s": answer.generation_s,
-        "generated_tokens": answer.generated_tokens, "cache_misses": answer.cache_misses,
-        "drift": answer.drift, "bounded": answer.bounded,
-        "chunks": [c.id for c in answer.chunks], "stages": _stages(answer),
+        "compute_fraction": answer.compute_fraction,
+        "generation_s": answer.generation_s,
+        "generated_tokens": answer.generated_tokens,
+        "cache_misses": answer.cache_misses,
+        "drift": answer.drift,
+        "bounded": answer.bounded,
+        "chunks": [c.id for c in answer.chunks],
+        "stages": _stages(answer),
         "f1_gold": max_f1(answer.answer, example.answers) if example.answers else None,
         "f1_vs_full": max_f1(answer.answer, [reference.answer]),
         "rouge_l_gold": max(rouge_l(answer.answer, a) for a in example.answers) if summarisation else None,
         "exact_hit": hit,
-        "distractor_hit": None if hit is None else (
-            not hit and bool(distractors) and contains_answer(answer.answer, distractors)),
-        "evidence_retrieved_rank": evidence, "evidence_rank": example.evidence_rank if evidence is not None else None,
+        "distractor_hit": None
+        if hit is None
+        else (not hit and bool(distractors) and contains_answer(answer.answer, distractors)),
+        "evidence_retrieved_rank": evidence,
+        "evidence_rank": example.evidence_rank if evidence is not None else None,
         **fidelity,
     }
 
 
 def run_question(
-    generators: Mapping[str | None, FusedGenerator], example: QAExample, variants: Sequence[Variant],
-    slot_shift: int, prompt_style: str = NATIVE, facts: frozenset[str] = frozenset(),
+    generators: Mapping[str | None, FusedGenerator],
+    example: QAExample,
+    variants: Sequence[Variant],
+    slot_shift: int,
+    prompt_style: str = NATIVE,
+    facts: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
     (`generators[variant.caches]`; None: the run's index) in the `prompt_style` layout, and score
@@ -108,11 +134,15 @@ def run_question(
     order = rotated(variants, slot_shift)
     if prompt_style == NATIVE:
         answers = {
-            v: generators[v.caches].ask(example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation)
+            v: generators[v.caches].ask(
+                example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation
+            )
             for v in order
         }
         fmt = generator.index.format
-        segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question))
+        segments = fmt.segments(
+            [h.chunk.token_ids for h in hits], fmt.question_ids(generator.adapter.tokenizer, example.question)
+        )
     else:  # the prompt a pipeline of this style sends, the chunks found in it (matching timed in the TTFT)
         prompt = style_messages(prompt_style, [h.chunk.text for h in hits], example.question)
         answers = {
@@ -148,8 +178,10 @@ def finished_records(
         return []
     plan_path = path.with_name(PLAN_FILE)
     if not plan_path.is_file():
-        raise ValueError(f"cannot resume from {path}: {plan_path} is missing, so its settings are unknown; "
-                         "use a new --out or drop --resume")
+        raise ValueError(
+            f"cannot resume from {path}: {plan_path} is missing, so its settings are unknown; "
+            "use a new --out or drop --resume"
+        )
     earlier = json.loads(plan_path.read_text(encoding="utf-8"))
     current = json.loads(json.dumps(run_plan))  # tuples as lists, as the file holds them
     changed = {key: (earlier.get(key), new) for key, new in current.items() if earlier.get(key) != new}
@@ -171,8 +203,10 @@ def finished_records(
     answered: dict[str, set[str]] = {}
     for r in records:
         if questions.get(r["id"]) != r["question"]:
-            raise ValueError(f"cannot resume from {path}: question {r['id']!r} ({r['question']!r}) is not in this "
-                             "dataset (a different file or --limit?)")
+            raise ValueError(
+                f"cannot resume from {path}: question {r['id']!r} ({r['question']!r}) is not in this "
+                "dataset (a different file or --limit?)"
+            )
         answered.setdefault(r["id"], set()).add(r["label"])
     labels = {v.label for v in variants}
     complete = {qid for qid, seen in answered.items() if seen == labels}
@@ -224,15 +258,27 @@ def run_benchmark(
         if variant.method == "cacheblend":
             filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
     baseline = parse_variant(settings.baseline, config.fusion, config)
-    log.info("benchmarking %d questions x %d variants: %s (baseline %s)", len(examples), len(variants),
-             ", ".join(v.label for v in variants), baseline.label)
+    log.info(
+        "benchmarking %d questions x %d variants: %s (baseline %s)",
+        len(examples),
+        len(variants),
+        ", ".join(v.label for v in variants),
+        baseline.label,
+    )
 
     # What must not change between an interrupted run and its resumption, or the records would not compare.
     run_plan = {
-        "model": config.model, "dtype": config.dtype, "chunk_tokens": config.chunk_tokens, "top_k": config.top_k,
-        "chunk_prefill": config.chunk_prefill, "fusion": asdict(config.fusion),
-        "max_new_tokens": config.generation.max_new_tokens, "variants": [v.label for v in variants],
-        "machine": machine_id(adapter.device), "torch": torch.__version__, "threads": settings.threads,
+        "model": config.model,
+        "dtype": config.dtype,
+        "chunk_tokens": config.chunk_tokens,
+        "top_k": config.top_k,
+        "chunk_prefill": config.chunk_prefill,
+        "fusion": asdict(config.fusion),
+        "max_new_tokens": config.generation.max_new_tokens,
+        "variants": [v.label for v in variants],
+        "machine": machine_id(adapter.device),
+        "torch": torch.__version__,
+        "threads": settings.threads,
         "prompt_style": settings.prompt_style,
     }
     records_path = out_dir / "records.jsonl"  # read before indexing: a refused resume leaves --out as it was
@@ -244,11 +290,17 @@ def run_benchmark(
     other_indexing = {}
     for caches in dict.fromkeys(v.caches for v in variants if v.caches is not None):  # same corpus, other caches
         other, other_indexing[caches] = build_index(
-            examples, out_dir / "work", made_with(config, caches), adapter, progress, f"index-{caches}")
+            examples, out_dir / "work", made_with(config, caches), adapter, progress, f"index-{caches}"
+        )
         generators[caches] = FusedGenerator(other)
     run_meta = {
-        **(meta or {}), **run_plan, "questions": len(examples), "warmup_questions": min(settings.warmup, len(examples)),
-        "indexing": indexing.to_dict(), "controller": controller, "started": _now(),
+        **(meta or {}),
+        **run_plan,
+        "questions": len(examples),
+        "warmup_questions": min(settings.warmup, len(examples)),
+        "indexing": indexing.to_dict(),
+        "controller": controller,
+        "started": _now(),
         **{f"indexing_{caches}": stats.to_dict() for caches, stats in other_indexing.items()},
     }
     if settings.resume:
@@ -261,13 +313,16 @@ def run_benchmark(
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
         run_question(generators, example, variants, 0, settings.prompt_style, facts)
 
-    bar = tqdm(total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench",
-               disable=not progress)
+    bar = tqdm(
+        total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench", disable=not progress
+    )
     try:
         for i, example in enumerate(examples):
             if example.id in done:
                 continue
-            new = run_question(generators, example, variants, i, settings.prompt_style, facts)  # i: the same rotation when resumed
+            new = run_question(
+                generators, example, variants, i, settings.prompt_style, facts
+            )  # i: the same rotation when resumed
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
@@ -276,8 +331,12 @@ def run_benchmark(
     finally:  # an interrupted run still reports the questions it finished
         bar.close()
         if records:
-            run_meta |= {"questions_done": len(records) // len(variants), "finished": _now(),
-                         "baseline": baseline.label, **evidence(records)}
+            run_meta |= {
+                "questions_done": len(records) // len(variants),
+                "finished": _now(),
+                "baseline": baseline.label,
+                **evidence(records),
+            }
             write_report(summarise(records, variants, baseline), records, out_dir, run_meta)
     return BenchResult(out_dir, summarise(records, variants, baseline), records, run_meta)
 

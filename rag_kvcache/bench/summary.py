@@ -35,14 +35,19 @@ def _ttft_over_share(records: Sequence[Mapping[str, Any]], reference: Mapping[st
 def _with_ci(name: str, values: Sequence[float | bool | None]) -> dict[str, Any]:
     """`name`: the mean of the present values, `name_ci`: its bootstrap CI (both None when none is present)."""
     present = [float(v) for v in values if v is not None]
-    return {name: float(np.mean(present)) if present else None, f"{name}_ci": list(bootstrap_ci(present)) if present else None}
+    return {
+        name: float(np.mean(present)) if present else None,
+        f"{name}_ci": list(bootstrap_ci(present)) if present else None,
+    }
 
 
 def _paired(name: str, mine: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
     """`name_diff`: mean over questions of (this - baseline), `name_diff_ci`: its bootstrap CI."""
     diffs = [mine[q] - baseline[q] for q in mine if q in baseline and mine[q] is not None and baseline[q] is not None]
-    return {f"{name}_diff": float(np.mean(diffs)) if diffs else None,
-            f"{name}_diff_ci": list(bootstrap_ci(diffs)) if diffs else None}
+    return {
+        f"{name}_diff": float(np.mean(diffs)) if diffs else None,
+        f"{name}_diff_ci": list(bootstrap_ci(diffs)) if diffs else None,
+    }
 
 
 def _fidelity_columns(
@@ -65,9 +70,12 @@ def _planted(mine: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[
     if all(r["exact_hit"] is None for r in mine):
         return {}
     eligible = [r for r in mine if reference[r["id"]]["exact_hit"]]
-    return {**_with_ci("planted_accuracy", [r["exact_hit"] for r in eligible]), "planted_n": len(eligible),
-            **_with_ci("planted_distractor", [r.get("distractor_hit") for r in eligible]),
-            "exact_accuracy": _mean([r["exact_hit"] for r in mine])}
+    return {
+        **_with_ci("planted_accuracy", [r["exact_hit"] for r in eligible]),
+        "planted_n": len(eligible),
+        **_with_ci("planted_distractor", [r.get("distractor_hit") for r in eligible]),
+        "exact_accuracy": _mean([r["exact_hit"] for r in mine]),
+    }
 
 
 def summarise(
@@ -84,30 +92,44 @@ def summarise(
         if not mine:
             continue
         ttft = median_p90([r["ttft_s"] for r in mine])
-        summary.append({
-            "method": variant.method, "params": dict(variant.params), "caches": variant.caches, "n": ttft["n"],
-            "ttft_median_s": ttft["median"], "ttft_p90_s": ttft["p90"],
-            "speedup_vs_full": median_ratio([reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]),
-            "ttft_over_share": _ttft_over_share(mine, reference),
-            "baseline": None if base is None or baseline is None else baseline.label,
-            **_fidelity_columns(mine, base),
-            **_planted(mine, reference),
-            "f1_gold": _mean([r["f1_gold"] for r in mine]),
-            "rouge_l_gold": _mean([r["rouge_l_gold"] for r in mine]),
-            "f1_vs_full": _mean([r["f1_vs_full"] for r in mine]),
-            "recompute_fraction": _mean([r["recompute_fraction"] for r in mine]),
-            "chunk_tokens_matched": _mean([r.get("chunk_tokens_matched") for r in mine]),
-            "compute_fraction": _mean([r["compute_fraction"] for r in mine]),
-            "retrieval_median_s": float(np.median([r["retrieval_s"] for r in mine])),
-            "prompt_tokens_median": float(np.median([r["prompt_tokens"] for r in mine])),
-            "stage_median_s": _stage_medians(mine),
-        })
+        summary.append(
+            {
+                "method": variant.method,
+                "params": dict(variant.params),
+                "caches": variant.caches,
+                "n": ttft["n"],
+                "ttft_median_s": ttft["median"],
+                "ttft_p90_s": ttft["p90"],
+                "speedup_vs_full": median_ratio(
+                    [reference[r["id"]]["ttft_s"] for r in mine], [r["ttft_s"] for r in mine]
+                ),
+                "ttft_over_share": _ttft_over_share(mine, reference),
+                "baseline": None if base is None or baseline is None else baseline.label,
+                **_fidelity_columns(mine, base),
+                **_planted(mine, reference),
+                "f1_gold": _mean([r["f1_gold"] for r in mine]),
+                "rouge_l_gold": _mean([r["rouge_l_gold"] for r in mine]),
+                "f1_vs_full": _mean([r["f1_vs_full"] for r in mine]),
+                "recompute_fraction": _mean([r["recompute_fraction"] for r in mine]),
+                "chunk_tokens_matched": _mean([r.get("chunk_tokens_matched") for r in mine]),
+                "compute_fraction": _mean([r["compute_fraction"] for r in mine]),
+                "retrieval_median_s": float(np.median([r["retrieval_s"] for r in mine])),
+                "prompt_tokens_median": float(np.median([r["prompt_tokens"] for r in mine])),
+                "stage_median_s": _stage_medians(mine),
+            }
+        )
     floors = [{"id": qid, **r["noise_floor"]} for qid, r in reference.items() if "noise_floor" in r]
     if floors:
-        summary.append({
-            "method": REFERENCE, "params": dict(NOISE_FLOOR), "n": len(floors), "noise_floor": True,
-            "baseline": None if base is None or baseline is None else baseline.label, **_fidelity_columns(floors, base),
-        })
+        summary.append(
+            {
+                "method": REFERENCE,
+                "params": dict(NOISE_FLOOR),
+                "n": len(floors),
+                "noise_floor": True,
+                "baseline": None if base is None or baseline is None else baseline.label,
+                **_fidelity_columns(floors, base),
+            }
+        )
     return summary
 
 
@@ -122,15 +144,19 @@ def headline(records: Sequence[Mapping[str, Any]], variants: Sequence[Variant]) 
     for method, variant in reversed(firsts.items()):
         mine = {r["id"]: r for r in records if r["label"] == variant.label}
         kl = _mean([r["tf_kl"] for r in mine.values()])
-        speedup = median_ratio([r["ttft_s"] for r in records if r["label"] == REFERENCE and r["id"] in mine],
-                               [r["ttft_s"] for r in mine.values()])
+        speedup = median_ratio(
+            [r["ttft_s"] for r in records if r["label"] == REFERENCE and r["id"] in mine],
+            [r["ttft_s"] for r in mine.values()],
+        )
         out[method] = f"{speedup:.1f}x" + ("" if kl is None else f" kl {kl:.3g}")
     return out
 
 
 def evidence(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Planted facts: how many questions' fact-holding chunk retrieval found (placed at its rank)."""
-    planted = {r["id"]: r["evidence_retrieved_rank"] for r in records if r["label"] == REFERENCE and r["exact_hit"] is not None}
+    planted = {
+        r["id"]: r["evidence_retrieved_rank"] for r in records if r["label"] == REFERENCE and r["exact_hit"] is not None
+    }
     if not planted:
         return {}
     return {"planted_questions": len(planted), "evidence_retrieved": sum(rank is not None for rank in planted.values())}

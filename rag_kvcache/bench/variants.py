@@ -21,7 +21,10 @@ NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with
 PARAM_FIELDS = {"r": "ratio", "k": "epic_k", "drift": "drift_limit", "s": "evidence_sentences"}
 PARAM_TYPES = {"r": float, "k": int, "drift": float, "s": int}
 METHOD_PARAMS = {  # the first is always shown
-    "cacheblend": ("r", "drift"), "epic": ("k",), "epic_match": ("k",), "epic_evidence": ("k", "s"),
+    "cacheblend": ("r", "drift"),
+    "epic": ("k",),
+    "epic_match": ("k",),
+    "epic_evidence": ("k", "s"),
 }
 
 
@@ -43,8 +46,10 @@ class Variant:
         if unknown:
             raise ValueError(f"unknown variant parameters {unknown} for {self.method!r}; known: {sorted(PARAM_FIELDS)}")
         if self.caches is not None and self.caches not in (*CHUNK_PREFILLS, *CODECS):
-            raise ValueError(f"unknown chunk caches {self.caches!r} in {self.method}@{self.caches}; known: "
-                             f"{', '.join(CHUNK_PREFILLS)} (chunk_prefill), {', '.join(CODECS)} (codec)")
+            raise ValueError(
+                f"unknown chunk caches {self.caches!r} in {self.method}@{self.caches}; known: "
+                f"{', '.join(CHUNK_PREFILLS)} (chunk_prefill), {', '.join(CODECS)} (codec)"
+            )
 
     @property
     def label(self) -> str:
@@ -76,8 +81,9 @@ class BenchSettings:
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must not repeat, got {self.methods}")
         if self.baseline not in self.methods:
-            raise ValueError(f"baseline {self.baseline!r} is not among the methods {self.methods}: add it or pick "
-                             "another baseline")
+            raise ValueError(
+                f"baseline {self.baseline!r} is not among the methods {self.methods}: add it or pick another baseline"
+            )
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
         if self.threads < 1:
@@ -105,13 +111,17 @@ def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | 
         key, _, text = setting.partition("=")
         if key not in keys:
             named = " or ".join(f"{k}=VALUE" for k in keys)
-            raise ValueError(f"{spec!r}: {method} takes " + ("no parameter" if not keys else
-                                                               f"only {named}" if len(keys) == 1 else f"one of {named}"))
+            raise ValueError(
+                f"{spec!r}: {method} takes "
+                + ("no parameter" if not keys else f"only {named}" if len(keys) == 1 else f"one of {named}")
+            )
         kind = PARAM_TYPES[key]
         try:
             given[key] = kind(text)
         except ValueError:
-            raise ValueError(f"{spec!r}: {key} must be a{'n int' if kind is int else ' number'}, got {text!r}") from None
+            raise ValueError(
+                f"{spec!r}: {key} must be a{'n int' if kind is int else ' number'}, got {text!r}"
+            ) from None
     if not keys:
         return Variant(method, caches=caches)
     shown = given.get(keys[0], getattr(base, PARAM_FIELDS[keys[0]]) if value is None else value)

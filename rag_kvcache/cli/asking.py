@@ -44,25 +44,41 @@ def ask(
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
-    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
+    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(
+        default(FusionConfig, "deviation")
+    ),
     epic_k: Annotated[int, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
     match_words: Annotated[int, option(FusionConfig, "match_words", min=1)] = default(FusionConfig, "match_words"),
     evidence_sentences: Annotated[int, option(FusionConfig, "evidence_sentences", min=1)] = default(
-        FusionConfig, "evidence_sentences"),
-    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
-    temperature: Annotated[float, option(GenerationConfig, "temperature", min=0.0)] = default(GenerationConfig, "temperature"),
+        FusionConfig, "evidence_sentences"
+    ),
+    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
+        GenerationConfig, "max_new_tokens"
+    ),
+    temperature: Annotated[float, option(GenerationConfig, "temperature", min=0.0)] = default(
+        GenerationConfig, "temperature"
+    ),
     top_p: Annotated[float, option(GenerationConfig, "top_p", min=0.0, max=1.0)] = default(GenerationConfig, "top_p"),
     seed: Annotated[Optional[int], option(GenerationConfig, "seed")] = default(GenerationConfig, "seed"),
     stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
     json_schema: Annotated[Optional[str], option(GenerationConfig, "json_schema", metavar="FILE_OR_JSON")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Use this model instead of the index's (same weights only: "
-                                                 "another model misses every cache).")] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Use this model instead of the index's (same weights only: another model misses every cache)."
+        ),
+    ] = None,
     kv_remote: KVRemote = None,
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
-    stream: Annotated[bool, typer.Option(help="Print the text as it is generated; with --json, one JSON line "
-                                         "{\"text\": ...} per piece, then the answer object.")] = False,
+    stream: Annotated[
+        bool,
+        typer.Option(
+            help="Print the text as it is generated; with --json, one JSON line "
+            '{"text": ...} per piece, then the answer object.'
+        ),
+    ] = False,
 ) -> None:
     """Answer QUESTION from the index, fusing the retrieved chunks' KV caches."""
     from ..generator import FusedGenerator
@@ -79,21 +95,38 @@ def ask(
         check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, base_config())
         cfg = placed(replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k), device, dtype)
-        cfg = cfg.with_fusion(method=method, ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
-                              deviation=deviation.value, epic_k=epic_k, match_words=match_words,
-                              evidence_sentences=evidence_sentences)
-        cfg = cfg.with_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                  stop=tuple(stop or ()), json_schema=schema)
+        cfg = cfg.with_fusion(
+            method=method,
+            ratio=parse_ratio(ratio),
+            check_layer=check_layer,
+            filter_steps=filter_steps,
+            deviation=deviation.value,
+            epic_k=epic_k,
+            match_words=match_words,
+            evidence_sentences=evidence_sentences,
+        )
+        cfg = cfg.with_generation(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=tuple(stop or ()),
+            json_schema=schema,
+        )
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))
         cfg, decision = resolve_ratio(cfg, idx.adapter)
         if decision is not None:
             err.print(f"[dim]loading controller: {decision.explain()}[/dim]", highlight=False)
         on_text = None
         if stream:
-            on_text = (lambda t: print(json.dumps({"text": t}), flush=True)) if as_json else (
-                lambda t: out.print(t, end="", highlight=False, markup=False))
-        answer = FusedGenerator(idx).ask(question, top_k=top_k, fusion=cfg.fusion, generation=cfg.generation,
-                                         on_text=on_text)
+            on_text = (
+                (lambda t: print(json.dumps({"text": t}), flush=True))
+                if as_json
+                else (lambda t: out.print(t, end="", highlight=False, markup=False))
+            )
+        answer = FusedGenerator(idx).ask(
+            question, top_k=top_k, fusion=cfg.fusion, generation=cfg.generation, on_text=on_text
+        )
     except (OSError, ValueError) as e:  # OSError: a read-only or full index that cannot be read (named)
         fail(str(e))
     if as_json:
@@ -107,7 +140,8 @@ def ask(
     out.print(
         f"[dim]{answer.method}: ttft {answer.ttft_s * 1000:.0f} ms, retrieval {answer.retrieval_s * 1000:.0f} ms, "
         f"{answer.prompt_tokens} prompt tokens, {answer.recomputed_tokens} recomputed, "
-        f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]", highlight=False,
+        f"sources: {', '.join(sorted({c.source for c in answer.chunks}))}[/dim]",
+        highlight=False,
     )
 
 
@@ -115,9 +149,12 @@ def chat(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
     top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
-    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(GenerationConfig, "max_new_tokens"),
+    max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
+        GenerationConfig, "max_new_tokens"
+    ),
     conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
-        StorageConfig, "conversation_bytes"),
+        StorageConfig, "conversation_bytes"
+    ),
     kv_remote: KVRemote = None,
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
@@ -167,7 +204,8 @@ def chat(
         out.print(
             f"[dim]{answer.method}: ttft {answer.ttft_s * 1000:.0f} ms, {answer.prompt_tokens} prompt tokens, "
             f"{answer.cached_tokens} from cache ({answer.conversation_tokens} of the conversation), {len(hits)} new "
-            f"chunk(s){f', {dropped} oldest messages dropped' if dropped else ''}[/dim]", highlight=False,
+            f"chunk(s){f', {dropped} oldest messages dropped' if dropped else ''}[/dim]",
+            highlight=False,
         )
 
 

@@ -40,7 +40,6 @@ DEMO_QUESTION = "What is the name of the main telescope of the Veldmark Observat
 BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.variants.DEFAULT_METHODS (a test keeps them equal)
 
 
-
 def demo(
     index_dir: Annotated[Path, typer.Option("--index", help="Where to build the demo index.")] = Path("demo-index"),
     question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
@@ -70,7 +69,10 @@ def demo(
     for m in methods:
         a = runs[m][-1]
         table.add_row(
-            m, a.answer, f"{ttft[m] * 1000:.0f} ms", f"{a.recomputed_tokens}/{a.prompt_tokens}",
+            m,
+            a.answer,
+            f"{ttft[m] * 1000:.0f} ms",
+            f"{a.recomputed_tokens}/{a.prompt_tokens}",
             f"{ttft['full'] / ttft[m]:.1f}x",
         )
     out.print(table)
@@ -78,34 +80,62 @@ def demo(
 
 
 def bench(
-    dataset: Annotated[Path, typer.Option("--dataset", help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL; "
-                                          "planted:MUSIQUE_JSON plants a made-up fact in one passage per question; "
-                                          "planted-paraphrased:MUSIQUE_JSON asks the same facts in other words; "
-                                          "a folder of your own documents, with --questions.")],
-    questions: Annotated[Optional[Path], typer.Option(help="With a documents folder as --dataset: a text file of "
-                                                      "questions about it, one per line (no reference answers: the "
-                                                      "methods are compared by fidelity to full).")] = None,
-    fmt: Annotated[Optional[DatasetFormat], typer.Option("--format", help="Dataset format (default: inferred from the file suffix).")] = None,
+    dataset: Annotated[
+        Path,
+        typer.Option(
+            "--dataset",
+            help="QA set: MuSiQue/CacheBlend JSON, LongBench or plain JSONL; "
+            "planted:MUSIQUE_JSON plants a made-up fact in one passage per question; "
+            "planted-paraphrased:MUSIQUE_JSON asks the same facts in other words; "
+            "a folder of your own documents, with --questions.",
+        ),
+    ],
+    questions: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="With a documents folder as --dataset: a text file of "
+            "questions about it, one per line (no reference answers: the "
+            "methods are compared by fidelity to full)."
+        ),
+    ] = None,
+    fmt: Annotated[
+        Optional[DatasetFormat],
+        typer.Option("--format", help="Dataset format (default: inferred from the file suffix)."),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N questions.")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated fusion methods, or 'all' (every registered method); "
-                                         "must include full. METHOD:PARAM=VALUE sets its parameter (epic:k=19, "
-                                         "cacheblend:r=0.5); METHOD@CACHES runs METHOD on the caches of an index "
-                                         "over the same corpus built with --chunk-prefill or --kv-codec CACHES, "
-                                         "e.g. reuse@neighbours, cacheblend@none.")] = BENCH_METHODS,
-    baseline: Annotated[str, typer.Option(help="Method the others' fidelity is compared with, question by question.")] = "cacheblend",
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated fusion methods, or 'all' (every registered method); "
+            "must include full. METHOD:PARAM=VALUE sets its parameter (epic:k=19, "
+            "cacheblend:r=0.5); METHOD@CACHES runs METHOD on the caches of an index "
+            "over the same corpus built with --chunk-prefill or --kv-codec CACHES, "
+            "e.g. reuse@neighbours, cacheblend@none."
+        ),
+    ] = BENCH_METHODS,
+    baseline: Annotated[
+        str, typer.Option(help="Method the others' fidelity is compared with, question by question.")
+    ] = "cacheblend",
     chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
     top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
     chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
-        default(Config, "chunk_prefill")),
+        default(Config, "chunk_prefill")
+    ),
     context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
-    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(default(FusionConfig, "deviation")),
+    deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(
+        default(FusionConfig, "deviation")
+    ),
     sweep: Annotated[bool, typer.Option(help="Also sweep CacheBlend ratios and EPIC k.")] = False,
-    out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path("bench-out"),
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers "
-                                                "are compared with full's).")] = 32,
+    out_dir: Annotated[Path, typer.Option("--out", help="Results and the benchmark's index go here.")] = Path(
+        "bench-out"
+    ),
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers are compared with full's)."),
+    ] = 32,
     model: Annotated[str, option(Config, "model")] = default(Config, "model"),
     embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     device: Annotated[str, option(Config, "device")] = default(Config, "device"),
@@ -115,12 +145,21 @@ def bench(
     kv_remote: KVRemote = None,
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
-    resume: Annotated[bool, typer.Option(help="Keep the questions an interrupted run in --out finished and "
-                                         "measure the rest (same settings and machine only).")] = False,
-    prompt_style: Annotated[PromptStyle, typer.Option(help="Prompt layout: native (our segments), langchain (the "
-                                                      "RAG tutorial chain's prompt) or llamaindex (the default "
-                                                      "text-QA template); chunks are found in it by their ids.")]
-    = PromptStyle.native,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Keep the questions an interrupted run in --out finished and "
+            "measure the rest (same settings and machine only)."
+        ),
+    ] = False,
+    prompt_style: Annotated[
+        PromptStyle,
+        typer.Option(
+            help="Prompt layout: native (our segments), langchain (the "
+            "RAG tutorial chain's prompt) or llamaindex (the default "
+            "text-QA template); chunks are found in it by their ids."
+        ),
+    ] = PromptStyle.native,
 ) -> None:
     """Compare fusion methods on a QA set: TTFT, speedup over full prefill, fidelity to full, F1.
 
@@ -140,14 +179,27 @@ def bench(
     try:
         examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k, questions=questions)[:limit]
         settings = BenchSettings(
-            methods=parse_methods(methods), baseline=baseline, sweep=sweep, warmup=warmup, threads=threads, resume=resume,
+            methods=parse_methods(methods),
+            baseline=baseline,
+            sweep=sweep,
+            warmup=warmup,
+            threads=threads,
+            resume=resume,
             prompt_style=prompt_style.value,
         )
-        cfg = base_config(chunk_tokens=chunk_tokens, top_k=top_k, model=model, embedder=embedder,
-                           chunk_prefill=chunk_prefill.value, context_chunks=context_chunks, device=device,
-                           dtype=dtype.value)
-        cfg = cfg.with_fusion(ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps,
-                              deviation=deviation.value)
+        cfg = base_config(
+            chunk_tokens=chunk_tokens,
+            top_k=top_k,
+            model=model,
+            embedder=embedder,
+            chunk_prefill=chunk_prefill.value,
+            context_chunks=context_chunks,
+            device=device,
+            dtype=dtype.value,
+        )
+        cfg = cfg.with_fusion(
+            ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
+        )
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
         cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value, memory_on_device=kv_on_device)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])

@@ -27,7 +27,9 @@ from ..serving.settings import ServerConfig
 from ..version import __version__
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
     help="RAG that never prefills the same chunk twice.",
 )
 out = Console()
@@ -98,13 +100,15 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     from rich.logging import RichHandler
 
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(message)s",
         handlers=[RichHandler(console=err, show_path=False)],
     )
     logging.getLogger("rag_kvcache").setLevel(logging.DEBUG if verbose else logging.INFO)

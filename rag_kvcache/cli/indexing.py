@@ -39,11 +39,17 @@ def index(
     embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
     hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
     chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
-        default(Config, "chunk_prefill")),
+        default(Config, "chunk_prefill")
+    ),
     context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
     kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
-    prune: Annotated[bool, typer.Option(help="Also drop the documents the index holds that are not in DOCS_DIR "
-                                             "(deleted files, other folders', added through a store).")] = False,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            help="Also drop the documents the index holds that are not in DOCS_DIR "
+            "(deleted files, other folders', added through a store)."
+        ),
+    ] = False,
     max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
     max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
     kv_remote: KVRemote = None,
@@ -67,9 +73,18 @@ def index(
     model_process()
     new_index = not index_dir.exists()
     idx = None
-    given = {name: value for name, value in [("chunk_tokens", chunk_tokens), ("model", model), ("embedder", embedder),
-                                             ("chunk_prefill", chunk_prefill.value), ("context_chunks", context_chunks),
-                                             ("dtype", dtype.value)] if was_given(ctx, name)}
+    given = {
+        name: value
+        for name, value in [
+            ("chunk_tokens", chunk_tokens),
+            ("model", model),
+            ("embedder", embedder),
+            ("chunk_prefill", chunk_prefill.value),
+            ("context_chunks", context_chunks),
+            ("dtype", dtype.value),
+        ]
+        if was_given(ctx, name)
+    }
     given |= {"index_type": "hnsw"} if hnsw else {}
     try:
         if database.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
@@ -78,7 +93,9 @@ def index(
                 if value != getattr(cfg, key):
                     fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
             if was_given(ctx, "kv_codec") and kv_codec.value != cfg.storage.codec:
-                fail(f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index")
+                fail(
+                    f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index"
+                )
         else:
             cfg = base_config(**given).with_storage(codec=kv_codec.value)
         cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
@@ -90,8 +107,11 @@ def index(
                 report = idx.update(docs_dir, prune=prune, workers=workers)
     except KeyboardInterrupt:
         kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.pending())
-        err.print(f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
-                  "computed are kept, and running the same command again resumes with them", highlight=False)
+        err.print(
+            f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
+            "computed are kept, and running the same command again resumes with them",
+            highlight=False,
+        )
         raise typer.Exit(130) from None
     except (OSError, ValueError) as e:  # OSError: missing folders, a full disk (StorageFullError)
         if new_index and index_dir.is_dir():  # made by this command: leave nothing of a failed first run behind
@@ -101,5 +121,6 @@ def index(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
         f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
         f"KV caches {decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))} "
-        f"({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)", highlight=False,
+        f"({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)",
+        highlight=False,
     )

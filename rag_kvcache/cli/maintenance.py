@@ -36,8 +36,15 @@ def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], 
     for tier, s in store.stats().items():
         rate = f"{s.hits / (s.hits + s.misses):.1%}" if s.hits + s.misses else "-"
         table.add_row(
-            tier, str(s.hits), str(s.misses), rate, _mib(s.bytes_read), _mib(s.bytes_written), str(s.evictions),
-            str(s.corrupt), str(s.errors),
+            tier,
+            str(s.hits),
+            str(s.misses),
+            rate,
+            _mib(s.bytes_read),
+            _mib(s.bytes_written),
+            str(s.evictions),
+            str(s.corrupt),
+            str(s.errors),
         )
     out.print(table)
     sizes = [p.stat().st_size for p in store.disk.files()]
@@ -69,9 +76,14 @@ def _print_remote(remote) -> None:
 
 def check(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
-    repair: Annotated[bool, typer.Option(help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
-                                         "damaged embeddings by re-embedding, missing or corrupt KV caches by "
-                                         "recomputing; collect orphans. What is intact is not recomputed.")] = False,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
+            "damaged embeddings by re-embedding, missing or corrupt KV caches by "
+            "recomputing; collect orphans. What is intact is not recomputed."
+        ),
+    ] = False,
 ) -> None:
     """Verify every file of an index: SQLite (integrity and every chunk row), vectors.faiss (checksum and ids)
     and every KV cache (every tensor's checksum). Exits 1 when something is wrong and not repaired."""
@@ -96,7 +108,8 @@ def check(
         out.print(f"[red]not repaired:[/red] {left}", highlight=False)
     out.print(
         f"{index_dir}: {'ok' if report.ok else 'damaged'}; {report.caches_checked} KV caches checked, "
-        f"{report.reembedded} chunks re-embedded, {report.recomputed} KV caches recomputed", highlight=False,
+        f"{report.reembedded} chunks re-embedded, {report.recomputed} KV caches recomputed",
+        highlight=False,
     )
     if not report.ok:
         raise typer.Exit(1)
@@ -115,7 +128,8 @@ def gc(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> 
         fail(str(e))
     out.print(
         f"{index_dir}: deleted {collected.orphans} orphan KV caches ({_mib(collected.orphan_bytes)}) and "
-        f"{collected.temp_files} temporary files", highlight=False,
+        f"{collected.temp_files} temporary files",
+        highlight=False,
     )
 
 
@@ -148,7 +162,12 @@ def calibrate(
     n_tokens = cfg.top_k * cfg.chunk_tokens
     for tier in MEASURED_TIERS:
         d = choose_ratio(cal, tier, n_tokens, cfg.storage.quality_floor)
-        table.add_row(tier, f"{cal.read_bytes_per_s[tier] / 2**30:.2f} GiB/s", f"{d.load_s * 1e3:.3f} ms", f"{d.balanced_ratio:.3f}")
+        table.add_row(
+            tier,
+            f"{cal.read_bytes_per_s[tier] / 2**30:.2f} GiB/s",
+            f"{d.load_s * 1e3:.3f} ms",
+            f"{d.balanced_ratio:.3f}",
+        )
     out.print(table)
     out.print(
         f"recompute: {cal.prefill_s_per_token_layer * 1e6:.2f} us per token per layer "

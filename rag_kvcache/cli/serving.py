@@ -40,10 +40,12 @@ def serve(
     max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
     max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
-        ServerConfig, "max_prompt_tokens"),
+        ServerConfig, "max_prompt_tokens"
+    ),
     max_tokens: Annotated[int, option(ServerConfig, "max_tokens", min=1)] = default(ServerConfig, "max_tokens"),
     max_body_bytes: Annotated[int, option(ServerConfig, "max_body_bytes", min=1)] = default(
-        ServerConfig, "max_body_bytes"),
+        ServerConfig, "max_body_bytes"
+    ),
     max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
@@ -51,11 +53,15 @@ def serve(
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
-    template_text: Annotated[bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")] = default(
-        FusionConfig, "template_text"),
+    template_text: Annotated[
+        bool, option(FusionConfig, "template_text", "--template-text/--no-template-text")
+    ] = default(FusionConfig, "template_text"),
     conversation_bytes: Annotated[int, option(StorageConfig, "conversation_bytes", min=0)] = default(
-        StorageConfig, "conversation_bytes"),
-    request_bytes: Annotated[int, option(StorageConfig, "request_bytes", min=0)] = default(StorageConfig, "request_bytes"),
+        StorageConfig, "conversation_bytes"
+    ),
+    request_bytes: Annotated[int, option(StorageConfig, "request_bytes", min=0)] = default(
+        StorageConfig, "request_bytes"
+    ),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -68,18 +74,39 @@ def serve(
 
     model_process()
     try:
-        server_cfg = ServerConfig(host=host, port=port, api_keys=tuple(api_key or ()), docs_dir=docs, max_queue=max_queue,
-                                  max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-                                  max_body_bytes=max_body_bytes, max_per_key=max_per_key, order=order.value,
-                                  history=history.value)
-        cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(template_text=template_text)
-        engine = Engine(index_dir, cfg.with_storage(remote=kv_remote, memory_on_device=kv_on_device, conversation_bytes=conversation_bytes,
-                                                      request_bytes=request_bytes))
+        server_cfg = ServerConfig(
+            host=host,
+            port=port,
+            api_keys=tuple(api_key or ()),
+            docs_dir=docs,
+            max_queue=max_queue,
+            max_batch=max_batch,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens=max_tokens,
+            max_body_bytes=max_body_bytes,
+            max_per_key=max_per_key,
+            order=order.value,
+            history=history.value,
+        )
+        cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(
+            template_text=template_text
+        )
+        engine = Engine(
+            index_dir,
+            cfg.with_storage(
+                remote=kv_remote,
+                memory_on_device=kv_on_device,
+                conversation_bytes=conversation_bytes,
+                request_bytes=request_bytes,
+            ),
+        )
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
-                  highlight=False)
+        err.print(
+            f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
+            highlight=False,
+        )
     err.print(f"serving {index_dir} ({cfg.model}) on http://{host}:{port}/v1", highlight=False)
     with engine:
         run_server(engine, server_cfg)

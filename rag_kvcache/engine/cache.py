@@ -164,8 +164,10 @@ class BlendKV:
     def __post_init__(self) -> None:
         shapes = {(s.n_tokens, s.n_layers) for s in self.sources}
         if len(self.sources) < 2 or len(shapes) != 1:
-            raise ValueError(f"a blend needs two or more caches of one chunk, got (tokens, layers) {shapes} "
-                             f"from {len(self.sources)} cache(s)")
+            raise ValueError(
+                f"a blend needs two or more caches of one chunk, got (tokens, layers) {shapes} "
+                f"from {len(self.sources)} cache(s)"
+            )
 
     @property
     def position(self) -> int:
@@ -183,8 +185,10 @@ class BlendKV:
     def turns(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per source, the rotation (cos, sin [1, D]) moving its keys to the first's positions: made once,
         read for every layer."""
-        return [None if s.position == self.position else rotation(self.position - s.position, self.inv_freq)
-                for s in self.sources]
+        return [
+            None if s.position == self.position else rotation(self.position - s.position, self.inv_freq)
+            for s in self.sources
+        ]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return blend_layers([s.layer(i) for s in self.sources], self.turns)

@@ -81,7 +81,7 @@ class DecodePool:
             buf_k[slot, :, :n] = k.reshape(k.shape[-3:])  # [H_kv, N, D]
             buf_v[slot, :, :n] = v.reshape(v.shape[-3:])  # [H_kv, N, D]
         cache = DecodeCache(self, slot, n, n + room)
-        self.rows[slot: slot + 1] = [cache]
+        self.rows[slot : slot + 1] = [cache]
         return cache
 
     def release(self, slot: int) -> None:
@@ -100,7 +100,9 @@ class DecodePool:
         shape = (max(slots, 2 * have_s), like[0].shape[-3], max(capacity, have_c), like[0].shape[-1])  # [S, H_kv, C, D]
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = like[0].new_zeros(shape)  # [S, H_kv, C, D]; zeros: a masked position's value weighs 0, and 0 * NaN is NaN
+            new = like[0].new_zeros(
+                shape
+            )  # [S, H_kv, C, D]; zeros: a masked position's value weighs 0, and 0 * NaN is NaN
             if old is not None:
                 new[:have_s, :, :have_c] = old
             return new
@@ -137,12 +139,19 @@ class RowStep:
         visible = torch.zeros(rows, width, span, dtype=torch.bool, device=device)  # [R, M, T]
         visible[:, :, 0] = True  # a slot not stepping sees one position: its (dropped) output stays finite
         visible[index] = torch.arange(span, device=device) <= positions[:, :, None]  # [B, M, T]
-        folded = visible[:, None, None].expand(rows, 1, groups, width, span).reshape(rows, 1, groups * width, span)  # [R, 1, G * M, T]
+        folded = (
+            visible[:, None, None].expand(rows, 1, groups, width, span).reshape(rows, 1, groups * width, span)
+        )  # [R, 1, G * M, T]
         return cls(index, positions, rows, span, folded, slots == list(range(rows)))
 
 
 def attend_rows(
-    keys: torch.Tensor, values: torch.Tensor, step: RowStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    step: RowStep,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One layer of a step of M tokens for each of B rows: write their k, v [H_kv, B * M, D] (row-major)
@@ -154,9 +163,14 @@ def attend_rows(
     values[step.slots[:, None], :, step.positions] = v.view(h_kv, b, m, d).permute(1, 2, 0, 3)  # [B, M, H_kv, D]
     grouped = q.view(h_kv, -1, b, m, d).permute(2, 0, 1, 3, 4).reshape(b, h_kv, -1, d)  # [B, H_kv, G * M, D]
     if not step.dense:
-        grouped = grouped.new_zeros(step.rows, *grouped.shape[1:]).index_copy_(0, step.slots, grouped)  # [R, H_kv, G * M, D]
+        grouped = grouped.new_zeros(step.rows, *grouped.shape[1:]).index_copy_(
+            0, step.slots, grouped
+        )  # [R, H_kv, G * M, D]
     out = F.scaled_dot_product_attention(
-        grouped, keys[: step.rows, :, : step.span], values[: step.rows, :, : step.span], attn_mask=step.visible,
+        grouped,
+        keys[: step.rows, :, : step.span],
+        values[: step.rows, :, : step.span],
+        attn_mask=step.visible,
         scale=scale,
     )  # [R, H_kv, G * M, D]
     if not step.dense:

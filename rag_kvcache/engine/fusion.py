@@ -43,10 +43,12 @@ class FusionModel(Protocol):
     def lexicon(self) -> Lexicon: ...
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, E]
     def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, E]
-    def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # [H_q, T, D], [H_kv, T, D] x 2
-    def kv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]: ...  # [H_kv, T, D] x 2
+    def qkv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # [H_q, T, D], [H_kv, T, D] x 2
+    def kv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # [H_kv, T, D] x 2
     def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...  # [H_q, T, D]
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...  # [T, E]
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, V]
@@ -77,7 +79,10 @@ class FusionInput:
 
     @classmethod
     def build(
-        cls, segments: Sequence[Segment], caches: Sequence[LayerSource | None], contexts: Sequence[tuple[int, ...]],
+        cls,
+        segments: Sequence[Segment],
+        caches: Sequence[LayerSource | None],
+        contexts: Sequence[tuple[int, ...]],
         device: torch.device | str = "cpu",
     ) -> FusionInput:
         """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind."""
@@ -131,8 +136,11 @@ class FusionInput:
         shape = (2, adapter.layout.n_kv_heads, self.n_tokens, adapter.layout.head_dim)  # [2, H_kv, N, D]
         cached = [p for p in self.parts if p.kv is not None]
         device = self.ids.device
-        positions = torch.cat([torch.arange(p.start, p.end, device=device) for p in cached]) if cached else \
-            torch.zeros(0, dtype=torch.long, device=device)  # [C]
+        positions = (
+            torch.cat([torch.arange(p.start, p.end, device=device) for p in cached])
+            if cached
+            else torch.zeros(0, dtype=torch.long, device=device)
+        )  # [C]
         offsets = [0]  # where each cached segment starts in the pack
         runs: list[tuple[int, int, int]] = []  # (prompt start, pack start, length), adjacent segments merged
         for p in cached:
@@ -148,8 +156,9 @@ class FusionInput:
         delta = torch.zeros(end - start, dtype=torch.long)  # [M], zero for the segments in the span that stay
         for i in moved:
             delta[offsets[i] - start : offsets[i + 1] - start] = cached[i].start - cached[i].kv.position
-        return KVPlacement(shape, adapter.dtype, positions, tuple(runs), start, end,
-                        *rotation(delta, adapter.inv_freq.to(device)))
+        return KVPlacement(
+            shape, adapter.dtype, positions, tuple(runs), start, end, *rotation(delta, adapter.inv_freq.to(device))
+        )
 
 
 @dataclass(frozen=True)
@@ -228,15 +237,22 @@ class FusionResult:
 
 class Refine(Protocol):
     def __call__(
-        self, layer: int, active: torch.Tensor, fresh_kv: tuple[torch.Tensor, torch.Tensor],
+        self,
+        layer: int,
+        active: torch.Tensor,
+        fresh_kv: tuple[torch.Tensor, torch.Tensor],
         layer_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor | None: ...
 
 
 @torch.inference_mode()
 def selective_prefill(
-    adapter: FusionModel, inp: FusionInput, initial: torch.Tensor, refine: Refine | None = None,
-    clock: StageClock | None = None, reader: LayerReader | None = None,
+    adapter: FusionModel,
+    inp: FusionInput,
+    initial: torch.Tensor,
+    refine: Refine | None = None,
+    clock: StageClock | None = None,
+    reader: LayerReader | None = None,
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
@@ -311,5 +327,11 @@ def selective_prefill(
     with clock.stage("logits"):
         logits = adapter.logits(h)[0]  # [V]
     return FusionResult(
-        keys_all, values_all, logits, counts[-1], through / (n * layout.n_layers), counts, dict(clock.seconds),
+        keys_all,
+        values_all,
+        logits,
+        counts[-1],
+        through / (n * layout.n_layers),
+        counts,
+        dict(clock.seconds),
     )

@@ -51,7 +51,9 @@ class JsonSchemaConstraint:
         try:
             import llguidance
         except ImportError as e:
-            raise ImportError("answers constrained to a JSON Schema need llguidance: pip install 'rag-kvcache[structured]'") from e
+            raise ImportError(
+                "answers constrained to a JSON Schema need llguidance: pip install 'rag-kvcache[structured]'"
+            ) from e
         try:
             document = json.loads(schema)
         except json.JSONDecodeError as e:
@@ -61,8 +63,12 @@ class JsonSchemaConstraint:
         if document is None or (depth := _depth(document)) > MAX_SCHEMA_DEPTH:
             levels = "more levels than the JSON parser reads" if document is None else f"{depth} levels"
             raise ValueError(f"json_schema nests {levels} deep; at most {MAX_SCHEMA_DEPTH} are accepted")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(_closed(document), defaults={"whitespace_flexible": False})
-        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer, tuple(sorted(eos_token_ids))), grammar, log_level=0)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            _closed(document), defaults={"whitespace_flexible": False}
+        )
+        self.matcher = llguidance.LLMatcher(
+            _guidance_tokenizer(tokenizer, tuple(sorted(eos_token_ids))), grammar, log_level=0
+        )
         if self.matcher.is_error():
             raise ValueError(f"cannot constrain decoding to JSON Schema {schema[:200]!r}: {self.matcher.get_error()}")
 
@@ -254,7 +260,10 @@ def _advance(decoder: Decoder, logits: torch.Tensor) -> list[Step] | Exception:
 
 @torch.inference_mode()
 def teacher_forced_logits(
-    adapter: ModelAdapter, keys: list[torch.Tensor], values: list[torch.Tensor], first_logits: torch.Tensor,
+    adapter: ModelAdapter,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    first_logits: torch.Tensor,
     answer_ids: list[int],
 ) -> torch.Tensor:
     """The next-token logits at every position of `answer_ids` forced through a prompt cache (L x

@@ -50,7 +50,11 @@ class Method:
     reads_relevance: bool = False
 
     def __call__(
-        self, adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock: StageClock | None = None,
+        self,
+        adapter: FusionModel,
+        inp: FusionInput,
+        cfg: FusionConfig,
+        clock: StageClock | None = None,
         reader: LayerReader | None = None,
     ) -> FusionResult:
         return self.fn(adapter, inp, cfg, clock, reader)
@@ -86,7 +90,12 @@ def full(adapter: ModelAdapter, inp: FusionInput, cfg: FusionConfig, clock=None,
         keys, values, logits = adapter.prefill(inp.ids[None])
     n = inp.n_tokens
     return FusionResult(
-        [k[0] for k in keys], [v[0] for v in values], logits[0], n, 1.0, [n] * adapter.layout.n_layers,
+        [k[0] for k in keys],
+        [v[0] for v in values],
+        logits[0],
+        n,
+        1.0,
+        [n] * adapter.layout.n_layers,
         dict(clock.seconds),
     )
 
@@ -115,8 +124,9 @@ def chunk_heads(inp: FusionInput, k: int) -> torch.Tensor:
 @register("epic")
 def epic(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC LegoLink-k: recompute the first k tokens of every inexact chunk, plus uncached tokens."""
-    return selective_prefill(adapter, inp, (inp.fresh | chunk_heads(inp, cfg.epic_k)).nonzero()[:, 0], clock=clock,
-                             reader=reader)
+    return selective_prefill(
+        adapter, inp, (inp.fresh | chunk_heads(inp, cfg.epic_k)).nonzero()[:, 0], clock=clock, reader=reader
+    )
 
 
 @register("epic_match")
@@ -137,8 +147,10 @@ def epic_evidence(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clo
     (`inp.relevance`, from the index's embedder), recomputed so that each attends to the chunks before it as
     in a full prefill: the evidence `epic_match` finds by the question's words, found when it uses others."""
     if inp.relevance is None:
-        raise ValueError("epic_evidence reads each sentence's relevance to the question (FusionInput.relevance), "
-                         "which this prompt was laid out without")
+        raise ValueError(
+            "epic_evidence reads each sentence's relevance to the question (FusionInput.relevance), "
+            "which this prompt was laid out without"
+        )
     sentence = sentence_ids(adapter.lexicon.sentence_end[inp.ids], inp.segment_of)  # [N]
     relevant = inp.relevance.masked_fill(~inp.reusable, -math.inf)  # [N]
     evidence = closest_sentences(relevant, sentence, cfg.evidence_sentences)  # [N]
@@ -150,8 +162,10 @@ def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
     """Layer -> fraction of reusable tokens kept from its attention on (gradual filtering, §4.3 of CacheBlend)."""
     last = cfg.check_layer + cfg.filter_steps - 1
     if last >= n_layers:
-        raise ValueError(f"check layer {cfg.check_layer} with {cfg.filter_steps} filter step(s) reaches layer {last}, "
-                         f"beyond the model's {n_layers} layers (0..{n_layers - 1})")
+        raise ValueError(
+            f"check layer {cfg.check_layer} with {cfg.filter_steps} filter step(s) reaches layer {last}, "
+            f"beyond the model's {n_layers} layers (0..{n_layers - 1})"
+        )
     if cfg.filter_steps == 1:
         return {cfg.check_layer: cfg.ratio}
     first = min(1.0, 2 * cfg.ratio)
@@ -160,7 +174,12 @@ def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 
 
 def hkvd_prefill(
-    adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, schedule: dict[int, float], clock=None, reader=None,
+    adapter: FusionModel,
+    inp: FusionInput,
+    cfg: FusionConfig,
+    schedule: dict[int, float],
+    clock=None,
+    reader=None,
 ) -> FusionResult:
     """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
@@ -219,8 +238,10 @@ def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
     at `ratio` ((n_layers - check_layer) * ratio); it is capped at 1, which can only lower the total."""
     layers = (cfg.check_layer, *cfg.repick_layers)
     if list(layers) != sorted(set(layers)) or layers[-1] >= n_layers:
-        raise ValueError(f"repick layers {cfg.repick_layers} must rise strictly after the check layer "
-                         f"{cfg.check_layer} and stay below the model's {n_layers} layers")
+        raise ValueError(
+            f"repick layers {cfg.repick_layers} must rise strictly after the check layer "
+            f"{cfg.check_layer} and stay below the model's {n_layers} layers"
+        )
     spans = [b - a for a, b in zip(layers, (*layers[1:], n_layers))]  # layers each fraction lasts
     weight = sum(span * cfg.repick_decay**j for j, span in enumerate(spans))
     first = min(1.0, (n_layers - cfg.check_layer) * cfg.ratio / weight)
@@ -228,7 +249,9 @@ def repick_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
 
 
 @register("cacheblend_repick")
-def cacheblend_repick(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
+def cacheblend_repick(
+    adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None
+) -> FusionResult:
     """CacheBlend with re-selection: pick more HKVD tokens at the check layer, then at each re-pick layer
     keep those whose fresh K (or V) still deviates most from the cache there; CacheBlend's budget."""
     return hkvd_prefill(adapter, inp, cfg, repick_schedule(cfg, adapter.layout.n_layers), clock, reader)

@@ -107,12 +107,20 @@ class LayerWeights:
         qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(H_q + 2 H_kv) * D, E]
         gate_up, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])  # [2 I, E]
         return cls(
-            block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
-            block.input_layernorm.variance_epsilon, qkv.t(), qkv_bias, attn.q_proj.out_features,
-            attn.o_proj.weight.detach().t(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-            gate_up.t(), gate_up_bias, mlp.down_proj.weight.detach().t(),
+            block.input_layernorm.weight.detach(),
+            block.post_attention_layernorm.weight.detach(),
+            block.input_layernorm.variance_epsilon,
+            qkv.t(),
+            qkv_bias,
+            attn.q_proj.out_features,
+            attn.o_proj.weight.detach().t(),
+            None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            gate_up.t(),
+            gate_up_bias,
+            mlp.down_proj.weight.detach().t(),
             None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
-            getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+            getattr(attn, "q_norm", None),
+            getattr(attn, "k_norm", None),
         )
 
 
@@ -171,9 +179,7 @@ class ModelAdapter:
     def load(cls, config: Config) -> ModelAdapter:
         source = resolve_model_source(config.model, config.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[config.dtype], attn_implementation="sdpa")
         return cls(model.to(config.device), tokenizer, config.model)
 
     def _fingerprint(self) -> str:
@@ -276,7 +282,10 @@ class ModelAdapter:
         cache = None if past is None else self.make_cache(*past)
         positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         out = self.model(
-            input_ids=ids.to(self.device), position_ids=positions, use_cache=True, logits_to_keep=1,
+            input_ids=ids.to(self.device),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
             **{self.cache_arg: DynamicCache() if cache is None else cache},
         )
         layers = getattr(out, self.cache_arg).layers
@@ -304,11 +313,18 @@ class ModelAdapter:
         positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device), self.dtype)  # [N, D]
         h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
-        masks = {} if past is None else {  # behind a past, a chunk of n tokens: [n, P + n]
-            n: causal_mask_for(torch.arange(p, p + n), torch.arange(p + n)).to(self.device) for n in set(lengths)}
+        masks = (
+            {}
+            if past is None
+            else {  # behind a past, a chunk of n tokens: [n, P + n]
+                n: causal_mask_for(torch.arange(p, p + n), torch.arange(p + n)).to(self.device) for n in set(lengths)
+            }
+        )
         out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
         for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
+            q, k, v = self.qkv(
+                layer, self.attention_input(layer, h), cos, sin
+            )  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
             for (keys, values), (s, e) in zip(out, spans):  # own copies: k and v are views of the layer's projection
                 keys.append(k[:, s:e].contiguous())  # [H_kv, T_i, D]
                 values.append(v[:, s:e].contiguous())  # [H_kv, T_i, D]
@@ -364,17 +380,22 @@ class ModelAdapter:
         `DecodePool` attend in one call a layer, each over its own positions alone (`attend_rows`), so a
         row's logits do not depend on the other rows. Returns the logits after each row's last token [B, V]."""
         if not tokens or len(tokens) != len(caches):
-            raise ValueError(f"extend_rows needs one row of tokens per cache, got {len(tokens)} rows for {len(caches)} caches")
+            raise ValueError(
+                f"extend_rows needs one row of tokens per cache, got {len(tokens)} rows for {len(caches)} caches"
+            )
         width = len(tokens[0])
         if width == 0 or any(len(row) != width for row in tokens):
-            raise ValueError(f"extend_rows needs the same number (>= 1) of tokens in every row, got {[len(r) for r in tokens]}")
+            raise ValueError(
+                f"extend_rows needs the same number (>= 1) of tokens in every row, got {[len(r) for r in tokens]}"
+            )
         closed = [b for b, c in enumerate(caches) if not c.open]
         if closed:
             raise ValueError(f"decode caches {closed} are closed: their slots were given back")
         full = [b for b, c in enumerate(caches) if c.length + width > c.capacity]
         if full:
-            raise ValueError(f"decode caches {full} are full ({caches[full[0]].capacity} positions): "
-                             f"no room for {width} more")
+            raise ValueError(
+                f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room for {width} more"
+            )
         if len({id(c) for c in caches}) < len(caches):
             raise ValueError("extend_rows got one cache twice: a sequence is extended once a step")
         group = self.model.config.num_attention_heads // self.layout.n_kv_heads  # query heads per KV head
@@ -382,11 +403,18 @@ class ModelAdapter:
         for b, c in enumerate(caches):
             pools.setdefault(id(c.pool), []).append(b)
         at = torch.arange(len(caches) * width, device=self.device).view(len(caches), width)  # [B, M]: a row's tokens
-        parts = [(caches[rows[0]].pool, at[rows].flatten(), RowStep.of(
-            caches[rows[0]].pool, [caches[b] for b in rows], width, group)) for rows in pools.values()]
+        parts = [
+            (
+                caches[rows[0]].pool,
+                at[rows].flatten(),
+                RowStep.of(caches[rows[0]].pool, [caches[b] for b in rows], width, group),
+            )
+            for rows in pools.values()
+        ]
         order = torch.cat([picks for _, picks, _ in parts]).argsort()  # [B * M]: the tokens back in the callers' order
         positions = torch.tensor([c.length for c in caches], device=self.device)[:, None] + torch.arange(
-            width, device=self.device)  # [B, M]
+            width, device=self.device
+        )  # [B, M]
         cos, sin = rope_cos_sin(positions.flatten(), self.inv_freq, self.dtype)  # [B * M, D]
         h = self.embed(torch.tensor(list(tokens), device=self.device).flatten())  # [B * M, E]
         for layer in range(self.layout.n_layers):
@@ -395,11 +423,20 @@ class ModelAdapter:
                 pool, _, step = parts[0]
                 out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B * M, H_q * D]
             else:
-                out = torch.cat([
-                    attend_rows(pool.keys[layer], pool.values[layer], step, q[:, picks], k[:, picks], v[:, picks],
-                                self.scale)
-                    for pool, picks, step in parts
-                ])[order]  # [B * M, H_q * D]
+                out = torch.cat(
+                    [
+                        attend_rows(
+                            pool.keys[layer],
+                            pool.values[layer],
+                            step,
+                            q[:, picks],
+                            k[:, picks],
+                            v[:, picks],
+                            self.scale,
+                        )
+                        for pool, picks, step in parts
+                    ]
+                )[order]  # [B * M, H_q * D]
             h = self.finish(layer, h, out)  # [B * M, E]
         for c in caches:
             c.length += width

@@ -84,20 +84,28 @@ def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)  # [M, n]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Grouped-query attention of q [H_q, Q, D] over k, v [H_kv, N, D] under a bool mask [Q, N]
     (`None`: plain causal, for Q == N)."""
     out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None], is_causal=mask is None,
-        scale=scale, enable_gqa=q.shape[0] != k.shape[0],
+        q[None],
+        k[None],
+        v[None],
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[0] != k.shape[0],
     )  # [1, H_q, Q, D]
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [Q, H_q * D]
 
 
 def attend_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, M, D] over k, v [H, n, D] under an additive bias [M, n] (`mask_bias`; None:
     every key), with each query's log-sum-exp of scores [H, M] (float32), so partial results over
@@ -107,12 +115,20 @@ def attend_lse(
     heads (query head h reads KV head h // G)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, causal, attn_mask=None if bias is None else bias[None, None], scale=scale,
+            q[None],
+            k[None],
+            v[None],
+            0.0,
+            causal,
+            attn_mask=None if bias is None else bias[None, None],
+            scale=scale,
         )[:2]  # [1, H, M, D], [1, H, M]
         return out[0], lse[0]
     if causal or q.shape[0] != k.shape[0]:
-        raise ValueError(f"attend_lse on {q.device.type}: causal={causal}, {q.shape[0]} query heads over "
-                         f"{k.shape[0]} KV heads (the causal and grouped forms are CPU-only)")
+        raise ValueError(
+            f"attend_lse on {q.device.type}: causal={causal}, {q.shape[0]} query heads over "
+            f"{k.shape[0]} KV heads (the causal and grouped forms are CPU-only)"
+        )
     if q.device.type == "cuda":
         if bias is not None:
             bias = bias.to(q.dtype)  # [M, n]
@@ -121,7 +137,12 @@ def attend_lse(
                 bias = padded[:, : bias.shape[1]].copy_(bias)  # [M, n], rows 16-aligned
             bias = bias[None, None].expand(1, q.shape[0], *bias.shape)  # [1, H, M, n], one copy for every head
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q[None], k[None], v[None], bias, True, scale=scale,
+            q[None],
+            k[None],
+            v[None],
+            bias,
+            True,
+            scale=scale,
         )[:2]  # [1, H, M, D], [1, H, M rounded up]
         return out[0], lse[0, :, : q.shape[1]]
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
@@ -132,7 +153,11 @@ def attend_lse(
 
 
 def merge_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, out: torch.Tensor | None = None,
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the union of two disjoint key sets from each set's output [..., M, D] and
     log-sum-exp [..., M] (into `out` if given). Set a's weight is exp(lse_a) / (exp(lse_a) + exp(lse_b)),
@@ -182,7 +207,10 @@ class RunCost:
 
 
 def plan_runs(
-    positions: Sequence[int], block: int | None = None, atom: int = 32, cost: RunCost = RunCost(),
+    positions: Sequence[int],
+    block: int | None = None,
+    atom: int = 32,
+    cost: RunCost = RunCost(),
 ) -> list[tuple[int, int, int]]:
     """Split ascending query positions into runs (start, end, open_end) at the least `cost`: each run's
     queries see keys [0, open_end) whole and the keys from there up to its last query under a mask, no
@@ -240,7 +268,11 @@ class AttentionPlan:
 
 
 def attention_plan(
-    positions: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, block: int | None = None,
+    positions: torch.Tensor,
+    n_keys: int,
+    group: int,
+    dtype: torch.dtype,
+    block: int | None = None,
     single_call: bool | None = None,
 ) -> AttentionPlan:
     """Plan the attention of queries at ascending `positions` [Q] (with `group` query heads per KV head)
@@ -275,11 +307,21 @@ def attention_plan(
     runs = plan_runs(pos, block)
     if sum((e - s) * (pos[e - 1] + 1) for s, e, _ in runs) >= n_keys * n_keys // 2:
         return AttentionPlan(positions, n_keys, ())
-    return AttentionPlan(positions, n_keys, tuple(
-        QueryRun(s, e, first, mask_bias(causal_mask_for(positions[s:e], torch.arange(first, pos[e - 1] + 1, device=positions.device)),
-                                        dtype).repeat(group, 1))  # [G * B, m]
-        for s, e, first in runs
-    ))
+    return AttentionPlan(
+        positions,
+        n_keys,
+        tuple(
+            QueryRun(
+                s,
+                e,
+                first,
+                mask_bias(
+                    causal_mask_for(positions[s:e], torch.arange(first, pos[e - 1] + 1, device=positions.device)), dtype
+                ).repeat(group, 1),
+            )  # [G * B, m]
+            for s, e, first in runs
+        ),
+    )
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
@@ -313,9 +355,16 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
         o = o.reshape(h_kv, g, e - s, d)  # [H_kv, G, B, D]
         dst = out[s:e].permute(1, 2, 0, 3)  # [H_kv, G, B, D], a view of out
         if first > 0:
-            o_open, lse_open = attend_lse(qb, k[:, :first], v[:, :first], None, scale)  # [H_kv, G * B, D], [H_kv, G * B]
-            merge_attention(o_open.reshape(h_kv, g, e - s, d), lse_open.reshape(h_kv, g, e - s), o,
-                            lse.reshape(h_kv, g, e - s), out=dst)  # [H_kv, G, B, D]
+            o_open, lse_open = attend_lse(
+                qb, k[:, :first], v[:, :first], None, scale
+            )  # [H_kv, G * B, D], [H_kv, G * B]
+            merge_attention(
+                o_open.reshape(h_kv, g, e - s, d),
+                lse_open.reshape(h_kv, g, e - s),
+                o,
+                lse.reshape(h_kv, g, e - s),
+                out=dst,
+            )  # [H_kv, G, B, D]
         else:
             dst.copy_(o)
     return out.view(n_q, h_q * d)  # [Q, H_q * D]

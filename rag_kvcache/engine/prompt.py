@@ -136,7 +136,9 @@ def chat_segments(tokenizer, system_prompt: str, turns: Sequence[ChatTurn]) -> l
         merged.insert(0, ChatTurn("system", (system_prompt,)))
     chunks: list[ChunkPart] = []
     literals: list[str] = []
-    messages = [{"role": turn.role, "content": _render_parts(turn.parts, chunks, tokenizer, literals)} for turn in merged]
+    messages = [
+        {"role": turn.role, "content": _render_parts(turn.parts, chunks, tokenizer, literals)} for turn in merged
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     pieces = _CHUNK_MARK.split(text)  # text, chunk number, text, chunk number, ..., text
     order = [int(n) for n in pieces[1::2]]
@@ -181,6 +183,7 @@ def shield(tokenizer, text: str, literals: list[str]) -> str:
     numbered mark (the string appended to `literals`): rendered into a chat template and tokenised by
     `tokenize_rendered`, the template's own control tokens stay control tokens and the user's are spelt
     out as text, so that no message can open a turn of its own. Text without one is returned as it is."""
+
     def mark(match: re.Match) -> str:
         literals.append(match.group())
         return f"\x01{len(literals) - 1}\x02"

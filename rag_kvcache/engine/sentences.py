@@ -20,11 +20,47 @@ from transformers import PreTrainedTokenizerFast
 
 MIN_WORD_LETTERS = 4  # shorter tokens are mostly function words and word pieces
 MAX_SENTENCE_TOKENS = 64  # a longer run without a sentence end is a list or a table, not one statement
-STOP_WORDS = frozenset({
-    "about", "after", "also", "been", "before", "does", "from", "have", "into", "many", "much", "only", "over",
-    "some", "such", "than", "that", "their", "them", "then", "there", "these", "they", "this", "those", "under",
-    "were", "what", "when", "where", "which", "while", "whom", "whose", "will", "with", "would",
-})
+STOP_WORDS = frozenset(
+    {
+        "about",
+        "after",
+        "also",
+        "been",
+        "before",
+        "does",
+        "from",
+        "have",
+        "into",
+        "many",
+        "much",
+        "only",
+        "over",
+        "some",
+        "such",
+        "than",
+        "that",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "under",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "whom",
+        "whose",
+        "will",
+        "with",
+        "would",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +73,9 @@ class Lexicon:
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerFast, device: torch.device | str = "cpu") -> Lexicon:
         # one decode per id in the Rust backend, in parallel: ~1 s for a 49k vocabulary (batch_decode: ~5x that)
-        texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+        texts = tokenizer.backend_tokenizer.decode_batch(
+            [[i] for i in range(len(tokenizer))], skip_special_tokens=False
+        )
         ends = [t.rstrip(" ").endswith((".", "!", "?")) or "\n" in t for t in texts]
         bare = [t.strip().lower() for t in texts]
         words = [w.isalpha() and len(w) >= MIN_WORD_LETTERS and w not in STOP_WORDS for w in bare]
@@ -53,7 +91,11 @@ def sentence_ids(ends: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
 
 
 def echo_sentences(
-    ids: torch.Tensor, lexicon: Lexicon, part: torch.Tensor, cached: torch.Tensor, question: torch.Tensor,
+    ids: torch.Tensor,
+    lexicon: Lexicon,
+    part: torch.Tensor,
+    cached: torch.Tensor,
+    question: torch.Tensor,
     min_shared: int,
 ) -> torch.Tensor:
     """The tokens [N] of every sentence in the cached segments that shares at least `min_shared` distinct
@@ -77,8 +119,13 @@ Embed = Callable[[list[str]], np.ndarray]  # texts -> [T, E] L2-normalised embed
 
 
 def sentence_relevance(
-    ids: torch.Tensor, lexicon: Lexicon, part: torch.Tensor, candidate: torch.Tensor, question: torch.Tensor,
-    tokenizer: PreTrainedTokenizerFast, embed: Embed,
+    ids: torch.Tensor,
+    lexicon: Lexicon,
+    part: torch.Tensor,
+    candidate: torch.Tensor,
+    question: torch.Tensor,
+    tokenizer: PreTrainedTokenizerFast,
+    embed: Embed,
 ) -> torch.Tensor:
     """Each token's sentence's cosine similarity to the question [N], as `embed` reads both texts, for the
     sentences within `candidate` tokens (no longer than MAX_SENTENCE_TOKENS); -inf for every other token.

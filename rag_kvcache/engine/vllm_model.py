@@ -20,8 +20,14 @@ from .model import KVLayout, ModelAdapter, UnsupportedModelError
 from .ops import apply_rope
 from .sentences import Lexicon
 
-LAYER_PARTS = ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "self_attn.rotary_emb",
-               "post_attention_layernorm", "mlp")
+LAYER_PARTS = (
+    "input_layernorm",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "self_attn.rotary_emb",
+    "post_attention_layernorm",
+    "mlp",
+)
 
 
 class VllmAdapter:
@@ -35,23 +41,30 @@ class VllmAdapter:
         inner = model.model
         self.blocks = list(inner.layers)
         if len(self.blocks) != reference.layout.n_layers:
-            raise UnsupportedModelError(f"vLLM's model has {len(self.blocks)} decoder layers, the index's "
-                                        f"{reference.layout.n_layers}: serve the model the index was built with")
+            raise UnsupportedModelError(
+                f"vLLM's model has {len(self.blocks)} decoder layers, the index's "
+                f"{reference.layout.n_layers}: serve the model the index was built with"
+            )
         for part in LAYER_PARTS:
             try:
                 self.blocks[0].get_submodule(part)
             except AttributeError as err:
-                raise UnsupportedModelError(f"vLLM's {type(self.blocks[0]).__name__} has no {part!r}: the adapter "
-                                            "runs Llama-shaped decoder layers only") from err
+                raise UnsupportedModelError(
+                    f"vLLM's {type(self.blocks[0]).__name__} has no {part!r}: the adapter "
+                    "runs Llama-shaped decoder layers only"
+                ) from err
         attn = self.blocks[0].self_attn
         if attn.num_kv_heads != reference.layout.n_kv_heads or attn.head_dim != reference.layout.head_dim:
             raise UnsupportedModelError(
                 f"this vLLM worker holds {attn.num_kv_heads} KV heads of {attn.head_dim}, the index's model "
-                f"{reference.layout.n_kv_heads} of {reference.layout.head_dim}: tensor parallelism is not supported")
+                f"{reference.layout.n_kv_heads} of {reference.layout.head_dim}: tensor parallelism is not supported"
+            )
         rope = attn.rotary_emb
         if not rope.is_neox_style or rope.rotary_dim != attn.head_dim:
-            raise UnsupportedModelError(f"vLLM's rotary embedding rotates {rope.rotary_dim} of {attn.head_dim} dims "
-                                        f"(neox style: {rope.is_neox_style}); the engine rotates whole heads, neox style")
+            raise UnsupportedModelError(
+                f"vLLM's rotary embedding rotates {rope.rotary_dim} of {attn.head_dim} dims "
+                f"(neox style: {rope.is_neox_style}); the engine rotates whole heads, neox style"
+            )
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self.layout = KVLayout(len(self.blocks), attn.num_kv_heads, attn.head_dim, self.dtype)
@@ -88,7 +101,9 @@ class VllmAdapter:
         qk = apply_rope(torch.cat([q, k], dim=1).transpose(0, 1), cos, sin)  # [H_q + H_kv, T, D]
         return qk[:h_q], qk[h_q:], v.transpose(0, 1)  # [H_q, T, D], [H_kv, T, D], [H_kv, T, D]
 
-    def kv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v of the tokens of x; vLLM's projection is fused, so q's columns are computed and dropped."""
         _, k, v = self._project(layer, x)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)  # [H_kv, T, D] x 2

@@ -87,18 +87,18 @@ class RayWorkers:
         n = config.ray_workers or max(1, int(ray.available_resources().get("CPU", 1)))
         gpus = 1 if config.device.startswith("cuda") else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(CacheWorker)
-        self.actors = [
-            actor.remote(config, str(store_root), namespace, fingerprint) for _ in range(n)
-        ]
+        self.actors = [actor.remote(config, str(store_root), namespace, fingerprint) for _ in range(n)]
 
-    def store(
-        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], progress: bool = True
-    ) -> None:
+    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], progress: bool = True) -> None:
         """Compute and store the caches of `chunks` behind `context`, packs dealt out to the actors as
         they come free; returns when every cache is written."""
         packs = [[chunks[i] for i in pack] for pack in token_packs(chunks, self.pack_tokens)]
-        bar = tqdm(total=sum(map(len, chunks)), unit="tok", disable=not progress,
-                   desc=f"KV precompute on {len(self.actors)} Ray workers")
+        bar = tqdm(
+            total=sum(map(len, chunks)),
+            unit="tok",
+            disable=not progress,
+            desc=f"KV precompute on {len(self.actors)} Ray workers",
+        )
         pool = self._pool_of(self.actors)
         for n_tokens in pool.map_unordered(lambda actor, pack: actor.store.remote(pack, context), packs):
             bar.update(n_tokens)

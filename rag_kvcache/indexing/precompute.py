@@ -63,7 +63,10 @@ def compute_caches(
 
 
 def cached_context(
-    sources: Sequence[LayerSource], inv_freq: torch.Tensor, device: torch.device | str, dtype: torch.dtype,
+    sources: Sequence[LayerSource],
+    inv_freq: torch.Tensor,
+    device: torch.device | str,
+    dtype: torch.dtype,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer K/V [H_kv, P, D] of a context made of cached sequences: `sources` laid end to end from
     position 0, each one's keys moved from the position it was computed at to the one it takes here (one
@@ -90,7 +93,10 @@ def cached_context(
 
 
 def compute_behind_cached(
-    adapter: ModelAdapter, chunk: Sequence[int], sources: Sequence[LayerSource], tail: Sequence[int] = (),
+    adapter: ModelAdapter,
+    chunk: Sequence[int],
+    sources: Sequence[LayerSource],
+    tail: Sequence[int] = (),
 ) -> ChunkKV:
     """The cache of `chunk` computed behind a context read from caches (`cached_context` of `sources`) and
     then the `tail` tokens, which are computed in the same forward as the chunk (one `prefill_packed` over
@@ -102,8 +108,9 @@ def compute_behind_cached(
     past = cached_context(sources, adapter.inv_freq, adapter.device, adapter.dtype)  # L x [H_kv, P, D] each
     ((keys, values),) = adapter.prefill_packed([(*tail, *chunk)], past)  # L x [H_kv, len(tail) + T, D]
     t = len(tail)
-    return ChunkKV([k[:, t:].contiguous() for k in keys], [v[:, t:].contiguous() for v in values],
-                   past[0][0].shape[1] + t)
+    return ChunkKV(
+        [k[:, t:].contiguous() for k in keys], [v[:, t:].contiguous() for v in values], past[0][0].shape[1] + t
+    )
 
 
 def token_packs(chunks: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:

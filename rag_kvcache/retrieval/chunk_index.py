@@ -117,7 +117,9 @@ class Staged:
     stale: list[str]  # the sources whose rows go: removed and changed
     documents: list[tuple[str, str, int]]  # the document rows to add: (source, sha256, number of chunks)
     embeddings: np.ndarray  # [C, E], one per `report.new_chunks`
-    texts: list[tuple[str, str, str]] = field(default_factory=list)  # documents given as text: (source, text, metadata JSON)
+    texts: list[tuple[str, str, str]] = field(
+        default_factory=list
+    )  # documents given as text: (source, text, metadata JSON)
 
 
 @dataclass(frozen=True)
@@ -350,9 +352,16 @@ class ChunkIndex:
         if staged.documents or staged.stale:
             self._apply(staged.stale, staged.documents, staged.report.new_chunks, staged.embeddings, staged.texts)
         r = staged.report
-        logger.info("committed into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
-                    self._dir, len(r.added), len(r.changed), len(r.removed), len(r.unchanged), len(r.skipped),
-                    len(r.new_chunks))
+        logger.info(
+            "committed into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
+            self._dir,
+            len(r.added),
+            len(r.changed),
+            len(r.removed),
+            len(r.unchanged),
+            len(r.skipped),
+            len(r.new_chunks),
+        )
         return r
 
     def delete(self, sources: Sequence[str]) -> list[str]:
@@ -391,7 +400,10 @@ class ChunkIndex:
         if len(records) < len(found):  # another process synced since this index was opened
             logger.warning(
                 "%d of the %d hits were removed from %s by another process since it was opened; reopen the "
-                "index to search its current contents", len(found) - len(records), len(found), self._dir,
+                "index to search its current contents",
+                len(found) - len(records),
+                len(found),
+                self._dir,
             )
         return [Hit(records[i], score) for i, score in found if i in records]
 
@@ -457,7 +469,10 @@ class ChunkIndex:
         """Rebuild `vectors.faiss` from SQLite's stored embeddings (no re-embedding) and write it."""
         conn = self._writable_conn("rewriting vectors.faiss")
         self._vectors, self._vectors_sha256 = db.commit(
-            conn, self._dir, "rewriting vectors.faiss", lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"])
+            conn,
+            self._dir,
+            "rewriting vectors.faiss",
+            lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"]),
         )
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -500,9 +515,7 @@ class ChunkIndex:
                 [
                     faiss_id
                     for source in stale_sources
-                    for (faiss_id,) in conn.execute(
-                        "SELECT faiss_id FROM chunks WHERE source = ?", (source,)
-                    )
+                    for (faiss_id,) in conn.execute("SELECT faiss_id FROM chunks WHERE source = ?", (source,))
                 ],
                 dtype=np.int64,
             )
@@ -512,9 +525,7 @@ class ChunkIndex:
             conn.execute(db.TEXTS_SCHEMA)
             conn.executemany(f"DELETE FROM {db.TEXTS} WHERE source = ?", ((s,) for s in stale_sources))
             conn.executemany(f"INSERT INTO {db.TEXTS} (source, text, metadata) VALUES (?, ?, ?)", texts)
-            conn.executemany(
-                "INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents
-            )
+            conn.executemany("INSERT INTO documents (source, sha256, n_chunks) VALUES (?, ?, ?)", documents)
             conn.executemany(
                 "INSERT INTO chunks (id, faiss_id, source, ordinal, token_ids, char_start, char_end, text,"
                 " embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -537,7 +548,10 @@ class ChunkIndex:
             if (recorded := db.recorded_vectors_sha256(conn)) != self._vectors_sha256:
                 logger.warning(
                     "%s was synced by another process since it was opened (vectors sha256 %s, this process has "
-                    "%s); rebuilding the vectors from the stored embeddings", self._dir, recorded, self._vectors_sha256,
+                    "%s); rebuilding the vectors from the stored embeddings",
+                    self._dir,
+                    recorded,
+                    self._vectors_sha256,
                 )
                 return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
             if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
@@ -558,15 +572,15 @@ class ChunkIndex:
         if not self._writing:
             if not db.writable(self._dir):
                 raise PermissionError(
-                    errno.EACCES, f"index {self._dir} is read-only for this process: cannot go on {what}", str(self._dir)
+                    errno.EACCES,
+                    f"index {self._dir} is read-only for this process: cannot go on {what}",
+                    str(self._dir),
                 )
             self._conn.close()
             self._conn, self._writing = db.connect_existing(self._dir, write=True), True
         return self._conn
 
-    def _fetch(
-        self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]
-    ) -> dict[str | int, ChunkRecord]:
+    def _fetch(self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]) -> dict[str | int, ChunkRecord]:
         """Chunks whose `column` is in `keys`, keyed by it (in batches under SQLite's bound-parameter limit)."""
         records: dict[str | int, ChunkRecord] = {}
         for start in range(0, len(keys), db.LOOKUP_BATCH):

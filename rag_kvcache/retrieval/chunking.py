@@ -51,9 +51,7 @@ def _breaks(text: str, offsets: Sequence[tuple[int, int]]) -> list[_Break]:
         span = text[start : max(end, next_start)]
         if _PARAGRAPH_BREAK.search(span):
             breaks.append(_Break.PARAGRAPH)
-        elif "\n" in span or (
-            text[start:end].endswith(_SENTENCE_END) and (end == len(text) or text[end].isspace())
-        ):
+        elif "\n" in span or (text[start:end].endswith(_SENTENCE_END) and (end == len(text) or text[end].isspace())):
             breaks.append(_Break.SENTENCE)
         else:
             breaks.append(_Break.NONE)

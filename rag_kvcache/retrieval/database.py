@@ -46,7 +46,9 @@ SCHEMA = (
     *NGRAM_SCHEMA,
 )
 TEXTS = "texts"  # documents added as text (a vector store's): their whole text and metadata
-TEXTS_SCHEMA = f"CREATE TABLE IF NOT EXISTS {TEXTS} (source TEXT PRIMARY KEY, text TEXT NOT NULL, metadata TEXT NOT NULL)"
+TEXTS_SCHEMA = (
+    f"CREATE TABLE IF NOT EXISTS {TEXTS} (source TEXT PRIMARY KEY, text TEXT NOT NULL, metadata TEXT NOT NULL)"
+)
 TOKEN_DTYPE = np.dtype("<i4")  # the `chunks.token_ids` blob: int32 little-endian
 LOOKUP_BATCH = 500  # hashes or chunk keys per SELECT (under SQLite's bound-parameter limit)
 
@@ -82,8 +84,9 @@ def connect_existing(index_dir: Path, write: bool = False) -> sqlite3.Connection
     db_path = index_dir / DB_FILE
     if not exists(index_dir):
         raise ForeignIndexError(
-            f"{index_dir} is not a rag-kvcache index (no {DB_FILE})" if not db_path.exists() else
-            f"{index_dir} holds an {DB_FILE} without tables (its creation was interrupted): run `rag-kvcache "
+            f"{index_dir} is not a rag-kvcache index (no {DB_FILE})"
+            if not db_path.exists()
+            else f"{index_dir} holds an {DB_FILE} without tables (its creation was interrupted): run `rag-kvcache "
             "index` into it again to create it"
         )
     conn = connect(db_path, mode="rw" if write else "ro")
@@ -114,9 +117,7 @@ def checked_meta(conn: sqlite3.Connection, index_dir: Path) -> dict[str, str]:
     except sqlite3.DatabaseError as exc:
         raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index ({exc})") from exc
     if (found := meta.get("format")) != FORMAT:
-        raise ForeignIndexError(
-            f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}"
-        )
+        raise ForeignIndexError(f"{index_dir} is not a rag-kvcache index: format {found!r}, expected {FORMAT!r}")
     return meta
 
 
@@ -131,9 +132,7 @@ def record_vectors(conn: sqlite3.Connection, vectors: faiss.Index) -> bytes:
     """Record the checksum of `vectors`' file in the meta table (inside the caller's transaction) and
     return the file's bytes, for the caller to write once the transaction commits."""
     data = faiss_file.serialize(vectors)
-    conn.execute(
-        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (VECTORS_SHA256, faiss_file.checksum(data))
-    )
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (VECTORS_SHA256, faiss_file.checksum(data)))
     return data
 
 
@@ -180,11 +179,17 @@ def rebuild_vectors(
         try:
             writer = connect_existing(index_dir, write=True)
             try:
-                return commit(writer, index_dir, "rewriting vectors.faiss", lambda: vectors_from_db(writer, dim, index_type))
+                return commit(
+                    writer, index_dir, "rewriting vectors.faiss", lambda: vectors_from_db(writer, dim, index_type)
+                )
             finally:
                 writer.close()
         except OSError as exc:  # a full disk: serve all the same
-            logger.warning("could not rewrite %s (%s): searching vectors rebuilt in memory", index_dir / faiss_file.VECTORS_FILE, exc)
+            logger.warning(
+                "could not rewrite %s (%s): searching vectors rebuilt in memory",
+                index_dir / faiss_file.VECTORS_FILE,
+                exc,
+            )
     else:
         logger.warning("%s is read-only for this process: searching vectors rebuilt in memory", index_dir)
     return vectors_from_db(conn, dim, index_type), None
@@ -221,8 +226,10 @@ def io_error(exc: sqlite3.Error, index_dir: Path, what: str) -> OSError:
     stats = os.statvfs(index_dir)
     if exc.sqlite_errorcode == sqlite3.SQLITE_FULL or stats.f_bavail * stats.f_frsize < 1 << 20:
         return StorageFullError(
-            errno.ENOSPC, f"no space left on the device of {index_dir} while {what} ({exc}); the index is "
-            "unchanged: free space and run the command again", db_path,
+            errno.ENOSPC,
+            f"no space left on the device of {index_dir} while {what} ({exc}); the index is "
+            "unchanged: free space and run the command again",
+            db_path,
         )
     return OSError(errno.EIO, f"{exc} ({exc.sqlite_errorname}) while {what}", db_path)
 

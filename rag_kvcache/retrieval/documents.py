@@ -45,7 +45,10 @@ class Skipped:
 
 
 def read_documents(
-    docs_dir: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, max_documents: int = DEFAULT_MAX_DOCUMENTS,
+    docs_dir: Path,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_documents: int = DEFAULT_MAX_DOCUMENTS,
     exclude: Sequence[Path] = (),
 ) -> tuple[list[SourceFile], list[Skipped]]:
     """Read every non-hidden text file under `docs_dir`, recursively and in sorted order.

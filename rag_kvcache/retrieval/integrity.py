@@ -62,7 +62,9 @@ def row_problem(
 ) -> str | None:
     """What is wrong with a chunk row's derived columns, or None."""
     if not isinstance(token_blob, bytes) or len(token_blob) % db.TOKEN_DTYPE.itemsize or not token_blob:
-        return f"token ids are not a non-empty int32 array ({type(token_blob).__name__} of {len(token_blob or b'')} bytes)"
+        return (
+            f"token ids are not a non-empty int32 array ({type(token_blob).__name__} of {len(token_blob or b'')} bytes)"
+        )
     if chunk != chunk_id(source, ordinal, np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist()):
         return "its id does not match its source, ordinal and token ids"
     if fid != faiss_id(chunk):

@@ -95,9 +95,7 @@ def find_spans(
     return spans
 
 
-def _extend(
-    prompt: Sequence[int], i: int, chunk: Hashable, offset: int, ids: Sequence[int], floor: int
-) -> Span | None:
+def _extend(prompt: Sequence[int], i: int, chunk: Hashable, offset: int, ids: Sequence[int], floor: int) -> Span | None:
     """The longest run of `prompt` through position i equal to `ids` aligned at `offset` (None when
     the n-gram at i was a hash collision); it starts no earlier than prompt position `floor`."""
     lo, hi = i, i

@@ -67,7 +67,9 @@ def load(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | No
     return vectors
 
 
-def check(index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | None) -> tuple[faiss.Index | None, str | None]:
+def check(
+    index_dir: Path, expected_ids: np.ndarray, dim: int, recorded: str | None
+) -> tuple[faiss.Index | None, str | None]:
     """`vectors.faiss` read and verified: (the index, None), or (None, what is wrong with it): it is
     missing, its bytes do not match the `recorded` checksum (None: none recorded), it is unreadable,
     or it does not hold exactly `expected_ids`."""
@@ -120,8 +122,10 @@ def stage(index_dir: Path, data: bytes) -> Path:
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageFullError(
-                err.errno, f"no space left on the device of {index_dir} while writing the {len(data)}-byte "
-                f"{VECTORS_FILE}; the index is unchanged: free space and run the command again", str(tmp),
+                err.errno,
+                f"no space left on the device of {index_dir} while writing the {len(data)}-byte "
+                f"{VECTORS_FILE}; the index is unchanged: free space and run the command again",
+                str(tmp),
             ) from err
         raise
     return tmp

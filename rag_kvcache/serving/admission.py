@@ -36,13 +36,23 @@ class Admission:
         retry = max(1, math.ceil(self._service_s * (self.waiting + self.active) / self.max_batch))
         if self.waiting >= self.max_queue + self.max_batch - self.active:
             self.metrics.rejected.inc()
-            raise APIError(429, f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
-                           type="rate_limit_error", code="server_busy", headers={"Retry-After": str(retry)})
+            raise APIError(
+                429,
+                f"the server is busy ({self.waiting} requests waiting); retry in {retry} s",
+                type="rate_limit_error",
+                code="server_busy",
+                headers={"Retry-After": str(retry)},
+            )
         if tenant and self.max_per_key and self.in_flight.get(tenant, 0) >= self.max_per_key:
             self.metrics.rejected.inc()
-            raise APIError(429, f"this API key has {self.max_per_key} requests in flight, the most this server allows "
-                           f"one key (max_per_key); retry in {retry} s", type="rate_limit_error", code="key_busy",
-                           headers={"Retry-After": str(retry)})
+            raise APIError(
+                429,
+                f"this API key has {self.max_per_key} requests in flight, the most this server allows "
+                f"one key (max_per_key); retry in {retry} s",
+                type="rate_limit_error",
+                code="key_busy",
+                headers={"Retry-After": str(retry)},
+            )
         self._set_waiting(+1)
         if tenant:
             self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1

@@ -16,8 +16,12 @@ def document_path(docs_dir: Path, source: str) -> Path:
     control characters, each name short enough for its temporary file's (`.NAME.tmp`), through folders
     (not files, not links) only: a link inside the folder once let a document land outside it."""
     rel = PurePosixPath(source)  # "." and "./" have no parts: the folder itself, written over by the document
-    if not rel.parts or rel.is_absolute() or "\\" in source or any(
-            part in ("", "..") or part.startswith(".") for part in rel.parts):
+    if (
+        not rel.parts
+        or rel.is_absolute()
+        or "\\" in source
+        or any(part in ("", "..") or part.startswith(".") for part in rel.parts)
+    ):
         raise _bad_source(source, "a relative path inside the documents folder, without hidden or '..' parts")
     if any(ord(c) < 32 or ord(c) == 127 for c in source):
         raise _bad_source(source, "without control characters")
@@ -30,8 +34,11 @@ def document_path(docs_dir: Path, source: str) -> Path:
             raise _bad_source(source, f"not through a link ({'/'.join(rel.parts[: i + 1])!r} is one)")
         last = i == len(rel.parts) - 1
         if path.is_dir() if last else path.exists() and not path.is_dir():
-            raise _bad_source(source, f"a path through folders to a file ({'/'.join(rel.parts[: i + 1])!r} is "
-                                      f"{'a folder' if last else 'a file'})")
+            raise _bad_source(
+                source,
+                f"a path through folders to a file ({'/'.join(rel.parts[: i + 1])!r} is "
+                f"{'a folder' if last else 'a file'})",
+            )
     return path
 
 

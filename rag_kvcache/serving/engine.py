@@ -62,8 +62,11 @@ class Engine:
         return self.run(self.index.search, query, k)
 
     def stream(
-        self, segments: Sequence[Segment], fusion: FusionConfig | None = None,
-        generation: GenerationConfig | None = None, timeout: float | None = None,
+        self,
+        segments: Sequence[Segment],
+        fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+        timeout: float | None = None,
     ) -> Iterator[str | Answer]:
         """`FusedGenerator.stream`, each step computed on the worker thread. Past `timeout` seconds
         (checked after each step: the fused prefill is one step, not interrupted) it raises `TimeoutError`."""
@@ -93,17 +96,23 @@ class EngineHandle:
         self, engine: Engine | None, index: str | Path | None, device: str | None = None, dtype: str | None = None
     ) -> None:
         if (engine is None) == (index is None):
-            raise ValueError("give either engine= (an opened Engine, to share) or index= (an index folder), not "
-                             f"{'both' if engine is not None else 'neither'}")
+            raise ValueError(
+                "give either engine= (an opened Engine, to share) or index= (an index folder), not "
+                f"{'both' if engine is not None else 'neither'}"
+            )
         if dtype is not None and dtype not in (dtypes := get_args(get_type_hints(Config)["dtype"])):
             raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
         if engine is not None and (device, dtype) != (None, None):
-            raise ValueError(f"device={device!r} and dtype={dtype!r} apply to an engine opened for index=; the given "
-                             f"engine= of {engine.path} is already loaded on {engine.index.config.device}")
+            raise ValueError(
+                f"device={device!r} and dtype={dtype!r} apply to an engine opened for index=; the given "
+                f"engine= of {engine.path} is already loaded on {engine.index.config.device}"
+            )
         self._given = engine
         self._own: Engine | None = None
         self.index_path = engine.path if engine is not None else Path(index).expanduser().resolve()
-        config = engine.index.config if engine is not None else KVIndex.config_of(self.index_path)  # refuses a non-index
+        config = (
+            engine.index.config if engine is not None else KVIndex.config_of(self.index_path)
+        )  # refuses a non-index
         self._config = replace(config, **{k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
         self.model_name = config.model
 

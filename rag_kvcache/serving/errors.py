@@ -14,8 +14,16 @@ from ..errors import RagKVCacheError
 class APIError(RagKVCacheError):
     """An error answered as OpenAI's API answers it."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers

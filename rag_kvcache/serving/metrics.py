@@ -40,8 +40,10 @@ class _StoreCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        families = {field: CounterMetricFamily(f"rag_kvcache_kv_cache_{name}", doc, labels=["tier"])
-                    for field, (name, doc) in TIER_COUNTERS.items()}
+        families = {
+            field: CounterMetricFamily(f"rag_kvcache_kv_cache_{name}", doc, labels=["tier"])
+            for field, (name, doc) in TIER_COUNTERS.items()
+        }
         for tier, s in self._stats().items():
             for field, family in families.items():
                 family.add_metric([tier], getattr(s, field))
@@ -59,52 +61,93 @@ class _ConversationCollector(Collector):
         yield GaugeMetricFamily(f"{name}_tokens", "Tokens whose K/V the conversation cache holds.", value=s.tokens)
         yield CounterMetricFamily(f"{name}_lookups", "Prompts looked up in the conversation cache.", value=s.lookups)
         yield CounterMetricFamily(f"{name}_hits", "Prompts that continued a stored conversation.", value=s.hits)
-        yield CounterMetricFamily(f"{name}_hit_tokens", "Prompt tokens read from the conversation cache.",
-                                  value=s.hit_tokens)
-        yield CounterMetricFamily(f"{name}_evicted_tokens", "Tokens evicted from the conversation cache.",
-                                  value=s.evicted_tokens)
+        yield CounterMetricFamily(
+            f"{name}_hit_tokens", "Prompt tokens read from the conversation cache.", value=s.hit_tokens
+        )
+        yield CounterMetricFamily(
+            f"{name}_evicted_tokens", "Tokens evicted from the conversation cache.", value=s.evicted_tokens
+        )
 
 
 class ServerMetrics:
     """Every metric the server exports, in its own registry."""
 
     def __init__(
-        self, store_stats: Callable[[], dict[str, TierStats]],
+        self,
+        store_stats: Callable[[], dict[str, TierStats]],
         conversation_stats: Callable[[], ConversationStats] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("rag_kvcache_requests", "Requests answered, by route and status code.",
-                                ["route", "status"], registry=r)
-        self.cancelled = Counter("rag_kvcache_requests_cancelled", "Generations stopped because the client left.",
-                                 registry=r)
-        self.rejected = Counter("rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.",
-                                registry=r)
-        self.ttft = Histogram("rag_kvcache_ttft_seconds", "Time to first token (fusion included), per method.",
-                              ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("rag_kvcache_request_seconds", "Admission to last token (queueing included), per method.",
-                             ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("rag_kvcache_queue_wait_seconds", "Time a request waited for the engine.",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.recomputed = Histogram("rag_kvcache_recomputed_fraction",
-                                    "Fraction of the prompt's tokens recomputed at query time, per method.",
-                                    ["method"], buckets=FRACTION_BUCKETS, registry=r)
+        self.requests = Counter(
+            "rag_kvcache_requests", "Requests answered, by route and status code.", ["route", "status"], registry=r
+        )
+        self.cancelled = Counter(
+            "rag_kvcache_requests_cancelled", "Generations stopped because the client left.", registry=r
+        )
+        self.rejected = Counter(
+            "rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.", registry=r
+        )
+        self.ttft = Histogram(
+            "rag_kvcache_ttft_seconds",
+            "Time to first token (fusion included), per method.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "rag_kvcache_request_seconds",
+            "Admission to last token (queueing included), per method.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "rag_kvcache_queue_wait_seconds",
+            "Time a request waited for the engine.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.recomputed = Histogram(
+            "rag_kvcache_recomputed_fraction",
+            "Fraction of the prompt's tokens recomputed at query time, per method.",
+            ["method"],
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("rag_kvcache_prompt_tokens", "Prompt tokens, per method.", ["method"], registry=r)
-        self.cached_tokens = Counter("rag_kvcache_cached_prompt_tokens", "Prompt tokens read from the KV cache.",
-                                     ["method"], registry=r)
-        self.completion_tokens = Counter("rag_kvcache_completion_tokens", "Generated tokens, per method.", ["method"],
-                                         registry=r)
-        self.decode_rate = Histogram("rag_kvcache_decode_tokens_per_second", "Decoding speed after the first token.",
-                                     ["method"], buckets=RATE_BUCKETS, registry=r)
+        self.cached_tokens = Counter(
+            "rag_kvcache_cached_prompt_tokens", "Prompt tokens read from the KV cache.", ["method"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "rag_kvcache_completion_tokens", "Generated tokens, per method.", ["method"], registry=r
+        )
+        self.decode_rate = Histogram(
+            "rag_kvcache_decode_tokens_per_second",
+            "Decoding speed after the first token.",
+            ["method"],
+            buckets=RATE_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
-        self.active = Gauge("rag_kvcache_active_requests", "Requests admitted to the engine: in its scheduler's queue "
-                            "for their prefill, or being served.", registry=r)
-        self.decode_batch = Histogram("rag_kvcache_decode_batch_size",
-                                      "Requests advanced by each batched decoding step.", buckets=BATCH_BUCKETS,
-                                      registry=r)
+        self.active = Gauge(
+            "rag_kvcache_active_requests",
+            "Requests admitted to the engine: in its scheduler's queue for their prefill, or being served.",
+            registry=r,
+        )
+        self.decode_batch = Histogram(
+            "rag_kvcache_decode_batch_size",
+            "Requests advanced by each batched decoding step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
-        self.decode_bytes = Gauge("rag_kvcache_decode_cache_bytes", "Bytes of the decoding requests' K/V buffers "
-                                  "(every slot as long as the longest request's); 0 when none decodes.", registry=r)
+        self.decode_bytes = Gauge(
+            "rag_kvcache_decode_cache_bytes",
+            "Bytes of the decoding requests' K/V buffers "
+            "(every slot as long as the longest request's); 0 when none decodes.",
+            registry=r,
+        )
         r.register(_StoreCollector(store_stats))
         if conversation_stats is not None:
             r.register(_ConversationCollector(conversation_stats))

@@ -9,8 +9,15 @@ from typing import Any
 from .errors import APIError
 from .metrics import ServerMetrics
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/retrieve", "/v1/documents", "/metrics",
-          "/health")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/retrieve",
+    "/v1/documents",
+    "/metrics",
+    "/health",
+)
 
 
 class LimitBody:
@@ -37,8 +44,11 @@ class LimitBody:
             too_large = received > self.max_bytes
             more = message["type"] == "http.request" and message.get("more_body", False) and not too_large
         if too_large:
-            error = APIError(413, f"the request body is larger than this server's max_body_bytes ({self.max_bytes})",
-                             code="request_too_large")
+            error = APIError(
+                413,
+                f"the request body is larger than this server's max_body_bytes ({self.max_bytes})",
+                code="request_too_large",
+            )
             await error.response()(scope, receive, send)
             return
         pending = iter(body)

@@ -81,7 +81,9 @@ class Server:
         # bytes, one or more per character): a prompt with more characters than this can never fit the limit.
         self.max_prompt_chars = config.max_prompt_tokens * max(map(len, engine.index.adapter.tokenizer.get_vocab()))
         conversations = engine.generator.conversations
-        self.metrics = ServerMetrics(engine.index.store.stats, None if conversations is None else lambda: conversations.stats)
+        self.metrics = ServerMetrics(
+            engine.index.store.stats, None if conversations is None else lambda: conversations.stats
+        )
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
@@ -97,8 +99,12 @@ class Server:
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     async def generate(self, ticket: Ticket, prompt: Prompt, request: Request | None) -> AsyncIterator[str | Answer]:
         """Wait for a place, then stream `prompt` from the scheduler (text pieces, then the `Answer`);
@@ -106,9 +112,12 @@ class Server:
         the scheduler's next step. `request` (non-streaming responses) is polled for a disconnect before
         each step; a streaming response learns of one when the server cancels it."""
         try:
-            async with ticket.serve(slot=False), aclosing(
-                self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation, prompt.salt)
-            ) as steps:
+            async with (
+                ticket.serve(slot=False),
+                aclosing(
+                    self.scheduler.stream(prompt.segments, prompt.fusion, prompt.generation, prompt.salt)
+                ) as steps,
+            ):
                 if request is not None and await request.is_disconnected():
                     raise ClientGone
                 async for step in steps:
@@ -126,15 +135,22 @@ class Server:
 
 
 def _usage(answer: Answer) -> dict[str, Any]:
-    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.generated_tokens,
-            "total_tokens": answer.prompt_tokens + answer.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.generated_tokens,
+        "total_tokens": answer.prompt_tokens + answer.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
+    }
 
 
 def _extension(prompt: Prompt, answer: Answer) -> dict[str, Any]:
     """The `rag_kvcache` field of a response: what the fusion did."""
-    return {"chunks": prompt.chunks, **answer.fusion_stats, "prompt_tokens": answer.prompt_tokens,
-            "dropped_messages": prompt.dropped}
+    return {
+        "chunks": prompt.chunks,
+        **answer.fusion_stats,
+        "prompt_tokens": answer.prompt_tokens,
+        "dropped_messages": prompt.dropped,
+    }
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -152,8 +168,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         yield
         await server.close()
 
-    app = FastAPI(title="rag-kvcache", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="rag-kvcache", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.server = server
 
     tenants = {key.encode(): hashlib.sha256(key.encode()).hexdigest()[:32] for key in config.api_keys}
@@ -164,10 +181,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return ""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key.strip().encode()
-        matches = [tenant for known, tenant in tenants.items() if secrets.compare_digest(given, known)]  # every key compared
+        matches = [
+            tenant for known, tenant in tenants.items() if secrets.compare_digest(given, known)
+        ]  # every key compared
         if scheme.lower() != "bearer" or not matches:
-            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing or wrong API key: send `Authorization: Bearer KEY`",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         return matches[0]
 
     @app.exception_handler(APIError)
@@ -197,13 +220,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id, "queue_depth": server.admission.waiting,
-                "active": server.admission.active}
+        return {
+            "status": "ok",
+            "model": server.model_id,
+            "queue_depth": server.admission.waiting,
+            "active": server.admission.active,
+        }
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "rag-kvcache"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "rag-kvcache"}],
+        }
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
@@ -215,39 +244,63 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             hits = await server.on_engine(server.engine.index.search, body.query, body.top_k)
         except ValueError as e:
             raise APIError(400, str(e), param="query") from None
-        return {"object": "list", "data": [
-            {"id": h.chunk.id, "source": h.chunk.source, "score": float(h.score), "text": h.chunk.text} for h in hits]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": h.chunk.id, "source": h.chunk.source, "score": float(h.score), "text": h.chunk.text}
+                for h in hits
+            ],
+        }
 
     @app.post("/v1/documents", dependencies=auth)
     async def add_documents(body: DocumentsRequest) -> dict[str, Any]:
         if config.docs_dir is None:
-            raise APIError(400, "this server was started without a documents folder (`serve --docs DIR`)",
-                           code="documents_disabled")
+            raise APIError(
+                400,
+                "this server was started without a documents folder (`serve --docs DIR`)",
+                code="documents_disabled",
+            )
         paths = [document_path(config.docs_dir, doc.source) for doc in body.documents]
         limit = server.engine.index.config.max_file_bytes
-        if large := [doc.source for doc in body.documents if len(doc.text.encode()) > limit]:  # never indexed: not written
-            raise APIError(400, f"documents {large} are larger than the index's max_file_bytes ({limit} bytes)",
-                           param="documents.text", code="document_too_large")
+        if large := [
+            doc.source for doc in body.documents if len(doc.text.encode()) > limit
+        ]:  # never indexed: not written
+            raise APIError(
+                400,
+                f"documents {large} are larger than the index's max_file_bytes ({limit} bytes)",
+                param="documents.text",
+                code="document_too_large",
+            )
         ticket = server.admission.admit()
         try:
             async with ticket.serve():
-                report = await server.on_engine(write_and_sync, server.engine.index, config.docs_dir, paths,
-                                                [doc.text for doc in body.documents])
+                report = await server.on_engine(
+                    write_and_sync, server.engine.index, config.docs_dir, paths, [doc.text for doc in body.documents]
+                )
         finally:
             ticket.close()
-        return {"added": report.added, "changed": report.changed, "removed": report.removed,
-                "unchanged": len(report.unchanged), "skipped": [s.source for s in report.skipped],
-                "new_chunks": [{"id": c.id, "source": c.source} for c in report.new_chunks],
-                "chunks": len(server.engine.index.chunks)}
+        return {
+            "added": report.added,
+            "changed": report.changed,
+            "removed": report.removed,
+            "unchanged": len(report.unchanged),
+            "skipped": [s.source for s in report.skipped],
+            "new_chunks": [{"id": c.id, "source": c.source} for c in report.new_chunks],
+            "chunks": len(server.engine.index.chunks),
+        }
 
     async def answer(body, request: Request, tenant: str, build_prompt, chat: bool) -> Response:
         """Admit the request, build its prompt on the engine's thread, and answer it (streamed or not),
         reading and writing caches of its request text as its tenant's (and its `cache_salt`'s)."""
         server.check_model(body.model)
         if (chars := body.prompt_chars()) > server.max_prompt_chars:  # refused before tokenising it
-            raise APIError(400, f"the prompt has {chars} characters, more than {config.max_prompt_tokens} tokens (this "
-                           f"server's limit) can hold in this model's vocabulary", param=body.prompt_field,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters, more than {config.max_prompt_tokens} tokens (this "
+                f"server's limit) can hold in this model's vocabulary",
+                param=body.prompt_field,
+                code="context_length_exceeded",
+            )
         ticket = server.admission.admit(tenant)
         salt = f"{tenant}:{body.cache_salt}" if body.cache_salt else tenant
         try:
@@ -258,7 +311,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return await _respond(server, ticket, prompt, body, request, chat=chat)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(authorize)) -> Response:
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, tenant: str = Depends(authorize)
+    ) -> Response:
         return await answer(body, request, tenant, chat_prompt, chat=True)
 
     @app.post("/v1/completions")
@@ -268,11 +323,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Sampling, request: Request,
-                   chat: bool) -> Response:
+async def _respond(
+    server: Server, ticket: Ticket, prompt: Prompt, body: Sampling, request: Request, chat: bool
+) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": server.model_id}
+    head = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": server.model_id,
+    }
     if not body.stream:
         pieces: list[str] = []
         try:
@@ -287,10 +347,19 @@ async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Samplin
         except ValueError as e:  # what the fusion refuses (e.g. ratio 'auto' without calibration)
             raise APIError(400, str(e), param="rag_kvcache") from None
         text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-                  if chat else {"index": 0, "text": text, "logprobs": None})
-        return JSONResponse(head | {"choices": [choice | {"finish_reason": answer.finish_reason}],
-                                    "usage": _usage(answer), "rag_kvcache": _extension(prompt, answer)})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            if chat
+            else {"index": 0, "text": text, "logprobs": None}
+        )
+        return JSONResponse(
+            head
+            | {
+                "choices": [choice | {"finish_reason": answer.finish_reason}],
+                "usage": _usage(answer),
+                "rag_kvcache": _extension(prompt, answer),
+            }
+        )
 
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     usage_field = {"usage": None} if body.include_usage else {}
@@ -315,8 +384,9 @@ async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Samplin
                         continue
                     yield chunk(None if chat else "", step.finish_reason)
                     if body.include_usage:
-                        yield _sse(head | {"choices": [], "usage": _usage(step),
-                                           "rag_kvcache": _extension(prompt, step)})
+                        yield _sse(
+                            head | {"choices": [], "usage": _usage(step), "rag_kvcache": _extension(prompt, step)}
+                        )
         except ValueError as e:
             yield _sse(APIError(400, str(e), param="rag_kvcache").body())
         except Exception as e:  # the status line is sent: the error goes in the stream, as OpenAI's does
@@ -324,13 +394,15 @@ async def _respond(server: Server, ticket: Ticket, prompt: Prompt, body: Samplin
             yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def serve(engine: Engine, config: ServerConfig) -> None:
     """Run the server until interrupted (uvicorn; logs through `logging`)."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_config=None,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(engine, config), host=config.host, port=config.port, log_config=None, timeout_graceful_shutdown=5
+    )

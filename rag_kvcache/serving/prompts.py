@@ -15,16 +15,27 @@ from .schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from .settings import ServerConfig
 
 # the library's names of a request's parameters -> this API's fields
-_PARAMS = {"method": "rag_kvcache.method", "fusion": "rag_kvcache", "chunk_ids": "rag_kvcache.chunk_ids",
-           "top_k": "rag_kvcache.top_k"}
+_PARAMS = {
+    "method": "rag_kvcache.method",
+    "fusion": "rag_kvcache",
+    "chunk_ids": "rag_kvcache.chunk_ids",
+    "top_k": "rag_kvcache.top_k",
+}
 
 
 def _options(request: Sampling, config: ServerConfig) -> Options:
     extension = request.rag_kvcache
     return Options(
-        chunk_ids=extension.chunk_ids, top_k=extension.top_k, fusion=extension.fusion_changes(),
-        max_tokens=request.completion_limit(), max_tokens_limit=config.max_tokens, temperature=request.temperature,
-        top_p=request.top_p, seed=request.seed, stop=request.stops(), json_schema=request.json_schema(),
+        chunk_ids=extension.chunk_ids,
+        top_k=extension.top_k,
+        fusion=extension.fusion_changes(),
+        max_tokens=request.completion_limit(),
+        max_tokens_limit=config.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stops(),
+        json_schema=request.json_schema(),
     )
 
 
@@ -39,8 +50,13 @@ def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, confi
     if not any(turn.role == "user" for turn in turns):
         raise APIError(400, "messages need at least one user message", param="messages")
     try:
-        prompt = build_chat_prompt(generator, turns, _options(request, config), salt,
-                                   fit=config.max_prompt_tokens if config.history == "halve" else None)
+        prompt = build_chat_prompt(
+            generator,
+            turns,
+            _options(request, config),
+            salt,
+            fit=config.max_prompt_tokens if config.history == "halve" else None,
+        )
     except RequestError as e:
         raise _api_error(e) from None
     return _checked(generator.index, prompt, config)
@@ -60,10 +76,18 @@ def _checked(index: KVIndex, prompt: Prompt, config: ServerConfig) -> Prompt:
     fit the model's context."""
     n, limit = prompt.n_tokens, index.adapter.context_length
     if n > config.max_prompt_tokens:
-        raise APIError(400, f"the prompt has {n} tokens, above this server's limit of {config.max_prompt_tokens}",
-                       param="messages", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens, above this server's limit of {config.max_prompt_tokens}",
+            param="messages",
+            code="context_length_exceeded",
+        )
     if n + prompt.generation.max_new_tokens > limit:
-        raise APIError(400, f"the prompt has {n} tokens and up to {prompt.generation.max_new_tokens} more may be "
-                       f"generated, beyond the model's {limit} positions", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens and up to {prompt.generation.max_new_tokens} more may be "
+            f"generated, beyond the model's {limit} positions",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return prompt

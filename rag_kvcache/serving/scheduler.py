@@ -79,8 +79,12 @@ class Scheduler:
     """Prefills one request at a time and decodes up to `max_batch` together (see the module)."""
 
     def __init__(
-        self, generator: FusedGenerator, on_engine: Callable[..., Awaitable[Any]], max_batch: int,
-        metrics: ServerMetrics, order: Order = "fcfs",
+        self,
+        generator: FusedGenerator,
+        on_engine: Callable[..., Awaitable[Any]],
+        max_batch: int,
+        metrics: ServerMetrics,
+        order: Order = "fcfs",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
@@ -98,7 +102,11 @@ class Scheduler:
         self._task: asyncio.Task | None = None
 
     async def stream(
-        self, segments: Sequence[Segment], fusion: FusionConfig, generation: GenerationConfig, salt: str = "",
+        self,
+        segments: Sequence[Segment],
+        fusion: FusionConfig,
+        generation: GenerationConfig,
+        salt: str = "",
     ) -> AsyncIterator[str | Answer]:
         """The request's text pieces as they are decoded, then its `Answer`. Closing it early (the
         client left) takes the request out before the scheduler's next step."""
@@ -201,7 +209,9 @@ class Scheduler:
             return
         for job, result in zip(jobs, results):
             if isinstance(result, Exception):
-                log.warning("a request's decoding step failed; the %d others in its batch go on: %s", len(jobs) - 1, result)
+                log.warning(
+                    "a request's decoding step failed; the %d others in its batch go on: %s", len(jobs) - 1, result
+                )
                 job.fail(result)
             else:
                 job.deliver(*result)
@@ -227,5 +237,7 @@ class Scheduler:
         """On the engine's thread: one batched decoding step, and the answers of those it completed (a
         request's own failure in place of its result)."""
         released = decode_together([job.live.decoder for job in jobs])
-        return [r if isinstance(r, Exception) else (r, self.generator.finish(job.live) if job.live.decoder.done else None)
-                for job, r in zip(jobs, released)]
+        return [
+            r if isinstance(r, Exception) else (r, self.generator.finish(job.live) if job.live.decoder.done else None)
+            for job, r in zip(jobs, released)
+        ]

@@ -63,7 +63,16 @@ class RagOptions(Strict):
 
     def fusion_changes(self) -> dict[str, object]:
         """The `FusionConfig` fields this request sets."""
-        names = ("method", "ratio", "check_layer", "filter_steps", "deviation", "epic_k", "match_words", "evidence_sentences")
+        names = (
+            "method",
+            "ratio",
+            "check_layer",
+            "filter_steps",
+            "deviation",
+            "epic_k",
+            "match_words",
+            "evidence_sentences",
+        )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -145,8 +154,12 @@ class Sampling(Strict):
     def _supported(self) -> Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        unsupported = {"n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
-                       "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs}
+        unsupported = {
+            "n": self.n != 1,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logprobs": self.logprobs,
+        }
         if given := [name for name, value in unsupported.items() if value]:
             raise ValueError(f"not supported by this server: {', '.join(given)} (n=1, penalties 0, no logprobs)")
         return self

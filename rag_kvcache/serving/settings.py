@@ -17,26 +17,46 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).")
     port: int = setting(8000, "TCP port.")
-    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
-        "help": "Require `Authorization: Bearer KEY` with one of these keys on every route but /health "
-                "(repeatable). Each key is a tenant: caches of request text (prompt heads) are its own."})
-    docs_dir: Path | None = setting(None, "The documents folder the index mirrors: POST /v1/documents writes "
-                                          "into it and syncs the index (without it the route is refused).")
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        repr=False,
+        metadata={
+            "help": "Require `Authorization: Bearer KEY` with one of these keys on every route but /health "
+            "(repeatable). Each key is a tenant: caches of request text (prompt heads) are its own."
+        },
+    )
+    docs_dir: Path | None = setting(
+        None,
+        "The documents folder the index mirrors: POST /v1/documents writes "
+        "into it and syncs the index (without it the route is refused).",
+    )
     max_queue: int = setting(8, "Requests that may wait for the engine; more are refused with 429.")
-    max_batch: int = setting(8, "Most requests decoded together, one batched model step advancing each by a token "
-                                "(their fused prefills run one at a time); 1 serves one request at a time.")
+    max_batch: int = setting(
+        8,
+        "Most requests decoded together, one batched model step advancing each by a token "
+        "(their fused prefills run one at a time); 1 serves one request at a time.",
+    )
     max_prompt_tokens: int = setting(8192, "Longest prompt admitted, in tokens (longer: 400).")
     max_tokens: int = setting(1024, "Most tokens a request may ask to generate (more: 400).")
-    max_per_key: int = setting(8, "Most requests one API key may have waiting or in service at once (more: 429), "
-                                  "so that one client cannot take every place; 0: no limit. Without keys, none.")
-    max_body_bytes: int = setting(16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed).")
+    max_per_key: int = setting(
+        8,
+        "Most requests one API key may have waiting or in service at once (more: 429), "
+        "so that one client cannot take every place; 0: no limit. Without keys, none.",
+    )
+    max_body_bytes: int = setting(
+        16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed)."
+    )
     order: Literal["fcfs", "cache_aware"] = setting(
-        "fcfs", "Which waiting request is prefilled next: the oldest (fcfs), or the one with the fewest tokens left to "
+        "fcfs",
+        "Which waiting request is prefilled next: the oldest (fcfs), or the one with the fewest tokens left to "
         "compute once cached conversations and chunks are read (cache_aware: lower median time to first token, a "
-        "longer tail; a request passed over 16 times goes next).")
+        "longer tail; a request passed over 16 times goes next).",
+    )
     history: Literal["halve", "refuse"] = setting(
-        "halve", "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
-        "turns read the shortened chat from the conversation cache (halve), or refuse it with 400 (refuse).")
+        "halve",
+        "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
+        "turns read the shortened chat from the conversation cache (halve), or refuse it with 400 (refuse).",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

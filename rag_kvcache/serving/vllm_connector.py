@@ -109,8 +109,10 @@ class Planner:
         """`remote`: the shared KV tier (a Redis URL) the index's caches are also read from, authenticated with
         `remote_secret`, as `rag-kvcache serve --kv-remote` reads them: how replicas share one set of caches."""
         if not (index_path / "index.sqlite").is_file():
-            raise ValueError(f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
-                             "(no index.sqlite): build one with `rag-kvcache index`")
+            raise ValueError(
+                f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
+                "(no index.sqlite): build one with `rag-kvcache index`"
+            )
         config = KVIndex.config_of(index_path)
         if remote is not None:
             config = config.with_storage(remote=remote, remote_secret=remote_secret)
@@ -129,7 +131,12 @@ class Planner:
 
     @torch.inference_mode()
     def span_kv(
-        self, segments: list[Segment], inp: FusionInput, fusion: FusionConfig, start: int, end: int,
+        self,
+        segments: list[Segment],
+        inp: FusionInput,
+        fusion: FusionConfig,
+        start: int,
+        end: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the K/V [H_kv, end - start, D] of prompt positions [start, end) for `fusion.method`:
         for `prefix` the exact segments' stored caches as they are; for any other method the fused cache
@@ -144,7 +151,9 @@ class Planner:
                 if part.end <= start or part.start >= end:
                     continue
                 if part.kv is None or not part.exact:
-                    raise RuntimeError(f"segment {part.segment.label!r} at [{part.start}, {part.end}) has no exact cache")
+                    raise RuntimeError(
+                        f"segment {part.segment.label!r} at [{part.start}, {part.end}) has no exact cache"
+                    )
                 k, v = part.kv.layer(layer)  # [H_kv, n, D]
                 lo, hi = max(start, part.start) - part.start, min(end, part.end) - part.start
                 keys.append(k[:, lo:hi])  # [H_kv, hi - lo, D]
@@ -192,26 +201,37 @@ def _loaded_model(kv_caches: dict[str, torch.Tensor], vllm_config: VllmConfig) -
             if all(modules.get(name) is attention.get(name) is not None for name in kv_caches):
                 return model
         frame = frame.f_back
-    raise RuntimeError(f"no model runner up the call stack of register_kv_caches holds the attention layers of "
-                       f"{sorted(kv_caches)[:3]}...: this vLLM registers KV caches in a way the connector does not know")
+    raise RuntimeError(
+        f"no model runner up the call stack of register_kv_caches holds the attention layers of "
+        f"{sorted(kv_caches)[:3]}...: this vLLM registers KV caches in a way the connector does not know"
+    )
 
 
 class RagKVCacheConnector(KVConnectorBase_V1):
     """Reads rag-kvcache chunk caches into vLLM's paged KV cache (see the module's docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if "index" not in extra:
-            raise ValueError(f"RagKVCacheConnector needs kv_connector_extra_config 'index' (an index folder); got {extra!r}")
+            raise ValueError(
+                f"RagKVCacheConnector needs kv_connector_extra_config 'index' (an index folder); got {extra!r}"
+            )
         self._defaults = fusion_config(FusionConfig(method="prefix"), extra)
         self._block_size = vllm_config.cache_config.block_size
         secret = os.environ.get("RAG_KVCACHE_KV_REMOTE_SECRET")  # as the CLI reads it: never from a config file
         self._planner = Planner(Path(extra["index"]).expanduser(), extra.get("kv_remote"), secret and secret.encode())
         served = Path(vllm_config.model_config.model).expanduser()
         if served.is_dir() and served.resolve() != Path(self._planner.index.adapter.model.name_or_path).resolve():
-            log.warning("vLLM serves %s but index %s was built with %s: unless they are the same weights, every "
-                        "cache read is wrong", served, extra["index"], self._planner.index.adapter.model.name_or_path)
+            log.warning(
+                "vLLM serves %s but index %s was built with %s: unless they are the same weights, every "
+                "cache read is wrong",
+                served,
+                extra["index"],
+                self._planner.index.adapter.model.name_or_path,
+            )
         # scheduler side
         self._matches: dict[str, _Match] = {}  # per request: what get_num_new_matched_tokens found
         self._pending: dict[str, tuple[Request, int, int]] = {}  # request, start, end: to load at its next step
@@ -238,8 +258,12 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         try:
             fusion = fusion_config(self._defaults, request.kv_transfer_params)
         except (TypeError, ValueError) as err:
-            log.warning("request %s: bad kv_transfer_params %r (%s); prefilled by vLLM alone",
-                        request.request_id, request.kv_transfer_params, err)
+            log.warning(
+                "request %s: bad kv_transfer_params %r (%s); prefilled by vLLM alone",
+                request.request_id,
+                request.kv_transfer_params,
+                err,
+            )
             return None
         try:
             reads = len(ids) > 1 and get_method(fusion.method).reads_cache  # `full` reads nothing: no layout either
@@ -247,11 +271,14 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             end = 0 if inp is None else loadable_end(inp, fusion.method)
             exact_end = 0 if inp is None else min(end, loadable_end(inp, "prefix"))
         except Exception:  # a fault in the index (an unreadable database, a cache that cannot be recomputed)
-            log.exception("request %s: laying its prompt out over the index failed; prefilled by vLLM alone",
-                          request.request_id)  # fails this request's reuse, never the engine's scheduler
+            log.exception(
+                "request %s: laying its prompt out over the index failed; prefilled by vLLM alone", request.request_id
+            )  # fails this request's reuse, never the engine's scheduler
             return None
         self._matches[request.request_id] = match = _Match(end, exact_end, fusion)
-        log.debug("request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method)
+        log.debug(
+            "request %s: %d of %d prompt tokens from rag-kvcache (%s)", request.request_id, end, len(ids), fusion.method
+        )
         return match
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
@@ -302,19 +329,30 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             return False, None
         if loaded:
             self._forget_inexact(match, block_ids)
-        return False, {"rag_kvcache": {"method": match.fusion.method, "loaded_tokens": loaded, "matched_end": match.end}}
+        return False, {
+            "rag_kvcache": {"method": match.fusion.method, "loaded_tokens": loaded, "matched_end": match.end}
+        }
 
     # ---- worker side ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self._planner.index.adapter.layout
         if len(kv_caches) != layout.n_layers:
-            raise ValueError(f"vLLM has {len(kv_caches)} KV cache layers, the index's model {layout.n_layers}: "
-                             "serve the model the index was built with")
+            raise ValueError(
+                f"vLLM has {len(kv_caches)} KV cache layers, the index's model {layout.n_layers}: "
+                "serve the model the index was built with"
+            )
         self._kv_caches = kv_caches
         self._planner.run_on(VllmAdapter(_loaded_model(kv_caches, self._vllm_config), self._planner.index.adapter))
         name, cache = next(iter(kv_caches.items()))
-        log.info("vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d; the methods run on "
-                 "vLLM's layers", len(kv_caches), name, tuple(cache.shape), cache.dtype, self._block_size)
+        log.info(
+            "vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d; the methods run on "
+            "vLLM's layers",
+            len(kv_caches),
+            name,
+            tuple(cache.shape),
+            cache.dtype,
+            self._block_size,
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -324,16 +362,21 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             try:
                 self._load(forward_context, spec)
             except Exception:  # a failed load is recomputed by vLLM (or fails the request), never served
-                log.exception("loading %d tokens of request %s failed; its blocks are reported failed",
-                              spec.end - spec.start, spec.req_id)
+                log.exception(
+                    "loading %d tokens of request %s failed; its blocks are reported failed",
+                    spec.end - spec.start,
+                    spec.req_id,
+                )
                 first, last = spec.start // self._block_size, (spec.end - 1) // self._block_size
                 self._failed_blocks.update(spec.block_ids[first : last + 1])
 
     def _load(self, forward_context: ForwardContext, spec: LoadSpec) -> None:
         segments, inp = self._planner.layout(spec.prompt, spec.fusion)
         if (end := loadable_end(inp, spec.fusion.method)) != spec.end:
-            raise RuntimeError(f"the worker finds {end} loadable tokens where the scheduler found {spec.end} "
-                               "(the index changed in between?)")
+            raise RuntimeError(
+                f"the worker finds {end} loadable tokens where the scheduler found {spec.end} "
+                "(the index changed in between?)"
+            )
         kv = self._planner.span_kv(segments, inp, spec.fusion, spec.start, spec.end)
         device = next(iter(self._kv_caches.values())).device
         positions = torch.arange(spec.start, spec.end)  # [T]
@@ -346,16 +389,23 @@ class RagKVCacheConnector(KVConnectorBase_V1):
                 layer,
                 keys.transpose(0, 1).to(device, cache.dtype).contiguous(),  # [T, H_kv, D]
                 values.transpose(0, 1).to(device, cache.dtype).contiguous(),  # [T, H_kv, D]
-                cache, slots,
+                cache,
+                slots,
             )
-        log.debug("request %s: wrote K/V of prompt positions [%d, %d) (%s)", spec.req_id, spec.start, spec.end,
-                  spec.fusion.method)
+        log.debug(
+            "request %s: wrote K/V of prompt positions [%d, %d) (%s)",
+            spec.req_id,
+            spec.start,
+            spec.end,
+            spec.fusion.method,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # chunk caches are made by `rag-kvcache index`, not from vLLM's prefills
 
     def wait_for_save(self) -> None:

@@ -39,8 +39,15 @@ log = logging.getLogger(__name__)
 FORMAT = "rag-kvcache-kv-v2"  # v2: the header carries a checksum of itself
 _HEADER_CHECKSUM = "header_xxh3"
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
 }
 _DTYPE_NAMES = {str(d).removeprefix("torch."): name for name, d in _SAFETENSORS_DTYPES.items()}
 
@@ -191,14 +198,23 @@ def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:
         for kind, t in zip("kv", kv.layer(layer)):
             for suffix, part in codec.encode(t.detach().to("cpu")).items():
                 tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
-    header: dict = {"__metadata__": {name: _checksum(t) for name, t in tensors.items()} | {
-        "format": FORMAT, "position": str(kv.position), "layers": str(kv.n_layers), "codec": codec.name,
-        "dtype": str(kv.keys[0].dtype).removeprefix("torch."),
-    }}
+    header: dict = {
+        "__metadata__": {name: _checksum(t) for name, t in tensors.items()}
+        | {
+            "format": FORMAT,
+            "position": str(kv.position),
+            "layers": str(kv.n_layers),
+            "codec": codec.name,
+            "dtype": str(kv.keys[0].dtype).removeprefix("torch."),
+        }
+    }
     starts, end = [], 0
     for name, t in tensors.items():
-        header[name] = {"dtype": _DTYPE_NAMES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
-                        "data_offsets": [end, end + t.nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[str(t.dtype).removeprefix("torch.")],
+            "shape": list(t.shape),
+            "data_offsets": [end, end + t.nbytes],
+        }
         starts.append(end)
         end += t.nbytes
     header["__metadata__"][_HEADER_CHECKSUM] = _header_checksum(header)
@@ -257,8 +273,9 @@ class Entry:
         data = raw.numpy()
         (n_read,) = self._blob.read_into([(data, self._base + lo)])
         if n_read != hi - lo:
-            raise CorruptEntryError(f"tensors {', '.join(names)} of {self._tier.where(self.key)}: "
-                                    f"read {n_read} of {hi - lo} bytes")
+            raise CorruptEntryError(
+                f"tensors {', '.join(names)} of {self._tier.where(self.key)}: read {n_read} of {hi - lo} bytes"
+            )
         self._tier.count(bytes_read=hi - lo)
         out = {}
         for name, (start, end) in zip(names, spans):
@@ -276,8 +293,10 @@ class Entry:
         """Keys and values [H_kv, T, D] of layer `i`, decoded to the dtype they were computed in."""
         if not 0 <= i < self.n_layers:
             raise IndexError(f"layer {i} of a {self.n_layers}-layer entry")
-        parts = {kind: {s: n for s, n in (("", f"{kind}.{i}"), ("scale", f"{kind}.{i}.scale")) if n in self._tensors}
-                 for kind in "kv"}
+        parts = {
+            kind: {s: n for s, n in (("", f"{kind}.{i}"), ("scale", f"{kind}.{i}.scale")) if n in self._tensors}
+            for kind in "kv"
+        }
         try:
             read = self._read([n for names in parts.values() for n in names.values()])
         except UnreachableEntryError:

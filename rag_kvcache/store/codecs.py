@@ -58,7 +58,9 @@ class Scaled:
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         qdtype = getattr(torch, self.qdtype)
         x = t.float()  # [H_kv, T, D]
-        scale = (x.abs().amax(dim=self.reduce_dim, keepdim=True) / self.qmax).clamp_min(1e-12)  # [H_kv, 1, D] or [H_kv, T, 1]
+        scale = (x.abs().amax(dim=self.reduce_dim, keepdim=True) / self.qmax).clamp_min(
+            1e-12
+        )  # [H_kv, 1, D] or [H_kv, T, 1]
         q = x / scale  # [H_kv, T, D]
         q = q.round().clamp(-self.qmax, self.qmax) if not qdtype.is_floating_point else q
         return {"": q.to(qdtype), "scale": scale}

@@ -79,7 +79,13 @@ class Decision:
         return self.load_s > self.recompute_s
 
     def explain(self) -> str:
-        rule = "quality floor" if self.balanced_ratio <= self.floor else "load = recompute, capped at 1" if self.balanced_ratio > 1 else "load = recompute"
+        rule = (
+            "quality floor"
+            if self.balanced_ratio <= self.floor
+            else "load = recompute, capped at 1"
+            if self.balanced_ratio > 1
+            else "load = recompute"
+        )
         return (
             f"ratio {self.ratio:.3f} ({rule}: balanced {self.balanced_ratio:.3f}, floor {self.floor:.2f}) from tier "
             f"{self.tier}, {self.n_tokens} context tokens: per layer load {self.load_s * 1e3:.2f} ms, recompute "
@@ -98,8 +104,15 @@ def choose_ratio(cal: Calibration, tier: str, n_tokens: int, floor: float = 0.15
 def choose_tier(cal: Calibration, ratio: float, n_tokens: int) -> Decision:
     """The cheapest storable tier whose loading hides behind recomputing `ratio` (the fastest if none does)."""
     decisions = [
-        Decision(ratio, tier, n_tokens, cal.load_s(tier, n_tokens) / cal.recompute_s(1.0, n_tokens), ratio,
-                 cal.load_s(tier, n_tokens), cal.recompute_s(ratio, n_tokens))
+        Decision(
+            ratio,
+            tier,
+            n_tokens,
+            cal.load_s(tier, n_tokens) / cal.recompute_s(1.0, n_tokens),
+            ratio,
+            cal.load_s(tier, n_tokens),
+            cal.recompute_s(ratio, n_tokens),
+        )
         for tier in TIERS_BY_COST
     ]
     return next((d for d in decisions if not d.adds_delay), min(decisions, key=lambda d: d.load_s))
@@ -143,16 +156,27 @@ def load_calibration(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Cali
 
 
 def calibrate(
-    adapter: ModelAdapter, work_dir: Path, storage: StorageConfig, cache_dir: Path, n_tokens: int = 512,
-    entries: int = 4, repeats: int = 3,
+    adapter: ModelAdapter,
+    work_dir: Path,
+    storage: StorageConfig,
+    cache_dir: Path,
+    n_tokens: int = 512,
+    entries: int = 4,
+    repeats: int = 3,
 ) -> Calibration:
     """Measure tier throughputs with `entries` synthetic caches of `n_tokens` tokens written under
     `work_dir` (use the disk the index lives on), and the prefill time; save and return them."""
     layout = adapter.layout
     g = torch.Generator().manual_seed(0)
     kv = ChunkKV(
-        [torch.randn(layout.n_kv_heads, n_tokens, layout.head_dim, generator=g).to(layout.dtype) for _ in range(layout.n_layers)],
-        [torch.randn(layout.n_kv_heads, n_tokens, layout.head_dim, generator=g).to(layout.dtype) for _ in range(layout.n_layers)],
+        [
+            torch.randn(layout.n_kv_heads, n_tokens, layout.head_dim, generator=g).to(layout.dtype)
+            for _ in range(layout.n_layers)
+        ],
+        [
+            torch.randn(layout.n_kv_heads, n_tokens, layout.head_dim, generator=g).to(layout.dtype)
+            for _ in range(layout.n_layers)
+        ],
         0,
     )  # L x [H_kv, T, D]
     store = KVStore(Path(work_dir) / ".calibration-store", StorageConfig(memory_bytes=0, codec=storage.codec))
@@ -185,8 +209,11 @@ def calibrate(
     adapter.prefill(ids)  # warm-up
     prefill = statistics.median(time_prefill(adapter, ids) for _ in range(repeats))
     cal = Calibration(
-        machine=machine_id(adapter.device), model_fingerprint=adapter.fingerprint, codec=storage.codec,
-        bytes_per_token_layer=stored / (entries * n_tokens * layout.n_layers), read_bytes_per_s=throughput,
+        machine=machine_id(adapter.device),
+        model_fingerprint=adapter.fingerprint,
+        codec=storage.codec,
+        bytes_per_token_layer=stored / (entries * n_tokens * layout.n_layers),
+        read_bytes_per_s=throughput,
         prefill_s_per_token_layer=prefill / (n_tokens * layout.n_layers),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )

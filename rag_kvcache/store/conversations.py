@@ -124,7 +124,12 @@ class ConversationCache:
             return sum(k for _, k in self._walk(salt, ids, None))
 
     def insert(
-        self, salt: str, ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], method: str,
+        self,
+        salt: str,
+        ids: Sequence[int],
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        method: str,
         exact: bool,
     ) -> None:
         """Keep the K/V of `ids`: `keys`/`values` per layer [H_kv, >= len(ids), D], position i the K/V of
@@ -155,8 +160,16 @@ class ConversationCache:
     @property
     def stats(self) -> ConversationStats:
         with self._lock:
-            return ConversationStats(self._nodes, self._tokens, self._bytes, self.max_bytes, self._lookups,
-                                     self._hits, self._hit_tokens, self._evicted_tokens)
+            return ConversationStats(
+                self._nodes,
+                self._tokens,
+                self._bytes,
+                self.max_bytes,
+                self._lookups,
+                self._hits,
+                self._hit_tokens,
+                self._evicted_tokens,
+            )
 
     # ---- the tree, under the lock --------------------------------------------------------------
     def _walk(self, salt: str, ids: Sequence[int], method: str | None) -> list[tuple[_Node, int]]:
@@ -173,10 +186,17 @@ class ConversationCache:
             node = child if k == len(child.ids) else None
         return runs
 
-    def _add(self, parent: _Node, ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
-             method: str) -> _Node:
-        node = _Node(ids, [k[:, : len(ids)].clone() for k in keys], [v[:, : len(ids)].clone() for v in values],
-                     method, parent, used=self._clock)  # L x [H_kv, T, D], copies
+    def _add(
+        self, parent: _Node, ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor], method: str
+    ) -> _Node:
+        node = _Node(
+            ids,
+            [k[:, : len(ids)].clone() for k in keys],
+            [v[:, : len(ids)].clone() for v in values],
+            method,
+            parent,
+            used=self._clock,
+        )  # L x [H_kv, T, D], copies
         parent.children[ids[0]] = node
         self._nodes += 1
         self._tokens += len(ids)
@@ -186,8 +206,14 @@ class ConversationCache:
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut `node` after its first k tokens: a new node holding them takes its place, `node` keeps the
         rest as its child. Returns the new node."""
-        head = _Node(node.ids[:k], [t[:, :k].clone() for t in node.keys], [t[:, :k].clone() for t in node.values],
-                     node.method, node.parent, used=node.used)  # L x [H_kv, k, D]
+        head = _Node(
+            node.ids[:k],
+            [t[:, :k].clone() for t in node.keys],
+            [t[:, :k].clone() for t in node.values],
+            node.method,
+            node.parent,
+            used=node.used,
+        )  # L x [H_kv, k, D]
         node.parent.children[head.ids[0]] = head
         node.ids = node.ids[k:]
         node.keys = [t[:, k:].clone() for t in node.keys]  # L x [H_kv, T - k, D]

@@ -99,14 +99,18 @@ class KVStore:
         """Per tier: the persisted counters plus those of this process not yet flushed (a tier this
         store does not open now, such as a remote tier other runs used, with its persisted counters)."""
         saved, tiers = self._read_stats(), self._tiers()
-        return {name: saved.get(name, TierStats()) + tiers[name].stats if name in tiers else saved[name]
-                for name in {**tiers, **saved}}
+        return {
+            name: saved.get(name, TierStats()) + tiers[name].stats if name in tiers else saved[name]
+            for name in {**tiers, **saved}
+        }
 
     def flush_stats(self) -> None:
         """Add this process's counters to `stats.json` and reset them."""
         with FileLock(self.root / f".{_STATS_FILE}.lock"):
             saved = self._read_stats()
-            totals = saved | {name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()}
+            totals = saved | {
+                name: saved.get(name, TierStats()) + tier.take_stats() for name, tier in self._tiers().items()
+            }
             tmp = self.root / f".{_STATS_FILE}.{os.getpid()}"
             try:
                 tmp.write_text(json.dumps({name: s.as_dict() for name, s in totals.items()}, indent=1))

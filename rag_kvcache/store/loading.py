@@ -31,7 +31,11 @@ class LayerFeed:
     """
 
     def __init__(
-        self, sources: Sequence[LayerSource | None], placement: KVPlacement, n_layers: int, depth: int,
+        self,
+        sources: Sequence[LayerSource | None],
+        placement: KVPlacement,
+        n_layers: int,
+        depth: int,
         pool: KVBufferPool | None = None,
     ) -> None:
         if depth < 1:
@@ -59,7 +63,8 @@ class LayerFeed:
                     return
                 try:
                     item: torch.Tensor | None | BaseException = pack_layer(
-                        self._sources, layer, self._placement.positions.device)
+                        self._sources, layer, self._placement.positions.device
+                    )
                 except BaseException as err:  # handed to the consumer, raised in its thread
                     item = err
                 self._queue.put(item)  # blocks while `depth` layers wait to be fused

@@ -57,7 +57,9 @@ class RedisTier(Backend):
         super().__init__(get_codec(config.codec), on_loaded)
         self.name = config.remote_address
         self.client = redis.Redis.from_url(  # one immediate retry: a pooled connection the server closed
-            config.remote, socket_timeout=config.remote_timeout, socket_connect_timeout=config.remote_timeout,
+            config.remote,
+            socket_timeout=config.remote_timeout,
+            socket_connect_timeout=config.remote_timeout,
             retry=Retry(NoBackoff(), 1),
         )
         self.retry = config.remote_retry
@@ -95,10 +97,12 @@ class RedisTier(Backend):
         value = self.client.get(name)
         if value is None:
             return None
-        data, tag = value[: -_TAG_BYTES], value[-_TAG_BYTES:]
+        data, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
         if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, data)):
-            raise ValueError("its HMAC does not verify with this cluster's secret: written without it, by another "
-                             "writer, or for another key")
+            raise ValueError(
+                "its HMAC does not verify with this cluster's secret: written without it, by another "
+                "writer, or for another key"
+            )
         return VerifiedBlob(memoryview(data))
 
     def _tag(self, name: str, data: bytes | bytearray | memoryview) -> bytes:
@@ -163,7 +167,11 @@ class RedisTier(Backend):
         if first and down:
             log.warning(
                 "the KV remote tier %s does not answer (%s: %s): its entries are read from the lower tiers or "
-                "recomputed; retrying in %g s", self.name, type(err).__name__, err, self.retry,
+                "recomputed; retrying in %g s",
+                self.name,
+                type(err).__name__,
+                err,
+                self.retry,
             )
         elif first:
             log.warning("the KV remote tier %s refused a request (%s: %s)", self.name, type(err).__name__, err)
@@ -173,8 +181,11 @@ class RedisTier(Backend):
         memory used, its limit and policy, keys it evicted. Raises `redis.RedisError`."""
         memory, stats = self.client.info("memory"), self.client.info("stats")
         return {
-            "keys": self.client.dbsize(), "used_memory": memory["used_memory"], "maxmemory": memory["maxmemory"],
-            "maxmemory_policy": memory["maxmemory_policy"], "evicted_keys": stats["evicted_keys"],
+            "keys": self.client.dbsize(),
+            "used_memory": memory["used_memory"],
+            "maxmemory": memory["maxmemory"],
+            "maxmemory_policy": memory["maxmemory_policy"],
+            "evicted_keys": stats["evicted_keys"],
         }
 
 

@@ -44,7 +44,6 @@ _TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(rf"^{re.escape(_TMP_PREFIX)}([0-9]+)-[0-9]+-[0-9a-f]+\.safetensors$")  # pid, thread, key
 
 
-
 class EvictionPolicy:
     """Sizes and use of a tier's entries; names the victims when the tier is over its byte budget.
 
@@ -159,7 +158,11 @@ class DiskTier(Backend):
     """
 
     def __init__(
-        self, root: Path, codec: Codec, budget: int | None, eviction: Eviction,
+        self,
+        root: Path,
+        codec: Codec,
+        budget: int | None,
+        eviction: Eviction,
         on_loaded: Callable[[str, ChunkKV], None] | None = None,
     ) -> None:
         self.root = Path(root)
@@ -169,7 +172,9 @@ class DiskTier(Backend):
         self._policy = EvictionPolicy(eviction)
         self._lock = threading.Lock()
         if budget is not None:
-            for path in sorted(self.files(), key=lambda p: (p.stat().st_mtime_ns, p.name)):  # ties: not by directory order
+            for path in sorted(
+                self.files(), key=lambda p: (p.stat().st_mtime_ns, p.name)
+            ):  # ties: not by directory order
                 self._policy.add(path.stem, path.stat().st_size)
 
     def path(self, key: str) -> Path:
@@ -201,7 +206,8 @@ class DiskTier(Backend):
             tmp.unlink(missing_ok=True)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFullError(
-                    err.errno, f"no space left on the device of {self.root} while writing a {len(data)}-byte KV cache "
+                    err.errno,
+                    f"no space left on the device of {self.root} while writing a {len(data)}-byte KV cache "
                     "entry: free space, or give the store a disk budget (StorageConfig.disk_bytes)",
                 ) from err
             raise

@@ -10,7 +10,14 @@ from .retrievers import RagKVCacheRetriever
 from .vectorstores import RagKVCacheVectorStore
 
 __all__ = [
-    "CHUNK_ID_KEY", "RELEVANCE_KEY", "ChatModelGrader", "ChatRagKVCache", "RagKVCacheGrader", "RagKVCacheRetriever", "RagKVCacheVectorStore",
+    "CHUNK_ID_KEY",
+    "RELEVANCE_KEY",
+    "ChatModelGrader",
+    "ChatRagKVCache",
+    "RagKVCacheGrader",
+    "RagKVCacheRetriever",
+    "RagKVCacheVectorStore",
     "chunk_block",
-    "create_kv_rag_chain", "rag_message",
+    "create_kv_rag_chain",
+    "rag_message",
 ]

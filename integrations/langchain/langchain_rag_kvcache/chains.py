@@ -25,6 +25,6 @@ def create_kv_rag_chain(retriever: BaseRetriever, model: BaseChatModel) -> Runna
     `ChatRagKVCache` model recognises the retrieved chunks and fuses their caches.
     """
     to_messages = RunnableLambda(lambda inputs: [rag_message(inputs["documents"], inputs["question"])])
-    return (
-        RunnableParallel(documents=retriever, question=RunnablePassthrough()) | to_messages | model
-    ).with_config(run_name="kv_rag_chain")
+    return (RunnableParallel(documents=retriever, question=RunnablePassthrough()) | to_messages | model).with_config(
+        run_name="kv_rag_chain"
+    )

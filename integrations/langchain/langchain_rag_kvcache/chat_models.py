@@ -94,11 +94,15 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
     stop: list[str] | None = None
     streaming: bool = False
     timeout: float | None = Field(
-        default=None, gt=0, description="Seconds a call may take; checked after each generated token (the fused "
+        default=None,
+        gt=0,
+        description="Seconds a call may take; checked after each generated token (the fused "
         "prefill is not interrupted), past it the call raises TimeoutError.",
     )
     max_retries: int = Field(
-        default=0, ge=0, description="Accepted as the standard chat-model parameter; the model runs in this "
+        default=0,
+        ge=0,
+        description="Accepted as the standard chat-model parameter; the model runs in this "
         "process, with no request that could fail transiently, so no call is ever retried.",
     )
 
@@ -119,9 +123,7 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         """`text`'s token ids by the index's own tokenizer (loaded with its model, offline)."""
         return self._handle.get().index.adapter.tokenizer.encode(text, add_special_tokens=False)
 
-    def get_num_tokens_from_messages(
-        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
-    ) -> int:
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt tokens `messages` make, as the model would be sent them (chat template, system prompt)."""
         if tools:
             raise ValueError("ChatRagKVCache has no tool calling, so tools take no prompt tokens; got tools")
@@ -129,8 +131,13 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         return engine.run(_prompt, engine.generator, messages, Options(fusion=self.fusion)).n_tokens
 
     def with_structured_output(
-        self, schema: Mapping[str, Any] | type, *, method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
-        include_raw: bool = False, strict: bool | None = None, **kwargs: Any,
+        self,
+        schema: Mapping[str, Any] | type,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
     ) -> Runnable[Any, Any]:
         """The model answering JSON decoded under `schema` (a Pydantic model, a TypedDict or a JSON Schema),
         parsed and validated: a Pydantic instance for a Pydantic model, a dict otherwise.
@@ -147,7 +154,10 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
             raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}")
         json_schema = convert_to_json_schema(schema)
         model = self.bind(
-            response_format={"type": "json_schema", "json_schema": {"name": json_schema.get("title", "answer"), "schema": json_schema}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": json_schema.get("title", "answer"), "schema": json_schema},
+            },
             ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": json_schema},
         )
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
@@ -161,7 +171,9 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
-            ls_provider="rag_kvcache", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat",
+            ls_provider="rag_kvcache",
+            ls_model_name=kwargs.get("model", self.model_name),
+            ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
         )
         if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
@@ -171,14 +183,20 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         return params
 
     def _generate(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> ChatResult:
         return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
 
     def _stream(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         if unknown := kwargs.keys() - _CALL_OPTIONS:
             raise TypeError(f"{type(self).__name__} got unexpected call options {sorted(unknown)!r}")
@@ -192,9 +210,13 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         if json_schema is not None:  # the constraint keeps the shape; the model still needs to know what to fill in
             messages = [*messages, HumanMessage(f"Answer with JSON matching this JSON Schema: {json_schema}")]
         options = Options(
-            fusion=kwargs.get("fusion", self.fusion), max_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
-            seed=kwargs.get("seed", self.seed), stop=stop or self.stop, json_schema=json_schema,
+            fusion=kwargs.get("fusion", self.fusion),
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            seed=kwargs.get("seed", self.seed),
+            stop=stop or self.stop,
+            json_schema=json_schema,
         )
         prompt = engine.run(_prompt, engine.generator, messages, options)
         for step in engine.stream(prompt.segments, prompt.fusion, prompt.generation, self.timeout):
@@ -210,12 +232,17 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
         """The closing chunk: usage and the fusion's numbers, no text (it was streamed)."""
         usage = answer.usage
         usage_metadata = UsageMetadata(
-            input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
-            total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
+            input_tokens=usage["prompt_tokens"],
+            output_tokens=usage["completion_tokens"],
+            total_tokens=usage["total_tokens"],
+            input_token_details={"cache_read": usage["cached_tokens"]},
         )
         metadata = {
-            "model_name": self.model_name, "model_provider": "rag_kvcache", "finish_reason": answer.finish_reason,
-            "prompt_tokens": answer.prompt_tokens, **answer.fusion_stats,
+            "model_name": self.model_name,
+            "model_provider": "rag_kvcache",
+            "finish_reason": answer.finish_reason,
+            "prompt_tokens": answer.prompt_tokens,
+            **answer.fusion_stats,
         }
         message = AIMessageChunk(
             content="", usage_metadata=usage_metadata, response_metadata=metadata, chunk_position="last"
@@ -274,6 +301,4 @@ def _parts(index: KVIndex, message: BaseMessage) -> Iterator[str | ChunkPart]:
                 )
             yield ChunkPart(record.token_ids, label=f"chunk:{chunk_id}")
         else:
-            raise ValueError(
-                f"ChatRagKVCache takes text and text-plain (with text) content blocks; got {block!r}"
-            )
+            raise ValueError(f"ChatRagKVCache takes text and text-plain (with text) content blocks; got {block!r}")

@@ -15,7 +15,9 @@ class EngineBacked(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with other components.")
+    engine: Engine | None = Field(
+        default=None, exclude=True, description="An opened `Engine`, shared with other components."
+    )
     index: str | None = Field(default=None, description="Or the folder of a rag-kvcache index (opened on first use).")
     device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
     dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")

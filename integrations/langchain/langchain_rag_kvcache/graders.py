@@ -28,7 +28,9 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
     probability of "yes"). A document without a chunk id of this index is refused: it has no cache to read."""
 
     template: str = Field(default=CHECK, description="The check question; `{question}` is replaced by the question.")
-    threshold: float = Field(default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document.")
+    threshold: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document."
+    )
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         return self._call_with_config(self._grade, input, config, run_type="parser", **kwargs)
@@ -41,11 +43,16 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
         engine = self._handle.get()
 
         def check(question: str, ids: list[str]) -> list[Verdict]:  # on the engine's thread, which owns the index
-            return RelevanceCheck(engine.generator, self.template, self.threshold)(question, engine.index.chunks.get(ids))
+            return RelevanceCheck(engine.generator, self.template, self.threshold)(
+                question, engine.index.chunks.get(ids)
+            )
 
         verdicts = engine.run(check, input["question"], [d.metadata[CHUNK_ID_KEY] for d in documents])
-        return [d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: v.p_yes}})
-                for d, v in zip(documents, verdicts) if v.relevant]
+        return [
+            d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: v.p_yes}})
+            for d, v in zip(documents, verdicts)
+            if v.relevant
+        ]
 
 
 class ChatModelGrader(RunnableSerializable[dict, list[Document]]):

@@ -36,7 +36,9 @@ class AgenticRAGState(TypedDict, total=False):
 
 
 def create_agentic_rag_graph(
-    retriever: BaseRetriever, grader: Runnable[dict, list[Document]], model: BaseChatModel,
+    retriever: BaseRetriever,
+    grader: Runnable[dict, list[Document]],
+    model: BaseChatModel,
 ) -> Any:
     """A compiled LangGraph graph: `retrieve` (the question's documents), `grade` (`grader` takes
     `{"question", "documents"}` and returns the relevant ones), `generate` (`model` answers from the kept

@@ -38,7 +38,11 @@ class RagKVCacheVectorStore(VectorStore):
     """
 
     def __init__(
-        self, index: str | Path | None = None, *, engine: Engine | None = None, device: str | None = None,
+        self,
+        index: str | Path | None = None,
+        *,
+        engine: Engine | None = None,
+        device: str | None = None,
         dtype: str | None = None,
     ) -> None:
         """Serve from `engine` (shared with a chat model) or open one for `index` on first use, loading its
@@ -54,7 +58,11 @@ class RagKVCacheVectorStore(VectorStore):
         return None
 
     def add_texts(
-        self, texts: Iterable[str], metadatas: list[dict] | None = None, *, ids: list[str | None] | None = None,
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str | None] | None = None,
         **kwargs: Any,
     ) -> list[str]:
         if kwargs:
@@ -63,7 +71,9 @@ class RagKVCacheVectorStore(VectorStore):
         metadatas = [{} for _ in texts] if metadatas is None else metadatas
         ids = [None for _ in texts] if ids is None else ids
         if not len(texts) == len(metadatas) == len(ids):
-            raise ValueError(f"{len(texts)} texts, {len(metadatas)} metadatas and {len(ids)} ids: give one of each per text")
+            raise ValueError(
+                f"{len(texts)} texts, {len(metadatas)} metadatas and {len(ids)} ids: give one of each per text"
+            )
         ids = [str(uuid.uuid4()) if i is None else i for i in ids]
         documents = [TextDocument(i, t, m) for i, t, m in zip(ids, texts, metadatas, strict=True)]
         if documents:
@@ -101,9 +111,17 @@ class RagKVCacheVectorStore(VectorStore):
 
     @classmethod
     def from_texts(
-        cls, texts: list[str], embedding: Embeddings | None = None, metadatas: list[dict] | None = None, *,
-        ids: list[str] | None = None, index: str | Path | None = None, engine: Engine | None = None,
-        device: str | None = None, dtype: str | None = None, **kwargs: Any,
+        cls,
+        texts: list[str],
+        embedding: Embeddings | None = None,
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str] | None = None,
+        index: str | Path | None = None,
+        engine: Engine | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        **kwargs: Any,
     ) -> RagKVCacheVectorStore:
         """A store over `index` (or `engine`) with `texts` added; the index embeds with its own embedder,
         so `embedding` must be None."""

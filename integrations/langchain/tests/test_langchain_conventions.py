@@ -34,10 +34,14 @@ def rag_question(demo_engine: Engine) -> HumanMessage:
     return rag_message(RagKVCacheRetriever(engine=demo_engine, k=3).invoke(QUESTION), QUESTION)
 
 
-def test_token_counts_use_the_index_tokenizer(model: ChatRagKVCache, demo_engine: Engine, rag_question: HumanMessage) -> None:
+def test_token_counts_use_the_index_tokenizer(
+    model: ChatRagKVCache, demo_engine: Engine, rag_question: HumanMessage
+) -> None:
     """No GPT-2 tokenizer download (it took 5 minutes of network errors offline, then counted 0)."""
     tokenizer = demo_engine.index.adapter.tokenizer
-    assert model.get_token_ids("Veldmark Observatory") == tokenizer.encode("Veldmark Observatory", add_special_tokens=False)
+    assert model.get_token_ids("Veldmark Observatory") == tokenizer.encode(
+        "Veldmark Observatory", add_special_tokens=False
+    )
     assert model.get_num_tokens("Veldmark Observatory") == len(model.get_token_ids("Veldmark Observatory")) > 0
     messages = [SystemMessage("Answer briefly."), rag_question]
     answer = model.invoke(messages, max_tokens=2)

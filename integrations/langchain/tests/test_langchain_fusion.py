@@ -81,15 +81,21 @@ def test_text_without_chunk_ids_is_found_in_the_cache(model: ChatRagKVCache, ret
 
 def test_tutorial_chain_reads_the_chunks_from_cache(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
     """LangChain's own RAG tutorial chain: `format_docs` joins the documents into a prompt template."""
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
-                   "context to answer the question. Keep the answer concise.\n\n{context}"),
-        ("human", "{question}"),
-    ])
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            (
+                "system",
+                "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+                "context to answer the question. Keep the answer concise.\n\n{context}",
+            ),
+            ("human", "{question}"),
+        ]
+    )
     docs = retriever.invoke(QUESTION)
     chain = (
         {"context": retriever | (lambda ds: "\n\n".join(d.page_content for d in ds)), "question": RunnablePassthrough()}
-        | prompt | model
+        | prompt
+        | model
     )
     answer = chain.invoke(QUESTION)
     assert "Harrow" in answer.text

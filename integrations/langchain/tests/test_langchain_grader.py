@@ -19,8 +19,9 @@ def test_the_grader_keeps_what_the_core_check_judges_relevant(demo_engine: Engin
     docs = RagKVCacheRetriever(engine=demo_engine, k=4).invoke(QUESTION)
     every = RagKVCacheGrader(engine=demo_engine, threshold=0.0).invoke({"question": QUESTION, "documents": docs})
     assert [d.id for d in every] == [d.id for d in docs]
-    verdicts = demo_engine.run(lambda: RelevanceCheck(demo_engine.generator)(
-        QUESTION, demo_engine.index.chunks.get([d.id for d in docs])))
+    verdicts = demo_engine.run(
+        lambda: RelevanceCheck(demo_engine.generator)(QUESTION, demo_engine.index.chunks.get([d.id for d in docs]))
+    )
     assert [d.metadata[RELEVANCE_KEY] for d in every] == pytest.approx([v.p_yes for v in verdicts], abs=1e-6)
     assert all(v.computed_tokens < 64 for v in verdicts)  # the check question alone; the chunks are read
     threshold = sorted(v.p_yes for v in verdicts)[len(verdicts) // 2]

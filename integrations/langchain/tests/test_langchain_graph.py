@@ -43,7 +43,9 @@ def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: Engine
     retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
     plain = ChatRagKVCache(engine=demo_engine, fusion=FusionConfig(method="full"), max_tokens=12)
     state = create_agentic_rag_graph(retriever, ChatModelGrader(model=plain), plain).invoke({"question": QUESTION})
-    cached = RagKVCacheGrader(engine=demo_engine).invoke({"question": QUESTION, "documents": retriever.invoke(QUESTION)})
+    cached = RagKVCacheGrader(engine=demo_engine).invoke(
+        {"question": QUESTION, "documents": retriever.invoke(QUESTION)}
+    )
     assert {d.id for d in state["graded"]} <= {d.id for d in cached}
     assert state["answer"].text
 

@@ -33,7 +33,8 @@ def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) 
 def demo_documents() -> list[Document]:
     return [
         Document(page_content=f.read_text(), id=f"demo/{f.name}", metadata={"file": f.name, "kind": "demo"})
-        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name) if f.name.endswith((".md", ".txt"))
+        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name)
+        if f.name.endswith((".md", ".txt"))
     ]
 
 
@@ -64,16 +65,23 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
 ) -> None:
     """LangChain's RAG tutorial chain with the store's retriever: `format_docs` into a prompt template."""
     model = ChatRagKVCache(engine=store_engine, max_tokens=24)
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", (
-            "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
-            "context to answer the question. Keep the answer concise.\n\n{context}"
-        )),
-        ("human", "{question}"),
-    ])
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            (
+                "system",
+                (
+                    "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+                    "context to answer the question. Keep the answer concise.\n\n{context}"
+                ),
+            ),
+            ("human", "{question}"),
+        ]
+    )
     retriever = store.as_retriever(search_kwargs={"k": 3})
+
     def format_docs(docs):
         return "\n\n".join(d.page_content for d in docs)
+
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model
     answer = chain.invoke(QUESTION)
     assert "Harrow" in answer.text

@@ -17,6 +17,7 @@ from .support import QUESTION, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
+
 @pytest.fixture(scope="module")
 def llm(demo_engine: Engine) -> RagKVCacheLLM:
     return RagKVCacheLLM(engine=demo_engine, max_tokens=24)
@@ -70,9 +71,7 @@ def test_stream_complete_deltas_add_up(llm: RagKVCacheLLM, chunk_ids: list[str])
     assert responses[-1].additional_kwargs["completion_tokens"] > 0
 
 
-def test_chat_merges_turns_and_takes_chunks_in_the_last_user_message(
-    llm: RagKVCacheLLM, chunk_ids: list[str]
-) -> None:
+def test_chat_merges_turns_and_takes_chunks_in_the_last_user_message(llm: RagKVCacheLLM, chunk_ids: list[str]) -> None:
     conversation = [
         ChatMessage(role=MessageRole.SYSTEM, content="You answer in a few words."),
         ChatMessage(role=MessageRole.USER, content="Hello."),
@@ -148,7 +147,9 @@ def test_other_response_modes_read_the_chunks_from_cache(
     assert sum(matched_tokens(llm, turns) for turns in prompts.turns) >= 0.9 * _chunk_tokens(llm, chunk_ids)
 
 
-def test_plain_completion_with_chunk_text_is_fused(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
+def test_plain_completion_with_chunk_text_is_fused(
+    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]
+) -> None:
     texts = [r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids)]
     prompt = "\n\n".join([*texts, QUESTION])
     assert matched_tokens(llm, [ChatTurn("user", (prompt,))]) >= 0.9 * _chunk_tokens(llm, chunk_ids)

@@ -18,6 +18,7 @@ from .support import QUESTION
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
+
 class Telescope(BaseModel):
     """The telescope the question asks about."""
 
@@ -37,7 +38,9 @@ def test_token_counting_handler_reads_the_usage(demo_engine: Engine, chunk_ids: 
     usage = completion.raw["usage"]
     assert usage["cached_tokens"] > usage["prompt_tokens"] // 2
     assert (counter.prompt_llm_token_count, counter.completion_llm_token_count) == (
-        usage["prompt_tokens"], usage["completion_tokens"])
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
     counter.reset_counts()
     chat = llm.chat([ChatMessage(role=MessageRole.USER, content="Hello")])
     assert counter.prompt_llm_token_count == chat.raw["usage"]["prompt_tokens"] > 0
@@ -59,7 +62,9 @@ def test_per_call_settings(llm: RagKVCacheLLM, chunk_ids: list[str]) -> None:
     assert cut not in llm.complete(QUESTION, chunk_ids=chunk_ids, stop=[cut]).text
 
 
-def test_structured_predict_returns_validated_objects(llm: RagKVCacheLLM, chunk_ids: list[str], demo_engine: Engine) -> None:
+def test_structured_predict_returns_validated_objects(
+    llm: RagKVCacheLLM, chunk_ids: list[str], demo_engine: Engine
+) -> None:
     context = "\n\n".join(r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids))
     prompt = PromptTemplate("{context}\n\nWhich telescope is the main telescope of the Veldmark Observatory?")
     telescope = llm.structured_predict(Telescope, prompt, context=context)

@@ -31,11 +31,13 @@ def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) 
 def vector_index(store_engine: Engine) -> VectorStoreIndex:
     documents = [
         Document(text=f.read_text(), id_=f"demo/{f.name}", metadata={"file": f.name})
-        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name) if f.name.endswith(".md")
+        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name)
+        if f.name.endswith(".md")
     ]
     store = RagKVCacheVectorStore(engine=store_engine)
     return VectorStoreIndex.from_documents(
-        documents, storage_context=StorageContext.from_defaults(vector_store=store),
+        documents,
+        storage_context=StorageContext.from_defaults(vector_store=store),
         embed_model=MockEmbedding(embed_dim=1),  # the store embeds with the index's embedder
     )
 
@@ -80,9 +82,12 @@ def test_delete_by_document_and_by_node(demo_engine: Engine, tmp_path: Path) -> 
     with empty_engine(tmp_path / "index", demo_engine) as engine:
         store = RagKVCacheVectorStore(engine=engine)
         index = VectorStoreIndex.from_documents(
-            [Document(text="The Harrow telescope has a 2.4 m mirror.", id_="a"),
-             Document(text="Saltmere is a fishing town.", id_="b")],
-            storage_context=StorageContext.from_defaults(vector_store=store), embed_model=MockEmbedding(embed_dim=1),
+            [
+                Document(text="The Harrow telescope has a 2.4 m mirror.", id_="a"),
+                Document(text="Saltmere is a fishing town.", id_="b"),
+            ],
+            storage_context=StorageContext.from_defaults(vector_store=store),
+            embed_model=MockEmbedding(embed_dim=1),
         )
         result = store.query(VectorStoreQuery(query_str="Harrow telescope", similarity_top_k=2))
         assert [n.ref_doc_id for n in result.nodes] == ["a", "b"]

@@ -73,12 +73,17 @@ class RagKVCacheLLM(CustomLLM):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with a retriever.")
+    engine: Engine | None = Field(
+        default=None, exclude=True, description="An opened `Engine`, shared with a retriever."
+    )
     index: str | None = Field(
-        default=None, description="Or the folder of a rag-kvcache index; the LLM opens its own engine on first use.",
+        default=None,
+        description="Or the folder of a rag-kvcache index; the LLM opens its own engine on first use.",
     )
     fusion: FusionConfig = Field(default_factory=FusionConfig, description="How chunk caches are fused.")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate; None: the index's default (64).")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate; None: the index's default (64)."
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
@@ -86,11 +91,15 @@ class RagKVCacheLLM(CustomLLM):
     device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
     dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
     timeout: float | None = Field(
-        default=None, gt=0, description="Seconds a call may take; checked after each generated token (the fused "
+        default=None,
+        gt=0,
+        description="Seconds a call may take; checked after each generated token (the fused "
         "prefill is not interrupted), past it the call raises TimeoutError.",
     )
     max_retries: int = Field(
-        default=0, ge=0, description="Accepted as LlamaIndex's LLMs take it; the model runs in this process, with no "
+        default=0,
+        ge=0,
+        description="Accepted as LlamaIndex's LLMs take it; the model runs in this process, with no "
         "request that could fail transiently, so no call is ever retried.",
     )
 
@@ -122,7 +131,10 @@ class RagKVCacheLLM(CustomLLM):
         return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
     def structured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Model:
         """LlamaIndex's structured prediction (its prompt with the schema, its parser), the answer decoded
@@ -130,19 +142,32 @@ class RagKVCacheLLM(CustomLLM):
         return super().structured_predict(output_cls, prompt, _constrained(llm_kwargs, output_cls), **prompt_args)
 
     async def astructured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Model:
-        return await super().astructured_predict(output_cls, prompt, _constrained(llm_kwargs, output_cls), **prompt_args)
+        return await super().astructured_predict(
+            output_cls, prompt, _constrained(llm_kwargs, output_cls), **prompt_args
+        )
 
     def stream_structured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Generator[Model | FlexibleModel, None, None]:
-        return super().stream_structured_predict(output_cls, prompt, _constrained(llm_kwargs, output_cls), **prompt_args)
+        return super().stream_structured_predict(
+            output_cls, prompt, _constrained(llm_kwargs, output_cls), **prompt_args
+        )
 
     async def astream_structured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> AsyncGenerator[Model | FlexibleModel, None]:
         return await super().astream_structured_predict(
@@ -210,7 +235,12 @@ class RagKVCacheLLM(CustomLLM):
         text = ""
         for step in engine.stream(prompt.segments, prompt.fusion, prompt.generation, self.timeout):
             if isinstance(step, Answer):
-                yield "", text, {"usage": step.usage}, {**step.usage, "prompt_tokens": step.prompt_tokens, **step.fusion_stats}
+                yield (
+                    "",
+                    text,
+                    {"usage": step.usage},
+                    {**step.usage, "prompt_tokens": step.prompt_tokens, **step.fusion_stats},
+                )
             elif step:
                 text += step
                 yield step, text, None, {}
@@ -222,9 +252,12 @@ class RagKVCacheLLM(CustomLLM):
             raise TypeError(f"RagKVCacheLLM got unexpected arguments {sorted(unknown)!r}")
         schema = options.get("json_schema")
         return Options(
-            fusion=self.fusion, max_tokens=options.get("max_tokens", self.max_tokens),
-            temperature=options.get("temperature", self.temperature), top_p=options.get("top_p", self.top_p),
-            seed=options.get("seed", self.seed), stop=options.get("stop", self.stop),
+            fusion=self.fusion,
+            max_tokens=options.get("max_tokens", self.max_tokens),
+            temperature=options.get("temperature", self.temperature),
+            top_p=options.get("top_p", self.top_p),
+            seed=options.get("seed", self.seed),
+            stop=options.get("stop", self.stop),
             json_schema=schema if schema is None or isinstance(schema, str) else json.dumps(schema),
         )
 

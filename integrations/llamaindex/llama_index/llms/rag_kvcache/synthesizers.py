@@ -34,7 +34,10 @@ class KVCacheSynthesizer(BaseSynthesizer):
     """
 
     def __init__(
-        self, llm: RagKVCacheLLM, streaming: bool = False, callback_manager: CallbackManager | None = None,
+        self,
+        llm: RagKVCacheLLM,
+        streaming: bool = False,
+        callback_manager: CallbackManager | None = None,
         text_qa_template: BasePromptTemplate | None = None,
     ) -> None:
         if not isinstance(llm, RagKVCacheLLM):
@@ -52,15 +55,21 @@ class KVCacheSynthesizer(BaseSynthesizer):
             self._text_qa_template = prompts_dict["text_qa_template"]
 
     def synthesize(
-        self, query: QueryType, nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any,
+        self,
+        query: QueryType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         chunk_ids = self._chunk_ids(nodes)
         return super().synthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
 
     async def asynthesize(
-        self, query: QueryType, nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any,
+        self,
+        query: QueryType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         chunk_ids = self._chunk_ids(nodes)
         return await super().asynthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
@@ -74,7 +83,10 @@ class KVCacheSynthesizer(BaseSynthesizer):
         return ids if engine.run(_all_indexed, engine.index, ids) else None
 
     def get_response(
-        self, query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None = None,
+        self,
+        query_str: str,
+        text_chunks: Sequence[str],
+        chunk_ids: Sequence[str] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         if self._text_qa_template is not None:
@@ -89,7 +101,10 @@ class KVCacheSynthesizer(BaseSynthesizer):
         return self._llm.complete(prompt, chunk_ids=chunk_ids, **response_kwargs).text
 
     async def aget_response(
-        self, query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None = None,
+        self,
+        query_str: str,
+        text_chunks: Sequence[str],
+        chunk_ids: Sequence[str] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TEXT_TYPE:
         if self._text_qa_template is not None:

@@ -16,8 +16,14 @@ class RagKVCacheRetriever(BaseRetriever):
     the chunk's `source` file and `ordinal` in it, and its score the cosine similarity."""
 
     def __init__(
-        self, index: str | Path | None = None, similarity_top_k: int = 4, *, engine: Engine | None = None,
-        device: str | None = None, dtype: str | None = None, callback_manager: CallbackManager | None = None,
+        self,
+        index: str | Path | None = None,
+        similarity_top_k: int = 4,
+        *,
+        engine: Engine | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        callback_manager: CallbackManager | None = None,
     ) -> None:
         """Serve from `engine` (shared, e.g. an LLM's `serving_engine`) or open one for `index` on first use,
         loading its model on `device` in `dtype` (None: the index's settings)."""
@@ -36,7 +42,8 @@ class RagKVCacheRetriever(BaseRetriever):
         return [
             NodeWithScore(
                 node=TextNode(
-                    id_=hit.chunk.id, text=hit.chunk.text,
+                    id_=hit.chunk.id,
+                    text=hit.chunk.text,
                     metadata={"source": hit.chunk.source, "ordinal": hit.chunk.ordinal},
                 ),
                 score=hit.score,

@@ -56,7 +56,8 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
     is_embedding_query: bool = False
     engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with an LLM.")
     index: str | None = Field(
-        default=None, description="Or the folder of a rag-kvcache index; the store opens its own engine on first use.",
+        default=None,
+        description="Or the folder of a rag-kvcache index; the store opens its own engine on first use.",
     )
     device: str | None = Field(default=None, description="Torch device of the model (None: the index's, cpu).")
     dtype: str | None = Field(default=None, description="Model dtype (None: the one the index was built with).")
@@ -65,7 +66,9 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
 
     @model_validator(mode="after")
     def _open_handle(self) -> Self:
-        self._handle = EngineHandle(self.engine, self.index, self.device, self.dtype)  # fails here for a folder that is no index
+        self._handle = EngineHandle(
+            self.engine, self.index, self.device, self.dtype
+        )  # fails here for a folder that is no index
         return self
 
     @classmethod
@@ -86,7 +89,8 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
             raise TypeError(f"{type(self).__name__}.add got unexpected arguments {sorted(add_kwargs)!r}")
         documents = [
             TextDocument(
-                node.node_id, node.get_content(metadata_mode=MetadataMode.NONE),
+                node.node_id,
+                node.get_content(metadata_mode=MetadataMode.NONE),
                 node_to_metadata_dict(node, remove_text=True, flat_metadata=False),
             )
             for node in nodes
@@ -115,10 +119,15 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
 
     def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         if unsupported := {
-            name: value for name, value in [
-                ("filters", query.filters), ("doc_ids", query.doc_ids), ("node_ids", query.node_ids),
-                ("query_embedding", query.query_embedding), *kwargs.items(),
-            ] if value  # None or empty: unset (VectorIndexRetriever passes node_ids=[])
+            name: value
+            for name, value in [
+                ("filters", query.filters),
+                ("doc_ids", query.doc_ids),
+                ("node_ids", query.node_ids),
+                ("query_embedding", query.query_embedding),
+                *kwargs.items(),
+            ]
+            if value  # None or empty: unset (VectorIndexRetriever passes node_ids=[])
         }:
             raise ValueError(f"{type(self).__name__} searches by query text only; got {sorted(unsupported)!r}")
         if query.mode.value != "default":
