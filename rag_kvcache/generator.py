@@ -307,7 +307,7 @@ class FusedGenerator:
         tail = [t for seg in segments[last + 1 :] for t in seg.ids]
         chunks = frozenset(seg.stored for seg in segments[1 : last + 1] if seg.cacheable)
         if learned := self.templates.learn(head, chunks, tail):
-            self.index.precompute(learned, progress=False)
+            self.index.maker.precompute(learned, progress=False)
             log.info(
                 "learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
                 len(learned),
@@ -345,7 +345,7 @@ class FusedGenerator:
         token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`:
         those started into one `pool` attend in one call); `finish` gives its `Answer` once the decoder
         is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt head)
-        this prompt may read and write (`KVIndex.open_caches`)."""
+        this prompt may read and write (`KVIndex.caches.open`)."""
         fusion = fusion or self.index.config.fusion
         generation = generation or self.index.config.generation
         n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
@@ -443,7 +443,7 @@ class FusedGenerator:
                 method = get_method("prefix")  # exact over its own K/V
             if method.reads_cache:
                 opened = segments if hit is None else [replace(segments[0], cacheable=False), *segments[1:]]
-                caches = self.index.open_caches(opened, salt)
+                caches = self.index.caches.open(opened, salt)
                 sources, contexts = caches.sources, caches.contexts
                 if hit is not None:
                     sources = [hit.kv, *sources[1:]]

@@ -116,7 +116,7 @@ def _repair_rows(index: KVIndex, bad_rows, report: CheckReport) -> None:
 def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:
     """Read every cache the index uses whole (each tensor's checksum verified); a corrupt one is removed
     by the store as it is found; with `repair`, the missing and corrupt ones are recomputed."""
-    live = index.live_keys()
+    live = index.maker.live_keys()
     bad: dict[tuple[int, ...], list[tuple[str, tuple[int, ...]]]] = defaultdict(list)  # by context
     for key, (ids, context) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
         if (problem := _cache_problem(index, key)) is not None:
@@ -126,7 +126,7 @@ def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: b
     if not repair:
         return
     for context, entries in bad.items():
-        for i, kv in index.compute([ids for _, ids in entries], context):
+        for i, kv in index.maker.compute([ids for _, ids in entries], context):
             index.store.put(entries[i][0], kv)
             report.recomputed += 1
     if report.recomputed:
@@ -151,7 +151,7 @@ def _cache_problem(index: KVIndex, key: str) -> str | None:
 def _count_garbage(index: KVIndex, report: CheckReport) -> None:
     """List the orphan caches and the temporary vectors files that `gc` (or `check --repair`) deletes:
     garbage, not damage (a prompt head cached at query time is an orphan too)."""
-    if pending := index.pending():
+    if pending := index.maker.pending():
         report.resumable.append(
             f"{len(pending)} KV caches of an interrupted `index` run: kept, and read again when "
             "the same command runs (it resumes)"

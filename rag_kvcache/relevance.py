@@ -88,7 +88,7 @@ def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch
     """The per-layer K/V [H_kv, N, D] of a check prompt's leading segments whose caches are exact
     (`SegmentKV.exact`: what a full prefill computes there), and the tokens whose caches the index computed
     now (missing entries, recomputed when opened)."""
-    caches = index.open_caches(segments)
+    caches = index.caches.open(segments)
     parts = FusionInput.build(segments, caches.sources, caches.contexts).parts
     head = [p.kv for p in takewhile(lambda p: p.exact, parts) if p.kv is not None]  # an exact part has a cache
     layout, device = index.adapter.layout, index.adapter.device

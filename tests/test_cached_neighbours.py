@@ -151,14 +151,14 @@ def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.config.chunk_prefill == "cached_neighbours" and reopened.config.context_chunks == 2
     assert KVIndex.config_of(index.path).chunk_prefill == "cached_neighbours"
-    assert reopened.unrecorded_chunks() == []
+    assert reopened.maker.unrecorded_chunks() == []
     question = "Who kept the lighthouse diary of ships?"
     fmt = reopened.format
     segments = fmt.segments(
         [h.chunk.token_ids for h in reopened.search(question, 3)],
         fmt.question_ids(reopened.adapter.tokenizer, question),
     )
-    caches = reopened.open_caches(segments)
+    caches = reopened.caches.open(segments)
     assert caches.missing == 0 and isinstance(caches.sources[3], BlendKV)
     chunks = [
         p
@@ -183,7 +183,7 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     write_docs(tmp_path / "docs")
     whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
     index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
-    real, calls = index._behind_neighbours, []
+    real, calls = index.maker.behind_neighbours, []
 
     def dies_on_the_fourth(ids, near):
         calls.append(ids)
@@ -191,20 +191,20 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
             raise KeyboardInterrupt("killed while computing neighbour caches")
         return real(ids, near)
 
-    monkeypatch.setattr(index, "_behind_neighbours", dies_on_the_fourth)
+    monkeypatch.setattr(index.maker, "behind_neighbours", dies_on_the_fourth)
     with pytest.raises(KeyboardInterrupt):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
     assert not (index.path / "neighbours.json").exists()
     reopened = KVIndex.open(index.path, adapter=tiny)
-    assert len(reopened.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
-    done = reopened.precompute_neighbours(reopened.unrecorded_chunks(), progress=False)
+    assert len(reopened.maker.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
+    done = reopened.maker.precompute_neighbours(reopened.maker.unrecorded_chunks(), progress=False)
     total = sum(
         len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
     )
     assert done == total - 3  # the three stored before the kill are kept
-    assert reopened.unrecorded_chunks() == [] and set(reopened.live_keys()) == set(whole.live_keys())
-    for key in whole.live_keys():
+    assert reopened.maker.unrecorded_chunks() == [] and set(reopened.maker.live_keys()) == set(whole.maker.live_keys())
+    for key in whole.maker.live_keys():
         assert_same(reopened.store.get(key), whole.store.get(key))
 
 
@@ -221,10 +221,10 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
         index.store.memory.remove(index.addressing.key(ids, fmt.prefix_ids))
         index.store.disk.remove(index.addressing.key(ids, fmt.prefix_ids))
     with caplog.at_level(logging.WARNING):
-        after = index._behind_neighbours(chunk.token_ids, near)
+        after = index.maker.behind_neighbours(chunk.token_ids, near)
     assert caplog.text.count("recomputed and rewrote") == len(gone)
     assert all(index.addressing.key(ids, fmt.prefix_ids) in index.store for ids in gone)
-    assert all(index.addressing.key(ids, fmt.prefix_ids) in index.live_keys() for ids in gone)  # never collected
+    assert all(index.addressing.key(ids, fmt.prefix_ids) in index.maker.live_keys() for ids in gone)  # never collected
     assert_same(after, before)
 
 
@@ -241,7 +241,7 @@ def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path)
         [h.chunk.token_ids for h in reopened.search(question, 3)],
         reopened.format.question_ids(tiny.tokenizer, question),
     )
-    assert reopened.open_caches(segments).missing == 0
+    assert reopened.caches.open(segments).missing == 0
 
 
 def test_config_names_the_bad_value():

@@ -36,14 +36,14 @@ def calls(index, monkeypatch) -> dict[str, int]:
 
         return counted
 
-    monkeypatch.setattr(index, "compute", counting("computed", index.compute))
+    monkeypatch.setattr(index.maker, "compute", counting("computed", index.maker.compute))
     monkeypatch.setattr(index.chunks._embedder, "encode", counting("embedded", index.chunks._embedder.encode))
     return counts
 
 
 def test_an_intact_index_checks_clean_and_repair_computes_nothing(index, calls):
     report = check(index, progress=False)
-    assert report.ok and report.problems == [] and report.caches_checked == len(index.live_keys())
+    assert report.ok and report.problems == [] and report.caches_checked == len(index.maker.live_keys())
     repaired = check(index, repair=True, progress=False)
     assert repaired.ok and repaired.problems == [] and repaired.repaired == []
     assert calls == {"computed": 0, "embedded": 0} and repaired.recomputed == repaired.reembedded == 0

@@ -452,14 +452,14 @@ def test_index_says_the_caches_size_and_codec(built):
 def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_path, model_dir, monkeypatch):
     """Ctrl-C during `index` exited 130 without a word; `check` then called the caches it had computed garbage
     and advised `gc`, which would have thrown away what the next run resumes with."""
-    from rag_kvcache.index import KVIndex
+    from rag_kvcache.indexing.maker import CacheMaker
 
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, word in enumerate(["harbour", "lighthouse", "granite", "bakery"]):
         (docs / f"{word}.txt").write_text(f"The {word} of Saltmere, number {i}, is old and well kept. " * 8)
     args = ["index", str(docs), "--index", str(tmp_path / "idx"), "--model", str(model_dir), "--chunk-tokens", "32"]
-    compute = KVIndex.compute
+    compute = CacheMaker.compute
 
     def interrupted(self, chunks, context):
         for n, item in enumerate(compute(self, chunks, context)):
@@ -467,7 +467,7 @@ def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_pat
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(KVIndex, "compute", interrupted)
+    monkeypatch.setattr(CacheMaker, "compute", interrupted)
     result = runner.invoke(app, args)
     assert result.exit_code == 130 and "the 2 KV caches this run computed are kept" in " ".join(result.stderr.split())
     files = sorted((tmp_path / "idx" / "kv").rglob("*.safetensors"))
@@ -476,7 +476,7 @@ def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_pat
     assert check.exit_code == 0 and "garbage" not in check.output and "interrupted `index` run" in check.output
     assert runner.invoke(app, ["gc", "--index", str(tmp_path / "idx")]).exit_code == 0
     assert sorted((tmp_path / "idx" / "kv").rglob("*.safetensors")) == files  # gc kept them
-    monkeypatch.setattr(KVIndex, "compute", compute)
+    monkeypatch.setattr(CacheMaker, "compute", compute)
     mtimes = {p: p.stat().st_mtime_ns for p in files}
     assert runner.invoke(app, args).exit_code == 0  # resumed: the kept caches are read, not computed again
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())

@@ -306,16 +306,16 @@ def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp
     docs = write_docs(tmp_path / "docs", 4)
     index = KVIndex.build(docs, tmp_path / "idx", replace_model(CFG, tiny_model_dir), progress=False)
     stored = lambda: {p.stem for p in index.store.disk.files()}  # noqa: E731
-    assert stored() == set(index.live_keys())
+    assert stored() == set(index.maker.live_keys())
     for i in range(2):
         (docs / f"doc{i:03d}.txt").write_text(f"Edited document {i}: the ferry keeper's diary mentions the bakery.")
     (docs / "doc002.txt").unlink()
     report = index.update(docs, progress=False, prune=True)
     assert report.changed == ["doc000.txt", "doc001.txt"] and report.removed == ["doc002.txt"]
-    assert stored() == set(index.live_keys())  # collected at sync: nothing but the live caches
+    assert stored() == set(index.maker.live_keys())  # collected at sync: nothing but the live caches
     index.delete(["doc003.txt"])
-    assert stored() == set(index.live_keys())
-    live = next(iter(index.live_keys()))
+    assert stored() == set(index.maker.live_keys())
+    live = next(iter(index.maker.live_keys()))
     orphan = index.store.path("ff" + live[2:])
     orphan.parent.mkdir(exist_ok=True)
     shutil.copy(index.store.path(live), orphan)  # not a chunk's: another model's, or a prompt head cached by a query
@@ -324,7 +324,7 @@ def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp
     result = CliRunner().invoke(app, ["gc", "--index", str(index.path)])
     assert result.exit_code == 0, result.output
     assert "deleted 1 orphan KV caches" in " ".join(result.output.split()) and not orphan.exists()
-    assert stored() == set(index.live_keys())
+    assert stored() == set(index.maker.live_keys())
 
 
 def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):

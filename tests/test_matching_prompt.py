@@ -90,7 +90,7 @@ def test_a_slice_at_its_own_place_is_exact(index, tiny):
         Segment(chunk[a:], True, "tail", whole=chunk, offset=a),
         Segment(question, False, "question"),
     ]
-    caches = index.open_caches(segments)
+    caches = index.caches.open(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     assert [p.exact for p in inp.parts] == [True, False, True, False]
     assert caches.sources[2].position == len(index.format.prefix_ids) + a
@@ -127,9 +127,9 @@ def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
     reordered = "\n\n".join(c.text for c in reversed(chunk_texts(index)))
     assert generator.prompt_segments(f"{INSTRUCTIONS}{reordered}\n\nQuestion: why?\nAnswer:")[0].ids == head.ids
     key = index.addressing.key(head.ids, ())
-    assert key not in index.request_tier("")
+    assert key not in index.caches.request_tier("")
     ask(index, prompts[0], "reuse")
-    assert key in index.request_tier("")  # computed and kept by the first prompt that had it: request text,
+    assert key in index.caches.request_tier("")  # computed and kept by the first prompt that had it: request text,
     assert key not in index.store  # in memory only, never on disk
     segments = generator.prompt_segments(prompts[1])
     assert segments[0].ids == head.ids
@@ -177,10 +177,10 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
     generator = FusedGenerator(index)
     segments = generator.prompt_segments(prompts[1])
     keys = [index.addressing.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
-    assert segments[2].label.startswith("chunk:") and keys[0] not in index.request_tier("")
+    assert segments[2].label.startswith("chunk:") and keys[0] not in index.caches.request_tier("")
     first = ask(index, prompts[0], "reuse")
-    assert keys[0] in index.request_tier("") and first.cache_misses == 0  # made now, not a missing indexed cache
-    caches = index.open_caches(segments)
+    assert keys[0] in index.caches.request_tier("") and first.cache_misses == 0  # made now, not a missing indexed cache
+    caches = index.caches.open(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     head, edge, chunk = inp.parts[:3]
     assert head.exact and chunk.kv is not None and chunk.exact and not [p for p in inp.parts[3:] if p.exact]
@@ -210,7 +210,7 @@ def test_request_text_caches_stay_in_memory_within_each_keys_budget(tiny, tmp_pa
     theirs = send(INSTRUCTIONS, "key-b")
     for i in range(6):
         send(f"Instructions number {i} for this pipeline. {INSTRUCTIONS}", f"key-a:salt-{i % 2}")
-    mine = index.request_tier("key-a")
+    mine = index.caches.request_tier("key-a")
     assert 0 < mine.nbytes <= 150_000 and mine.stats.evictions > 0
-    assert index.addressing.key(theirs[0].ids, (), "key-b") in index.request_tier("key-b")
+    assert index.addressing.key(theirs[0].ids, (), "key-b") in index.caches.request_tier("key-b")
     assert set((tmp_path / "idx" / "kv").rglob("*.safetensors")) == on_disk

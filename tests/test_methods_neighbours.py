@@ -72,7 +72,7 @@ def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
     segments = fmt.segments(
         [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
     )
-    caches = index.open_caches(segments)
+    caches = index.caches.open(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
     assert chunks[0].exact and not any(p.exact for p in chunks[1:])
@@ -96,7 +96,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     near = json.loads((index.path / "neighbours.json").read_text())[index.addressing.neighbour_key(chunk.token_ids)]
     question = index.format.question_ids(index.adapter.tokenizer, "Who kept the diary?")
     segments = index.format.segments([*(tuple(n) for n in reversed(near[:depth])), chunk.token_ids], question)
-    caches = index.open_caches(segments)
+    caches = index.caches.open(segments)
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
     assert chunks[0].exact and chunks[-1].exact  # a middle chunk reads its own neighbours' cache: inexact
@@ -109,7 +109,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
         rtol=0,
     )
     swapped = index.format.segments([tuple(near[1]), chunk.token_ids], question)  # another chunk first: inexact
-    caches = index.open_caches(swapped)
+    caches = index.caches.open(swapped)
     assert not FusionInput.build(swapped, caches.sources, caches.contexts).parts[3].exact
 
 
@@ -137,15 +137,15 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
     def killed(chunks, progress=True):
         raise KeyboardInterrupt("killed while computing neighbour caches")
 
-    monkeypatch.setattr(index, "precompute_neighbours", killed)
+    monkeypatch.setattr(index.maker, "precompute_neighbours", killed)
     with pytest.raises(KeyboardInterrupt):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
     reopened = KVIndex.open(index.path, adapter=tiny)
-    missing = reopened.unrecorded_chunks()
+    missing = reopened.maker.unrecorded_chunks()
     assert missing and all(c.source.endswith("harbour.txt") for c in missing)
     report = reopened.update(tmp_path / "docs", progress=False)
-    assert not report.new_chunks and reopened.unrecorded_chunks() == []
+    assert not report.new_chunks and reopened.maker.unrecorded_chunks() == []
     for chunk in missing:
         context = reopened.addressing.contexts_at(2, chunk.token_ids)[0]
         assert (

@@ -174,7 +174,7 @@ def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
 
 @pytest.mark.parametrize("when", ["mid_query", "before_query"])
 def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, corpus, server, when, caplog):
-    open_caches = shared.open_caches
+    open_caches = shared.caches.open
 
     def kill_after_opening(segments, salt=""):  # every entry's header was read from the server; no layer yet
         caches = open_caches(segments, salt)
@@ -182,7 +182,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
         return caches
 
     if when == "mid_query":
-        shared.open_caches = kill_after_opening
+        shared.caches.open = kill_after_opening
     else:
         server.kill()
     with caplog.at_level(logging.WARNING):
@@ -196,7 +196,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
     for key in (shared.addressing.key(h.chunk.token_ids) for h in shared.search(QUESTION, 3)):
         entry = shared.store.disk.open(key)
         assert all(entry.layer(i) for i in range(entry.n_layers))
-    shared.open_caches = open_caches
+    shared.caches.open = open_caches
     assert ask(shared).cache_misses == 0
 
 

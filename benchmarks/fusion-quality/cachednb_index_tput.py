@@ -34,7 +34,7 @@ for mode in modes:
         "tokens_per_s": tokens / s,
         "forward_tokens_per_s": fwd,
         "fraction_of_forward": tokens / s / fwd,
-        "caches": len(index.live_keys()),
+        "caches": len(index.maker.live_keys()),
     }
     print(mode, json.dumps(rows[mode]), flush=True)
 (out / "index_tput.json").write_text(json.dumps(rows, indent=1))

@@ -57,7 +57,7 @@ def context_caches(index, hits, mode: str, filler: list[tuple[int, ...]]):
         ctx = tuple(fmt.prefix_ids)
         for n_ids in reversed(near):  # most similar right before the chunk
             ctx += tuple(n_ids) + tuple(sep)
-        kv = next(index.compute([ids], ctx))[1]
+        kv = next(index.maker.compute([ids], ctx))[1]
         out.append((kv, ctx))
     return out
 
@@ -163,7 +163,7 @@ def probe(dataset: str, limit: int) -> None:
     for ex in examples:
         hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, ex.question))
-        caches = index.open_caches(segments)
+        caches = index.caches.open(segments)
         inp = FusionInput.build(segments, caches.sources, caches.contexts)
         seen = {}
 

@@ -101,7 +101,7 @@ def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
 
 def laid_out(index: KVIndex, segments: list[Segment]) -> FusionInput:
     """The prompt's layout with the caches the index serves for it (as `FusedGenerator.fuse` builds it)."""
-    caches = index.open_caches(segments)
+    caches = index.caches.open(segments)
     return FusionInput.build(segments, caches.sources, caches.contexts, device=index.adapter.device)
 
 

@@ -106,7 +106,7 @@ def index(
             with idx.ray_workers() as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)
     except KeyboardInterrupt:
-        kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.pending())
+        kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.maker.pending())
         err.print(
             f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
             "computed are kept, and running the same command again resumes with them",

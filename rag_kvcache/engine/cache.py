@@ -52,7 +52,8 @@ class ChunkKV:
 class LayerSource(Protocol):
     """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a stored `Entry`."""
 
-    position: int
+    @property
+    def position(self) -> int: ...
 
     @property
     def n_tokens(self) -> int: ...

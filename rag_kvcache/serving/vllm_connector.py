@@ -14,7 +14,7 @@ the caches from the shared tier too (the secret from `RAG_KVCACHE_KV_REMOTE_SECR
 
 Scheduler side: the request's prompt token ids are laid out as the embedded engine lays out any prompt
 (`FusedGenerator.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
-index's caches opened by `KVIndex.open_caches`, `FusionInput.build`), and the tokens from the start of the
+index's caches opened by `KVIndex.caches.open`, `FusionInput.build`), and the tokens from the start of the
 prompt to the end of the span the method provides are reported as matched (`loadable_end`); vLLM computes
 the rest. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
 again from the same ids, the span's K/V are produced, and vLLM's own cache writer for each attention layer
@@ -126,7 +126,7 @@ class Planner:
     def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
         segments = self.generator.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
-        caches = self.index.open_caches(segments)
+        caches = self.index.caches.open(segments)
         return segments, FusionInput.build(segments, caches.sources, caches.contexts)
 
     @torch.inference_mode()

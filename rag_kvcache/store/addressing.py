@@ -6,7 +6,7 @@ the tokens it was computed behind (its context) and its own tokens. `CacheAddres
 index computes caches behind: the system prefix (or nothing, `chunk_prefill="isolated"`), and with
 neighbour caches each chunk's recorded most similar chunks. `address` lays a prompt's segments over them:
 for each segment the keys it reads (averaged when several), what they were computed behind, and whether
-they hold request text (a tenant's, kept in memory only). `KVIndex.open_caches` opens what it names.
+they hold request text (a tenant's, kept in memory only). `KVIndex.caches.open` opens what it names.
 """
 
 from __future__ import annotations

@@ -12,12 +12,16 @@ offers them, from that list; `tests/test_storage.py` holds the two equal).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..config import CodecName
+
+if TYPE_CHECKING:
+    from ..engine.model import KVLayout
 
 
 class Codec(Protocol):
@@ -81,6 +85,13 @@ CODECS: dict[CodecName, Codec] = {  # the names `config.CodecName` accepts, each
     "int8-token": Scaled("int8-token", "int8", 127.0, reduce_dim=-1),
     "fp8": Scaled("fp8", "float8_e4m3fn", 448.0, reduce_dim=1),  # 448: torch.finfo(torch.float8_e4m3fn).max
 }
+
+
+def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int]) -> int:
+    """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
+    data; the few hundred bytes of each file's header aside)."""
+    per_tensor = sum(codec.nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype) for n in lengths)
+    return 2 * layout.n_layers * per_tensor  # K and V of every layer
 
 
 def get_codec(name: str) -> Codec:

@@ -1,0 +1,279 @@
+"""`CacheMaker`: how one index makes, names and stores its KV caches, at indexing time and on repair.
+
+Chunks are prefilled *behind the system prefix* by default: a chunk's cache is computed at the positions it
+would have right after the prefix, so the first retrieved chunk is exact and no chunk grows an attention
+sink of its own (the prefix's first token is the sink). `chunk_prefill="isolated"` computes each chunk
+alone from position 0 instead. `chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk
+behind the prefix and its most similar chunks of the corpus (its likely retrieval neighbours, laid out as
+in a prompt, the most similar last), so its cache already carries cross-attention of the kind a prompt
+needs: one cache behind each number j = 1..`context_chunks` of them, and a chunk with r chunks before it in
+a prompt reads the one behind min(r, `context_chunks`), a context as long as the one it meets (the second
+chunk of a prompt reads its cache behind its single most similar chunk: exact where that chunk is the
+first). Unless the prompt's tokens before it are exactly that context, the chunk reads the mean of that
+cache and its behind-prefix one (`BlendKV`): the deviations particular to each context partly cancel
+(measured in `benchmarks/fusion-quality/RESULTS.md`, "Session 8"). The chosen neighbours are recorded in
+`neighbours.json`. The first chunk, or one without recorded neighbours (indexed by a run killed before it
+recorded them), uses its behind-prefix cache, which every index stores.
+`chunk_prefill="cached_neighbours"` stores the same caches (same contexts, same neighbours, read the same
+way), each computed behind the neighbours' *cached* K/V instead of their recomputed text: the prefix's
+cache, then each neighbour's behind-prefix cache re-rotated to the position it takes in the context, with
+the separator between two of them read from the separator's own cache behind the prefix, and the separator
+just before the chunk computed with the chunk (`compute_behind_cached`). Only the chunk's own tokens are
+computed for each context, so a context costs about a plain forward over the chunk (the recomputed text
+costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's cached tokens have
+not seen the neighbours before it), so they live under their own keys (the namespace holds
+`chunk_prefill`). With one neighbour the context is exact (the neighbour's cache is its own, right after
+the prefix), and so is the chunk's cache behind it.
+
+A run records the caches it is about to compute in `pending.json` before computing them, so that until it
+commits its chunks they are resumable work, not garbage (`pending`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.filesize import decimal
+from tqdm.auto import tqdm
+
+from ..config import Config
+from ..engine.cache import ChunkKV, LayerSource
+from ..engine.model import ModelAdapter
+from ..engine.prompt import PromptFormat
+from ..errors import StorageFullError
+from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
+from ..store.addressing import CacheAddressing
+from ..store.codecs import cache_nbytes
+from ..store.kvstore import KVStore
+from ..store.opening import Repairing
+from .precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
+
+if TYPE_CHECKING:
+    from .cluster import RayWorkers
+
+log = logging.getLogger(__name__)
+
+Table = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # store key -> (token ids, context)
+
+
+class CacheMaker:
+    """Computes the caches of one index's chunks (and prefix) into its `store`, names them (`addressing`),
+    and recomputes one found missing or corrupt (`repair`). `foreign`: the model is not the one the index
+    was built with, so a cache it computes at query time stays in this process's memory."""
+
+    def __init__(
+        self,
+        path: Path,
+        config: Config,
+        adapter: ModelAdapter,
+        store: KVStore,
+        chunks: ChunkIndex,
+        format: PromptFormat,
+        namespace: str,
+        foreign: bool,
+    ) -> None:
+        self.path, self.config, self.adapter, self.store = path, config, adapter, store
+        self.chunks, self.format, self.foreign = chunks, format, foreign
+        self._neighbours: dict[str, list[list[int]]] = (  # chunk (by `neighbour_key`) -> its neighbours' ids
+            json.loads(self._neighbours_path.read_text(encoding="utf-8"))
+            if self.with_neighbours and self._neighbours_path.exists()
+            else {}
+        )
+        chunk_context = () if config.chunk_prefill == "isolated" else format.prefix_ids
+        # what names this index's caches (its neighbour table is the one `precompute_neighbours` fills)
+        self.addressing = CacheAddressing(
+            namespace, chunk_context, format.prefix_ids, format.separator_ids, self._neighbours
+        )
+
+    # ---- names ----------------------------------------------------------------------------------------
+    @property
+    def with_neighbours(self) -> bool:
+        """Whether chunks also have caches behind their most similar chunks (recomputed or cached context)."""
+        return self.config.chunk_prefill in ("neighbours", "cached_neighbours")
+
+    def live_keys(self) -> Table:
+        """Every cache the index uses: the prefix's, each chunk's behind its context and, with
+        `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of its recorded neighbours."""
+        prefix, sep = self.format.prefix_ids, self.format.separator_ids
+        live: Table = {self.addressing.key(prefix, ()): (prefix, ())}
+        if self.config.chunk_prefill == "cached_neighbours" and sep:
+            live[self.addressing.key(sep, prefix)] = (sep, prefix)
+        for ids in self.chunks.token_ids():
+            live[self.addressing.key(ids)] = (ids, self.addressing.chunk_context)
+            for context in self.addressing.neighbour_contexts(self.addressing.near(ids)):
+                live[self.addressing.key(ids, context)] = (ids, context)
+        return live
+
+    # ---- indexing -------------------------------------------------------------------------------------
+    def precompute(
+        self,
+        chunks: Sequence[tuple[int, ...]],
+        progress: bool = True,
+        workers: RayWorkers | None = None,
+    ) -> int:
+        """Compute and store the caches of the prefix and of `chunks` not yet stored; returns how many.
+        The writes run behind the compute (`WriteBehind`); with `workers`, the chunks' caches are computed
+        on a Ray cluster, and each is checked to be in this index's store before this returns."""
+        prefix, key = self.format.prefix_ids, self.addressing.key
+        # Present means on this index's own disk: an entry in the shared tier proves only that some writer
+        # stored something under the key (one planted there before indexing was once never computed here).
+        held = self.store.disk if workers is None else self.store
+        if key(prefix, ()) not in held:
+            self.store.put(key(prefix, ()), next(self.compute([prefix], ()))[1])
+        todo = list({ids for ids in chunks if key(ids) not in held})
+        self._record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
+        if workers is not None:
+            workers.store(todo, self.addressing.chunk_context, progress)
+            if lost := [ids for ids in todo if key(ids) not in self.store]:
+                raise RuntimeError(
+                    f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
+                    f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
+                )
+            return len(todo)
+        if todo:
+            log.info(
+                "computing the KV caches of %d chunks (%d tokens): about %s on disk (codec %s)",
+                len(todo),
+                sum(map(len, todo)),
+                decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
+                self.store.codec.name,
+            )
+        bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
+        with WriteBehind(self.store) as writer:
+            for i, kv in self.compute(todo, self.addressing.chunk_context):
+                writer.put(key(todo[i]), kv)
+                bar.update(len(todo[i]))
+        bar.close()
+        return len(todo)
+
+    def pending(self) -> Table:
+        """The caches an `index` run computed for chunks it had not committed when it was interrupted (Ctrl-C,
+        a crash): kept (not orphans), and read again by the next run."""
+        if not self._pending_path.is_file():
+            return {}
+        table = json.loads(self._pending_path.read_text(encoding="utf-8"))
+        return {key: (tuple(ids), tuple(ctx)) for key, (ids, ctx) in table.items()}
+
+    def committed(self) -> None:
+        """The run's chunks are committed: its caches are the index's now, no longer pending."""
+        self._pending_path.unlink(missing_ok=True)
+
+    def unrecorded_chunks(self) -> list[ChunkRecord]:
+        """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:
+        this run's new ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
+        table = self._neighbours
+        return [c for c in self.chunks.all_chunks() if self.addressing.neighbour_key(c.token_ids) not in table]
+
+    def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
+        """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
+        find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
+        its j most similar of them for each j (`CacheAddressing.neighbour_contexts`, made by `behind_neighbours`),
+        and record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
+        whole cache entries and the old table: the next run finds the same neighbours and skips the
+        caches already stored."""
+        table, key = self._neighbours, self.addressing.key
+        sep, prefix = self.format.separator_ids, self.format.prefix_ids
+        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and key(sep, prefix) not in self.store:
+            self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
+        bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
+        done = 0
+        for chunk in chunks:
+            hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
+            near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids]
+            near = near[: self.config.context_chunks]
+            table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
+            for j, ctx in enumerate(self.addressing.neighbour_contexts(near), 1):
+                if key(chunk.token_ids, ctx) not in self.store:
+                    self.store.put(key(chunk.token_ids, ctx), self.behind_neighbours(chunk.token_ids, near[:j]))
+                    done += 1
+            bar.update(1)
+        bar.close()
+        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
+        return done
+
+    # ---- making one cache -----------------------------------------------------------------------------
+    def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
+        """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
+        `chunks`, cache)."""
+        return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
+
+    def make(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+        """The cache of `ids` behind `context`, made as the index makes it: behind one of the chunk's recorded
+        neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens."""
+        near = self.addressing.near(ids)
+        j = next((j for j in range(1, len(near) + 1) if self.addressing.neighbour_context(near[:j]) == context), None)
+        return next(self.compute([ids], context))[1] if j is None else self.behind_neighbours(ids, near[:j])
+
+    def behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
+        """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
+        computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
+        cache, the separator's behind-prefix cache between them; the last separator computed with the
+        chunk), else behind the context's recomputed text."""
+        if self.config.chunk_prefill != "cached_neighbours":
+            return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
+        prefix, sep = self.format.prefix_ids, self.format.separator_ids
+        between = [self.cached(sep, prefix)] if sep else []
+        sources = [self.cached(prefix, ())]
+        for i, n in enumerate(reversed(near)):
+            sources += [*(between if i else []), self.cached(tuple(n), prefix)]
+        return compute_behind_cached(self.adapter, ids, sources, sep)
+
+    def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
+        """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
+        recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
+        key = self.addressing.key(ids, context)
+        entry = self.store.open(key)
+        if entry is None:
+            return self.repair(key, ids, context)
+        return entry if isinstance(entry, ChunkKV) else Repairing(entry, partial(self.repair, key, ids, context))
+
+    def repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
+        """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
+        the recomputed cache serves the query that found the fault)."""
+        kv = self.make(ids, context)
+        if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
+            self.store.memory.put(key, kv)
+            return kv
+        try:
+            self.store.put(key, kv)
+        except OSError as err:
+            log.warning("computed the KV cache %s but could not store it: %s", key, err)
+        else:
+            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
+        return kv
+
+    # ---- the records beside the caches --------------------------------------------------------------
+    @property
+    def _pending_path(self) -> Path:
+        return self.path / "pending.json"
+
+    def _record_pending(self, pending: Table) -> None:
+        """Record a run's caches before it computes them: until it commits they are resumable work, not garbage."""
+        _write_json(self._pending_path, {key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()})
+
+    @property
+    def _neighbours_path(self) -> Path:
+        return self.path / "neighbours.json"
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Write `data` as JSON at `path` atomically (a temporary file renamed over it); a full disk raises
+    `StorageFullError` and leaves the old file as it was."""
+    tmp = path.with_suffix(".json.tmp")
+    try:
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(
+                err.errno, f"no space left on the device of {path.parent} while writing {path.name}: free space"
+            ) from err
+        raise
