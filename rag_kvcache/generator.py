@@ -272,6 +272,60 @@ class FusedGenerator:
         )
         return kept[1], kept[0]
 
+    def prepare_fit(
+        self, turns: Sequence[ChatTurn], fusion: FusionConfig, limit: int, salt: str, n_prompt: int, dropped: int = 0
+    ) -> int:
+        """Ahead of the turn that will outgrow `limit`: the K/V of the shortened chat that turn will be cut to,
+        computed now (the server runs this while idle, after an answer) and kept in the conversation cache,
+        so the turn that drops the chat's oldest turns reads the rest instead of computing it.
+
+        `turns` is the chat as the client sends it, the answer just given last; the prompt just answered had
+        `n_prompt` tokens and left out the `dropped` oldest turns after the system's (`fitted_chat`). It prepares
+        when the next message, with its chunks and template, could not take twice the tokens the last one did
+        (an early preparation costs one background prefill: `fitted_chat` keeps the cut in use while it fits,
+        and a later preparation of the same cut reads this one from the cache and computes only the turns
+        after it). The cut
+        is the one `fitted_chat` keeps when the cache holds it: the fewest oldest turns dropped (the kept part
+        starting with a user turn) for the chat to fill at most half the limit. Returns the tokens computed
+        (0: the next turn is expected to fit under the cut in use, or there is no conversation cache)."""
+        if self.conversations is None or len(turns) < 2 or [t.role for t in turns[-2:]] != ["user", "assistant"]:
+            return 0
+        system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
+        now = [*turns[:system], *turns[system + dropped :]]  # the chat as the last prompt held it
+        room = n_prompt - len(self._next_head(now[:-2]))  # the last message, its chunks and its template
+        if len(self._next_head(now)) + 2 * room <= limit:
+            return 0
+        for c in (c for c in range(dropped + 1, len(turns) - system) if turns[system + c].role == "user"):
+            kept = [*turns[:system], *turns[system + c :]]
+            if 2 * len(head := self._next_head(kept)) <= limit:
+                break
+        else:
+            return 0
+        segments, out = self.chat_segments([*kept, ChatTurn("user", ("?",))], (), fusion), list[Segment]()
+        for seg in segments:  # the head's segments, the last one cut where the next message begins
+            n = len(head) - _n_tokens(out)
+            if n <= 0:
+                break
+            out.append(seg if len(seg.ids) <= n else Segment(seg.ids[:n], False, seg.label))
+        fused, method = self.fuse(out, fusion, salt), get_method(fusion.method)
+        self.conversations.insert(salt, head, fused.result.keys, fused.result.values, method.name, method.exact)
+        log.info("prepared the %d-token chat the next turn will be cut to (%d turns dropped)", len(head), c)
+        return len(head) - fused.conversation_tokens
+
+    def _next_head(self, turns: Sequence[ChatTurn]) -> tuple[int, ...]:
+        """The tokens every prompt that continues `turns` with a user message begins with."""
+        a, b = (
+            [
+                t
+                for seg in chat_segments(
+                    self.adapter.tokenizer, self.index.config.system_prompt, [*turns, ChatTurn("user", (x,))]
+                )
+                for t in seg.ids
+            ]
+            for x in ("a", "b")
+        )
+        return tuple(a[: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))])
+
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
         """`segments` with every run of an indexed chunk's ids inside their computed text made a slice
         of that chunk's cache (`ChunkIndex.match`), and the prompt's head before the first chunk made

@@ -62,6 +62,8 @@ class Prompt:
     generation: GenerationConfig
     salt: str = ""  # the tenant (and the request's cache_salt) whose caches of request text it reads
     dropped: int = 0  # the chat's oldest messages left out to fit (`FusedGenerator.fitted_chat`)
+    turns: tuple[ChatTurn, ...] = ()  # a chat's turns as sent
+    fit: int | None = None  # the most tokens a chat's prompt was fitted to (`chat_prompt`'s `fit`, with room to answer)
 
     @property
     def n_tokens(self) -> int:
@@ -156,9 +158,9 @@ def chat_prompt(
     found = chunks_of(index, options, "\n".join(p for p in users[-1].parts if isinstance(p, str)) if users else "")
     fusion, generation = fusion_of(index, options), generation_of(index, options)
     records = [record for record, _ in found]
+    limit = None if fit is None else min(fit, index.adapter.context_length - generation.max_new_tokens)
     try:
-        if fit is not None:
-            limit = min(fit, index.adapter.context_length - generation.max_new_tokens)
+        if limit is not None:
             segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
         else:
             segments, dropped = generator.chat_segments(turns, records, fusion), 0
@@ -166,7 +168,7 @@ def chat_prompt(
         raise RequestError(str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
-    return Prompt(segments, _described(found), fusion, generation, salt, dropped)
+    return Prompt(segments, _described(found), fusion, generation, salt, dropped, tuple(turns), limit)
 
 
 def completion_prompt(generator: FusedGenerator, text: str, options: Options = Options(), salt: str = "") -> Prompt:

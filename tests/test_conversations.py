@@ -3,6 +3,8 @@ and computes only its new tokens; exact methods stay exact, tenants never share,
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from test_pipeline import docs, index  # noqa: F401
@@ -193,3 +195,33 @@ def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(i
         scheduler.pending.append(job(Segment(chat + (i,), False, "text")))  # a cheap request arrives each time
         served.append(scheduler._next())
     assert served.index(old) == MAX_SKIPS  # passed over MAX_SKIPS times, then next
+
+
+def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(index, caplog):
+    # fault injection: a task that raises is logged and counted; the next one still runs
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    def planted() -> None:
+        raise RuntimeError("planted failure")
+
+    metrics, ran = ServerMetrics(index.store.stats), []
+    scheduler = Scheduler(FusedGenerator(index), on_engine, 1, metrics)
+
+    async def main() -> None:
+        scheduler.later(planted)
+        scheduler.later(lambda: ran.append("done"))
+        for _ in range(500):  # at most 5 s
+            if ran:
+                break
+            await asyncio.sleep(0.01)
+        await scheduler.close()
+
+    asyncio.run(main())
+    assert ran == ["done"] and "planted failure" in caplog.text
+    count = metrics.registry.get_sample_value
+    assert count("rag_kvcache_background_tasks_total", {"outcome": "failed"}) == 1
+    assert count("rag_kvcache_background_tasks_total", {"outcome": "done"}) == 1

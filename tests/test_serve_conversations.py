@@ -5,6 +5,7 @@ API key's alone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -136,9 +137,51 @@ def test_a_chat_over_the_limit_drops_its_oldest_messages_once_and_the_next_turns
         stop_server(refusing, rthread)
     assert all(n <= 260 for n, _, _ in turns), turns
     first = next(i for i, (_, dropped, _) in enumerate(turns) if dropped)
-    for (n, dropped, read), (_, before, _) in zip(turns[first:], turns[first - 1 :]):
-        if dropped == before:  # the cut an earlier turn made: the chat so far is read from the cache
-            assert read >= n / 2, turns
-        else:  # a new cut, in one step, down to half the limit
-            assert n <= 130, turns
+    for n, dropped, read in turns[first:]:
+        # the cut an earlier turn made, or the one prepared while the server was idle (whichever of the next
+        # request and that task reached the engine first): the chat so far is read from the cache; else a
+        # new cut, in one step, down to half the limit
+        assert read >= n / 2 or n <= 130, turns
     assert len({dropped for _, dropped, _ in turns[first:]}) <= (len(turns) - first + 1) // 2, turns  # each cut lasts
+
+
+def test_the_turn_that_outgrows_the_limit_reads_the_history_prepared_while_idle(chatting):
+    """After each answer the server prepares, while idle, the shortened chat a turn over the limit will be cut
+    to; that turn reads it from the conversation cache instead of computing it, and with an exact method its
+    answer equals the kept messages' answered without any cache."""
+    from test_serve import start_server, stop_server
+
+    from rag_kvcache.serving.openai_api import create_app
+
+    config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=260)
+    server, thread, url = start_server(create_app(chatting.engine, config))
+    running = replace(chatting, url=url)
+    try:
+        messages, turns = [], []
+        for i in range(12):
+            messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
+            r = client(running).chat.completions.create(
+                model=chatting.model,
+                messages=messages,
+                max_tokens=5,
+                temperature=0,
+                extra_body={"cache_salt": "prepared", "rag_kvcache": {"method": "full"}},
+            )
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            extension = r.model_extra["rag_kvcache"]
+            turns.append((r.usage.prompt_tokens, extension["dropped_messages"], extension["conversation_tokens"]))
+            deadline = time.monotonic() + 60  # this answer's background task done before the next turn is sent
+            while running.metric("rag_kvcache_background_tasks_total", outcome="done") < i + 1:
+                assert time.monotonic() < deadline, "the background task did not run"
+                time.sleep(0.05)
+            if len({d for _, d, _ in turns}) > 2:  # a second cut: the first came after a preparation too
+                break
+    finally:
+        stop_server(server, thread)
+    cuts = [i for i in range(1, len(turns)) if turns[i][1] != turns[i - 1][1]]
+    assert cuts, turns
+    for i in cuts:
+        n, dropped, read = turns[i]
+        assert n <= 260 and read >= n / 2, turns  # the dropped-to history came from the cache, prepared
+        kept = messages[dropped : 2 * i + 1]  # the messages the prompt held, up to this turn's question
+        assert alone(running, kept, "full") == messages[2 * i + 1]["content"]

@@ -148,6 +148,15 @@ class ServerMetrics:
             "(every slot as long as the longest request's); 0 when none decodes.",
             registry=r,
         )
+        self.background = Counter(
+            "rag_kvcache_background_tasks",
+            "Tasks no request waits for (a chat's shortened history prepared), run while idle, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.background_queue = Gauge(
+            "rag_kvcache_background_queue", "Background tasks waiting for an idle moment.", registry=r
+        )
         r.register(_StoreCollector(store_stats))
         if conversation_stats is not None:
             r.register(_ConversationCollector(conversation_stats))

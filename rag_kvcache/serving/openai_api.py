@@ -44,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -52,6 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..answers import Answer
+from ..engine.prompt import ChatTurn
 from ..request import Prompt
 from ..version import __version__
 from .admission import Admission, Ticket
@@ -97,6 +99,19 @@ class Server:
         """`fn(*args)` on the engine's worker thread, awaited."""
         return await asyncio.wrap_future(self._waiters.submit(self.engine.run, fn, *args))
 
+    def _prepare_fit(self, prompt: Prompt, answer: str) -> None:
+        """A chat that may outgrow its limit at the next turn: its shortened history prepared while the
+        server is idle (`FusedGenerator.prepare_fit`), so that turn reads it from the conversation cache."""
+        if prompt.fit is None or not prompt.turns:
+            return
+        turns = [*prompt.turns, ChatTurn("assistant", (answer,))]
+        generator = self.engine.generator
+        self.scheduler.later(
+            partial(
+                generator.prepare_fit, turns, prompt.fusion, prompt.fit, prompt.salt, prompt.n_tokens, prompt.dropped
+            )
+        )
+
     def check_model(self, model: str) -> None:
         if model != self.model_id:
             raise APIError(
@@ -120,9 +135,13 @@ class Server:
             ):
                 if request is not None and await request.is_disconnected():
                     raise ClientGone
+                pieces: list[str] = []
                 async for step in steps:
                     if isinstance(step, Answer):
                         self.metrics.observe(step, time.perf_counter() - ticket.admitted_at)
+                        self._prepare_fit(prompt, "".join(pieces))
+                    else:
+                        pieces.append(step)
                     yield step
                     if request is not None and await request.is_disconnected():
                         raise ClientGone

@@ -18,6 +18,10 @@ the oldest among equals, and never one passed over `MAX_SKIPS` times: every requ
 (benchmarks/chat/trace.py: at 16 clients it lowers the median time to the first token and lengthens the tail).
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
+Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
+needs it, `FusedGenerator.prepare_fit`) runs only when no request is waiting or decoding, one task at a
+time, at most `MAX_IDLE` queued (the oldest dropped first); a request that arrives meanwhile waits for
+the task in flight to finish. A task's failure is logged: no request depends on it.
 A failure in a prefill fails its request; one in a request's own sampling of a batched step fails
 that request alone, the others decode on as if it had not been there; one in the batched forward
 itself fails every request in that step (their rows shared it), each with the error.
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _END = object()  # a job's last item: its stream ends
 MAX_SKIPS = 16  # cache_aware: a waiting request passed over this many times is prefilled next
+MAX_IDLE = 8  # background tasks queued for an idle moment (`later`); more drop the oldest
 Order = Literal["fcfs", "cache_aware"]
 
 
@@ -98,6 +103,7 @@ class Scheduler:
         self.pending: deque[Job] = deque()
         self.decoding: list[Job] = []
         self.pool = DecodePool()  # the decoding requests' caches: their rows attend in one call a layer
+        self.idle: deque[Callable[[], object]] = deque(maxlen=MAX_IDLE)  # work for when no request waits
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -110,10 +116,7 @@ class Scheduler:
     ) -> AsyncIterator[str | Answer]:
         """The request's text pieces as they are decoded, then its `Answer`. Closing it early (the
         client left) takes the request out before the scheduler's next step."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="rag-kvcache-scheduler")
-        if self._task.done():
-            raise RuntimeError(f"the scheduler has stopped: {self._task}")
+        self._run()
         job = Job(segments, fusion, generation, salt)
         self.pending.append(job)
         self._wake.set()
@@ -125,6 +128,20 @@ class Scheduler:
         finally:
             job.cancelled = True
 
+    def later(self, task: Callable[[], object]) -> None:
+        """Run `task` on the engine's thread once no request is waiting or decoding (see the module)."""
+        self._run()
+        self.idle.append(task)
+        self.metrics.background_queue.set(len(self.idle))
+        self._wake.set()
+
+    def _run(self) -> None:
+        """Start the loop on first use; refuse work once it has stopped."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="rag-kvcache-scheduler")
+        if self._task.done():
+            raise RuntimeError(f"the scheduler has stopped: {self._task}")
+
     async def close(self) -> None:
         """Stop the loop (the engine's step in flight completes on its thread)."""
         if self._task is not None:
@@ -135,6 +152,9 @@ class Scheduler:
         try:
             while True:
                 if not self.pending and not self.decoding:
+                    if self.idle:
+                        await self._background(self.idle.popleft())
+                        continue
                     self._wake.clear()
                     await self._wake.wait()
                 if self.pending and len(self.decoding) < self.max_batch:
@@ -147,6 +167,16 @@ class Scheduler:
             for job in [*self.pending, *self.decoding]:
                 job.fail(error)
             raise
+
+    async def _background(self, task: Callable[[], object]) -> None:
+        self.metrics.background_queue.set(len(self.idle))
+        try:
+            await self.on_engine(task)
+        except Exception:  # no request waits for it: logged, and the server goes on
+            log.exception("a background task failed: %s", task)
+            self.metrics.background.labels("failed").inc()
+        else:
+            self.metrics.background.labels("done").inc()
 
     def _next(self) -> Job:
         """The waiting request to prefill now, taken out of `pending` (see the module: `order`)."""
