@@ -230,16 +230,18 @@ class FusedGenerator:
         salt: str = "",
     ) -> tuple[list[Segment], int]:
         """`chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
-        its oldest turns after the system's in one step, down to half the limit (the kept part starts with a
-        user turn; the last turn always stays), so that the next turns extend the same shortened prompt and
-        read it from the conversation cache until it fills the limit again, instead of each dropping one
-        more message and computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn
-        of this chat was cut there) is kept while it fits. Returns the segments and how many turns were
-        dropped; a chat that does not fit with only its system turns and last turn raises
+        its oldest turns after the system's in one step, until what is left before the last turn fills at most
+        half of what that turn leaves of the limit (the kept part starts with a user turn; the last turn, with
+        its chunks, always stays), so that the next turns extend the same shortened prompt and read it from
+        the conversation cache until it fills the limit again, instead of each dropping one more message and
+        computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn of this chat was
+        cut there, or `prepare_fit` prepared it) is kept while it fits. Returns the segments and how many turns
+        were dropped; a chat that does not fit with only its system turns and last turn raises
         `PromptTooLongError`."""
         segments = self.chat_segments(turns, chunks, fusion)
         if _n_tokens(segments) <= limit:
             return segments, 0
+        last = _n_tokens(segments) - len(self._next_head(turns[:-1]))  # the last turn, its chunks and template
         system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
         fitting: list[tuple[int, list[Segment]]] = []  # (turns dropped, segments), fewest dropped first
         for c in range(1, len(turns) - system):
@@ -248,7 +250,7 @@ class FusedGenerator:
             shorter = self.chat_segments([*turns[:system], *turns[system + c :]], chunks, fusion)
             if _n_tokens(shorter) <= limit:
                 fitting.append((c, shorter))
-                if 2 * _n_tokens(shorter) <= limit:
+                if 2 * (_n_tokens(shorter) - last) <= limit - last:
                     break
         if not fitting:
             raise PromptTooLongError(
@@ -256,10 +258,10 @@ class FusedGenerator:
                 "even with only its system messages and last message"
             )
 
-        def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the prompt
+        def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the history
             ids = [t for seg in candidate[1] for t in seg.ids]
             n = 0 if self.conversations is None else self.conversations.held(salt, ids)
-            return n if 2 * n >= len(ids) else 0
+            return n if 2 * n >= len(ids) - last else 0  # the last turn is new: never held
 
         best = max(fitting, key=held)  # a cut an earlier turn of the chat was made at, else down to half the limit
         kept = best if held(best) else fitting[-1]
@@ -284,10 +286,12 @@ class FusedGenerator:
         when the next message, with its chunks and template, could not take twice the tokens the last one did
         (an early preparation costs one background prefill: `fitted_chat` keeps the cut in use while it fits,
         and a later preparation of the same cut reads this one from the cache and computes only the turns
-        after it). The cut
-        is the one `fitted_chat` keeps when the cache holds it: the fewest oldest turns dropped (the kept part
-        starting with a user turn) for the chat to fill at most half the limit. Returns the tokens computed
-        (0: the next turn is expected to fit under the cut in use, or there is no conversation cache)."""
+        after it). The cut is the one `fitted_chat` keeps when the cache holds it: the fewest oldest turns
+        dropped (the kept part starting with a user turn) for the chat before the next message to fill at most
+        half of what that message leaves of the limit, the message taken at half the last one's size (an
+        estimate below its likely size, so that the turn meets this cut before its own: `fitted_chat` considers
+        cuts in order up to the first that halves the room). Returns the tokens computed (0: the next turn is
+        expected to fit under the cut in use, or there is no conversation cache)."""
         if self.conversations is None or len(turns) < 2 or [t.role for t in turns[-2:]] != ["user", "assistant"]:
             return 0
         system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
@@ -297,7 +301,7 @@ class FusedGenerator:
             return 0
         for c in (c for c in range(dropped + 1, len(turns) - system) if turns[system + c].role == "user"):
             kept = [*turns[:system], *turns[system + c :]]
-            if 2 * len(head := self._next_head(kept)) <= limit:
+            if 2 * len(head := self._next_head(kept)) <= limit - room // 2:
                 break
         else:
             return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -70,7 +71,8 @@ def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, why: Callable
 class Server:
     """`rag-kvcache serve` in a subprocess on a free loopback port, until closed."""
 
-    def __init__(self, index: Path, *options: str, api_key: str = "unused") -> None:
+    def __init__(self, index: Path, *options: str, api_key: str = "unused", code: Path | None = None) -> None:
+        """`code`: a checkout whose `rag_kvcache` the server runs (another revision's, for a side-by-side run)."""
         self.port = free_port()
         cli = Path(sys.executable).with_name("rag-kvcache")
         self.proc = subprocess.Popen(
@@ -78,6 +80,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env=os.environ | ({"PYTHONPATH": str(code)} if code else {}),
         )
         self.url = f"http://127.0.0.1:{self.port}"
         wait_healthy(self.proc, self.url, 300, lambda: self.proc.stderr.read())
@@ -116,6 +119,7 @@ class Server:
             "prompt_tokens": last.usage.prompt_tokens,
             "cached_tokens": last.usage.prompt_tokens_details.cached_tokens,
             "conversation_tokens": extension.get("conversation_tokens"),
+            "dropped_messages": extension.get("dropped_messages"),
             "server_ttft_s": extension.get("ttft_s"),
         }
 
