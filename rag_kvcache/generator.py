@@ -471,7 +471,10 @@ class FusedGenerator:
             return segments, None
         ids = tuple(t for seg in segments for t in seg.ids)
         hit = self.conversations.match(salt, ids, method.name if method.exact else None)
-        if hit is None or hit.n_tokens <= (len(segments[0].ids) if segments[0].cacheable else 0):
+        # the system prefix's cache is always stored; a longer head of request text (a chat's turns before the
+        # chunks of its last one) is new text every turn, so a hit that reaches past the prefix saves computing it
+        stored = min(len(segments[0].ids), len(self.index.format.prefix_ids)) if segments[0].cacheable else 0
+        if hit is None or hit.n_tokens <= stored:
             return segments, None
         return [
             Segment(ids[: hit.n_tokens], True, "conversation"),

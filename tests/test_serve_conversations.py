@@ -185,3 +185,23 @@ def test_the_turn_that_outgrows_the_limit_reads_the_history_prepared_while_idle(
         assert n <= 260 and read >= n / 2, turns  # the dropped-to history came from the cache, prepared
         kept = messages[dropped : 2 * i + 1]  # the messages the prompt held, up to this turn's question
         assert alone(running, kept, "full") == messages[2 * i + 1]["content"]
+
+
+def test_a_chat_that_retrieves_chunks_every_turn_reads_its_earlier_turns(chatting):
+    """With chunks retrieved for each question (at the head of the last user message), the turns before them
+    are a new head of request text every turn: they are read from the conversation cache, not computed as a
+    head of their own."""
+    messages, reads = [], []
+    for i in range(5):
+        messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
+        r = client(chatting).chat.completions.create(
+            model=chatting.model,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"cache_salt": "retrieving-each-turn", "rag_kvcache": {"top_k": 3}},
+        )
+        assert len(r.model_extra["rag_kvcache"]["chunks"]) == 3
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        reads.append(r.model_extra["rag_kvcache"]["conversation_tokens"])
+    assert all(n > 0 for n in reads[2:]), reads  # from the third turn the history before the last turn is held
