@@ -107,6 +107,11 @@ def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, re
     return out
 
 
+def _system_turns(turns: Sequence[ChatTurn]) -> int:
+    """How many turns the chat begins with that are the system's (never dropped to fit)."""
+    return next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
+
+
 def _n_tokens(segments: Sequence[Segment]) -> int:
     return sum(len(seg.ids) for seg in segments)
 
@@ -242,7 +247,7 @@ class FusedGenerator:
         if _n_tokens(segments) <= limit:
             return segments, 0
         last = _n_tokens(segments) - len(self._next_head(turns[:-1]))  # the last turn, its chunks and template
-        system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
+        system = _system_turns(turns)
         fitting: list[tuple[int, list[Segment]]] = []  # (turns dropped, segments), fewest dropped first
         for c in range(1, len(turns) - system):
             if turns[system + c].role != "user":
@@ -263,7 +268,7 @@ class FusedGenerator:
             n = 0 if self.conversations is None else self.conversations.held(salt, ids)
             return n if 2 * n >= len(ids) - last else 0  # the last turn is new: never held
 
-        best = max(fitting, key=held)  # a cut an earlier turn of the chat was made at, else down to half the limit
+        best = max(fitting, key=held)  # a cut an earlier turn made or `prepare_fit` prepared, else the half-room one
         kept = best if held(best) else fitting[-1]
         log.info(
             "the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
@@ -294,7 +299,7 @@ class FusedGenerator:
         expected to fit under the cut in use, or there is no conversation cache)."""
         if self.conversations is None or len(turns) < 2 or [t.role for t in turns[-2:]] != ["user", "assistant"]:
             return 0
-        system = next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
+        system = _system_turns(turns)
         now = [*turns[:system], *turns[system + dropped :]]  # the chat as the last prompt held it
         room = n_prompt - len(self._next_head(now[:-2]))  # the last message, its chunks and its template
         if len(self._next_head(now)) + 2 * room <= limit:

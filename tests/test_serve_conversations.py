@@ -52,6 +52,14 @@ def converse(running: Running, method: str, key: str = KEY, salt: str | None = N
     return responses
 
 
+def ask_next(talk: openai.OpenAI, model: str, messages: list[dict], i: int, extra: dict):
+    """Question `i` (of QUESTIONS, numbered) appended to `messages` and asked; its answer appended; the response."""
+    messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
+    r = talk.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extra)
+    messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r
+
+
 def alone(running: Running, messages: list[dict], method: str) -> str:
     """The answer to `messages` fused without a conversation cache, on the server's engine."""
     gen = FusedGenerator(running.engine.index)
@@ -112,15 +120,7 @@ def test_a_chat_over_the_limit_drops_its_oldest_messages_once_and_the_next_turns
         talk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         messages, turns = [], []
         for i in range(12):
-            messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
-            r = talk.chat.completions.create(
-                model=chatting.model,
-                messages=messages,
-                max_tokens=5,
-                temperature=0,
-                extra_body={"cache_salt": "halving"},
-            )
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            r = ask_next(talk, chatting.model, messages, i, {"cache_salt": "halving"})
             turns.append(
                 (
                     r.usage.prompt_tokens,
@@ -159,15 +159,13 @@ def test_the_turn_that_outgrows_the_limit_reads_the_history_prepared_while_idle(
     try:
         messages, turns = [], []
         for i in range(12):
-            messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
-            r = client(running).chat.completions.create(
-                model=chatting.model,
-                messages=messages,
-                max_tokens=5,
-                temperature=0,
-                extra_body={"cache_salt": "prepared", "rag_kvcache": {"method": "full"}},
+            r = ask_next(
+                client(running),
+                chatting.model,
+                messages,
+                i,
+                {"cache_salt": "prepared", "rag_kvcache": {"method": "full"}},
             )
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
             extension = r.model_extra["rag_kvcache"]
             turns.append((r.usage.prompt_tokens, extension["dropped_messages"], extension["conversation_tokens"]))
             deadline = time.monotonic() + 60  # this answer's background task done before the next turn is sent
@@ -193,15 +191,8 @@ def test_a_chat_that_retrieves_chunks_every_turn_reads_its_earlier_turns(chattin
     head of their own."""
     messages, reads = [], []
     for i in range(5):
-        messages.append({"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})"})
-        r = client(chatting).chat.completions.create(
-            model=chatting.model,
-            messages=messages,
-            max_tokens=5,
-            temperature=0,
-            extra_body={"cache_salt": "retrieving-each-turn", "rag_kvcache": {"top_k": 3}},
-        )
+        extra = {"cache_salt": "retrieving-each-turn", "rag_kvcache": {"top_k": 3}}
+        r = ask_next(client(chatting), chatting.model, messages, i, extra)
         assert len(r.model_extra["rag_kvcache"]["chunks"]) == 3
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
         reads.append(r.model_extra["rag_kvcache"]["conversation_tokens"])
     assert all(n > 0 for n in reads[2:]), reads  # from the third turn the history before the last turn is held

@@ -52,7 +52,7 @@ from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
 from ..store.addressing import CacheAddressing
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
-from ..store.opening import Repairing
+from ..store.opening import open_repairing
 from .precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
 
 if TYPE_CHECKING:
@@ -229,10 +229,8 @@ class CacheMaker:
         """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
         recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
         key = self.addressing.key(ids, context)
-        entry = self.store.open(key)
-        if entry is None:
-            return self.repair(key, ids, context)
-        return entry if isinstance(entry, ChunkKV) else Repairing(entry, partial(self.repair, key, ids, context))
+        entry = open_repairing(self.store, key, partial(self.repair, key, ids, context))
+        return entry if entry is not None else self.repair(key, ids, context)
 
     def repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:

@@ -77,6 +77,13 @@ class Repairing:
             return self.source.layer(i)
 
 
+def open_repairing(store: KVStore, key: str, repair: Callable[[], ChunkKV]) -> LayerSource | None:
+    """The store's entry under `key`, remade by `repair` should a layer fail its check while it is read
+    (`Repairing`); None when missing."""
+    entry = store.open(key)
+    return entry if entry is None or isinstance(entry, ChunkKV) else Repairing(entry, repair)
+
+
 class CacheOpener:
     """Opens the caches of prompts over `store`, whose caches `maker` names and makes. Caches of request
     text (a prompt head other than the system prefix, and the first chunk behind it) are kept in memory
@@ -142,10 +149,7 @@ class CacheOpener:
         check; None when missing."""
         if salt is not None:
             return self.request_tier(salt).get(key)
-        entry = self.store.open(key)
-        if entry is None or isinstance(entry, ChunkKV):
-            return entry
-        return Repairing(entry, partial(self.maker.repair, key, ids, context))
+        return open_repairing(self.store, key, partial(self.maker.repair, key, ids, context))
 
     def _first_use(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], salt: str) -> ChunkKV:
         """A cache of request text made on first use (a new prompt head, or a chunk behind it), kept in the
