@@ -34,9 +34,11 @@ from filelock import FileLock, Timeout
 from .config import Config
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
+from .indexing import staging
 from .indexing.maker import CacheMaker
+from .indexing.staging import SyncReport
 from .retrieval import vectors as faiss_file
-from .retrieval.chunk_index import ChunkIndex, Hit, SyncReport, TextDocument
+from .retrieval.chunk_index import ChunkIndex, Hit, TextDocument
 from .retrieval.chunking import chunk_document
 from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
@@ -172,7 +174,8 @@ class KVIndex:
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
-            staged = self.chunks.stage_sync(
+            staged = staging.stage_sync(
+                self.chunks,
                 Path(docs_dir),
                 lambda text, src: chunk_document(text, src, tok, n),
                 progress=progress,
@@ -181,7 +184,7 @@ class KVIndex:
                 max_documents=self.config.max_documents,
             )
             self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
-            report = self.chunks.commit(staged)  # a committed chunk always has its cache
+            report = staging.commit(self.chunks, staged)  # a committed chunk always has its cache
             self.maker.committed()
             if self.maker.with_neighbours:
                 self.maker.precompute_neighbours(self.maker.unrecorded_chunks(), progress)
@@ -196,11 +199,11 @@ class KVIndex:
         tok, n = self.adapter.tokenizer, self.config.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
-            staged = self.chunks.stage_texts(
-                documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress
+            staged = staging.stage_texts(
+                self.chunks, documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress
             )
             self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress)
-            report = self.chunks.commit(staged)
+            report = staging.commit(self.chunks, staged)
             self.maker.committed()
             if self.maker.with_neighbours:
                 self.maker.precompute_neighbours(self.maker.unrecorded_chunks(), progress)

@@ -13,6 +13,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 from transformers import PreTrainedTokenizerBase
 
+from rag_kvcache.indexing import staging
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
@@ -69,7 +70,7 @@ def docs(tmp_path: Path) -> Path:
 def _build(tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker) -> ChunkIndex:
     """A flat index of `docs` in `tmp_path / "index"`."""
     index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"})
-    index.commit(index.stage_sync(docs, chunker, batch_size=4, progress=False))
+    staging.commit(index, staging.stage_sync(index, docs, chunker, batch_size=4, progress=False))
     return index
 
 
@@ -81,11 +82,11 @@ def test_a_staged_sync_writes_nothing_until_it_is_committed(
     tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker
 ) -> None:
     index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"})
-    staged = index.stage_sync(docs, chunker, progress=False)
+    staged = staging.stage_sync(index, docs, chunker, progress=False)
     assert staged.report.new_chunks and len(staged.embeddings) == len(staged.report.new_chunks)
     reopened = ChunkIndex.open(tmp_path / "index", embedder)  # what another process sees meanwhile
     assert len(index) == len(reopened) == 0
-    assert index.commit(staged) is staged.report and len(index) == len(staged.report.new_chunks)
+    assert staging.commit(index, staged) is staged.report and len(index) == len(staged.report.new_chunks)
     assert len(ChunkIndex.open(tmp_path / "index", embedder)) == len(staged.report.new_chunks)
 
 
@@ -94,7 +95,7 @@ def test_build_search_and_resync(
     tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker, index_type: IndexType
 ) -> None:
     index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"}, index_type)
-    report = index.commit(index.stage_sync(docs, chunker, batch_size=4, progress=False))
+    report = staging.commit(index, staging.stage_sync(index, docs, chunker, batch_size=4, progress=False))
 
     assert report.added == [
         "chess.txt",
@@ -121,7 +122,7 @@ def test_build_search_and_resync(
         },
     )
     (docs / "volcanoes.txt").unlink()
-    report = index.commit(index.stage_sync(docs, chunker, progress=False, prune=True))
+    report = staging.commit(index, staging.stage_sync(index, docs, chunker, progress=False, prune=True))
 
     assert report.added == ["baking.txt"]
     assert report.changed == ["chess.txt"]
@@ -149,7 +150,7 @@ def test_unchanged_resync_writes_nothing(
     with _build(tmp_path, docs, embedder, chunker) as index:
         vectors = tmp_path / "index" / "vectors.faiss"
         mtime = vectors.stat().st_mtime_ns
-        report = index.commit(index.stage_sync(docs, chunker, progress=False))
+        report = staging.commit(index, staging.stage_sync(index, docs, chunker, progress=False))
         assert (report.added, report.changed, report.removed, report.new_chunks) == ([], [], [], [])
         assert len(report.unchanged) == len(DOCS)
         assert vectors.stat().st_mtime_ns == mtime
@@ -266,7 +267,7 @@ def test_skips_unindexable_files_with_warnings(
         with caplog.at_level(logging.WARNING, logger="rag_kvcache.retrieval"):
             files, skipped = read_documents(docs)
             with _build(tmp_path, docs, embedder, chunker) as index:
-                report = index.commit(index.stage_sync(docs, chunker, progress=False))
+                report = staging.commit(index, staging.stage_sync(index, docs, chunker, progress=False))
                 assert {c.source for c in index.all_chunks()} == set(DOCS)
     finally:
         locked_folder.chmod(0o700)
@@ -328,7 +329,7 @@ def test_damaged_faiss_file_is_rebuilt_on_open(
     with _build(tmp_path, docs, embedder, chunker) as index:
         shutil.copy(vectors, tmp_path / "old.faiss")
         _write(docs, {"pasta.md": "Quantum computers use qubits that can be in superposition."})
-        index.commit(index.stage_sync(docs, chunker, progress=False))
+        staging.commit(index, staging.stage_sync(index, docs, chunker, progress=False))
         n_chunks = len(index)
     if damage == "deleted":
         vectors.unlink()
@@ -362,11 +363,11 @@ def test_second_folder_adds_and_prune_removes(
     other = tmp_path / "other"
     _write(other, {"baking.txt": "Sourdough bread rises thanks to wild yeast in a fermented starter."})
     with _build(tmp_path, docs, embedder, chunker) as index:
-        report = index.commit(index.stage_sync(other, chunker, progress=False))
+        report = staging.commit(index, staging.stage_sync(index, other, chunker, progress=False))
         assert (report.added, report.removed) == (["baking.txt"], [])
         assert {c.source for c in index.all_chunks()} == {*DOCS, "baking.txt"}
         assert _top_source(index, "Which volcano in Sicily erupts lava?") == "volcanoes.txt"
-        report = index.commit(index.stage_sync(other, chunker, progress=False, prune=True))
+        report = staging.commit(index, staging.stage_sync(index, other, chunker, progress=False, prune=True))
         assert report.removed == sorted(DOCS) and report.unchanged == ["baking.txt"]
         assert {c.source for c in index.all_chunks()} == {"baking.txt"} and len(index) == len(report.unchanged)
 
@@ -380,7 +381,7 @@ def test_match_finds_chunks_added_and_forgets_removed_ones(
         [(span, record)] = index.match(prompt)
         assert record == chunk and (span.offset, span.length) == (0, len(chunk.token_ids))
         (docs / "pasta.md").unlink()
-        index.commit(index.stage_sync(docs, chunker, progress=False, prune=True))
+        staging.commit(index, staging.stage_sync(index, docs, chunker, progress=False, prune=True))
         assert index.match(prompt) == []
         with sqlite3.connect(tmp_path / "index" / "index.sqlite") as conn:  # an index from before the table
             conn.execute("DROP TABLE ngrams")

@@ -1,10 +1,10 @@
-"""The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite, synced with a folder.
+"""The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite.
 
 An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
 and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
 in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
-from it). Documents are staged (`stage_sync`, `stage_texts`: read, diffed, chunked, embedded; nothing
-written: the caller computes the new chunks' KV caches then), then committed (`commit`). A commit writes
+from it). Documents are staged outside it (`indexing.staging`: read, diffed, chunked, embedded; nothing
+written: the caller computes the new chunks' KV caches then), then written (`write`). A write
 and fsyncs the new FAISS file under a temporary name, commits SQLite in one
 transaction (with that file's sha256), then renames the file into place; a failure before the
 commit (a full disk: `StorageFullError`, naming the file and what was being written) leaves both as
@@ -18,18 +18,17 @@ opened before a sync keeps its FAISS snapshot and skips hits whose chunks that s
 Writers are serialised by the caller (the pipeline holds a lock file for a whole sync).
 
 The SQLite file, its transactions and the commit protocol of the FAISS file are `database`'s, the checks
-of its rows `integrity`'s; this module is the index over them: chunking and embedding documents into it,
-search, prompt matching, and repair.
+of its rows `integrity`'s; this module is the index over them: writing chunks into it, search, prompt
+matching, and repair.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -37,14 +36,12 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
-from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..errors import RagKVCacheError
 from . import database as db
 from . import integrity
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .database import chunk_id
-from .documents import Skipped, SourceFile, read_documents
 from .integrity import Verified
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
@@ -94,32 +91,6 @@ class Hit:
 
     chunk: ChunkRecord
     score: float
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What a staged sync or addition of documents does (`ChunkIndex.commit` returns it), by document source."""
-
-    added: list[str]
-    changed: list[str]
-    removed: list[str]
-    unchanged: list[str]
-    skipped: list[Skipped]
-    new_chunks: list[ChunkRecord]
-
-
-@dataclass(frozen=True)
-class Staged:
-    """Documents read, chunked and embedded, not yet written (`ChunkIndex.commit`): what indexing computes
-    the new chunks' caches from before the index holds them."""
-
-    report: SyncReport
-    stale: list[str]  # the sources whose rows go: removed and changed
-    documents: list[tuple[str, str, int]]  # the document rows to add: (source, sha256, number of chunks)
-    embeddings: np.ndarray  # [C, E], one per `report.new_chunks`
-    texts: list[tuple[str, str, str]] = field(
-        default_factory=list
-    )  # documents given as text: (source, text, metadata JSON)
 
 
 @dataclass(frozen=True)
@@ -278,98 +249,16 @@ class ChunkIndex:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def stage_sync(
-        self,
-        docs_dir: Path,
-        chunker: Callable[[str, str], list[Chunk]],
-        batch_size: int = 64,
-        progress: bool = True,
-        prune: bool = False,
-        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-        max_documents: int = DEFAULT_MAX_DOCUMENTS,
-    ) -> Staged:
-        """`docs_dir`'s new and changed files read, chunked and embedded, for `commit`; nothing is written.
-        Documents the index holds that are not in `docs_dir` (another folder's, a store's, or deleted files)
-        are kept, unless `prune` drops them (reported as `removed`). Sources are paths relative to
-        `docs_dir`, so a file at the same relative path as an indexed document replaces it (`changed`).
-
-        `chunker(text, source)` splits one document; unchanged files (same sha256) are not re-chunked.
-        `max_file_bytes` and `max_documents` are `read_documents`' limits; the index folder itself is never
-        read as a document.
-        """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        files, skipped = read_documents(
-            docs_dir, max_file_bytes=max_file_bytes, max_documents=max_documents, exclude=(self._dir,)
-        )
-        indexed = dict(self._conn.execute("SELECT source, sha256 FROM documents"))
-        to_index = [f for f in files if indexed.get(f.source) != f.sha256]
-        added = [f.source for f in to_index if f.source not in indexed]
-        changed = [f.source for f in to_index if f.source in indexed]
-        unchanged = [f.source for f in files if indexed.get(f.source) == f.sha256]
-        removed = sorted(indexed.keys() - {f.source for f in files}) if prune else []
-
-        new_chunks, embeddings, documents = self._chunked(to_index, chunker, batch_size, progress)
-        report = SyncReport(added, changed, removed, unchanged, skipped, new_chunks)
-        return Staged(report, removed + changed, documents, embeddings)
-
-    def stage_texts(
-        self,
-        documents: Sequence[TextDocument],
-        chunker: Callable[[str, str], list[Chunk]],
-        batch_size: int = 64,
-        progress: bool = True,
-    ) -> Staged:
-        """Documents given as text chunked and embedded, for `commit`, as `stage_sync` stages files: a document
-        whose source the index holds replaces it (`changed`); nothing else is removed. Their texts and
-        metadata are kept (`texts`)."""
-        sources = [d.source for d in documents]
-        if duplicates := sorted({s for s in sources if sources.count(s) > 1}):
-            raise ValueError(f"documents added together must have distinct sources, got {duplicates!r} twice")
-        if empty := [d.source for d in documents if not d.text.strip()]:
-            raise ValueError(f"documents without text cannot be indexed: {empty!r}")
-        files = [SourceFile(d.source, d.text, hashlib.sha256(d.text.encode()).hexdigest()) for d in documents]
-        indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
-        new_chunks, embeddings, rows = self._chunked(files, chunker, batch_size, progress)
-        stored = [(d.source, d.text, json.dumps(dict(d.metadata))) for d in documents]  # TypeError if not JSON-able
-        changed = [s for s in sources if s in indexed]
-        report = SyncReport([s for s in sources if s not in indexed], changed, [], [], [], new_chunks)
-        return Staged(report, changed, rows, embeddings, stored)
-
-    def _chunked(
-        self, files: Sequence[SourceFile], chunker: Callable[[str, str], list[Chunk]], batch_size: int, progress: bool
-    ) -> tuple[list[ChunkRecord], np.ndarray, list[tuple[str, str, int]]]:
-        """`files` chunked and embedded: their chunks in order, the chunks' embeddings [C, E], and a document
-        row (source, sha256, number of chunks) for each file."""
-        chunks_by_source = {f.source: _chunk(f, chunker) for f in files}
-        new_chunks = [record for records in chunks_by_source.values() for record in records]
-        embeddings = self._embed([record.text for record in new_chunks], batch_size, progress)
-        return new_chunks, embeddings, [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
-
-    def commit(self, staged: Staged) -> SyncReport:
-        """Write what `stage_sync` or `stage_texts` staged, in one SQLite transaction and a swap of
-        `vectors.faiss` (`_apply`); returns its report."""
-        if staged.documents or staged.stale:
-            self._apply(staged.stale, staged.documents, staged.report.new_chunks, staged.embeddings, staged.texts)
-        r = staged.report
-        logger.info(
-            "committed into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
-            self._dir,
-            len(r.added),
-            len(r.changed),
-            len(r.removed),
-            len(r.unchanged),
-            len(r.skipped),
-            len(r.new_chunks),
-        )
-        return r
+    def documents(self) -> dict[str, str]:
+        """The documents the index holds (files and texts): sha256 of each, by source."""
+        return dict(self._conn.execute("SELECT source, sha256 FROM documents"))
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
         indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
         removed = [s for s in dict.fromkeys(sources) if s in indexed]
         if removed:
-            self._apply(removed, [], [], np.zeros((0, self._dim), dtype=np.float32))
+            self.write(removed, [], [], np.zeros((0, self._dim), dtype=np.float32))
         logger.info("deleted %d documents from %s", len(removed), self._dir)
         return removed
 
@@ -394,7 +283,7 @@ class ChunkIndex:
             k = len(self)
         if k == 0:
             return []
-        scores, faiss_ids = self._vectors.search(self._embed([query], batch_size=1, progress=False), k)
+        scores, faiss_ids = self._vectors.search(self.embed([query], batch_size=1, progress=False), k)
         found = [(int(i), float(s)) for i, s in zip(faiss_ids[0], scores[0], strict=True) if i != -1]
         records = self._fetch("faiss_id", [i for i, _ in found])
         if len(records) < len(found):  # another process synced since this index was opened
@@ -452,7 +341,7 @@ class ChunkIndex:
         """Recompute the stored embeddings of these chunks from their texts and rewrite `vectors.faiss`
         from SQLite (the repair of embeddings that `verify` found damaged); returns how many."""
         records = self._fetch("id", list(dict.fromkeys(chunk_ids)))
-        embeddings = self._embed([r.text for r in records.values()], batch_size, progress=False)
+        embeddings = self.embed([r.text for r in records.values()], batch_size, progress=False)
         conn = self._writable_conn(f"rewriting {len(records)} embeddings")
 
         def change() -> faiss.Index:
@@ -475,12 +364,9 @@ class ChunkIndex:
             lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"]),
         )
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """L2-normalised float32 embeddings [T, E] of `texts`, as chunks and queries are embedded."""
-        return self._embed(texts, batch_size=64, progress=False)
-
-    def _embed(self, texts: list[str], batch_size: int, progress: bool) -> np.ndarray:
-        """L2-normalised float32 embeddings, one row per text (a tqdm bar over batches if `progress`)."""
+    def embed(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        """L2-normalised float32 embeddings [T, E] of `texts`, as chunks and queries are embedded (a tqdm
+        bar over batches if `progress`)."""
         if not texts:
             return np.empty((0, self._dim), dtype=np.float32)
         embeddings = self._embedder.encode(
@@ -492,7 +378,7 @@ class ChunkIndex:
         )
         return np.ascontiguousarray(embeddings, dtype=np.float32)
 
-    def _apply(
+    def write(
         self,
         stale_sources: list[str],
         documents: list[tuple[str, str, int]],
@@ -591,14 +477,6 @@ class ChunkIndex:
             )
             records.update((row[0], _record(row[1:])) for row in rows)
         return records
-
-
-def _chunk(file: SourceFile, chunker: Callable[[str, str], list[Chunk]]) -> list[ChunkRecord]:
-    """Chunk one file, checking that the chunker kept its source."""
-    records = [ChunkRecord.from_chunk(chunk) for chunk in chunker(file.text, file.source)]
-    if wrong := sorted({r.source for r in records} - {file.source}):
-        raise ValueError(f"chunker returned chunks of sources {wrong} for document {file.source!r}")
-    return records
 
 
 def _record(row: Sequence) -> ChunkRecord:
