@@ -10,8 +10,10 @@ connector's included, and prefix caching is off so no request reads another's bl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -27,13 +29,16 @@ vllm = pytest.importorskip("vllm")
 import cloudpickle  # noqa: E402
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 
 import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
+from rag_kvcache.serving.vllm_connector import RagKVCacheConnector  # noqa: E402
 from rag_kvcache.store.controller import calibration_path  # noqa: E402
 
 pytestmark = pytest.mark.smollm2
@@ -233,6 +238,43 @@ def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
     alone = generate(llm, built.prompt, alone=True)
     assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
     assert_close(first_logprobs(fused), first_logprobs(alone))
+
+
+@pytest.mark.parametrize(
+    "part, error",
+    [
+        ("chunks.match", sqlite3.OperationalError("disk I/O error")),  # the index's database failing a query
+        ("caches.open", OSError(5, "Input/output error")),  # a chunk cache that can be neither read nor recomputed
+    ],
+)
+def test_a_scheduler_side_fault_leaves_the_request_to_vllm(
+    llm: LLM,
+    built: Built,
+    part: str,
+    error: Exception,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fault while the scheduler side lays a prompt out over the index is logged and offers vLLM no tokens,
+    so vLLM prefills the request itself; the scheduler goes on, and the next request reads the caches again.
+    (A scheduler-role connector of the engine's own configuration, in this process, asked as vLLM's
+    scheduler asks it.)"""
+    connector = RagKVCacheConnector(llm.llm_engine.vllm_config, KVConnectorRole.SCHEDULER)
+
+    def request(n: int) -> Request:
+        return Request(f"fault-{part}-{n}", list(built.prompt), SamplingParams(max_tokens=1), None)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise error
+
+    owner, name = part.split(".")
+    monkeypatch.setattr(getattr(connector._planner.index, owner), name, broken)
+    with caplog.at_level(logging.ERROR, logger=CONNECTOR_MODULE):
+        assert connector.get_num_new_matched_tokens(request(0), 0) == (0, False)
+    assert "laying its prompt out over the index failed" in caplog.text and str(error) in caplog.text
+    monkeypatch.undo()
+    head = len(built.prefix_ids) + len(built.chunks[0])  # `prefix`, the engine's method: up to the first chunk's end
+    assert connector.get_num_new_matched_tokens(request(1), 0) == (head, False)
 
 
 def free_port() -> int:
