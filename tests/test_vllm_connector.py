@@ -142,6 +142,7 @@ def test_prefix_equals_vllm_alone(llm: LLM, built: Built) -> None:
     head = len(built.prefix_ids) + len(built.chunks[0])  # the system prefix and the first chunk: exact
     assert alone.num_cached_tokens == 0 and loaded(alone) == 0
     assert fused.num_cached_tokens == head and loaded(fused) == head
+    assert not fused.kv_transfer_params["rag_kvcache"]["load_failed"]
     assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
     assert_close(first_logprobs(fused), first_logprobs(alone))
 
@@ -236,6 +237,8 @@ def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
         pytest.skip("this machine has a calibration for the index's model: ratio 'auto' would not fail")
     fused = generate(llm, built.prompt, params={"method": "cacheblend", "ratio": "auto"})
     alone = generate(llm, built.prompt, alone=True)
+    report = fused.kv_transfer_params["rag_kvcache"]
+    assert report["load_failed"] and report["loaded_tokens"] == 0  # vLLM computed them: nothing came from us
     assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
     assert_close(first_logprobs(fused), first_logprobs(alone))
 
