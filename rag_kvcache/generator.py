@@ -107,6 +107,22 @@ def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, re
     return out
 
 
+def warn_unquoted(segments: Sequence[Segment], fusion: FusionConfig) -> None:
+    """Log a warning when `fusion`'s method reads chunk caches and the prompt to be answered quotes no
+    indexed chunk (`FusedGenerator.find_chunks` found none): it is computed in full."""
+    if get_method(fusion.method).reads_cache and not _quotes_chunks(segments):
+        log.warning(
+            "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
+            "token, so it is computed in full",
+            fusion.method,
+            _n_tokens(segments),
+        )
+
+
+def _quotes_chunks(segments: Sequence[Segment]) -> bool:
+    return any(s.cacheable and s.label != "prefix" for s in segments)
+
+
 def _system_turns(turns: Sequence[ChatTurn]) -> int:
     """How many turns the chat begins with that are the system's (never dropped to fit)."""
     return next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
@@ -194,6 +210,7 @@ class FusedGenerator:
         t0 = time.perf_counter()
         segments = self.prompt_segments(prompt, fusion)
         match_s = time.perf_counter() - t0
+        warn_unquoted(segments, fusion or self.index.config.fusion)
         answer = _collected(self.stream(segments, fusion, generation), on_text)
         return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
 
@@ -338,23 +355,16 @@ class FusedGenerator:
     def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
         """`segments` with every run of an indexed chunk's ids inside their computed text made a slice
         of that chunk's cache (`ChunkIndex.match`), and the prompt's head before the first chunk made
-        cacheable (`cached_head`). Logs a warning when a method that reads caches (`fusion`, default
-        the index's) finds no chunk in the prompt."""
+        cacheable (`cached_head`). Whether any chunk was found is the caller's to say (`warn_unquoted`):
+        prompts are laid out more often than they are answered (a chat's candidate cuts, a background
+        preparation, every request vLLM sees)."""
         fusion = fusion or self.index.config.fusion
         ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
         out = cached_head(with_runs(segments, runs), self.adapter.tokenizer)
-        quoted = any(s.cacheable and s.label != "prefix" for s in out)
-        if fusion.template_text and quoted:
+        if fusion.template_text and _quotes_chunks(out):
             out = self._template_runs(out)
-        if get_method(fusion.method).reads_cache and not quoted:
-            log.warning(
-                "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
-                "token, so it is computed in full",
-                fusion.method,
-                len(ids),
-            )
         return out
 
     def _template_runs(self, segments: list[Segment]) -> list[Segment]:

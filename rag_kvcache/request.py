@@ -20,7 +20,7 @@ from .engine.generation import JsonSchemaConstraint
 from .engine.methods import METHODS
 from .engine.prompt import ChatTurn, Segment
 from .errors import RagKVCacheError
-from .generator import FusedGenerator
+from .generator import FusedGenerator, warn_unquoted
 from .index import KVIndex
 from .retrieval.chunk_index import ChunkRecord
 
@@ -168,6 +168,7 @@ def chat_prompt(
         raise RequestError(str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
+    warn_unquoted(segments, fusion)
     return Prompt(segments, _described(found), fusion, generation, salt, dropped, tuple(turns), limit)
 
 
@@ -189,6 +190,7 @@ def completion_prompt(generator: FusedGenerator, text: str, options: Options = O
         if not text.strip() or not ids:
             raise RequestError("the prompt is empty", "prompt")
         segments = generator.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
+        warn_unquoted(segments, fusion)
     return Prompt(segments, _described(found), fusion, generation_of(index, options), salt)
 
 

@@ -4,6 +4,7 @@ generator's own layout functions build; every refusal is a `RequestError` naming
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 from conftest import tiny_llama
@@ -71,6 +72,22 @@ def test_a_chat_over_the_fit_drops_its_oldest_turns(generator):
     whole = chat_prompt(generator, turns)
     fitted = chat_prompt(generator, turns, fit=whole.n_tokens // 2)
     assert fitted.dropped > 0 and fitted.n_tokens <= whole.n_tokens // 2
+
+
+def test_a_chat_quoting_no_chunk_is_warned_about_once(generator, caplog):
+    """Fitting a chat lays out several cuts before it answers one: the warning that a method reading caches
+    found no indexed text is logged once, for the prompt that is answered."""
+    turns = [
+        ChatTurn(role, (f"{role} message {i}: " + "words " * 30,)) for i in range(6) for role in ("user", "assistant")
+    ]
+    turns.append(ChatTurn("user", ("Say something.",)))
+    cacheblend = Options(fusion={"method": "cacheblend"})
+    whole = chat_prompt(generator, turns, cacheblend)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rag_kvcache"):
+        fitted = chat_prompt(generator, turns, cacheblend, fit=whole.n_tokens // 2)
+    assert fitted.dropped > 0
+    assert caplog.text.count("found no indexed text") == 1
 
 
 @pytest.mark.parametrize(
