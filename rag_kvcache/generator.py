@@ -2,7 +2,7 @@
 
 One question flows downhill: `ask` retrieves (or takes the given hits) and lays out the prompt;
 `complete` takes any prompt (a string or chat messages), tokenises it whole and finds the indexed
-chunks in it by their token ids (`prompt_segments`, `find_chunks`), so pipelines that build their own prompts are
+chunks in it by their token ids (`layout`'s `PromptLayout`), so pipelines that build their own prompts are
 fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last. With a
 `ConversationCache`, every answered prompt's K/V and its answer's are kept, and a prompt that continues
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
@@ -27,19 +26,12 @@ from .engine.methods import Method, get_method
 from .engine.profiling import StageClock
 from .engine.prompt import (
     ChatTurn,
-    ChunkPart,
     Segment,
-    StoredRun,
-    chat_segments,
-    prefix_head,
-    render_prompt,
-    with_runs,
 )
 from .engine.sentences import sentence_relevance
 from .index import KVIndex
+from .layout import PromptLayout, n_tokens, system_turns, warn_unquoted
 from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
-from .retrieval.matching import MIN_SPAN
-from .retrieval.templates import TemplateSpans
 from .store.controller import resolve_ratio
 from .store.conversations import ConversationCache, ConversationHit
 from .store.loading import LayerFeed
@@ -60,35 +52,6 @@ def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | N
     raise AssertionError("stream() always ends with an Answer")
 
 
-def cached_head(segments: Sequence[Segment], tokenizer, min_tokens: int = MIN_SPAN) -> list[Segment]:
-    """`segments` with the prompt's head (the tokens before its first chunk) cached at position 0, but
-    for its end where the first chunk's text begins, when some of it would be computed and at least
-    `min_tokens` of it can be cached.
-
-    A pipeline's own instructions (a prompt template's system message, e.g. LangChain's tutorial
-    chain's) head every prompt it sends and are no indexed text. Their cache at position 0 is
-    exact, as the system prefix's is: the index computes and stores it the first time (a cacheable
-    segment at position 0 has no context), and every later prompt with the same head reads it, as
-    prefix caching does. The head's last tokens are chunk text that did not match, re-tokenised, and
-    the token before it, which may have merged with it: those differ from chunk to chunk, so they stay
-    computed and prompts with the same instructions and other chunks share one cached head. Where the
-    chunk text begins is found in text (`_head_end`), not by the first run's offset: that run may
-    start deep in a chunk whose earlier text is not in the prompt (another chunk with the same
-    sentences matched first, or a template that stripped the chunk's edge), and cutting the head by
-    its offset cut into the instructions, a different head for every prompt. A prompt without a chunk
-    is left as it is (it is answered as `full`).
-    """
-    first = next((i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix"), None)
-    if not first or all(seg.cacheable for seg in segments[:first]):
-        return list(segments)
-    head = tuple(t for seg in segments[:first] for t in seg.ids)
-    run = segments[first]
-    n = _head_end(head, run.stored[: run.offset], tokenizer) - 1
-    if n < min_tokens:
-        return list(segments)
-    return [Segment(head[:n], True, "prefix"), Segment(head[n:], False, "text"), *segments[first:]]
-
-
 def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, read_caches: bool) -> list[Segment]:
     """The segments of a prompt (its tokens `ids`) from position `n` on: those wholly after it as they are
     when `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
@@ -107,47 +70,6 @@ def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, re
     return out
 
 
-def warn_unquoted(segments: Sequence[Segment], fusion: FusionConfig) -> None:
-    """Log a warning when `fusion`'s method reads chunk caches and the prompt to be answered quotes no
-    indexed chunk (`FusedGenerator.find_chunks` found none): it is computed in full."""
-    if get_method(fusion.method).reads_cache and not _quotes_chunks(segments):
-        log.warning(
-            "%s found no indexed text in the prompt (%d tokens): no chunk of the index occurs in it token for "
-            "token, so it is computed in full",
-            fusion.method,
-            _n_tokens(segments),
-        )
-
-
-def _quotes_chunks(segments: Sequence[Segment]) -> bool:
-    return any(s.cacheable and s.label != "prefix" for s in segments)
-
-
-def _system_turns(turns: Sequence[ChatTurn]) -> int:
-    """How many turns the chat begins with that are the system's (never dropped to fit)."""
-    return next((i for i, turn in enumerate(turns) if turn.role != "system"), len(turns))
-
-
-def _n_tokens(segments: Sequence[Segment]) -> int:
-    return sum(len(seg.ids) for seg in segments)
-
-
-def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
-    """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
-    `unmatched` ids before its first run, as far as the head's text ends with it (character for
-    character: the prompt may have re-tokenised or stripped it), is cut off at a token boundary."""
-
-    def text(ids: Sequence[int]) -> str:
-        return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-
-    whole, chunk = text(head), text(unmatched)
-    shared = next(
-        (k for k in range(min(len(whole), len(chunk))) if whole[-1 - k] != chunk[-1 - k]), min(len(whole), len(chunk))
-    )
-    end = len(whole) - shared  # the head's text before the chunk's
-    return bisect_right(range(len(head) + 1), end, key=lambda n: len(text(head[:n]))) - 1
-
-
 class FusedGenerator:
     """Answers questions over a `KVIndex` by fusing the retrieved chunks' caches."""
 
@@ -164,7 +86,7 @@ class FusedGenerator:
         self.adapter = index.adapter
         self.layers = layers or index.adapter
         self.conversations = conversations
-        self.templates = TemplateSpans()  # learned from the prompts this generator fuses
+        self.layout = PromptLayout(index)  # prompts laid out over the index's chunks
         self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
 
     def ask(
@@ -205,43 +127,14 @@ class FusedGenerator:
         on_text: Callable[[str], None] | None = None,
     ) -> Answer:
         """Answer any prompt, a string or chat messages (`render_prompt`), reading from the cache every
-        indexed chunk found in it (`prompt_segments`); `on_text` receives the text as it streams.
+        indexed chunk found in it (`PromptLayout.prompt_segments`); `on_text` receives the text as it streams.
         Rendering, tokenising and matching the prompt is part of the TTFT (stage `match`)."""
         t0 = time.perf_counter()
-        segments = self.prompt_segments(prompt, fusion)
+        segments = self.layout.prompt_segments(prompt, fusion)
         match_s = time.perf_counter() - t0
         warn_unquoted(segments, fusion or self.index.config.fusion)
         answer = _collected(self.stream(segments, fusion, generation), on_text)
         return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
-
-    def prompt_segments(
-        self, prompt: str | Sequence[Mapping[str, str]], fusion: FusionConfig | None = None
-    ) -> list[Segment]:
-        """The segments of any prompt, rendered and tokenised whole: its head a run of the system prefix
-        where it agrees with it, then `find_chunks`."""
-        ids = render_prompt(self.adapter.tokenizer, self.index.config.system_prompt, prompt)
-        return self.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
-
-    def chat_segments(
-        self, turns: Sequence[ChatTurn], chunks: Sequence[ChunkRecord] = (), fusion: FusionConfig | None = None
-    ) -> list[Segment]:
-        """The segments of a chat, as every front end builds them (the server, both integrations): `chunks`
-        (named or retrieved) at the head of the last turn, which must be the user's; the turns laid out by
-        `chat_segments` (chunk parts as their stored ids, text with control tokens spelt out), a head of text
-        that agrees with the system prefix read as a run of its cache (`prefix_head`); then every indexed
-        chunk quoted in their text found by its token ids (`find_chunks`)."""
-        if chunks:
-            if not turns or turns[-1].role != "user":
-                raise ValueError(
-                    "chunks go at the head of the last message, which must be a user message; it is "
-                    f"{turns[-1].role if turns else 'missing'!r}"
-                )
-            parts = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in chunks)
-            turns = [*turns[:-1], ChatTurn("user", parts + tuple(turns[-1].parts))]
-        segments = chat_segments(self.adapter.tokenizer, self.index.config.system_prompt, turns)
-        if not segments[0].cacheable:  # text first (quoted documents, no chunk parts): its run of the system prefix
-            segments = [*prefix_head(segments[0].ids, self.index.format.prefix_ids), *segments[1:]]
-        return self.find_chunks(segments, fusion)
 
     def fitted_chat(
         self,
@@ -251,7 +144,7 @@ class FusedGenerator:
         limit: int,
         salt: str = "",
     ) -> tuple[list[Segment], int]:
-        """`chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
+        """`PromptLayout.chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
         its oldest turns after the system's in one step, until what is left before the last turn fills at most
         half of what that turn leaves of the limit (the kept part starts with a user turn; the last turn, with
         its chunks, always stays), so that the next turns extend the same shortened prompt and read it from
@@ -260,23 +153,23 @@ class FusedGenerator:
         cut there, or `prepare_fit` prepared it) is kept while it fits. Returns the segments and how many turns
         were dropped; a chat that does not fit with only its system turns and last turn raises
         `PromptTooLongError`."""
-        segments = self.chat_segments(turns, chunks, fusion)
-        if _n_tokens(segments) <= limit:
+        segments = self.layout.chat_segments(turns, chunks, fusion)
+        if n_tokens(segments) <= limit:
             return segments, 0
-        last = _n_tokens(segments) - len(self._next_head(turns[:-1]))  # the last turn, its chunks and template
-        system = _system_turns(turns)
+        last = n_tokens(segments) - len(self.layout.next_head(turns[:-1]))  # the last turn, its chunks and template
+        system = system_turns(turns)
         fitting: list[tuple[int, list[Segment]]] = []  # (turns dropped, segments), fewest dropped first
         for c in range(1, len(turns) - system):
             if turns[system + c].role != "user":
                 continue
-            shorter = self.chat_segments([*turns[:system], *turns[system + c :]], chunks, fusion)
-            if _n_tokens(shorter) <= limit:
+            shorter = self.layout.chat_segments([*turns[:system], *turns[system + c :]], chunks, fusion)
+            if n_tokens(shorter) <= limit:
                 fitting.append((c, shorter))
-                if 2 * (_n_tokens(shorter) - last) <= limit - last:
+                if 2 * (n_tokens(shorter) - last) <= limit - last:
                     break
         if not fitting:
             raise PromptTooLongError(
-                f"the chat's prompt has {_n_tokens(segments)} tokens, over the {limit} allowed, "
+                f"the chat's prompt has {n_tokens(segments)} tokens, over the {limit} allowed, "
                 "even with only its system messages and last message"
             )
 
@@ -289,10 +182,10 @@ class FusedGenerator:
         kept = best if held(best) else fitting[-1]
         log.info(
             "the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
-            _n_tokens(segments),
+            n_tokens(segments),
             limit,
             kept[0],
-            _n_tokens(kept[1]),
+            n_tokens(kept[1]),
         )
         return kept[1], kept[0]
 
@@ -316,20 +209,20 @@ class FusedGenerator:
         expected to fit under the cut in use, or there is no conversation cache)."""
         if self.conversations is None or len(turns) < 2 or [t.role for t in turns[-2:]] != ["user", "assistant"]:
             return 0
-        system = _system_turns(turns)
+        system = system_turns(turns)
         now = [*turns[:system], *turns[system + dropped :]]  # the chat as the last prompt held it
-        room = n_prompt - len(self._next_head(now[:-2]))  # the last message, its chunks and its template
-        if len(self._next_head(now)) + 2 * room <= limit:
+        room = n_prompt - len(self.layout.next_head(now[:-2]))  # the last message, its chunks and its template
+        if len(self.layout.next_head(now)) + 2 * room <= limit:
             return 0
         for c in (c for c in range(dropped + 1, len(turns) - system) if turns[system + c].role == "user"):
             kept = [*turns[:system], *turns[system + c :]]
-            if 2 * len(head := self._next_head(kept)) <= limit - room // 2:
+            if 2 * len(head := self.layout.next_head(kept)) <= limit - room // 2:
                 break
         else:
             return 0
-        segments, out = self.chat_segments([*kept, ChatTurn("user", ("?",))], (), fusion), list[Segment]()
+        segments, out = self.layout.chat_segments([*kept, ChatTurn("user", ("?",))], (), fusion), list[Segment]()
         for seg in segments:  # the head's segments, the last one cut where the next message begins
-            n = len(head) - _n_tokens(out)
+            n = len(head) - n_tokens(out)
             if n <= 0:
                 break
             out.append(seg if len(seg.ids) <= n else Segment(seg.ids[:n], False, seg.label))
@@ -337,61 +230,6 @@ class FusedGenerator:
         self.conversations.insert(salt, head, fused.result.keys, fused.result.values, method.name, method.exact)
         log.info("prepared the %d-token chat the next turn will be cut to (%d turns dropped)", len(head), c)
         return len(head) - fused.conversation_tokens
-
-    def _next_head(self, turns: Sequence[ChatTurn]) -> tuple[int, ...]:
-        """The tokens every prompt that continues `turns` with a user message begins with."""
-        a, b = (
-            [
-                t
-                for seg in chat_segments(
-                    self.adapter.tokenizer, self.index.config.system_prompt, [*turns, ChatTurn("user", (x,))]
-                )
-                for t in seg.ids
-            ]
-            for x in ("a", "b")
-        )
-        return tuple(a[: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))])
-
-    def find_chunks(self, segments: Sequence[Segment], fusion: FusionConfig | None = None) -> list[Segment]:
-        """`segments` with every run of an indexed chunk's ids inside their computed text made a slice
-        of that chunk's cache (`ChunkIndex.match`), and the prompt's head before the first chunk made
-        cacheable (`cached_head`). Whether any chunk was found is the caller's to say (`warn_unquoted`):
-        prompts are laid out more often than they are answered (a chat's candidate cuts, a background
-        preparation, every request vLLM sees)."""
-        fusion = fusion or self.index.config.fusion
-        ids = [t for seg in segments for t in seg.ids]
-        matches = self.index.chunks.match(ids)
-        runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
-        out = cached_head(with_runs(segments, runs), self.adapter.tokenizer)
-        if fusion.template_text and _quotes_chunks(out):
-            out = self._template_runs(out)
-        return out
-
-    def _template_runs(self, segments: list[Segment]) -> list[Segment]:
-        """`segments` (a prompt with chunks found in it) with the template text after its last chunk read
-        from a cache: the spans learned behind its head (`TemplateSpans`: text that recurs after the
-        chunks of prompts with this head over other chunks) become cacheable runs where they occur in the tail,
-        exact on token ids. The tail teaches the spans first, so the second prompt with a template reads
-        it; a span's cache is computed behind the system prefix, as a chunk's, and stored in the index's
-        store when the span is learned (a span that shrinks gets a new entry)."""
-        last = max(i for i, seg in enumerate(segments) if seg.cacheable and seg.label != "prefix")
-        head = segments[0].ids if segments[0].cacheable else ()
-        start = sum(len(seg.ids) for seg in segments[: last + 1])
-        tail = [t for seg in segments[last + 1 :] for t in seg.ids]
-        chunks = frozenset(seg.stored for seg in segments[1 : last + 1] if seg.cacheable)
-        if learned := self.templates.learn(head, chunks, tail):
-            self.index.maker.precompute(learned, progress=False)
-            log.info(
-                "learned %d template span(s) of %s tokens after the chunks of prompts with a %d-token head",
-                len(learned),
-                [len(s) for s in learned],
-                len(head),
-            )
-        runs = [
-            StoredRun(start + s.start, s.chunk, s.offset, s.length, f"template:{len(s.chunk)}")
-            for s in self.templates.find(head, tail)
-        ]
-        return with_runs(segments, runs)
 
     def stream(
         self,

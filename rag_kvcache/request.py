@@ -20,8 +20,9 @@ from .engine.generation import JsonSchemaConstraint
 from .engine.methods import METHODS
 from .engine.prompt import ChatTurn, Segment
 from .errors import RagKVCacheError
-from .generator import FusedGenerator, warn_unquoted
+from .generator import FusedGenerator
 from .index import KVIndex
+from .layout import warn_unquoted
 from .retrieval.chunk_index import ChunkRecord
 
 
@@ -149,7 +150,7 @@ def chat_prompt(
     salt: str = "",
     fit: int | None = None,
 ) -> Prompt:
-    """Chat turns as segments (`FusedGenerator.chat_segments`): chunks named or retrieved go at the head of
+    """Chat turns as segments (`PromptLayout.chat_segments`): chunks named or retrieved go at the head of
     the last user turn; every indexed chunk quoted in the turns is found by its token ids and read from the
     cache. With `fit` (a most prompt tokens), a chat longer than that, or than the model's context leaves
     beside the answer, drops its oldest half of turns (`FusedGenerator.fitted_chat`) rather than being refused."""
@@ -163,7 +164,7 @@ def chat_prompt(
         if limit is not None:
             segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
         else:
-            segments, dropped = generator.chat_segments(turns, records, fusion), 0
+            segments, dropped = generator.layout.chat_segments(turns, records, fusion), 0
     except PromptTooLongError as e:
         raise RequestError(str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
@@ -189,7 +190,7 @@ def completion_prompt(generator: FusedGenerator, text: str, options: Options = O
         ids = tuple(tokenizer(text).input_ids)
         if not text.strip() or not ids:
             raise RequestError("the prompt is empty", "prompt")
-        segments = generator.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
+        segments = generator.layout.find_chunks([Segment(ids, cacheable=False, label="prompt")], fusion)
         warn_unquoted(segments, fusion)
     return Prompt(segments, _described(found), fusion, generation_of(index, options), salt)
 

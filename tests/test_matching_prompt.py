@@ -58,7 +58,7 @@ def test_quoted_chunks_are_read_from_cache(index):
     chunks = chunk_texts(index)
     context = "\n\n".join(c.text for c in chunks)
     prompt = f"Use the following context.\nContext: {context}\n\nQuestion: who ground the lens?\nAnswer:"
-    segments = FusedGenerator(index).prompt_segments(prompt)
+    segments = FusedGenerator(index).layout.prompt_segments(prompt)
     matched = [s for s in segments if s.cacheable and s.label != "prefix"]
     assert {s.label for s in matched} == {f"chunk:{c.id}" for c in chunks}
     assert sum(len(s.ids) for s in matched) >= 0.9 * sum(len(c.token_ids) for c in chunks)
@@ -72,7 +72,7 @@ def test_exact_methods_over_matched_prompts_equal_full(index, method):
     first, second = chunk_texts(index)[:2]
     half = first.text[len(first.text) // 2 :]
     prompt = f"Notes: {half}\n\n{second.text}\n\nAgain: {second.text}\n\nQuestion: when?\nAnswer:"
-    assert sum(s.cacheable for s in FusedGenerator(index).prompt_segments(prompt)) >= 2
+    assert sum(s.cacheable for s in FusedGenerator(index).layout.prompt_segments(prompt)) >= 2
     fused, full = ask(index, prompt, method, ratio=1.0), ask(index, prompt, "full")
     assert fused.answer == full.answer
     torch.testing.assert_close(fused.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
@@ -120,18 +120,18 @@ def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
         f"{INSTRUCTIONS}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")
     ]
     generator = FusedGenerator(index)
-    head, edge, *rest = generator.prompt_segments(prompts[0])
+    head, edge, *rest = generator.layout.prompt_segments(prompts[0])
     assert head.cacheable and head.label == "prefix" and not edge.cacheable
     assert len(edge.ids) == rest[0].offset + 1 and rest[0].label.startswith("chunk:")
     assert len(head.ids) + len(edge.ids) >= len(tiny.tokenizer(INSTRUCTIONS, add_special_tokens=False).input_ids)
     reordered = "\n\n".join(c.text for c in reversed(chunk_texts(index)))
-    assert generator.prompt_segments(f"{INSTRUCTIONS}{reordered}\n\nQuestion: why?\nAnswer:")[0].ids == head.ids
+    assert generator.layout.prompt_segments(f"{INSTRUCTIONS}{reordered}\n\nQuestion: why?\nAnswer:")[0].ids == head.ids
     key = index.addressing.key(head.ids, ())
     assert key not in index.caches.request_tier("")
     ask(index, prompts[0], "reuse")
     assert key in index.caches.request_tier("")  # computed and kept by the first prompt that had it: request text,
     assert key not in index.store  # in memory only, never on disk
-    segments = generator.prompt_segments(prompts[1])
+    segments = generator.layout.prompt_segments(prompts[1])
     assert segments[0].ids == head.ids
     second = ask(index, prompts[1], "reuse")
     assert second.recomputed_tokens == sum(len(s.ids) for s in segments if not s.cacheable)
@@ -142,7 +142,7 @@ def test_a_templates_head_is_cached_once_and_read_after(index, tiny):
 
 def test_a_short_head_stays_computed(index):
     context = chunk_texts(index)[0].text
-    segments = FusedGenerator(index).prompt_segments(f"Notes: {context}\n\nQuestion: when?\nAnswer:")
+    segments = FusedGenerator(index).layout.prompt_segments(f"Notes: {context}\n\nQuestion: when?\nAnswer:")
     assert not segments[0].cacheable and segments[1].label.startswith("chunk:")
 
 
@@ -153,9 +153,9 @@ def test_the_head_ends_where_the_chunk_text_begins_not_at_the_runs_offset(index)
     every prompt (LlamaIndex's template on MuSiQue: 7 heads in 12 prompts)."""
     chunk = chunk_texts(index)[0]
     generator = FusedGenerator(index)
-    whole = generator.prompt_segments(f"{INSTRUCTIONS}{chunk.text}\n\nQuestion: why?\nAnswer:")
+    whole = generator.layout.prompt_segments(f"{INSTRUCTIONS}{chunk.text}\n\nQuestion: why?\nAnswer:")
     words = chunk.text.split()
-    part = generator.prompt_segments(f"{INSTRUCTIONS}{' '.join(words[4:])}\n\nQuestion: why?\nAnswer:")
+    part = generator.layout.prompt_segments(f"{INSTRUCTIONS}{' '.join(words[4:])}\n\nQuestion: why?\nAnswer:")
     run = next(s for s in part if s.cacheable and s.label != "prefix")
     assert run.offset >= 4 and run.label == f"chunk:{chunk.id}"  # the run starts deep in the chunk
     assert whole[0].label == part[0].label == "prefix"
@@ -175,7 +175,7 @@ def test_the_first_chunk_behind_a_templates_head_is_exact_from_the_second_prompt
         f"{instructions}{context}\n\nQuestion: {q}\nAnswer:" for q in ("who ground the lens?", "when was it lit?")
     ]
     generator = FusedGenerator(index)
-    segments = generator.prompt_segments(prompts[1])
+    segments = generator.layout.prompt_segments(prompts[1])
     keys = [index.addressing.key(segments[2].ids, tuple(t for s in segments[:2] for t in s.ids))]
     assert segments[2].label.startswith("chunk:") and keys[0] not in index.caches.request_tier("")
     first = ask(index, prompts[0], "reuse")
@@ -203,7 +203,7 @@ def test_request_text_caches_stay_in_memory_within_each_keys_budget(tiny, tmp_pa
     generator, context = FusedGenerator(index), "\n\n".join(c.text for c in chunk_texts(index))
 
     def send(head: str, salt: str) -> list:
-        segments = generator.prompt_segments(f"{head}{context}\n\nQuestion: who ground the lens?\nAnswer:")
+        segments = generator.layout.prompt_segments(f"{head}{context}\n\nQuestion: who ground the lens?\nAnswer:")
         generator.start(segments, FusionConfig(method="reuse"), GenerationConfig(max_new_tokens=1), salt)
         return segments
 

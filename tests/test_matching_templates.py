@@ -52,10 +52,10 @@ def ids_of(tokenizer, text: str) -> tuple[int, ...]:
 
 def test_a_recurring_template_tail_is_read_from_cache_the_second_time(index, tiny):
     generator = FusedGenerator(index)
-    first = generator.prompt_segments(prompt(index, QUESTIONS[0]))
+    first = generator.layout.prompt_segments(prompt(index, QUESTIONS[0]))
     assert first[-1].label != "template" and not template_runs(first)
-    assert not template_runs(generator.prompt_segments(prompt(index, QUESTIONS[0])))  # a repeat teaches nothing
-    second = generator.prompt_segments(prompt(index, QUESTIONS[1]))
+    assert not template_runs(generator.layout.prompt_segments(prompt(index, QUESTIONS[0])))  # a repeat teaches nothing
+    second = generator.layout.prompt_segments(prompt(index, QUESTIONS[1]))
     (run,) = template_runs(second)
     template = ids_of(tiny.tokenizer, TAIL.split("{q}")[0])
     assert len(run.ids) >= len(template) - 2 and all(t in template for t in run.ids)
@@ -75,19 +75,19 @@ def test_the_same_question_over_the_same_chunks_teaches_nothing(index, tiny):
     its own text with the first prompt, not a template's: over the same chunks nothing is learned."""
     generator = FusedGenerator(index)
     for extra in ("", " Reply in JSON.", " Reply in one word."):
-        segments = generator.prompt_segments(prompt(index, QUESTIONS[0], TAIL + extra))
-    assert not template_runs(segments) and not generator.templates.spans(segments[0].ids)
+        segments = generator.layout.prompt_segments(prompt(index, QUESTIONS[0], TAIL + extra))
+    assert not template_runs(segments) and not generator.layout.templates.spans(segments[0].ids)
 
 
 def test_a_tail_one_token_off_the_learned_span_computes_that_token(index, tiny):
     generator = FusedGenerator(index)
     for question in QUESTIONS[:2]:
-        generator.prompt_segments(prompt(index, question))
-    (span,) = generator.templates.spans(generator.prompt_segments(prompt(index, QUESTIONS[0]))[0].ids)
+        generator.layout.prompt_segments(prompt(index, question))
+    (span,) = generator.layout.templates.spans(generator.layout.prompt_segments(prompt(index, QUESTIONS[0]))[0].ids)
     near = TAIL.replace("not prior knowledge", "not prior wisdom")
     changed = ids_of(tiny.tokenizer, " wisdom")
     assert len(changed) == 1 and changed[0] not in span
-    segments = generator.prompt_segments(prompt(index, QUESTIONS[2], near))
+    segments = generator.layout.prompt_segments(prompt(index, QUESTIONS[2], near))
     runs = template_runs(segments)
     assert runs and all(s.whole is not None and len(s.ids) < len(span) for s in runs)  # the parts that agree
     (at,) = [s for s in segments if changed[0] in s.ids]
@@ -97,9 +97,9 @@ def test_a_tail_one_token_off_the_learned_span_computes_that_token(index, tiny):
 def test_ratio_one_equals_full_with_a_template_span(index):
     generator = FusedGenerator(index)
     for question in QUESTIONS[:2]:
-        generator.prompt_segments(prompt(index, question))
+        generator.layout.prompt_segments(prompt(index, question))
     text = prompt(index, QUESTIONS[2])
-    assert template_runs(generator.prompt_segments(text))
+    assert template_runs(generator.layout.prompt_segments(text))
     exact = generator.complete(text, fusion=FusionConfig(method="cacheblend", ratio=1.0, template_text=True))
     full = generator.complete(text, fusion=FusionConfig(method="full"))
     assert exact.answer == full.answer
@@ -109,9 +109,9 @@ def test_ratio_one_equals_full_with_a_template_span(index):
 def test_a_corrupt_template_cache_is_recomputed_and_the_answer_unchanged(index, caplog):
     generator = FusedGenerator(index)
     for question in QUESTIONS[:2]:
-        generator.prompt_segments(prompt(index, question))
+        generator.layout.prompt_segments(prompt(index, question))
     text = prompt(index, QUESTIONS[2])
-    (run,) = template_runs(generator.prompt_segments(text))
+    (run,) = template_runs(generator.layout.prompt_segments(text))
     fusion = FusionConfig(method="cacheblend", template_text=True)
     before = generator.complete(text, fusion=fusion)
     key = index.addressing.key(run.whole)
@@ -149,4 +149,4 @@ def test_template_text_is_computed_unless_asked_for(index):
     default = FusionConfig(method="reuse")
     assert not default.template_text
     for question in QUESTIONS:
-        assert not template_runs(generator.prompt_segments(prompt(index, question), default))
+        assert not template_runs(generator.layout.prompt_segments(prompt(index, question), default))

@@ -38,7 +38,7 @@ def test_a_chat_with_chunks_named_is_the_generators_chat_layout(generator):
         turns,
         Options(chunk_ids=[r.id for r in records], fusion={"method": "epic"}, max_tokens=5, temperature=0.0),
     )
-    assert prompt.segments == generator.chat_segments(turns, records, prompt.fusion)
+    assert prompt.segments == generator.layout.chat_segments(turns, records, prompt.fusion)
     assert prompt.fusion.method == "epic" and prompt.generation.max_new_tokens == 5
     assert [c["id"] for c in prompt.chunks] == [r.id for r in records] and all(
         c["score"] is None for c in prompt.chunks

@@ -168,7 +168,7 @@ def test_reuse_equals_the_embedded_engine(llm: LLM, built: Built) -> None:
     index = KVIndex.open(built.path)
     try:
         generator = FusedGenerator(index)
-        segments = generator.find_chunks(prefix_head(built.prompt, index.format.prefix_ids))
+        segments = generator.layout.find_chunks(prefix_head(built.prompt, index.format.prefix_ids))
         logits = generator.fuse(segments, FusionConfig(method="reuse")).result.logits  # [V]
     finally:
         index.close()
@@ -184,7 +184,7 @@ def fused_both_ways(worker, prompt: list[int], methods: list[str]) -> dict:
 
     planner = get_kv_transfer_group()._planner
     on_vllm, on_engine = planner.generator, FusedGenerator(planner.index)
-    segments = on_engine.find_chunks(prefix_head(prompt, planner.index.format.prefix_ids))
+    segments = on_engine.layout.find_chunks(prefix_head(prompt, planner.index.format.prefix_ids))
     report = {"layers": type(on_vllm.layers).__name__}
     for method in methods:
         a = on_vllm.fuse(segments, FusionConfig(method=method)).result

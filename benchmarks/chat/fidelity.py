@@ -66,7 +66,7 @@ def main() -> None:
             messages.append(
                 {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0 else question}
             )
-            segments = cold.prompt_segments(messages, fusion)
+            segments = cold.layout.prompt_segments(messages, fusion)
             live = cold.start(segments, FusionConfig(method="full"), generation)
             for _ in live.decoder.run(live.first_token):
                 pass

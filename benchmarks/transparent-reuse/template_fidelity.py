@@ -67,14 +67,14 @@ def main() -> None:
         prompts.append(style_messages("llamaindex", [h.chunk.text for h in hits], example.question))
     with_template, without = replace(config.fusion, template_text=True), config.fusion
     for prompt in prompts:  # every prompt seen once: the template learned, its cache stored
-        generator.prompt_segments(prompt, with_template)
+        generator.layout.prompt_segments(prompt, with_template)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     variants = [Variant(REFERENCE), *(Variant(m) for m in methods)]
     rows = []
     for example, prompt in zip(examples, prompts):
         row = {"id": example.id}
         for name, fusion in (("with", with_template), ("without", without)):
-            segments = generator.prompt_segments(prompt, fusion)
+            segments = generator.layout.prompt_segments(prompt, fusion)
             scores, _ = fidelity({None: generator}, segments, variants, config)
             row[f"template_tokens_{name}"] = sum(len(s.ids) for s in segments if s.label.startswith("template"))
             row |= {f"{v.method}_{key}_{name}": value for v in variants[1:] for key, value in scores[v].items()}

@@ -171,16 +171,18 @@ def main() -> None:
 
     def kv_rag_chain(hits, question):
         parts = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
-        return generator.find_chunks(chat_segments(tokenizer, system, [ChatTurn("user", (*parts, question))]), fusion)
+        return generator.layout.find_chunks(
+            chat_segments(tokenizer, system, [ChatTurn("user", (*parts, question))]), fusion
+        )
 
     def tutorial_chain(hits, question):
         context = "\n\n".join(h.chunk.text for h in hits)
         turns = [ChatTurn("system", (TUTORIAL_SYSTEM.format(context=context),)), ChatTurn("user", (question,))]
-        return generator.find_chunks(chat_segments(tokenizer, system, turns), fusion)
+        return generator.layout.find_chunks(chat_segments(tokenizer, system, turns), fusion)
 
     def llamaindex_engine(hits, question, matching=fusion):
         messages = style_messages("llamaindex", [h.chunk.text for h in hits], question)
-        return generator.find_chunks(
+        return generator.layout.find_chunks(
             chat_segments(tokenizer, system, [ChatTurn(m["role"], (m["content"],)) for m in messages]), matching
         )
 

@@ -149,7 +149,7 @@ def run_question(
             v: generators[v.caches].complete(prompt, fusion=v.fusion(config.fusion), generation=config.generation)
             for v in order
         }
-        segments = generator.prompt_segments(prompt)
+        segments = generator.layout.prompt_segments(prompt)
     scores, floor = fidelity(generators, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
     records = [

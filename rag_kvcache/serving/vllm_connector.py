@@ -13,7 +13,7 @@ The only module of the package that imports vLLM. Named in vLLM's `--kv-transfer
 the caches from the shared tier too (the secret from `RAG_KVCACHE_KV_REMOTE_SECRET`, as the CLI's).
 
 Scheduler side: the request's prompt token ids are laid out as the embedded engine lays out any prompt
-(`FusedGenerator.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
+(`PromptLayout.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
 index's caches opened by `KVIndex.caches.open`, `FusionInput.build`), and the tokens from the start of the
 prompt to the end of the span the method provides are reported as matched (`loadable_end`); vLLM computes
 the rest. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
@@ -126,7 +126,7 @@ class Planner:
 
     def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
-        segments = self.generator.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
+        segments = self.generator.layout.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
         caches = self.index.caches.open(segments)
         return segments, FusionInput.build(segments, caches.sources, caches.contexts)
 
