@@ -10,7 +10,8 @@ Per set and method: planted-fact accuracy over the questions `full` answers righ
 teacher-forced KL to `full` (bootstrap 95% interval), and the tokens the method recomputed (`epic_match`'s
 repair adds the sentences echoing the question to EPIC's chunk heads: fewer echoes, fewer tokens; and
 `epic_evidence`'s, from runs with `full,epic_evidence`, adds the sentences the embedder finds closest to
-the question). Paired over questions, on each set, with a bootstrap interval: TF KL differences between
+the question; `cacheblend@cached_neighbours` and `epic_match@cached_neighbours` run on caches computed behind
+each chunk's most similar chunks' cached K/V, issue 33 item 1). Paired over questions, on each set, with a bootstrap interval: TF KL differences between
 the methods of `PAIRS` (where every question has both); and on the
 questions `full` answers right both ways, each method's planted-fact hits on one set against the other.
 """
@@ -26,22 +27,29 @@ import numpy as np
 
 BOOT = 2000
 METHODS = ("full", "cacheblend", "epic_match")
-OPTIONAL = ("epic", "epic_evidence")  # reported where every question has it
+NEIGHBOURS = ("cacheblend@cached_neighbours", "epic_match@cached_neighbours")
+OPTIONAL = ("epic", "epic_evidence", *NEIGHBOURS)  # reported where every question has it
 PAIRS = (
     ("epic_match", "cacheblend"),
     ("epic_evidence", "cacheblend"),
     ("epic_evidence", "epic_match"),
     ("epic_evidence", "epic"),
+    ("cacheblend@cached_neighbours", "cacheblend"),
+    ("epic_match@cached_neighbours", "epic_match"),
+    ("epic_match@cached_neighbours", "cacheblend"),
+    ("epic_match@cached_neighbours", "cacheblend@cached_neighbours"),
 )
 
 
 def records(outs: str) -> dict[str, dict[str, dict]]:
-    """question id -> method -> record (the last one recorded), over the comma-separated runs `outs`."""
+    """question id -> method (`method@caches` on other caches) -> record (the last one recorded), over the
+    comma-separated runs `outs`."""
     by_q: dict[str, dict[str, dict]] = {}
     for out in outs.split(","):
         for line in (Path(out) / "records.jsonl").read_text().splitlines():
             r = json.loads(line)
-            by_q.setdefault(r["id"], {})[r["method"]] = r
+            variant = r["method"] if r.get("caches") is None else f"{r['method']}@{r['caches']}"
+            by_q.setdefault(r["id"], {})[variant] = r
     return {q: m for q, m in by_q.items() if all(k in m for k in METHODS)}
 
 
