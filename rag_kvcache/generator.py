@@ -24,10 +24,7 @@ from .engine.fusion import DirectReader, FusionInput, FusionModel
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
 from .engine.profiling import StageClock
-from .engine.prompt import (
-    ChatTurn,
-    Segment,
-)
+from .engine.prompt import ChatTurn, Segment
 from .engine.sentences import sentence_relevance
 from .index import KVIndex
 from .layout import PromptLayout, n_tokens, system_turns, warn_unquoted
@@ -144,12 +141,12 @@ class FusedGenerator:
         limit: int,
         salt: str = "",
     ) -> tuple[list[Segment], int]:
-        """`PromptLayout.chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds more drops
-        its oldest turns after the system's in one step, until what is left before the last turn fills at most
-        half of what that turn leaves of the limit (the kept part starts with a user turn; the last turn, with
-        its chunks, always stays), so that the next turns extend the same shortened prompt and read it from
-        the conversation cache until it fills the limit again, instead of each dropping one more message and
-        computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn of this chat was
+        """`PromptLayout.chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds
+        more drops its oldest turns after the system's in one step, until what is left before the last turn
+        fills at most half of what that turn leaves of the limit (the kept part starts with a user turn; the
+        last turn, with its chunks, always stays), so that the next turns extend the same shortened prompt and
+        read it from the conversation cache until it fills the limit again, instead of each dropping one more
+        message and computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn of this chat was
         cut there, or `prepare_fit` prepared it) is kept while it fits. Returns the segments and how many turns
         were dropped; a chat that does not fit with only its system turns and last turn raises
         `PromptTooLongError`."""

@@ -255,7 +255,7 @@ class ChunkIndex:
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
-        indexed = {source for (source,) in self._conn.execute("SELECT source FROM documents")}
+        indexed = self.documents()
         removed = [s for s in dict.fromkeys(sources) if s in indexed]
         if removed:
             self.write(removed, [], [], np.zeros((0, self._dim), dtype=np.float32))

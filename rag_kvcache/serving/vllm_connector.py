@@ -180,6 +180,16 @@ class RagKVCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
+@dataclass
+class _Load:
+    """A live request's load: the prompt tokens the worker was asked to write, into which blocks, and whether
+    it reported them failed (`update_connector_output`)."""
+
+    tokens: int
+    blocks: frozenset[int]
+    failed: bool = False
+
+
 @dataclass(frozen=True)
 class _Match:
     end: int  # prompt tokens [0, end) the connector provides
@@ -236,9 +246,7 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         # scheduler side
         self._matches: dict[str, _Match] = {}  # per request: what get_num_new_matched_tokens found
         self._pending: dict[str, tuple[Request, int, int]] = {}  # request, start, end: to load at its next step
-        self._loaded: dict[str, int] = {}  # tokens the connector was asked to load, per live request
-        self._load_blocks: dict[str, set[int]] = {}  # the blocks each live request's load writes
-        self._failed_loads: set[str] = set()  # live requests whose load the worker reported failed
+        self._loads: dict[str, _Load] = {}  # per live request: the load the worker was asked for
         self._block_pool: BlockPool | None = None  # vLLM's, to take inexact blocks out of its prefix cache
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -321,32 +329,30 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         request, start, end = self._pending.pop(req_id)
         fusion = self._matches[req_id].fusion
         meta.loads.append(LoadSpec(req_id, list(request.prompt_token_ids or []), start, end, list(block_ids), fusion))
-        self._loaded[req_id] = end - start
-        self._load_blocks[req_id] = set(block_ids)
+        self._loads[req_id] = _Load(end - start, frozenset(block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Note the live requests whose load the worker reported failed (their blocks among
         `invalid_block_ids`): vLLM recomputes those blocks, and the request's output says so."""
         if invalid := connector_output.invalid_block_ids:
-            self._failed_loads.update(req for req, blocks in self._load_blocks.items() if blocks & invalid)
+            for load in self._loads.values():
+                load.failed = load.failed or bool(load.blocks & invalid)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its output's `kv_transfer_params` say how many prompt tokens came from rag-kvcache
         (none when the worker's load failed and vLLM recomputed them: `load_failed`)."""
         match = self._matches.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
-        self._load_blocks.pop(request.request_id, None)
-        failed = request.request_id in self._failed_loads
-        self._failed_loads.discard(request.request_id)
-        loaded = self._loaded.pop(request.request_id, 0)
+        load = self._loads.pop(request.request_id, None)
         if match is None:
             return False, None
-        if loaded:
+        if load is not None:
             self._forget_inexact(match, block_ids)
+        failed = load is not None and load.failed
         return False, {
             "rag_kvcache": {
                 "method": match.fusion.method,
-                "loaded_tokens": 0 if failed else loaded,
+                "loaded_tokens": 0 if load is None or failed else load.tokens,
                 "load_failed": failed,
                 "matched_end": match.end,
             }
