@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache import Config, Engine, IndexSettings, KVIndex
 
 from .testing import DEMO_DOCS
 
@@ -15,7 +15,7 @@ from .testing import DEMO_DOCS
 @pytest.fixture(scope="session")
 def demo_index(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("rag-kvcache-integrations") / "demo-index"
-    KVIndex.build(DEMO_DOCS, path, Config(chunk_tokens=128), progress=False)
+    KVIndex.build(DEMO_DOCS, path, Config(index=IndexSettings(chunk_tokens=128)), progress=False)
     return str(path)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from rag_kvcache import Config, Engine, KVIndex
+from rag_kvcache import Config, Engine, IndexSettings, KVIndex
 
 DEMO_DOCS = files("rag_kvcache") / "demo"
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
@@ -14,7 +14,7 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 def empty_engine(path: Path, demo_engine: Engine) -> Engine:
     """An empty index at `path` sharing the demo engine's loaded model, opened."""
-    config = Config(chunk_tokens=128)
+    config = Config(index=IndexSettings(chunk_tokens=128))
     adapter = demo_engine.index.adapter
     demo_engine.run(lambda: KVIndex.create(path, config, adapter).close())
     return Engine(path, config, adapter)

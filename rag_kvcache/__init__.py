@@ -20,6 +20,10 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "FusionInput": ".engine.fusion",
     "FusionResult": ".engine.fusion",
     "GenerationConfig": ".config",
+    "IndexSettings": ".config",
+    "QueryConfig": ".config",
+    "RuntimeConfig": ".config",
+    "StorageConfig": ".config",
     "KVIndex": ".index",
     "KVStore": ".store.kvstore",
     "METHODS": ".engine.methods",
@@ -56,14 +60,18 @@ __all__ = [
     "FusionResult",
     "GenerationConfig",
     "Hit",
+    "IndexSettings",
     "KVIndex",
     "KVStore",
     "METHODS",
     "ModelAdapter",
+    "QueryConfig",
     "RagKVCacheError",
     "RelevanceCheck",
     "RequestError",
+    "RuntimeConfig",
     "Segment",
+    "StorageConfig",
     "UnsupportedModelError",
     "Verdict",
     "chat_segments",
@@ -72,7 +80,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .answers import Answer
-    from .config import Config, FusionConfig, GenerationConfig
+    from .config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
     from .engine.cache import ChunkKV
     from .engine.fusion import FusionInput, FusionResult
     from .engine.methods import METHODS, register

@@ -6,8 +6,9 @@ builds its options, defaults and help from these fields, so a default changed he
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -26,6 +27,8 @@ Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
+DType = Literal["float32", "float16", "bfloat16"]
+DTYPE_NAMES: tuple[str, ...] = get_args(DType)
 CodecName = Literal["none", "int8-channel", "int8-token", "fp8"]  # implemented by store.codecs.CODECS
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_MAX_FILE_BYTES = 8 << 20
@@ -171,11 +174,7 @@ class StorageConfig:
     A memory tier (`memory_bytes`, 0 disables it; in host memory, or on the model's device with
     `memory_on_device`) sits over the disk tier (`disk_bytes`, None for no
     limit); both evict by `eviction` (least recently or least frequently used) when over budget.
-    `codec` is how caches are stored on disk: by default int8 with per-channel scales (its caches' answers
-    match float32 caches' within noise, `benchmarks/fusion-quality/codec20-results.md`), or int8 with
-    per-token scales, fp8 e4m3, or `none` (as computed: the only lossless codec, with which `prefix`
-    and the first chunk are bit-exact). An index records it when built and is read with what it
-    records. `prefetch_layers` is how many layers the background reader
+    How entries are encoded is the index's (`IndexSettings.codec`). `prefetch_layers` is how many layers the background reader
     may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
     `quality_floor` is the smallest recompute ratio the loading controller will pick.
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
@@ -198,11 +197,6 @@ class StorageConfig:
     )
     disk_bytes: int | None = None
     eviction: Eviction = "lru"
-    codec: CodecName = setting(
-        "int8-channel",
-        "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
-        "of float32), int8 with per-token scales, fp8, or as computed (none: the only lossless one).",
-    )
     prefetch_layers: int = 2
     quality_floor: float = 0.15
     remote: str | None = setting(
@@ -239,8 +233,6 @@ class StorageConfig:
             raise ConfigError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
         if self.eviction not in ("lru", "lfu"):
             raise ConfigError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
-        if self.codec not in CODEC_NAMES:
-            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
         if self.prefetch_layers < 0:
             raise ConfigError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
@@ -260,21 +252,16 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
-class Config:
-    """Everything that decides what is indexed, cached and generated."""
+class IndexSettings:
+    """What an index is built with and records (as JSON, `to_json`): chunks, vectors and caches are made
+    with these, so a process that opens the index reads it with them, whatever its own defaults
+    (`KVIndex.config_of`). Another value of any of them is another index."""
 
     model: str = setting(
         DEFAULT_MODEL, "The LLM: SmolLM2-135M-Instruct, a Hugging Face id, a local directory or a .gguf file."
     )
     embedder: str = setting(DEFAULT_EMBEDDER, "sentence-transformers model that embeds the chunks.")
     chunk_tokens: int = setting(512, "Chunk size in LLM tokens (typically 128 or 512).")
-    top_k: int = setting(6, "Chunks retrieved per question.")
-    max_file_bytes: int = setting(
-        DEFAULT_MAX_FILE_BYTES, "Largest document file indexed, in bytes; larger files are skipped with a warning."
-    )
-    max_documents: int = setting(
-        DEFAULT_MAX_DOCUMENTS, "Most files one index run reads; a folder with more is refused before any is read."
-    )
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = setting(
@@ -291,12 +278,65 @@ class Config:
         "most similar chunks; "
         "a chunk with r chunks before it in a prompt reads the one behind min(r, this).",
     )
-    device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
-    dtype: Literal["float32", "float16", "bfloat16"] = setting(
+    dtype: DType = setting(
         "float32",
         "Dtype of the model and its KV caches. An index records the one it was built with and is read "
         "with it unless told otherwise; another dtype misses every cached chunk.",
     )
+    codec: CodecName = setting(
+        "int8-channel",
+        "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
+        "of float32; its caches' answers match float32 caches' within noise, "
+        "benchmarks/fusion-quality/codec20-results.md), int8 with per-token scales, fp8, or as computed "
+        "(none: the only lossless one, with which `prefix` and the first chunk are bit-exact).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 16:
+            raise ConfigError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
+        if self.index_type not in ("flat", "hnsw"):
+            raise ConfigError(f"index_type must be 'flat' or 'hnsw', got {self.index_type!r}")
+        if self.chunk_prefill not in CHUNK_PREFILLS:
+            raise ConfigError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
+        if self.context_chunks < 1:
+            raise ConfigError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> IndexSettings:
+        """Settings `to_json` wrote (a field a later release added takes its default); raises ConfigError
+        naming a key this release does not know."""
+        values = json.loads(text)
+        if unknown := values.keys() - {f.name for f in fields(cls)}:
+            raise ConfigError(f"index settings hold keys this release does not know: {sorted(unknown)!r}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    """How a question is answered unless its request says otherwise: never recorded by an index."""
+
+    top_k: int = setting(6, "Chunks retrieved per question.")
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where this process runs and what it may spend: never recorded by an index (two processes may open
+    one index with different ones)."""
+
+    device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     ray: str | None = setting(
         None,
@@ -304,19 +344,15 @@ class Config:
         "or local to start one on this machine.",
     )
     ray_workers: int = setting(0, "Ray actors computing KV caches, each with a loaded model (0: one per free CPU).")
-    fusion: FusionConfig = field(default_factory=FusionConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    max_file_bytes: int = setting(
+        DEFAULT_MAX_FILE_BYTES, "Largest document file indexed, in bytes; larger files are skipped with a warning."
+    )
+    max_documents: int = setting(
+        DEFAULT_MAX_DOCUMENTS, "Most files one index run reads; a folder with more is refused before any is read."
+    )
     storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 16:
-            raise ConfigError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
-        if self.top_k < 1:
-            raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.chunk_prefill not in CHUNK_PREFILLS:
-            raise ConfigError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
-        if self.context_chunks < 1:
-            raise ConfigError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
         if self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
@@ -324,11 +360,30 @@ class Config:
         if self.ray_workers < 0:
             raise ConfigError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
 
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that decides what is indexed, cached and generated, by lifetime: what an index records
+    (`index`), how questions are answered by default (`query`), where this process runs (`runtime`)."""
+
+    index: IndexSettings = field(default_factory=IndexSettings)
+    query: QueryConfig = field(default_factory=QueryConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def with_index(self, **changes: object) -> Config:
+        return replace(self, index=replace(self.index, **changes))
+
+    def with_query(self, **changes: object) -> Config:
+        return replace(self, query=replace(self.query, **changes))
+
+    def with_runtime(self, **changes: object) -> Config:
+        return replace(self, runtime=replace(self.runtime, **changes))
+
     def with_fusion(self, **changes: object) -> Config:
-        return replace(self, fusion=replace(self.fusion, **changes))
+        return self.with_query(fusion=replace(self.query.fusion, **changes))
 
     def with_generation(self, **changes: object) -> Config:
-        return replace(self, generation=replace(self.generation, **changes))
+        return self.with_query(generation=replace(self.query.generation, **changes))
 
     def with_storage(self, **changes: object) -> Config:
-        return replace(self, storage=replace(self.storage, **changes))
+        return self.with_runtime(storage=replace(self.runtime.storage, **changes))

@@ -103,7 +103,7 @@ class FusedGenerator:
         retrieval_s = 0.0
         if hits is None:
             t0 = time.perf_counter()
-            hits = self.index.search(question, top_k or self.index.config.top_k)
+            hits = self.index.search(question, top_k or self.index.config.query.top_k)
             retrieval_s = time.perf_counter() - t0
         if not hits:  # an answer from no chunks is the model's guess presented as retrieved
             raise EmptyIndexError(
@@ -129,7 +129,7 @@ class FusedGenerator:
         t0 = time.perf_counter()
         segments = self.layout.prompt_segments(prompt, fusion)
         match_s = time.perf_counter() - t0
-        warn_unquoted(segments, fusion or self.index.config.fusion)
+        warn_unquoted(segments, fusion or self.index.config.query.fusion)
         answer = _collected(self.stream(segments, fusion, generation), on_text)
         return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
 
@@ -254,8 +254,8 @@ class FusedGenerator:
         those started into one `pool` attend in one call); `finish` gives its `Answer` once the decoder
         is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt head)
         this prompt may read and write (`KVIndex.caches.open`)."""
-        fusion = fusion or self.index.config.fusion
-        generation = generation or self.index.config.generation
+        fusion = fusion or self.index.config.query.fusion
+        generation = generation or self.index.config.query.generation
         n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
         if n_prompt + generation.max_new_tokens > limit:
             raise PromptTooLongError(
@@ -346,7 +346,7 @@ class FusedGenerator:
         """
         method = get_method(fusion.method)
         if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
-            fusion = resolve_ratio(replace(self.index.config, fusion=fusion), self.adapter)[0].fusion
+            fusion = resolve_ratio(self.index.config.with_query(fusion=fusion), self.adapter)[0].query.fusion
         clock = StageClock(self.layers.device)
         with clock.stage("kv_load"):
             segments, hit = self._recall(segments, method, salt)
@@ -375,7 +375,7 @@ class FusedGenerator:
                         self.index.embed,
                     ),
                 )
-        depth = self.index.config.storage.prefetch_layers
+        depth = self.index.config.runtime.storage.prefetch_layers
         placement = inp.placement(self.layers)
         if caches is None or depth == 0:
             reader = DirectReader(inp.sources, placement, self.buffers)

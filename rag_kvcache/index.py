@@ -25,13 +25,13 @@ import logging
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import xxhash
 from filelock import FileLock, Timeout
 
-from .config import Config
+from .config import Config, IndexSettings
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
 from .indexing import staging
@@ -51,16 +51,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_INDEX_CONFIG_KEYS = (
-    "model",
-    "embedder",
-    "chunk_tokens",
-    "index_type",
-    "system_prompt",
-    "chunk_prefill",
-    "context_chunks",
-    "dtype",
-)
+SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as JSON
+
+
+def recorded_settings(meta: Mapping[str, str]) -> IndexSettings:
+    """The `IndexSettings` an index's metadata records. Indexes made before the settings were one JSON value
+    recorded each as its own string, the codec as `kv_codec` (none recorded: stored as computed); those are
+    read by the fields' types."""
+    if SETTINGS_KEY in meta:
+        return IndexSettings.from_json(meta[SETTINGS_KEY])
+    types = {f.name: f.type for f in fields(IndexSettings) if f.name in meta}
+    return IndexSettings(
+        **{k: int(meta[k]) if t == "int" else meta[k] for k, t in types.items()}, codec=meta.get("kv_codec", "none")
+    )
 
 
 class KVIndex:
@@ -68,20 +71,21 @@ class KVIndex:
 
     def __init__(self, path: Path, config: Config, chunks: ChunkIndex, adapter: ModelAdapter) -> None:
         self.path = path
-        if (codec := chunks.meta.get("kv_codec", "none")) != config.storage.codec:  # what the index records wins
+        self.recorded = recorded_settings(chunks.meta)  # what the index was built with
+        if (codec := self.recorded.codec) != config.index.codec:  # what the index records wins
             log.info(
                 "index %s stores KV caches as %r: reading and writing them so, not as %r",
                 path,
                 codec,
-                config.storage.codec,
+                config.index.codec,
             )
-            config = replace(config, storage=replace(config.storage, codec=codec))
+            config = config.with_index(codec=codec)
         self.config = config
         self.chunks = chunks
         self.adapter = adapter
-        self.store = KVStore(path / "kv", config.storage, adapter.device)
-        self.format = PromptFormat.build(adapter.tokenizer, config.system_prompt)
-        self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.chunk_prefill}".encode())
+        self.store = KVStore(path / "kv", codec, config.runtime.storage, adapter.device)
+        self.format = PromptFormat.build(adapter.tokenizer, config.index.system_prompt)
+        self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.index.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
         self.foreign = built_with != adapter.fingerprint  # then caches computed at query time stay in memory
         if self.foreign:
@@ -89,12 +93,12 @@ class KVIndex:
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
                 "chunk and prefill it at query time, keeping it in this process's memory, not in the index",
                 path,
-                chunks.meta.get("model"),
+                self.recorded.model,
                 built_with,
-                config.model,
+                config.index.model,
                 adapter.fingerprint,
             )
-        if (remote := chunks.meta.get("kv_remote")) and config.storage.remote is None:
+        if (remote := chunks.meta.get("kv_remote")) and config.runtime.storage.remote is None:
             log.warning(
                 "index %s was built with its KV caches also in the shared tier %s; opened without it "
                 "(--kv-remote), the caches missing from this machine's disk are recomputed",
@@ -103,12 +107,12 @@ class KVIndex:
             )
         if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
             raise ValueError(
-                f"index {path} was chunked with the tokenizer of {chunks.meta.get('model')!r}; {config.model!r} "
+                f"index {path} was chunked with the tokenizer of {self.recorded.model!r}; {config.index.model!r} "
                 "tokenizes differently, so its stored token ids mean nothing to it: re-index with this model"
             )
         self.maker = CacheMaker(path, config, adapter, self.store, chunks, self.format, self.namespace, self.foreign)
         self.addressing = self.maker.addressing  # what names the index's caches (`store.addressing`)
-        self.caches = CacheOpener(self.store, self.maker, config.storage.request_bytes, adapter.inv_freq.cpu())
+        self.caches = CacheOpener(self.store, self.maker, config.runtime.storage.request_bytes, adapter.inv_freq.cpu())
 
     # ---- building -------------------------------------------------------------------------------
     @classmethod
@@ -116,18 +120,17 @@ class KVIndex:
         """An index at `path` for `config`: a new empty one, or the one already there."""
         path = Path(path)
         adapter = adapter or ModelAdapter.load(config)
-        embedder = load_embedder(config.embedder, device=config.device)
+        embedder = load_embedder(config.index.embedder, device=config.runtime.device)
         path.mkdir(parents=True, exist_ok=True)
         with _writer_lock(path):
             if exists(path):
                 return cls(path, config, ChunkIndex.open(path, embedder), adapter)
-            meta = {k: str(getattr(config, k)) for k in _INDEX_CONFIG_KEYS}
-            meta |= {
+            meta = {
+                SETTINGS_KEY: config.index.to_json(),
                 "model_fingerprint": adapter.fingerprint,
                 "tokenizer": _tokenizer_id(adapter.tokenizer),
-                "kv_codec": config.storage.codec,
-            } | ({"kv_remote": config.storage.remote_address} if config.storage.remote else {})
-            chunks = ChunkIndex.create(path, embedder, config.embedder, meta, config.index_type)
+            } | ({"kv_remote": config.runtime.storage.remote_address} if config.runtime.storage.remote else {})
+            chunks = ChunkIndex.create(path, embedder, config.index.embedder, meta, config.index.index_type)
         return cls(path, config, chunks, adapter)
 
     @classmethod
@@ -146,11 +149,8 @@ class KVIndex:
 
     @staticmethod
     def config_of(path: Path, base: Config = Config()) -> Config:
-        """The settings an index was built with (fields it does not record come from `base`)."""
-        meta = ChunkIndex.read_meta(Path(path))
-        types = {f.name: f.type for f in fields(Config)}
-        values = {k: int(meta[k]) if types[k] == "int" else meta[k] for k in _INDEX_CONFIG_KEYS if k in meta}
-        return replace(base, **values, storage=replace(base.storage, codec=meta.get("kv_codec", "none")))
+        """`base` with the settings the index at `path` records (`IndexSettings`)."""
+        return replace(base, index=recorded_settings(ChunkIndex.read_meta(Path(path))))
 
     @classmethod
     def open(
@@ -162,7 +162,12 @@ class KVIndex:
         path = Path(path)
         config = config or cls.config_of(path)
         adapter = adapter or ModelAdapter.load(config)
-        return cls(path, config, ChunkIndex.open(path, load_embedder(config.embedder, config.device), rewrite), adapter)
+        return cls(
+            path,
+            config,
+            ChunkIndex.open(path, load_embedder(config.index.embedder, config.runtime.device), rewrite),
+            adapter,
+        )
 
     def update(
         self, docs_dir: Path, progress: bool = True, prune: bool = False, workers: RayWorkers | None = None
@@ -171,7 +176,7 @@ class KVIndex:
         index commits them; other documents stay unless `prune` drops those not in `docs_dir`. With
         `workers` (`ray_workers()`) the caches are computed on a Ray cluster.
         Raises `StorageFullError` (index unchanged) when the disk fills."""
-        tok, n = self.adapter.tokenizer, self.config.chunk_tokens
+        tok, n = self.adapter.tokenizer, self.config.index.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
             staged = staging.stage_sync(
@@ -180,8 +185,8 @@ class KVIndex:
                 lambda text, src: chunk_document(text, src, tok, n),
                 progress=progress,
                 prune=prune,
-                max_file_bytes=self.config.max_file_bytes,
-                max_documents=self.config.max_documents,
+                max_file_bytes=self.config.runtime.max_file_bytes,
+                max_documents=self.config.runtime.max_documents,
             )
             self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
             report = staging.commit(self.chunks, staged)  # a committed chunk always has its cache
@@ -196,7 +201,7 @@ class KVIndex:
         """Add documents given as text (a vector store's: `source` is the document's id): chunked,
         embedded, and the new chunks' KV caches stored before the index commits them, as `update` does;
         a document with the source of an indexed one replaces it, nothing else is removed."""
-        tok, n = self.adapter.tokenizer, self.config.chunk_tokens
+        tok, n = self.adapter.tokenizer, self.config.index.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
             staged = staging.stage_texts(
@@ -220,8 +225,8 @@ class KVIndex:
         return removed
 
     def ray_workers(self) -> RayWorkers:
-        """A pool of Ray actors computing this index's chunk caches into its store (`config.ray`,
-        `config.ray_workers`), for `update(workers=...)`; a context manager that stops them."""
+        """A pool of Ray actors computing this index's chunk caches into its store (`config.runtime.ray`,
+        `config.runtime.ray_workers`), for `update(workers=...)`; a context manager that stops them."""
         from .indexing.cluster import RayWorkers
 
         return RayWorkers(self.config, self.store.root, self.namespace, self.adapter.fingerprint)
@@ -291,7 +296,7 @@ class KVIndex:
     @property
     def kv_bytes_per_token(self) -> float:
         """Disk bytes a token of a full-size chunk takes (`kv_bytes`)."""
-        return self.kv_bytes([self.config.chunk_tokens]) / self.config.chunk_tokens
+        return self.kv_bytes([self.config.index.chunk_tokens]) / self.config.index.chunk_tokens
 
 
 @contextmanager

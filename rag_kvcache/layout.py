@@ -105,7 +105,7 @@ class PromptLayout:
     ) -> list[Segment]:
         """The segments of any prompt, rendered and tokenised whole: its head a run of the system prefix
         where it agrees with it, then `find_chunks`."""
-        ids = render_prompt(self.tokenizer, self.index.config.system_prompt, prompt)
+        ids = render_prompt(self.tokenizer, self.index.config.index.system_prompt, prompt)
         return self.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
 
     def chat_segments(
@@ -124,7 +124,7 @@ class PromptLayout:
                 )
             parts = tuple(ChunkPart(record.token_ids, f"chunk:{record.id}") for record in chunks)
             turns = [*turns[:-1], ChatTurn("user", parts + tuple(turns[-1].parts))]
-        segments = chat_segments(self.tokenizer, self.index.config.system_prompt, turns)
+        segments = chat_segments(self.tokenizer, self.index.config.index.system_prompt, turns)
         if not segments[0].cacheable:  # text first (quoted documents, no chunk parts): its run of the system prefix
             segments = [*prefix_head(segments[0].ids, self.index.format.prefix_ids), *segments[1:]]
         return self.find_chunks(segments, fusion)
@@ -135,7 +135,7 @@ class PromptLayout:
             [
                 t
                 for seg in chat_segments(
-                    self.tokenizer, self.index.config.system_prompt, [*turns, ChatTurn("user", (x,))]
+                    self.tokenizer, self.index.config.index.system_prompt, [*turns, ChatTurn("user", (x,))]
                 )
                 for t in seg.ids
             ]
@@ -149,7 +149,7 @@ class PromptLayout:
         cacheable (`cached_head`). Whether any chunk was found is the caller's to say (`warn_unquoted`):
         prompts are laid out more often than they are answered (a chat's candidate cuts, a background
         preparation, every request vLLM sees)."""
-        fusion = fusion or self.index.config.fusion
+        fusion = fusion or self.index.config.query.fusion
         ids = [t for seg in segments for t in seg.ids]
         matches = self.index.chunks.match(ids)
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]

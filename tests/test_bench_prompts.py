@@ -13,7 +13,7 @@ from synthetic import synthetic_multihop
 from rag_kvcache.bench.prompts import LANGCHAIN_SYSTEM, PROMPT_STYLES, style_messages
 from rag_kvcache.bench.runner import run_benchmark
 from rag_kvcache.bench.variants import BenchSettings
-from rag_kvcache.config import Config, GenerationConfig
+from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
 
 CHATML = (
@@ -69,7 +69,9 @@ def chat_adapter(tokenizer) -> ModelAdapter:
 def test_benchmark_through_each_prompt_style(style, chat_adapter, tmp_path) -> None:
     """Each style's prompt finds (nearly) every retrieved chunk token in the cache; `full` on the same
     prompt is the fidelity reference (it scores itself perfectly), and a reusing method computes less."""
-    cfg = Config(chunk_tokens=48, top_k=3, generation=GenerationConfig(max_new_tokens=3))
+    cfg = Config(
+        index=IndexSettings(chunk_tokens=48), query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=3))
+    )
     settings = BenchSettings(methods=("full", "reuse"), baseline="reuse", warmup=0, prompt_style=style)
     result = run_benchmark(synthetic_multihop(2), tmp_path / "out", cfg, settings, adapter=chat_adapter, progress=False)
     summary = {e["method"]: e for e in result.summary if not e.get("noise_floor")}

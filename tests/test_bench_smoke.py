@@ -26,7 +26,7 @@ from rag_kvcache.bench.variants import (
     rotated,
 )
 from rag_kvcache.cli import app
-from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.store.controller import calibrate
 
@@ -147,8 +147,8 @@ def test_plan_reads_the_caches_a_method_runs_on():
         "cacheblend@none r=0.15",
     ]  # int8-channel: the run's own (the default)
     assert variants[2] == Variant("reuse", caches="neighbours")
-    assert made_with(Config(), "none").storage.codec == "none"
-    assert made_with(Config(), "neighbours").chunk_prefill == "neighbours"
+    assert made_with(Config(), "none").index.codec == "none"
+    assert made_with(Config(), "neighbours").index.chunk_prefill == "neighbours"
     with pytest.raises(ValueError, match="unknown chunk caches 'nearby'"):
         plan(BenchSettings(methods=("full", "reuse@nearby"), baseline="full"), FusionConfig(), Config())
 
@@ -197,7 +197,7 @@ def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tm
     """One run, two indexes over one corpus: `reuse@neighbours` answers from the context-aware caches (a
     different cache, so a different fidelity), `full@neighbours` is still exact, and both are paired with
     the default-cache baseline question by question."""
-    config = Config(chunk_tokens=24, top_k=3)
+    config = Config(index=IndexSettings(chunk_tokens=24), query=QueryConfig(top_k=3))
     settings = BenchSettings(
         methods=("full", "reuse", "full@neighbours", "reuse@neighbours"), baseline="reuse", warmup=0
     )
@@ -425,7 +425,7 @@ def test_bench_ratio_auto_uses_the_loading_controller(tiny, tmp_path, monkeypatc
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "rag-kvcache calibrate" in result.output
     assert not (tmp_path / "out" / "work").exists()  # refused before indexing anything
-    calibrate(tiny, tmp_path / "cal", StorageConfig(), tmp_path / "cache", n_tokens=32, entries=2, repeats=1)
+    calibrate(tiny, tmp_path / "cal", IndexSettings().codec, tmp_path / "cache", n_tokens=32, entries=2, repeats=1)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "loading controller: ratio" in result.output

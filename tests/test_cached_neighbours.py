@@ -14,7 +14,7 @@ import torch
 from test_fusion import ATOL
 from test_methods_neighbours import DOCS
 
-from rag_kvcache.config import Config, FusionConfig, StorageConfig
+from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rerotate_keys
@@ -24,7 +24,8 @@ from rag_kvcache.indexing.precompute import cached_context, compute_behind_cache
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance
 CACHED = Config(
-    chunk_tokens=24, top_k=3, chunk_prefill="cached_neighbours", context_chunks=2, storage=StorageConfig(codec="none")
+    index=IndexSettings(chunk_tokens=24, chunk_prefill="cached_neighbours", context_chunks=2, codec="none"),
+    query=QueryConfig(top_k=3),
 )
 
 
@@ -124,7 +125,7 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
     text = KVIndex.build(
         tmp_path / "docs",
         tmp_path / "idx-text",
-        replace(CACHED, chunk_prefill="neighbours"),
+        CACHED.with_index(chunk_prefill="neighbours"),
         adapter=tiny,
         progress=False,
     )
@@ -149,8 +150,8 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
 
 def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
     reopened = KVIndex.open(index.path, adapter=tiny)
-    assert reopened.config.chunk_prefill == "cached_neighbours" and reopened.config.context_chunks == 2
-    assert KVIndex.config_of(index.path).chunk_prefill == "cached_neighbours"
+    assert reopened.config.index.chunk_prefill == "cached_neighbours" and reopened.config.index.context_chunks == 2
+    assert KVIndex.config_of(index.path).index.chunk_prefill == "cached_neighbours"
     assert reopened.maker.unrecorded_chunks() == []
     question = "Who kept the lighthouse diary of ships?"
     fmt = reopened.format
@@ -232,10 +233,10 @@ def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path)
     """An index built with chunk_prefill="neighbours" opens as that and reads its caches, none missing."""
     write_docs(tmp_path / "docs")
     old = KVIndex.build(
-        tmp_path / "docs", tmp_path / "old", replace(CACHED, chunk_prefill="neighbours"), adapter=tiny, progress=False
+        tmp_path / "docs", tmp_path / "old", CACHED.with_index(chunk_prefill="neighbours"), adapter=tiny, progress=False
     )
     reopened = KVIndex.open(old.path, adapter=tiny)
-    assert reopened.config.chunk_prefill == "neighbours"
+    assert reopened.config.index.chunk_prefill == "neighbours"
     question = "Who kept the lighthouse diary of ships?"
     segments = reopened.format.segments(
         [h.chunk.token_ids for h in reopened.search(question, 3)],
@@ -246,7 +247,7 @@ def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path)
 
 def test_config_names_the_bad_value():
     with pytest.raises(ValueError, match="cached_neighbours.*got 'cached'"):
-        Config(chunk_prefill="cached")
+        Config(index=IndexSettings(chunk_prefill="cached"))
 
 
 def test_bench_and_cli_name_it():
@@ -258,7 +259,7 @@ def test_bench_and_cli_name_it():
 
     variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config())
     assert variant.caches == "cached_neighbours" and variant.label == "epic_match@cached_neighbours k=16"
-    assert made_with(Config(), "cached_neighbours").chunk_prefill == "cached_neighbours"
+    assert made_with(Config(), "cached_neighbours").index.chunk_prefill == "cached_neighbours"
     assert parse_variant("reuse@cached_neighbours", FusionConfig(), replace(CACHED)).caches is None  # the run's own
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "cached_neighbours" in result.output

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import rag_kvcache
 from rag_kvcache.cli import app
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, RuntimeConfig
 from rag_kvcache.store.codecs import CODECS
 
 runner = CliRunner()
@@ -135,7 +135,10 @@ def test_device_and_dtype_reach_every_model_command(built, model_dir, tmp_path):
     """--device/--dtype come from Config's fields; an index records its dtype, is read in it, refuses
     another at re-indexing, and `ask --dtype` in another misses every cached chunk."""
     group = typer.main.get_command(app)
-    helps = {name: Config.__dataclass_fields__[name].metadata["help"] for name in ("device", "dtype")}
+    helps = {
+        name: cls.__dataclass_fields__[name].metadata["help"]
+        for name, cls in (("device", RuntimeConfig), ("dtype", IndexSettings))
+    }
     for command in ("index", "ask", "bench", "calibrate", "demo", "serve"):
         params = {p.name: p for p in group.commands[command].params}
         assert {name: params[name].help for name in helps} == helps, command
@@ -161,7 +164,7 @@ def test_device_and_dtype_reach_every_model_command(built, model_dir, tmp_path):
         ],
     )
     assert made.exit_code == 0, made.output
-    assert KVIndex.config_of(idx).dtype == "bfloat16"
+    assert KVIndex.config_of(idx).index.dtype == "bfloat16"
     again = runner.invoke(app, ["index", str(root / "docs"), "--index", str(idx), "--dtype", "float32"])
     assert again.exit_code == 2 and "dtype='bfloat16'" in " ".join(again.output.split())
     ask = ["ask", "Saltmere?", "--index", str(idx), "--json", "--max-new-tokens", "2", "--top-k", "2"]
@@ -224,10 +227,10 @@ def test_every_option_has_help_and_config_defaults():
     assert ask["match_words"].default == fusion.match_words
     assert ask["ratio"].default == str(fusion.ratio) and ask["check_layer"].default == fusion.check_layer
     assert ask["temperature"].default == generation.temperature == 0.0  # greedy unless asked
-    assert ask["max_new_tokens"].default == generation.max_new_tokens and ask["top_k"].default == Config().top_k
+    assert ask["max_new_tokens"].default == generation.max_new_tokens and ask["top_k"].default == Config().query.top_k
     assert "sample" not in ask  # one rule: sampling iff temperature > 0
     result = runner.invoke(app, ["index", "--help"], terminal_width=200)
-    assert f"[default: {Config().chunk_tokens}; x>=16]" in result.stdout  # no markup eats the brackets
+    assert f"[default: {Config().index.chunk_tokens}; x>=16]" in result.stdout  # no markup eats the brackets
     assert "|".join(CODECS) in result.stdout  # the codec registry's names
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 from rich.filesize import decimal
 
-from rag_kvcache.config import Config, GenerationConfig, StorageConfig
+from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
 CFG = Config(
-    chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6), storage=StorageConfig(memory_bytes=0)
+    index=IndexSettings(chunk_tokens=24),
+    query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
+    runtime=RuntimeConfig(storage=StorageConfig(memory_bytes=0)),
 )
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 
@@ -30,7 +32,7 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
     with caplog.at_level(logging.INFO, logger="rag_kvcache"):
         index = KVIndex.build(write_docs(tmp_path / "docs"), tmp_path / "idx", CFG, adapter=tiny, progress=False)
     assert index.store.codec.name == "int8-channel"
-    assert KVIndex.config_of(tmp_path / "idx").storage.codec == "int8-channel"  # recorded
+    assert KVIndex.config_of(tmp_path / "idx").index.codec == "int8-channel"  # recorded
     chunks = set(index.chunks.token_ids())  # repeated text makes equal chunks, which share one cache
     said = decimal(index.kv_bytes(map(len, chunks)))
     assert f"computing the KV caches of {len(chunks)} chunks" in caplog.text and f"about {said} on disk" in caplog.text
@@ -39,16 +41,16 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
     assert len(files) == len(chunks) + 1
     assert 0 < sum(p.stat().st_size for p in files) - expected < 2048 * len(files)  # headers aside, as said
     # a byte an element for 4 of float32, and a float32 scale per channel per chunk of 24 tokens
-    assert index.kv_bytes_per_token == tiny.layout.bytes_per_token * (1 + 4 / CFG.chunk_tokens) / 4
+    assert index.kv_bytes_per_token == tiny.layout.bytes_per_token * (1 + 4 / CFG.index.chunk_tokens) / 4
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):
     old = KVIndex.build(
-        write_docs(tmp_path / "docs"), tmp_path / "idx", CFG.with_storage(codec="none"), adapter=tiny, progress=False
+        write_docs(tmp_path / "docs"), tmp_path / "idx", CFG.with_index(codec="none"), adapter=tiny, progress=False
     )
     before = FusedGenerator(old).ask(QUESTION)
     reopened = KVIndex.open(tmp_path / "idx", CFG, adapter=tiny)  # today's default config: int8-channel
-    assert reopened.store.codec.name == "none" and reopened.config.storage.codec == "none"
+    assert reopened.store.codec.name == "none" and reopened.config.index.codec == "none"
     after = FusedGenerator(reopened).ask(QUESTION)
     assert after.cache_misses == 0 and after.answer == before.answer
     assert torch.equal(after.first_token_logits, before.first_token_logits)

@@ -10,7 +10,7 @@ from conftest import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
-from rag_kvcache.config import Config, FusionConfig
+from rag_kvcache.config import Config, FusionConfig, IndexSettings, RuntimeConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.store.controller import (
@@ -63,22 +63,27 @@ def test_calibrate_saves_what_resolve_ratio_uses(tiny, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("The main telescope of the Veldmark Observatory is named Harrow's Eye. " * 4)
-    cfg = Config(chunk_tokens=32, cache_dir=tmp_path / "cache").with_storage(codec="none")
+    cfg = Config(index=IndexSettings(chunk_tokens=32), runtime=RuntimeConfig(cache_dir=tmp_path / "cache")).with_index(
+        codec="none"
+    )
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
     auto = index.config.with_fusion(ratio="auto")
     assert resolve_ratio(index.config, index.adapter) == (index.config, None)  # a number is kept
     with pytest.raises(NotCalibratedError, match="rag-kvcache calibrate"):
         resolve_ratio(auto, index.adapter)
-    cal = calibrate(tiny, tmp_path / "idx", cfg.storage, cfg.cache_dir, n_tokens=32, entries=2, repeats=1)
+    cal = calibrate(tiny, tmp_path / "idx", cfg.index.codec, cfg.runtime.cache_dir, n_tokens=32, entries=2, repeats=1)
     assert set(cal.read_bytes_per_s) == {"memory", "page_cache", "disk"} and cal.prefill_s_per_token_layer > 0
     assert cal.bytes_per_token_layer > tiny.layout.bytes_per_token / tiny.layout.n_layers  # + header
-    assert load_calibration(cfg.cache_dir, tiny, "none") == cal
+    assert load_calibration(cfg.runtime.cache_dir, tiny, "none") == cal
     resolved, decision = resolve_ratio(auto, index.adapter)
-    assert resolved.fusion.ratio == decision.ratio >= 0.15 and decision.n_tokens == cfg.top_k * cfg.chunk_tokens
+    assert (
+        resolved.query.fusion.ratio == decision.ratio >= 0.15
+        and decision.n_tokens == cfg.query.top_k * cfg.index.chunk_tokens
+    )
     assert not list((tmp_path / "idx" / ".calibration-store").rglob("*.safetensors"))  # cleaned up
     q = "What is the telescope called?"
     by_number = FusedGenerator(index).ask(q, fusion=FusionConfig(ratio=decision.ratio))
-    by_auto = FusedGenerator(index).ask(q, fusion=auto.fusion)  # the generator resolves `auto` the same way
+    by_auto = FusedGenerator(index).ask(q, fusion=auto.query.fusion)  # the generator resolves `auto` the same way
     assert by_auto.recomputed_tokens == by_number.recomputed_tokens and by_auto.answer == by_number.answer
 
 

@@ -6,7 +6,7 @@ from importlib.resources import files
 
 import pytest
 
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
@@ -18,7 +18,10 @@ QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
 
 @pytest.fixture(scope="module")
 def demo_index(smollm2, tmp_path_factory) -> KVIndex:
-    cfg = Config(chunk_tokens=128, top_k=4, generation=GenerationConfig(max_new_tokens=24))
+    cfg = Config(
+        index=IndexSettings(chunk_tokens=128),
+        query=QueryConfig(top_k=4, generation=GenerationConfig(max_new_tokens=24)),
+    )
     return KVIndex.build(DEMO, tmp_path_factory.mktemp("demo") / "idx", cfg, adapter=smollm2, progress=False)
 
 

@@ -11,7 +11,7 @@ import pkgutil
 import pytest
 
 import rag_kvcache
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, QueryConfig, StorageConfig
 from rag_kvcache.errors import ConfigError, RagKVCacheError
 from rag_kvcache.serving.settings import ServerConfig
 
@@ -41,7 +41,11 @@ def test_every_exception_the_package_defines_derives_from_the_root():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: Config(top_k=0), lambda: StorageConfig(conversation_bytes=-1), lambda: ServerConfig(history="forget")],
+    [
+        lambda: Config(query=QueryConfig(top_k=0)),
+        lambda: StorageConfig(conversation_bytes=-1),
+        lambda: ServerConfig(history="forget"),
+    ],
 )
 def test_a_bad_setting_is_a_config_error_and_a_value_error(make):
     with pytest.raises(ConfigError) as caught:

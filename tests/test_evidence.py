@@ -11,7 +11,16 @@ import torch
 from test_fusion import ATOL
 from test_sentences import fuse, ids, prompt
 
-from rag_kvcache.config import Config, ConfigError, FusionConfig, GenerationConfig, StorageConfig
+from rag_kvcache.config import (
+    Config,
+    ConfigError,
+    FusionConfig,
+    GenerationConfig,
+    IndexSettings,
+    QueryConfig,
+    RuntimeConfig,
+    StorageConfig,
+)
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.sentences import Lexicon, closest_sentences, sentence_ids, sentence_relevance
 from rag_kvcache.generator import FusedGenerator
@@ -97,7 +106,9 @@ def test_the_generator_scores_the_sentences_with_the_index_embedder(tiny, tmp_pa
     (docs / "a.txt").write_text(OTHER + " " + FACT)
     (docs / "b.txt").write_text("Saltmere is a mill village on the river Anvel, known for its caraway bread.")
     cfg = Config(
-        chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=4), storage=StorageConfig(memory_bytes=0)
+        index=IndexSettings(chunk_tokens=24),
+        query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=4)),
+        runtime=RuntimeConfig(storage=StorageConfig(memory_bytes=0)),
     )
     index = KVIndex.build(docs, tmp_path / "idx", cfg, adapter=tiny, progress=False)
     gen = FusedGenerator(index)

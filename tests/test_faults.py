@@ -17,17 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag_kvcache.config import Config, GenerationConfig, StorageConfig
+from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
 TESTS = Path(__file__).resolve().parent
 CFG = Config(
-    chunk_tokens=24,
-    top_k=3,
-    generation=GenerationConfig(max_new_tokens=6),
-    storage=StorageConfig(memory_bytes=0, codec="none"),
+    index=IndexSettings(chunk_tokens=24, codec="none"),
+    query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
+    runtime=RuntimeConfig(storage=StorageConfig(memory_bytes=0)),
 )  # lossless: a recomputed cache equals the stored one
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 WORDS = "harbour ferry granite lighthouse keeper diary telescope refractor bakery caraway regatta oar".split()
@@ -39,7 +38,7 @@ import os, sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from conftest import MINILM_DIR, tiny_llama
 from transformers import AutoTokenizer
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 delay = float(sys.argv[3])
@@ -47,7 +46,7 @@ if delay:
     replace = os.replace
     os.replace = lambda a, b: (time.sleep(delay), replace(a, b))[1]
 adapter = ModelAdapter(tiny_llama(), AutoTokenizer.from_pretrained(MINILM_DIR), name="tiny-llama")
-KVIndex.build(sys.argv[1], sys.argv[2], Config(chunk_tokens=24).with_storage(codec="none"), adapter=adapter,
+KVIndex.build(sys.argv[1], sys.argv[2], Config(index=IndexSettings(chunk_tokens=24, codec="none")), adapter=adapter,
               progress=False)
 """
 
@@ -348,9 +347,8 @@ def test_an_empty_stop_string_is_refused(index):
 
 
 def replace_model(config: Config, model_dir: Path) -> Config:
-    from dataclasses import replace
 
-    return replace(config, model=str(model_dir))
+    return config.with_index(model=str(model_dir))
 
 
 CHAT_TEMPLATE = (  # ChatML with MiniLM's special tokens as its control tokens
@@ -419,7 +417,6 @@ def test_a_binary_file_is_recognised_without_reading_it_whole(tmp_path):
 
 
 def test_a_folder_over_the_document_limit_is_refused_before_reading(index, tmp_path):
-    import dataclasses
 
     from typer.testing import CliRunner
 
@@ -428,7 +425,7 @@ def test_a_folder_over_the_document_limit_is_refused_before_reading(index, tmp_p
 
     docs = write_docs(tmp_path / "docs", 6, seed=2)  # 7 files: the fixture's 4, rewritten, and 3 new
     n_chunks = len(index.chunks)
-    limited = KVIndex.open(index.path, dataclasses.replace(CFG, max_documents=5), adapter=index.adapter)
+    limited = KVIndex.open(index.path, CFG.with_runtime(max_documents=5), adapter=index.adapter)
     with pytest.raises(DocumentLimitError, match=r"holds more than 5 files \(max_documents\)"):
         limited.update(docs, progress=False)
     assert len(KVIndex.open(index.path, CFG, adapter=index.adapter).chunks) == n_chunks

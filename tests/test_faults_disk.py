@@ -338,11 +338,11 @@ def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     other = ModelAdapter(tiny_llama(seed=1), tokenizer, name="tiny-llama-other")
     foreign = KVIndex.open(index.path, CFG, adapter=other)
     answer = FusedGenerator(foreign).ask(QUESTION)
-    assert answer.cache_misses == CFG.top_k and answer.answer
+    assert answer.cache_misses == CFG.query.top_k and answer.answer
     assert {p.name for p in index.store.disk.files()} == before
-    memory = replace(CFG, storage=replace(CFG.storage, memory_bytes=64 << 20))
+    memory = CFG.with_runtime(storage=replace(CFG.runtime.storage, memory_bytes=64 << 20))
     foreign = KVIndex.open(index.path, memory, adapter=other)
     gen = FusedGenerator(foreign)
-    assert gen.ask(QUESTION).cache_misses == CFG.top_k and gen.ask(QUESTION).cache_misses == 0
+    assert gen.ask(QUESTION).cache_misses == CFG.query.top_k and gen.ask(QUESTION).cache_misses == 0
     assert {p.name for p in index.store.disk.files()} == before
     assert foreign.collect().orphans == 0 and {p.name for p in index.store.disk.files()} == before  # none its own

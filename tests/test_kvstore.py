@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
@@ -11,7 +10,7 @@ from rag_kvcache.config import StorageConfig
 from rag_kvcache.store.addressing import cache_key
 from rag_kvcache.store.kvstore import ChunkKV, KVStore
 
-LOSSLESS = StorageConfig(codec="none")  # these tests read back exactly what they stored
+LOSSLESS = "none"  # the codec: these tests read back exactly what they stored
 
 
 def make_kv(layers: int = 3, tokens: int = 5, position: int = 7, dtype=torch.float32) -> ChunkKV:
@@ -40,7 +39,7 @@ def test_memory_tier_on_the_device_holds_what_is_read_there(tmp_path):
     # in for a GPU here; tests/test_gpu.py reads one on CUDA); without it, the tier stays in host memory
     key = cache_key("ns", (), (3, 4, 5))
     for on_device, where in ((True, "meta"), (False, "cpu")):
-        store = KVStore(tmp_path / str(on_device), replace(LOSSLESS, memory_on_device=on_device), device="meta")
+        store = KVStore(tmp_path / str(on_device), LOSSLESS, StorageConfig(memory_on_device=on_device), device="meta")
         store.put(key, make_kv())
         assert store.get(key).keys[0].device.type == "cpu"  # read from disk, then promoted
         held = store.open(key)

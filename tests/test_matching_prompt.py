@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.profiling import StageClock
@@ -23,9 +23,9 @@ DOCS = {
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye; it is a refractor with "
     "a lens ground by the optician Selma Voss, and it was moved to the hill above the town in 1902.",
 }
-CFG = Config(chunk_tokens=24, generation=GenerationConfig(max_new_tokens=5)).with_storage(
-    codec="none"
-)  # lossless: exact
+CFG = Config(
+    index=IndexSettings(chunk_tokens=24), query=QueryConfig(generation=GenerationConfig(max_new_tokens=5))
+).with_index(codec="none")  # lossless: exact
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,16 @@ import pytest
 import torch
 from test_fusion import ATOL
 
-from rag_kvcache.config import Config, FusionConfig
+from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rotate_keys, rotation
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
-NEIGHBOURS = Config(chunk_tokens=24, top_k=3, chunk_prefill="neighbours", context_chunks=2).with_storage(codec="none")
+NEIGHBOURS = Config(
+    index=IndexSettings(chunk_tokens=24, chunk_prefill="neighbours", context_chunks=2), query=QueryConfig(top_k=3)
+).with_index(codec="none")
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856. Its keeper Ada Rennick kept a diary of ships that "
     "passed the point, the weather each morning, and the state of the lamp and its oil.",
@@ -115,7 +117,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
 
 def test_another_setting_is_a_miss(tiny, index):
     chunk = some_chunk(index)
-    plain = KVIndex(index.path, replace(NEIGHBOURS, chunk_prefill="behind_prefix"), index.chunks, tiny)
+    plain = KVIndex(index.path, NEIGHBOURS.with_index(chunk_prefill="behind_prefix"), index.chunks, tiny)
     others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
     assert (
         len(others) == 3 and index.addressing.key(chunk.token_ids, layout(index, others)) not in index.store
@@ -190,7 +192,7 @@ def test_a_blend_is_the_mean_of_its_caches_at_the_first_ones_position(tiny, inde
 
 def test_a_corrupt_cache_in_a_blend_is_recomputed_and_the_answer_unchanged(tiny, index, caplog):
     index = KVIndex.open(
-        index.path, replace(NEIGHBOURS, storage=replace(NEIGHBOURS.storage, memory_bytes=0)), adapter=tiny
+        index.path, NEIGHBOURS.with_runtime(storage=replace(NEIGHBOURS.runtime.storage, memory_bytes=0)), adapter=tiny
     )
     question = "Who kept the lighthouse diary of ships?"
     fmt = index.format

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
@@ -21,9 +21,9 @@ DOCS = {
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
     "notes/harbour.txt": "Orrin's Ford harbour has a granite breakwater and a ferry to Tessaly twice a day. " * 3,
 }
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6)).with_storage(
-    codec="none"
-)  # lossless: exact
+CFG = Config(
+    index=IndexSettings(chunk_tokens=24), query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6))
+).with_index(codec="none")  # lossless: exact
 
 
 @pytest.fixture()

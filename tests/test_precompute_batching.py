@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import WriteBehind, compute_caches, token_packs
 from rag_kvcache.store.kvstore import KVStore
@@ -21,7 +21,7 @@ WORDS = (
 DOCS = {
     f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)
 }
-CFG = Config(chunk_tokens=24).with_storage(codec="none")  # lossless: stored equals computed
+CFG = Config(index=IndexSettings(chunk_tokens=24)).with_index(codec="none")  # lossless: stored equals computed
 
 
 @pytest.fixture()
@@ -95,7 +95,7 @@ def test_index_stores_what_a_full_prefill_computes(tiny, docs, tmp_path):
 
 
 def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):
-    store = KVStore(tmp_path / "kv", CFG.storage)
+    store = KVStore(tmp_path / "kv", CFG.index.codec, CFG.runtime.storage)
     chunks = _chunks(7, (8,))
     with WriteBehind(store, depth=2) as writer:
         for i, kv in compute_caches(tiny, chunks, (), 20):
@@ -112,7 +112,7 @@ def test_a_failed_background_write_fails_the_update_and_commits_nothing(tiny, do
     index = KVIndex.create(tmp_path / "idx", CFG, adapter=tiny)
     from rag_kvcache.retrieval.chunking import chunk_document
 
-    first = chunk_document(DOCS["doc3.txt"], "doc3.txt", tiny.tokenizer, CFG.chunk_tokens)[0].token_ids
+    first = chunk_document(DOCS["doc3.txt"], "doc3.txt", tiny.tokenizer, CFG.index.chunk_tokens)[0].token_ids
     blocker = index.store.path(index.addressing.key(first)).parent
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")

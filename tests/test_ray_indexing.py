@@ -6,8 +6,6 @@ that load other weights, make the job fail with nothing committed."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from conftest import tiny_llama
@@ -17,7 +15,7 @@ from typer.testing import CliRunner
 ray = pytest.importorskip("ray")
 
 from rag_kvcache.cli import app  # noqa: E402
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig  # noqa: E402
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig  # noqa: E402
 from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
@@ -38,7 +36,9 @@ def config(tmp_path_factory, tokenizer) -> Config:
     tiny_llama().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return Config(
-        model=str(folder), chunk_tokens=24, top_k=3, ray_workers=2, generation=GenerationConfig(max_new_tokens=6)
+        index=IndexSettings(model=str(folder), chunk_tokens=24),
+        query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
+        runtime=RuntimeConfig(ray_workers=2),
     )
 
 
@@ -62,7 +62,7 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
             "--index",
             str(tmp_path / "ray"),
             "--model",
-            config.model,
+            config.index.model,
             "--chunk-tokens",
             "24",
             "--ray",
@@ -127,15 +127,15 @@ def test_workers_whose_caches_the_driver_cannot_see_or_of_another_model_are_refu
 ):
     """Fault injection: actors writing a store the driver does not read (another index's folder, as
     on machines without a shared tier), and actors loading other weights than the driver's."""
-    index = KVIndex.create(tmp_path / "idx", replace(config, ray_workers=1))
-    elsewhere = KVIndex.create(tmp_path / "elsewhere", replace(config, ray_workers=1), adapter=index.adapter)
+    index = KVIndex.create(tmp_path / "idx", config.with_runtime(ray_workers=1))
+    elsewhere = KVIndex.create(tmp_path / "elsewhere", config.with_runtime(ray_workers=1), adapter=index.adapter)
     with elsewhere.ray_workers() as workers, pytest.raises(RuntimeError, match="are not in the store .*--kv-remote"):
         index.update(docs, progress=False, workers=workers)
     assert len(index.chunks) == 0
 
     other = KVIndex.create(
         tmp_path / "other",
-        replace(config, ray_workers=1),
+        config.with_runtime(ray_workers=1),
         adapter=ModelAdapter(tiny_llama(seed=7), tokenizer, name="other"),
     )
     with other.ray_workers() as workers, pytest.raises(ray.exceptions.RayActorError, match="not the driver's"):

@@ -43,7 +43,7 @@ def server(tmp_path):
 
 
 def remote_cfg(url: str) -> StorageConfig:
-    return replace(CFG.storage, remote=url)
+    return replace(CFG.runtime.storage, remote=url)
 
 
 def copy_without_caches(index_dir: Path, to: Path) -> Path:
@@ -67,11 +67,11 @@ def corpus(tiny, tmp_path_factory) -> tuple[Path, Answer]:
 @pytest.fixture()
 def shared(tiny, corpus, server, tmp_path) -> KVIndex:
     """The corpus's index on another machine: no disk caches; every cache in the remote tier."""
-    tier = RedisTier(remote_cfg(server.url))
+    tier = RedisTier(remote_cfg(server.url), CFG.index.codec)
     for path in (corpus[0] / "kv").rglob("*.safetensors"):
         tier.write(path.stem, path.read_bytes())
     return KVIndex.open(
-        copy_without_caches(corpus[0], tmp_path / "b"), replace(CFG, storage=remote_cfg(server.url)), adapter=tiny
+        copy_without_caches(corpus[0], tmp_path / "b"), CFG.with_runtime(storage=remote_cfg(server.url)), adapter=tiny
     )
 
 
@@ -83,7 +83,7 @@ def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
 
 @pytest.mark.parametrize("codec", ["none", "int8-channel"])
 def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
-    tier = RedisTier(StorageConfig(remote=server.url, codec=codec))
+    tier = RedisTier(StorageConfig(remote=server.url), codec)
     kv = make_kv(layers=4, tokens=6)
     assert tier.open("k1") is None and "k1" not in tier
     assert tier.put("k1", kv) > 0 and "k1" in tier
@@ -93,7 +93,7 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
     torch.testing.assert_close(v, kv.values[2], atol=0.05 if codec != "none" else 0, rtol=0)
     layer_bytes = {"none": kv.keys[2].nbytes + kv.values[2].nbytes, "int8-channel": 2 * (2 * 6 * 8 + 2 * 8 * 4)}[codec]
     assert tier.stats.bytes_read == layer_bytes  # one layer's bytes crossed the network, not the entry's
-    other = RedisTier(StorageConfig(remote=server.url, codec="int8-token" if codec == "none" else "none"))
+    other = RedisTier(StorageConfig(remote=server.url), "int8-token" if codec == "none" else "none")
     assert other.open("k1") is None  # stored with another codec: a miss, never read as this codec
     tier.remove("k1")
     assert tier.open("k1") is None and (tier.stats.hits, tier.stats.misses, tier.stats.errors) == (1, 2, 0)
@@ -101,7 +101,7 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
 
 def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
     first, second = (
-        KVStore(tmp_path / name, StorageConfig(memory_bytes=0, remote=server.url, codec="none")) for name in "ab"
+        KVStore(tmp_path / name, "none", StorageConfig(memory_bytes=0, remote=server.url)) for name in "ab"
     )
     mine, theirs = make_kv(), make_kv(position=3)
     first.put("k1", mine)
@@ -112,7 +112,7 @@ def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
 
 
 def test_two_indexes_share_entries_through_the_remote_tier(tiny, tmp_path, server, corpus):
-    cfg = replace(CFG, storage=remote_cfg(server.url))
+    cfg = CFG.with_runtime(storage=remote_cfg(server.url))
     a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", cfg, adapter=tiny, progress=False)
     assert a.store.stats()["remote"].bytes_written > 0  # indexing wrote every cache to the remote tier too
     b = KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), cfg, adapter=tiny)
@@ -144,7 +144,7 @@ def test_a_corrupt_remote_value_is_detected_and_repaired(shared, corpus, server,
 def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
     server = RedisServer(tmp_path / "redis", maxmemory="3mb")
     try:
-        tier = RedisTier(StorageConfig(remote=server.url, codec="none"))
+        tier = RedisTier(StorageConfig(remote=server.url), "none")
         kvs = {f"k{i}": make_kv(layers=4, tokens=512, position=i) for i in range(24)}  # 256 KiB each
         for key, kv in kvs.items():
             tier.put(key, kv)
@@ -201,7 +201,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
 
 
 def test_an_entry_lost_mid_read_is_not_dropped(server):
-    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60, codec="none"))
+    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60), "none")
     tier.put("k1", make_kv())
     entry = tier.open("k1")
     server.kill()
@@ -223,7 +223,7 @@ def test_stats_reports_the_remote_tier(shared, server):
 def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
     """`GET /metrics` of a real `rag-kvcache serve` app: the remote tier's hits and bytes read while its
     server answers, then the failed requests once the server is killed."""
-    no_memory = replace(shared.config, storage=replace(shared.config.storage, memory_bytes=0))  # every read remote
+    no_memory = shared.config.with_storage(memory_bytes=0)  # every read remote
     with Engine(shared.path, no_memory, tiny) as engine:
         http, thread, url = start_server(create_app(engine))
         try:
@@ -257,12 +257,12 @@ def test_an_entry_planted_in_the_shared_tier_before_indexing_is_not_taken_as_com
     the planted entry (prefix differed from full by 4.93 in first-token logits). The indexer counts only
     its own disk: it computes every chunk there, and its answers read its disk first."""
     docs = write_docs(tmp_path / "docs", 3)
-    cfg = replace(CFG, storage=remote_cfg(server.url))
+    cfg = CFG.with_runtime(storage=remote_cfg(server.url))
     probe = KVIndex.create(tmp_path / "probe", CFG, adapter=tiny)  # the keys the chunks will have
     probe.update(docs, progress=False)
     keys = [probe.addressing.key(ids) for ids in probe.chunks.token_ids()]
     entries = [(probe.store.disk.path(k)).read_bytes() for k in keys]
-    tier = RedisTier(remote_cfg(server.url))
+    tier = RedisTier(remote_cfg(server.url), CFG.index.codec)
     tier.client.flushdb()
     for key, forged in zip(keys, entries[1:] + entries[:1]):  # each chunk's key holds another chunk's entry
         tier.write(key, forged)
@@ -282,7 +282,7 @@ def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp
     the secret planting another chunk's validly encoded entry under a key, or moving an authenticated
     value to another key, is caught: the entry is dropped, recomputed and rewritten, the answer is the
     reference's."""
-    cfg = replace(CFG, storage=replace(remote_cfg(server.url), remote_secret=SECRET))
+    cfg = CFG.with_runtime(storage=replace(remote_cfg(server.url), remote_secret=SECRET))
     a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", cfg, adapter=tiny, progress=False)
     b = KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), cfg, adapter=tiny)
     top, other = (b.addressing.key(h.chunk.token_ids) for h in b.search(QUESTION, 2))
@@ -290,7 +290,7 @@ def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp
     client = server.client()
     if forgery == "another_chunk_entry":  # the project's own encoder, no secret: a valid entry of the wrong chunk
         client.delete(name)
-        RedisTier(remote_cfg(server.url)).write(top, a.store.disk.path(other).read_bytes())
+        RedisTier(remote_cfg(server.url), CFG.index.codec).write(top, a.store.disk.path(other).read_bytes())
     else:
         client.set(name, client.get(other_name))
     with caplog.at_level(logging.WARNING):
@@ -299,7 +299,7 @@ def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp
     assert got.cache_misses == 1 and got.answer == corpus[1].answer
     torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
     assert b.store.stats()["remote"].corrupt == 1
-    entry = RedisTier(cfg.storage).open(top)  # rewritten by the honest reader, and verifies
+    entry = RedisTier(cfg.runtime.storage, cfg.index.codec).open(top)  # rewritten by the honest reader, and verifies
     assert entry is not None and all(entry.layer(i) for i in range(entry.n_layers))
 
 
@@ -312,7 +312,7 @@ def test_an_index_built_with_the_shared_tier_warns_when_opened_without_it(tiny, 
     """A process that opened an index built with --kv-remote without it recomputed every cache missing from its
     disk without a word. The index records the tier (no password) and opening it without one says so."""
     url = server.url.replace("redis://", "redis://user:hunter2@", 1)
-    cfg = replace(CFG, storage=remote_cfg(server.url))
+    cfg = CFG.with_runtime(storage=remote_cfg(server.url))
     KVIndex.build(write_docs(tmp_path / "docs", 2), tmp_path / "a", cfg, adapter=tiny, progress=False)
     with caplog.at_level(logging.WARNING):
         KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), CFG, adapter=tiny)

@@ -3,8 +3,6 @@ forward, only the check's question computed, and each verdict what a full prefil
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from test_faults import CFG, QUESTION, write_docs
@@ -61,7 +59,7 @@ def test_chunk_caches_that_are_not_exact_are_computed(tiny, tmp_path):
     index = KVIndex.build(
         write_docs(tmp_path / "docs", 3),
         tmp_path / "index",
-        replace(CFG, chunk_prefill="isolated"),
+        CFG.with_index(chunk_prefill="isolated"),
         adapter=tiny,
         progress=False,
     )

@@ -52,11 +52,11 @@ def test_a_completion_with_chunks_retrieved_is_asks_layout(generator):
     question = index.format.question_ids(index.adapter.tokenizer, QUESTION)
     assert prompt.segments == index.format.segments([h.chunk.token_ids for h in hits], question)
     assert [c["score"] for c in prompt.chunks] == [pytest.approx(float(h.score)) for h in hits]
-    assert prompt.generation == index.config.generation  # nothing asked: the index's settings
+    assert prompt.generation == index.config.query.generation  # nothing asked: the index's settings
 
 
 def test_a_deployments_cap_is_the_default_and_the_most(generator):
-    defaults = generator.index.config.generation.max_new_tokens
+    defaults = generator.index.config.query.generation.max_new_tokens
     turns = [ChatTurn("user", (QUESTION,))]
     assert chat_prompt(generator, turns, Options(max_tokens_limit=3)).generation.max_new_tokens == min(3, defaults)
     with pytest.raises(RequestError, match="above this server's limit of 3") as refused:

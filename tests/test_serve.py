@@ -28,7 +28,7 @@ import uvicorn
 from conftest import tiny_llama
 
 from rag_kvcache.answers import Answer
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
@@ -48,7 +48,9 @@ DOCS = {
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor. " * 3,
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
 }
-CFG = Config(chunk_tokens=24, top_k=3, generation=GenerationConfig(max_new_tokens=6))
+CFG = Config(
+    index=IndexSettings(chunk_tokens=24), query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6))
+)
 KEY = "test-key"
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 LONG = 600  # tokens: a generation long enough to be interrupted
@@ -117,7 +119,7 @@ def serving(adapter: ModelAdapter, root: Path, config: ServerConfig, conversatio
     with Engine(root / "idx", CFG.with_storage(conversation_bytes=conversation_bytes), adapter) as engine:
         server, thread, url = start_server(create_app(engine, config))
         try:
-            yield Running(url, engine, docs, engine.index.config.model)
+            yield Running(url, engine, docs, engine.index.config.index.model)
         finally:
             stop_server(server, thread)
 
@@ -203,7 +205,7 @@ def test_chat_with_history_equals_engine_stream(running):
         ChatTurn("assistant", ("Hello.",)),
         ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?")),
     ]
-    segments = chat_segments(running.engine.index.adapter.tokenizer, CFG.system_prompt, turns)
+    segments = chat_segments(running.engine.index.adapter.tokenizer, CFG.index.system_prompt, turns)
     steps = list(running.engine.stream(segments, FusionConfig(method="epic"), GenerationConfig(max_new_tokens=5)))
     got = running.client().chat.completions.create(
         model=running.model,
@@ -419,7 +421,7 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
     outside.mkdir()
     (running.docs / "linkdir").symlink_to(outside, target_is_directory=True)
     before = sorted(p.relative_to(running.docs) for p in running.docs.rglob("*"))
-    limit = running.engine.index.config.max_file_bytes
+    limit = running.engine.index.config.runtime.max_file_bytes
     try:
         for source, text, param in [
             ("nul\x00.txt", "x", "documents.source"),
@@ -867,7 +869,10 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
     docs.mkdir()
     for name in ("observatory.md", "saltmere.md"):
         (docs / name).write_text((files("rag_kvcache") / "demo" / name).read_text(encoding="utf-8"), encoding="utf-8")
-    cfg = Config(chunk_tokens=128, top_k=3, generation=GenerationConfig(max_new_tokens=12))
+    cfg = Config(
+        index=IndexSettings(chunk_tokens=128),
+        query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=12)),
+    )
     KVIndex.build(docs, tmp_path / "idx", cfg, adapter=smollm2, progress=False).close()
     question = "What is the name of the main telescope of the Veldmark Observatory?"
     fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=12)
@@ -883,13 +888,16 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
         try:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             named = client.chat.completions.create(
-                model=cfg.model,
+                model=cfg.index.model,
                 messages=[{"role": "user", "content": question}],
                 max_tokens=12,
                 extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits], "method": "cacheblend"}},
             )
             found = client.chat.completions.create(
-                model=cfg.model, messages=quoted, max_tokens=12, extra_body={"rag_kvcache": {"method": "cacheblend"}}
+                model=cfg.index.model,
+                messages=quoted,
+                max_tokens=12,
+                extra_body={"rag_kvcache": {"method": "cacheblend"}},
             )
         finally:
             stop_server(server, thread)

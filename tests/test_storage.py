@@ -19,7 +19,7 @@ KEYS = [f"{i:02x}" * 16 for i in range(6)]
 
 
 def test_one_layer_is_read_without_the_others(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
+    store = KVStore(tmp_path, "none", StorageConfig(memory_bytes=0))
     kv = make_kv(layers=4, tokens=6)
     store.put(KEYS[0], kv)
     entry = store.open(KEYS[0])
@@ -31,7 +31,7 @@ def test_one_layer_is_read_without_the_others(tmp_path):
 
 
 def test_memory_tier_serves_entries_read_whole(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=1 << 20))
+    store = KVStore(tmp_path, "none", StorageConfig(memory_bytes=1 << 20))
     kv = make_kv()
     store.put(KEYS[0], kv)
     assert len(store.memory) == 0  # writes do not fill the read cache
@@ -44,7 +44,7 @@ def test_memory_tier_serves_entries_read_whole(tmp_path):
 @pytest.mark.parametrize("kind, survivor", [("lru", KEYS[0]), ("lfu", KEYS[0])])
 def test_memory_tier_evicts_by_bytes(tmp_path, kind, survivor):
     kv = make_kv()
-    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=2 * kv.nbytes, eviction=kind))
+    store = KVStore(tmp_path, "none", StorageConfig(memory_bytes=2 * kv.nbytes, eviction=kind))
     for key in KEYS[:2]:
         store.put(key, kv)
         store.get(key)
@@ -69,11 +69,11 @@ def test_lfu_and_lru_differ():
 
 def test_disk_tier_evicts_to_its_budget_across_restarts(tmp_path):
     kv = make_kv()
-    store = KVStore(tmp_path / "s", StorageConfig(codec="none", memory_bytes=0))
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0))
     store.put(KEYS[0], kv)
     entry_bytes = store.path(KEYS[0]).stat().st_size
     budget = 2 * entry_bytes
-    store = KVStore(tmp_path / "s", StorageConfig(codec="none", memory_bytes=0, disk_bytes=budget))  # learns KEYS[0]
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=budget))  # learns KEYS[0]
     store.put(KEYS[1], kv)
     store.put(KEYS[2], kv)
     assert KEYS[0] not in store and KEYS[1] in store and KEYS[2] in store
@@ -81,12 +81,12 @@ def test_disk_tier_evicts_to_its_budget_across_restarts(tmp_path):
 
 
 def test_counters_persist_across_processes(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(codec="none"))
+    store = KVStore(tmp_path, "none")
     store.put(KEYS[0], make_kv())
     store.get(KEYS[0])
     store.get(KEYS[1])
     store.flush_stats()
-    again = KVStore(tmp_path, StorageConfig(codec="none"))
+    again = KVStore(tmp_path, "none")
     again.get(KEYS[0])  # served by disk: the new process's memory tier is empty
     stats = again.stats()
     assert stats["disk"].hits == 2 and stats["disk"].misses == 1 and stats["disk"].bytes_written > 0
@@ -95,8 +95,8 @@ def test_counters_persist_across_processes(tmp_path):
 @pytest.mark.parametrize("codec, tol", [("int8-channel", 0.02), ("int8-token", 0.02), ("fp8", 0.08)])
 def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     kv = make_kv(layers=2, tokens=64)
-    raw = KVStore(tmp_path / "raw", StorageConfig(memory_bytes=0, codec="none"))
-    packed = KVStore(tmp_path / codec, StorageConfig(memory_bytes=0, codec=codec))
+    raw = KVStore(tmp_path / "raw", "none", StorageConfig(memory_bytes=0))
+    packed = KVStore(tmp_path / codec, codec, StorageConfig(memory_bytes=0))
     raw.put(KEYS[0], kv)
     packed.put(KEYS[0], kv)
     for store in (raw, packed):  # what the codec says it stores is the file, but for its header
@@ -109,7 +109,7 @@ def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
         assert a.dtype == b.dtype and ((a - b).abs().max() / b.abs().max()).item() < tol
     # the file says how it is stored: a store configured otherwise still reads it
     assert torch.equal(raw.disk.open(KEYS[0]).layer(0)[0], kv.keys[0])
-    assert KVStore(tmp_path / codec, StorageConfig(memory_bytes=0, codec="none")).get(KEYS[0]) is not None
+    assert KVStore(tmp_path / codec, "none", StorageConfig(memory_bytes=0)).get(KEYS[0]) is not None
 
 
 @pytest.mark.parametrize("codec", ["int8-channel", "int8-token", "fp8"])
@@ -121,7 +121,7 @@ def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec):
     kv = ChunkKV(
         [torch.randn(1, 3, 3, generator=g) for _ in range(2)], [torch.randn(1, 3, 3, generator=g) for _ in range(2)], 0
     )
-    store = KVStore(tmp_path, StorageConfig(memory_bytes=0, codec=codec))
+    store = KVStore(tmp_path, codec, StorageConfig(memory_bytes=0))
     store.put(KEYS[0], kv)
     k, v = store.open(KEYS[0]).layer(1)
     c = get_codec(codec)
@@ -144,7 +144,7 @@ def test_unknown_codec_and_bad_storage_config():
 
 
 def test_page_cache_can_be_dropped(tmp_path):
-    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
+    store = KVStore(tmp_path, "none", StorageConfig(memory_bytes=0))
     store.put(KEYS[0], make_kv())
     store.disk.drop_page_cache()
     assert store.get(KEYS[0]) is not None
@@ -222,7 +222,7 @@ def test_counters_taken_while_a_reader_counts_lose_nothing(tmp_path):
     """The fusion's background reader counts hits while the query thread flushes: no count is lost."""
     import threading
 
-    store = KVStore(tmp_path, StorageConfig(codec="none", memory_bytes=0))
+    store = KVStore(tmp_path, "none", StorageConfig(memory_bytes=0))
     store.put("a" * 32, make_kv())
     stop = threading.Event()
     opened = []

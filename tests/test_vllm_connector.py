@@ -34,7 +34,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 import rag_kvcache  # noqa: E402
-from rag_kvcache.config import Config, FusionConfig  # noqa: E402
+from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
@@ -64,7 +64,9 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     path = tmp_path_factory.mktemp("vllm-index")
-    config = Config(chunk_tokens=128).with_storage(codec="none")  # lossless caches: `prefix` is then exact
+    config = Config(index=IndexSettings(chunk_tokens=128)).with_index(
+        codec="none"
+    )  # lossless caches: `prefix` is then exact
     index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, config, progress=False)
     records = list(index.chunks.all_chunks())
     picked = [
@@ -230,7 +232,7 @@ def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
     with `kv_load_failure_policy: recompute` vLLM prefills them itself: vLLM's own answer, never garbage."""
     index = KVIndex.open(built.path)
     try:
-        calibrated = calibration_path(index.config.cache_dir, index.adapter, index.config.storage.codec).is_file()
+        calibrated = calibration_path(index.config.runtime.cache_dir, index.adapter, index.config.index.codec).is_file()
     finally:
         index.close()
     if calibrated:
@@ -338,7 +340,7 @@ def test_openai_server_answers_from_the_chunk_caches(built: Built, tmp_path: Pat
             max_tokens=16,
             temperature=0.0,
             messages=[
-                {"role": "system", "content": Config().system_prompt},
+                {"role": "system", "content": Config().index.system_prompt},
                 {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: What is the harbour called?"},
             ],
             extra_body={"kv_transfer_params": {"method": "reuse"}},

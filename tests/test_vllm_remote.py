@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from redis_server import RedisServer, needs_redis_server  # noqa: E402
 
 import rag_kvcache  # noqa: E402
-from rag_kvcache.config import Config, FusionConfig  # noqa: E402
+from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.serving.vllm_connector import Planner  # noqa: E402
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.smollm2, needs_redis_server]
 def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_path: Path, caplog) -> None:
     server = RedisServer(tmp_path / "redis")
     try:
-        config = Config(chunk_tokens=128).with_storage(codec="none", remote=server.url)
+        config = Config(index=IndexSettings(chunk_tokens=128)).with_index(codec="none").with_storage(remote=server.url)
         index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", tmp_path / "a", config, progress=False)
         records = list(index.chunks.all_chunks())[:3]
         fmt = index.format

@@ -35,7 +35,7 @@ from langchain_rag_kvcache import (
 from langchain_rag_kvcache.chat_models import _prompt
 from langchain_rag_kvcache.graph import create_agentic_rag_graph
 
-from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSettings, KVIndex
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
 from rag_kvcache.engine.generation import teacher_forced_logits
@@ -58,7 +58,9 @@ MAX_TOKENS = 32
 def main() -> None:
     index_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     if not (index_dir / "index.sqlite").is_file():
-        KVIndex.build(files("rag_kvcache") / "demo", index_dir, Config(chunk_tokens=128), progress=False).close()
+        KVIndex.build(
+            files("rag_kvcache") / "demo", index_dir, Config(index=IndexSettings(chunk_tokens=128)), progress=False
+        ).close()
     config = KVIndex.config_of(index_dir).with_storage(conversation_bytes=0)
     rows = []
     with Engine(index_dir, config) as engine:

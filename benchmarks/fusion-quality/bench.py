@@ -19,7 +19,7 @@ from pathlib import Path
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.runner import run_benchmark
 from rag_kvcache.bench.variants import BenchSettings, parse_methods
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, IndexSettings, QueryConfig
 
 
 def main() -> None:
@@ -33,9 +33,12 @@ def main() -> None:
     p.add_argument("--context-chunks", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    config = Config(chunk_tokens=128, top_k=6, chunk_prefill=args.chunk_prefill, context_chunks=args.context_chunks)
-    config = replace(config, generation=replace(config.generation, max_new_tokens=32))
-    examples = load_dataset(args.dataset, top_k=config.top_k)[: args.limit]
+    config = Config(
+        index=IndexSettings(chunk_tokens=128, chunk_prefill=args.chunk_prefill, context_chunks=args.context_chunks),
+        query=QueryConfig(top_k=6),
+    )
+    config = config.with_query(generation=replace(config.query.generation, max_new_tokens=32))
+    examples = load_dataset(args.dataset, top_k=config.query.top_k)[: args.limit]
     settings = BenchSettings(methods=parse_methods(args.methods), threads=1)
     run_benchmark(
         examples,

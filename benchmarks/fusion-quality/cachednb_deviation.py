@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.ops import rerotate_keys
 from rag_kvcache.index import KVIndex
@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 
 def cfg(m):
-    return Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
+    return Config(index=IndexSettings(chunk_tokens=128, chunk_prefill=m, codec="none"))
 
 
 adapter = ModelAdapter.load(cfg("behind_prefix"))

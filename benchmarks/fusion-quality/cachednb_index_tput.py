@@ -9,18 +9,18 @@ from pathlib import Path
 import torch
 
 from rag_kvcache.bench.corpus import forward_throughput
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 
 docs, out = Path(sys.argv[1]), Path(sys.argv[2])
 modes = sys.argv[3].split(",")
 torch.set_num_threads(2)
-base = Config(chunk_tokens=128, storage=StorageConfig(codec="none"))
+base = Config(index=IndexSettings(chunk_tokens=128, codec="none"))
 adapter = ModelAdapter.load(base)
 rows = {}
 for mode in modes:
-    cfg = Config(chunk_tokens=128, chunk_prefill=mode, storage=StorageConfig(codec="none"))
+    cfg = Config(index=IndexSettings(chunk_tokens=128, chunk_prefill=mode, codec="none"))
     fwd = forward_throughput(adapter)
     index = KVIndex.create(out / f"index-{mode}", cfg, adapter)
     t0 = time.perf_counter()

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import cached_context
 
 torch.set_num_threads(2)
-cfg = Config(chunk_tokens=128, chunk_prefill="cached_neighbours", storage=StorageConfig(codec="none"))
+cfg = Config(index=IndexSettings(chunk_tokens=128, chunk_prefill="cached_neighbours", codec="none"))
 adapter = ModelAdapter.load(cfg)
 idx = KVIndex.open(Path(sys.argv[1]) / "index-cached_neighbours", cfg, adapter)
 chunks = [c for c in idx.chunks.all_chunks()][:6]

@@ -2,7 +2,7 @@ import json
 import sys
 from pathlib import Path
 
-from rag_kvcache.config import Config, StorageConfig
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 
@@ -10,7 +10,7 @@ out = Path(sys.argv[1])
 
 
 def cfg(m):
-    return Config(chunk_tokens=128, chunk_prefill=m, storage=StorageConfig(codec="none"))
+    return Config(index=IndexSettings(chunk_tokens=128, chunk_prefill=m, codec="none"))
 
 
 a = ModelAdapter.load(cfg("neighbours"))

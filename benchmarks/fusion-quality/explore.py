@@ -31,7 +31,7 @@ from rag_kvcache.bench.corpus import build_index, place_evidence
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import contains_answer, teacher_forced
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import get_method
@@ -65,16 +65,18 @@ def context_caches(index, hits, mode: str, filler: list[tuple[int, ...]]):
 def main() -> None:
     dataset, out_path, limit, variants = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     torch.set_num_threads(1)
-    config = Config(chunk_tokens=128, top_k=6).with_generation(max_new_tokens=32)
+    config = Config(index=IndexSettings(chunk_tokens=128), query=QueryConfig(top_k=6)).with_generation(
+        max_new_tokens=32
+    )
     adapter = ModelAdapter.load(config)
-    examples = load_dataset(dataset, top_k=config.top_k)[:limit]
+    examples = load_dataset(dataset, top_k=config.query.top_k)[:limit]
     work = Path("/tmp/q13/explore-work") / Path(dataset.split(":")[-1]).stem
     index, _ = build_index(examples, work, config, adapter, progress=False)
     filler = [c.token_ids for c in list(index.chunks.all_chunks())[-4:]]  # the last question's passages
     fmt = index.format
     with out_path.open("a") as f:
         for ex in examples[:-1]:  # the last question gives the filler
-            hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)
+            hits, _ = place_evidence(index.search(ex.question, config.query.top_k), ex)
             q_ids = fmt.question_ids(adapter.tokenizer, ex.question)
             segments = fmt.segments([h.chunk.token_ids for h in hits], q_ids)
             cache_sets: dict[str, list] = {}
@@ -96,11 +98,11 @@ def main() -> None:
                         caches.append(None)
                         contexts.append(())
                 inp = FusionInput.build(segments, caches, contexts)
-                result = get_method(method)(adapter, inp, replace(config.fusion, method=method, **changes))
+                result = get_method(method)(adapter, inp, replace(config.query.fusion, method=method, **changes))
                 return Fused(result, inp.n_tokens, 0)
 
             ref = fuse("prefix", "full", {})
-            answer_ids = greedy_answer_ids(adapter, ref, config.generation)
+            answer_ids = greedy_answer_ids(adapter, ref, config.query.generation)
             if not answer_ids:
                 continue
             ref_text = adapter.tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -114,7 +116,7 @@ def main() -> None:
                     adapter, fused.result.keys, fused.result.values, fused.result.logits, answer_ids
                 ).numpy()
                 text = adapter.tokenizer.decode(
-                    greedy_answer_ids(adapter, fused, config.generation), skip_special_tokens=True
+                    greedy_answer_ids(adapter, fused, config.query.generation), skip_special_tokens=True
                 )
                 rec = {
                     "id": ex.id,
@@ -153,22 +155,22 @@ def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> float:
 def probe(dataset: str, limit: int) -> None:
     """Per question: the relative K deviation of the reusable tokens at the check layer (the gate's estimate)."""
     torch.set_num_threads(1)
-    config = Config(chunk_tokens=128, top_k=6)
+    config = Config(index=IndexSettings(chunk_tokens=128), query=QueryConfig(top_k=6))
     adapter = ModelAdapter.load(config)
-    examples = load_dataset(dataset, top_k=config.top_k)[:limit]
+    examples = load_dataset(dataset, top_k=config.query.top_k)[:limit]
     index, _ = build_index(
         examples, Path("/tmp/q13/explore-work") / Path(dataset.split(":")[-1]).stem, config, adapter, False
     )
     fmt = index.format
     for ex in examples:
-        hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)
+        hits, _ = place_evidence(index.search(ex.question, config.query.top_k), ex)
         segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, ex.question))
         caches = index.caches.open(segments)
         inp = FusionInput.build(segments, caches.sources, caches.contexts)
         seen = {}
 
         def refine(layer, active, fresh_kv, layer_cache):
-            if layer == config.fusion.check_layer:
+            if layer == config.query.fusion.check_layer:
                 mine = inp.reusable[active]  # [A]
                 seen["d"] = relative_deviation(fresh_kv[0][:, mine], layer_cache[0][:, active[mine]])
             return None

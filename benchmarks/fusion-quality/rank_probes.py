@@ -128,10 +128,10 @@ def main() -> None:
     adapter, config, fmt = index.adapter, index.config, index.format
     with args.out.open("a", encoding="utf-8") as out:
         for ex in examples:
-            hits, _ = place_evidence(index.search(ex.question, config.top_k), ex)
+            hits, _ = place_evidence(index.search(ex.question, config.query.top_k), ex)
             segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, ex.question))
             full = reference.fuse(segments, FusionConfig(method="full"))
-            answer_ids = greedy_answer_ids(adapter, full, config.generation)
+            answer_ids = greedy_answer_ids(adapter, full, config.query.generation)
             ref_logits = teacher_forced_logits(
                 adapter, full.result.keys, full.result.values, full.result.logits, answer_ids
             ).numpy()
@@ -145,7 +145,7 @@ def main() -> None:
                 fusion = FusionConfig(method=probe(f"probe_{name}", kind, arg, args.k, ex.evidence_rank))
                 fused = generator.fuse(segments, fusion).result
                 forced = teacher_forced_logits(adapter, fused.keys, fused.values, fused.logits, answer_ids).numpy()
-                answer = generator.ask(ex.question, hits, fusion=fusion, generation=config.generation)
+                answer = generator.ask(ex.question, hits, fusion=fusion, generation=config.query.generation)
                 row[name] = {
                     "hit": contains_answer(answer.answer, ex.answers),
                     "compute": fused.compute_fraction,

@@ -116,7 +116,7 @@ def main() -> None:
 
     for qid in ids:
         ex = examples[qid]
-        hits, _ = place_evidence(index.search(ex.question, index.config.top_k), ex)
+        hits, _ = place_evidence(index.search(ex.question, index.config.query.top_k), ex)
         order = [tuple(h.chunk.token_ids) for h in hits]
         segments = fmt.segments(order, fmt.question_ids(adapter.tokenizer, ex.question))
         spans, start = {}, 0

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rag_kvcache import Config, FusedGenerator, FusionConfig, KVIndex
+from rag_kvcache import Config, FusedGenerator, FusionConfig, IndexSettings, KVIndex, QueryConfig, RuntimeConfig
 from rag_kvcache.cli.common import model_process
 from rag_kvcache.config import StorageConfig
 
@@ -43,11 +43,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=6, help="chunks per prompt (512 tokens each)")
     parser.add_argument(
-        "--model", default=Config.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)"
+        "--model", default=IndexSettings.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)"
     )
-    parser.add_argument("--embedder", default=Config.embedder)
-    parser.add_argument("--device", default=Config.device)
-    parser.add_argument("--dtype", default=Config.dtype)
+    parser.add_argument("--embedder", default=IndexSettings.embedder)
+    parser.add_argument("--device", default=RuntimeConfig.device)
+    parser.add_argument("--dtype", default=IndexSettings.dtype)
     parser.add_argument(
         "--prefetch-layers",
         type=int,
@@ -84,16 +84,15 @@ def main() -> None:
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
     cfg = Config(
-        chunk_tokens=512,
-        top_k=args.top_k,
-        model=args.model,
-        embedder=args.embedder,
-        device=args.device,
-        dtype=args.dtype,
-        storage=StorageConfig(
-            prefetch_layers=args.prefetch_layers,
-            memory_bytes=args.memory_mib << 20,
-            memory_on_device=args.memory_on_device,
+        index=IndexSettings(chunk_tokens=512, model=args.model, embedder=args.embedder, dtype=args.dtype),
+        query=QueryConfig(top_k=args.top_k),
+        runtime=RuntimeConfig(
+            device=args.device,
+            storage=StorageConfig(
+                prefetch_layers=args.prefetch_layers,
+                memory_bytes=args.memory_mib << 20,
+                memory_on_device=args.memory_on_device,
+            ),
         ),
     )
     index = KVIndex.build(docs, args.work / "index", cfg, progress=False)

@@ -170,17 +170,17 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
     a_path = out / "a"
     base = KVIndex.config_of(a_path)
     adapter = ModelAdapter.load(base)
-    no_memory = replace(base.storage, memory_bytes=0)
+    no_memory = replace(base.runtime.storage, memory_bytes=0)
     b_path = out / "b"
     shutil.copytree(a_path, b_path, ignore=lambda d, names: ["kv"] if Path(d) == a_path else [])
     views = {  # source of the caches -> the index read through it
-        "redis": KVIndex.open(b_path, replace(base, storage=replace(no_memory, remote=url)), adapter),
-        "disk": KVIndex.open(a_path, replace(base, storage=no_memory), adapter),
+        "redis": KVIndex.open(b_path, base.with_runtime(storage=replace(no_memory, remote=url)), adapter),
+        "disk": KVIndex.open(a_path, base.with_runtime(storage=no_memory), adapter),
         "memory": KVIndex.open(a_path, base, adapter),
     }
     b = views["redis"]
     gen = GenerationConfig(max_new_tokens=4)
-    hits = b.search(question, base.top_k)
+    hits = b.search(question, base.query.top_k)
 
     # The first query of B: every cache from Redis, none recomputed, B's own disk tier empty.
     first = FusedGenerator(b).ask(question, hits, fusion=FusionConfig(method="cacheblend"), generation=gen)

@@ -42,7 +42,7 @@ import torch
 
 from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_musique
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, RuntimeConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import compute_caches, pack_tokens
@@ -113,7 +113,11 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     folders = split_corpus(args.data, args.questions, args.rounds, args.out / "docs")
-    config = Config(cache_dir=Path(os.environ.get("RAG_KVCACHE_CACHE_DIR", Path.home() / ".cache" / "rag-kvcache")))
+    config = Config(
+        runtime=RuntimeConfig(
+            cache_dir=Path(os.environ.get("RAG_KVCACHE_CACHE_DIR", Path.home() / ".cache" / "rag-kvcache"))
+        )
+    )
     adapter = ModelAdapter.load(config)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, adapter.model.config.vocab_size, (1, 512), generator=gen) for _ in range(args.forwards)]
@@ -174,7 +178,9 @@ def main() -> None:
         ray.init(num_cpus=max(args.ray_workers), include_dashboard=False)
         for n in args.ray_workers:
             ray_index = KVIndex.create(
-                args.out / f"index-ray{n}", Config(ray_workers=n, cache_dir=config.cache_dir), adapter
+                args.out / f"index-ray{n}",
+                Config(runtime=RuntimeConfig(ray_workers=n, cache_dir=config.runtime.cache_dir)),
+                adapter,
             )
             with ray_index.ray_workers() as workers:
                 before = forward_rate(adapter, inputs)
@@ -217,9 +223,9 @@ def main() -> None:
             f"forward {s['forward_tokens_per_s']:.0f} tok/s (median)"
         )
     meta = {
-        "model": config.model,
-        "dtype": config.dtype,
-        "chunk_tokens": config.chunk_tokens,
+        "model": config.index.model,
+        "dtype": config.index.dtype,
+        "chunk_tokens": config.index.chunk_tokens,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,

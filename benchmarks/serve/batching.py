@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from rag_kvcache.config import Config
+from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.model import ModelAdapter
 
@@ -41,11 +41,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default=Config().model, help="a model name or directory (default: %(default)s)")
+    p.add_argument("--model", default=Config().index.model, help="a model name or directory (default: %(default)s)")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    adapter = ModelAdapter.load(Config(model=args.model, dtype=args.dtype))
+    adapter = ModelAdapter.load(Config(index=IndexSettings(model=args.model, dtype=args.dtype)))
     model, layout = adapter.model, adapter.layout
     vocab = model.config.vocab_size
     print(

@@ -37,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     shutil.rmtree(args.work, ignore_errors=True)
-    store = KVStore(args.work, StorageConfig(memory_bytes=0, codec=args.codec))
+    store = KVStore(args.work, args.codec, StorageConfig(memory_bytes=0))
     g = torch.Generator().manual_seed(0)
     shape = (args.kv_heads, args.tokens, args.head_dim)
     keys = [f"{i:032x}" for i in range(args.segments)]

@@ -33,7 +33,15 @@ import torch
 from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import f1_score, kl_divergence, max_f1
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig, StorageConfig
+from rag_kvcache.config import (
+    Config,
+    FusionConfig,
+    GenerationConfig,
+    IndexSettings,
+    QueryConfig,
+    RuntimeConfig,
+    StorageConfig,
+)
 from rag_kvcache.engine.cache import LayerSource
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
@@ -81,8 +89,8 @@ class ThrottledStore(KVStore):
 
 def timing(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, repeats: int) -> list[dict]:
     disk_store = index.store
-    memory_store = KVStore(disk_store.root, replace(disk_store.config, memory_bytes=4 << 30))
-    slow_store = ThrottledStore(disk_store.root, disk_store.config)
+    memory_store = KVStore(disk_store.root, disk_store.codec.name, replace(disk_store.config, memory_bytes=4 << 30))
+    slow_store = ThrottledStore(disk_store.root, disk_store.codec.name, disk_store.config)
     records = []
     for qi, ex in enumerate(examples):
         hits = index.search(ex.question, top_k)
@@ -132,7 +140,7 @@ def quality(gen: FusedGenerator, index: KVIndex, examples: list, top_k: int, wor
     source = index.store
     stores = {"none": source}
     for codec in [name for name in CODECS if name != "none"]:
-        stores[codec] = KVStore(work / f"kv-{codec}", StorageConfig(memory_bytes=0, codec=codec))
+        stores[codec] = KVStore(work / f"kv-{codec}", codec, StorageConfig(memory_bytes=0))
         for path in source.disk.files():
             if path.stem not in stores[codec]:
                 stores[codec].put(path.stem, source.get(path.stem))
@@ -237,7 +245,11 @@ def main() -> None:
         replace(ex, documents=ex.documents[: args.passages]) for ex in load_musique(args.data)[: args.questions]
     ]
     write_corpus(examples, args.work / "docs")
-    cfg = Config(chunk_tokens=128, top_k=args.top_k, storage=StorageConfig(memory_bytes=0))
+    cfg = Config(
+        index=IndexSettings(chunk_tokens=128),
+        query=QueryConfig(top_k=args.top_k),
+        runtime=RuntimeConfig(storage=StorageConfig(memory_bytes=0)),
+    )
     index = KVIndex.build(args.work / "docs", args.work / "idx", cfg)
     gen = FusedGenerator(index)
     hits = index.search(examples[0].question, args.top_k)
@@ -248,11 +260,11 @@ def main() -> None:
     meta = {
         "machine": f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
         "threads": args.threads,
-        "model": cfg.model,
-        "dtype": cfg.dtype,
+        "model": cfg.index.model,
+        "dtype": cfg.index.dtype,
         "questions": len(examples),
         "chunks": len(index.chunks),
-        "chunk_tokens": cfg.chunk_tokens,
+        "chunk_tokens": cfg.index.chunk_tokens,
         "top_k": args.top_k,
         "repeats": args.repeats,
         "prompt_tokens": prompt,

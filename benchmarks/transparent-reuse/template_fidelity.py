@@ -34,7 +34,7 @@ from rag_kvcache.bench.fidelity import fidelity
 from rag_kvcache.bench.metrics import bootstrap_ci
 from rag_kvcache.bench.prompts import style_messages
 from rag_kvcache.bench.variants import REFERENCE, Variant
-from rag_kvcache.config import Config, GenerationConfig
+from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator
 
@@ -57,15 +57,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"pid {os.getpid()}, load average at start {os.getloadavg()}", flush=True)
-    config = Config(chunk_tokens=128, top_k=6, generation=GenerationConfig(max_new_tokens=16))
-    examples = load_dataset(args.dataset, top_k=config.top_k)[: args.limit]
+    config = Config(
+        index=IndexSettings(chunk_tokens=128),
+        query=QueryConfig(top_k=6, generation=GenerationConfig(max_new_tokens=16)),
+    )
+    examples = load_dataset(args.dataset, top_k=config.query.top_k)[: args.limit]
     index, _ = build_index(examples, args.work, config, ModelAdapter.load(config), progress=False)
     generator = FusedGenerator(index)
     prompts = []
     for example in examples:
-        hits, _ = place_evidence(index.search(example.question, config.top_k), example)
+        hits, _ = place_evidence(index.search(example.question, config.query.top_k), example)
         prompts.append(style_messages("llamaindex", [h.chunk.text for h in hits], example.question))
-    with_template, without = replace(config.fusion, template_text=True), config.fusion
+    with_template, without = replace(config.query.fusion, template_text=True), config.query.fusion
     for prompt in prompts:  # every prompt seen once: the template learned, its cache stored
         generator.layout.prompt_segments(prompt, with_template)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

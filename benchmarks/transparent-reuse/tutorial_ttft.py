@@ -55,7 +55,7 @@ from scipy.stats import bootstrap
 from rag_kvcache.bench.corpus import build_index
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.prompts import style_messages
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
@@ -84,7 +84,7 @@ QUESTIONS = (  # about the bundled demo documents
 def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
     """The demo index (built or brought up to date) and its questions, or with `args.dataset` the index
     of its passages (opened as it is, or built from the first `args.limit` questions') and those questions."""
-    cfg = Config(chunk_tokens=args.chunk_tokens, top_k=args.top_k)
+    cfg = Config(index=IndexSettings(chunk_tokens=args.chunk_tokens), query=QueryConfig(top_k=args.top_k))
     if args.dataset is None:
         with as_file(files("rag_kvcache") / "demo") as docs:
             return KVIndex.build(docs, args.index, cfg, progress=False), list(QUESTIONS)
@@ -93,7 +93,7 @@ def index_and_questions(args: argparse.Namespace) -> tuple[KVIndex, list[str]]:
     if not exists(args.index):
         index, _ = build_index(examples, args.index.parent, cfg, ModelAdapter.load(cfg), False, args.index.name)
         return index, questions
-    built = KVIndex.config_of(args.index).chunk_tokens
+    built = KVIndex.config_of(args.index).index.chunk_tokens
     if built != args.chunk_tokens:
         raise ValueError(f"index {args.index} has {built}-token chunks, not --chunk-tokens {args.chunk_tokens}")
     return KVIndex.open(args.index), questions
@@ -166,7 +166,7 @@ def main() -> None:
             f"the CI over questions needs 2 or more distinct questions, got {len(questions)}: raise --limit"
         )
     generator = FusedGenerator(index)
-    tokenizer, system = index.adapter.tokenizer, index.config.system_prompt
+    tokenizer, system = index.adapter.tokenizer, index.config.index.system_prompt
     fusion, generation = FusionConfig(method="cacheblend", template_text=True), GenerationConfig(max_new_tokens=1)
 
     def kv_rag_chain(hits, question):

@@ -119,7 +119,7 @@ def main() -> None:
     examples = load_dataset(data, "musique")[:n_questions]
     index = KVIndex.open(work / "index")
     model_dir = str(index.adapter.model.name_or_path)
-    system = index.config.system_prompt
+    system = index.config.index.system_prompt
     prompts = [
         [
             {"role": "system", "content": system},

@@ -28,7 +28,7 @@ from vllm.inputs import TokensPrompt
 
 from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.config import Config, FusionConfig, GenerationConfig
+from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 
@@ -58,7 +58,7 @@ def main() -> None:
     n_questions = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     examples = load_dataset(data, "musique")[:n_questions]
     write_corpus(examples, work / "docs")
-    index = KVIndex.build(work / "docs", work / "index", Config(chunk_tokens=512), progress=False)
+    index = KVIndex.build(work / "docs", work / "index", Config(index=IndexSettings(chunk_tokens=512)), progress=False)
     fmt, tok = index.format, index.adapter.tokenizer
     hits = [index.search(ex.question, 6) for ex in examples]
     prompts = [

@@ -57,8 +57,8 @@ def fidelity(
     timed answer used). All None when full answers with no token at all."""
     generator = generators[None]
     adapter = generator.adapter
-    reference = generator.fuse(segments, Variant(REFERENCE).fusion(config.fusion))
-    answer_ids = greedy_answer_ids(adapter, reference, config.generation)
+    reference = generator.fuse(segments, Variant(REFERENCE).fusion(config.query.fusion))
+    answer_ids = greedy_answer_ids(adapter, reference, config.query.generation)
     if not answer_ids:
         log.warning("full answered with no token: no teacher-forced scores for this question")
         return {v: dict.fromkeys(FIDELITY_KEYS) for v in variants}, dict.fromkeys(FIDELITY_KEYS)
@@ -70,7 +70,9 @@ def fidelity(
     ref_logits = forced(ref.keys, ref.values, ref.logits)  # [T, V]
     scores: dict[Variant, Mapping[str, float | None]] = {}
     for v in variants:
-        fused = reference if v == Variant(REFERENCE) else generators[v.caches].fuse(segments, v.fusion(config.fusion))
+        fused = (
+            reference if v == Variant(REFERENCE) else generators[v.caches].fuse(segments, v.fusion(config.query.fusion))
+        )
         scores[v] = teacher_forced(
             ref_logits, forced(fused.result.keys, fused.result.values, fused.result.logits), answer_ids
         )

@@ -127,7 +127,7 @@ def run_question(
     generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
-    hits: list[Hit] = generator.index.search(example.question, config.top_k)
+    hits: list[Hit] = generator.index.search(example.question, config.query.top_k)
     retrieval_s = time.perf_counter() - t0
     hits, evidence = place_evidence(hits, example)
     distractors = distractors_in(hits, example, facts)
@@ -135,7 +135,7 @@ def run_question(
     if prompt_style == NATIVE:
         answers = {
             v: generators[v.caches].ask(
-                example.question, hits, fusion=v.fusion(config.fusion), generation=config.generation
+                example.question, hits, fusion=v.fusion(config.query.fusion), generation=config.query.generation
             )
             for v in order
         }
@@ -146,7 +146,9 @@ def run_question(
     else:  # the prompt a pipeline of this style sends, the chunks found in it (matching timed in the TTFT)
         prompt = style_messages(prompt_style, [h.chunk.text for h in hits], example.question)
         answers = {
-            v: generators[v.caches].complete(prompt, fusion=v.fusion(config.fusion), generation=config.generation)
+            v: generators[v.caches].complete(
+                prompt, fusion=v.fusion(config.query.fusion), generation=config.query.generation
+            )
             for v in order
         }
         segments = generator.layout.prompt_segments(prompt)
@@ -238,7 +240,7 @@ def run_benchmark(
     """Index `examples`' passages under `out_dir/work`, run every variant on every question, and write
     `records.jsonl` (as it goes), then `results.json`, `results.md` and `pareto.png`, into `out_dir`.
 
-    `adapter` injects a loaded model (tests use a tiny one); by default `config.model` is loaded.
+    `adapter` injects a loaded model (tests use a tiny one); by default `config.index.model` is loaded.
     """
     if not examples:
         raise ValueError("no examples to benchmark")
@@ -253,11 +255,11 @@ def run_benchmark(
     if decision is not None:
         log.info("loading controller: %s", decision.explain())
         controller = {**asdict(decision), "explain": decision.explain()}
-    variants = plan(settings, config.fusion, config)
+    variants = plan(settings, config.query.fusion, config)
     for variant in variants:  # a bad CacheBlend schedule fails now, not after the indexing
         if variant.method == "cacheblend":
-            filter_schedule(variant.fusion(config.fusion), adapter.layout.n_layers)
-    baseline = parse_variant(settings.baseline, config.fusion, config)
+            filter_schedule(variant.fusion(config.query.fusion), adapter.layout.n_layers)
+    baseline = parse_variant(settings.baseline, config.query.fusion, config)
     log.info(
         "benchmarking %d questions x %d variants: %s (baseline %s)",
         len(examples),
@@ -268,13 +270,13 @@ def run_benchmark(
 
     # What must not change between an interrupted run and its resumption, or the records would not compare.
     run_plan = {
-        "model": config.model,
-        "dtype": config.dtype,
-        "chunk_tokens": config.chunk_tokens,
-        "top_k": config.top_k,
-        "chunk_prefill": config.chunk_prefill,
-        "fusion": asdict(config.fusion),
-        "max_new_tokens": config.generation.max_new_tokens,
+        "model": config.index.model,
+        "dtype": config.index.dtype,
+        "chunk_tokens": config.index.chunk_tokens,
+        "top_k": config.query.top_k,
+        "chunk_prefill": config.index.chunk_prefill,
+        "fusion": asdict(config.query.fusion),
+        "max_new_tokens": config.query.generation.max_new_tokens,
         "variants": [v.label for v in variants],
         "machine": machine_id(adapter.device),
         "torch": torch.__version__,

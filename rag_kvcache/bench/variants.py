@@ -104,7 +104,7 @@ def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | 
     an index built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
     spec, _, caches = spec.partition("@")
     method, _, setting = spec.partition(":")
-    caches = None if caches in ("", config.chunk_prefill, config.storage.codec) else caches
+    caches = None if caches in ("", config.index.chunk_prefill, config.index.codec) else caches
     keys = METHOD_PARAMS.get(method, ())
     given: dict[str, float | int] = {}
     if setting:
@@ -142,9 +142,7 @@ def plan(settings: BenchSettings, base: FusionConfig, config: Config) -> list[Va
 
 def made_with(config: Config, caches: str) -> Config:
     """`config` with its chunk caches made as `caches` names: a `chunk_prefill` or a storage codec."""
-    if caches in CODECS:
-        return config.with_storage(codec=caches)
-    return replace(config, chunk_prefill=caches)
+    return config.with_index(**{"codec" if caches in CODECS else "chunk_prefill": caches})
 
 
 # ---- per-question measurement -------------------------------------------------------------------------

@@ -5,18 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..config import (
-    Config,
-    FusionConfig,
-    GenerationConfig,
-    StorageConfig,
-)
+from ..config import FusionConfig, GenerationConfig, QueryConfig, StorageConfig
 from .common import (
     INDEX_HELP,
     DeviationName,
@@ -40,7 +35,7 @@ def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
-    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
@@ -94,7 +89,7 @@ def ask(
     try:
         check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, base_config())
-        cfg = placed(replace(meta_cfg, model=model or meta_cfg.model, top_k=top_k), device, dtype)
+        cfg = placed(meta_cfg.with_index(model=model or meta_cfg.index.model).with_query(top_k=top_k), device, dtype)
         cfg = cfg.with_fusion(
             method=method,
             ratio=parse_ratio(ratio),
@@ -125,7 +120,7 @@ def ask(
                 else (lambda t: out.print(t, end="", highlight=False, markup=False))
             )
         answer = FusedGenerator(idx).ask(
-            question, top_k=top_k, fusion=cfg.fusion, generation=cfg.generation, on_text=on_text
+            question, top_k=top_k, fusion=cfg.query.fusion, generation=cfg.query.generation, on_text=on_text
         )
     except (OSError, ValueError) as e:  # OSError: a read-only or full index that cannot be read (named)
         fail(str(e))
@@ -148,7 +143,7 @@ def ask(
 def chat(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
-    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
+    top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
         GenerationConfig, "max_new_tokens"
     ),
@@ -188,10 +183,10 @@ def chat(
             hits = [h for h in idx.search(message, top_k) if f"chunk:{h.chunk.id}" not in held]
             chunks = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
             turns.append(ChatTurn("user", (*chunks, message)))
-            segments, dropped = generator.fitted_chat(turns, (), cfg.fusion, limit)
+            segments, dropped = generator.fitted_chat(turns, (), cfg.query.fusion, limit)
             turns = turns[dropped:]
             pieces: list[str] = []
-            for step in generator.stream(segments, cfg.fusion, cfg.generation):
+            for step in generator.stream(segments, cfg.query.fusion, cfg.query.generation):
                 if isinstance(step, Answer):
                     answer = step
                 else:

@@ -13,11 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..config import (
-    Config,
-    FusionConfig,
-    StorageConfig,
-)
+from ..config import FusionConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from .common import (
     ChunkPrefillName,
     DatasetFormat,
@@ -43,21 +39,21 @@ BENCH_METHODS = "full,prefix,reuse,cacheblend,epic"  # bench.variants.DEFAULT_ME
 def demo(
     index_dir: Annotated[Path, typer.Option("--index", help="Where to build the demo index.")] = Path("demo-index"),
     question: Annotated[str, typer.Option(help="Question to ask.")] = DEMO_QUESTION,
-    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
-    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+    device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
+    dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
 ) -> None:
     """Index the bundled demo folder, then answer with `cacheblend` and compare its TTFT with `full`."""
     from ..generator import FusedGenerator
     from ..index import KVIndex
 
     model_process()
-    cfg = base_config(chunk_tokens=128, top_k=4, device=device, dtype=dtype.value)
+    cfg = base_config().with_index(chunk_tokens=128, dtype=dtype.value).with_query(top_k=4).with_runtime(device=device)
     with as_file(files("rag_kvcache") / "demo") as docs:
         out.print(f"[bold]Indexing[/bold] {docs} -> {index_dir}", highlight=False)
         idx = KVIndex.build(docs, index_dir, cfg)
     gen = FusedGenerator(idx)
     methods, repeats = ("full", "cacheblend", "epic"), 3
-    hits = idx.search(question, cfg.top_k)
+    hits = idx.search(question, cfg.query.top_k)
     gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
     runs: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(repeats):  # alternate methods so machine drift hits all alike
@@ -116,12 +112,16 @@ def bench(
     baseline: Annotated[
         str, typer.Option(help="Method the others' fidelity is compared with, question by question.")
     ] = "cacheblend",
-    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
-    top_k: Annotated[int, option(Config, "top_k", min=1)] = default(Config, "top_k"),
-    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
-        default(Config, "chunk_prefill")
+    chunk_tokens: Annotated[int, option(IndexSettings, "chunk_tokens", min=16)] = default(
+        IndexSettings, "chunk_tokens"
     ),
-    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
+    top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
+    chunk_prefill: Annotated[ChunkPrefillName, option(IndexSettings, "chunk_prefill")] = ChunkPrefillName(
+        default(IndexSettings, "chunk_prefill")
+    ),
+    context_chunks: Annotated[int, option(IndexSettings, "context_chunks", min=1)] = default(
+        IndexSettings, "context_chunks"
+    ),
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
@@ -136,12 +136,12 @@ def bench(
         int,
         typer.Option(min=1, help="Answer length cap (shorter than ask's: greedy answers are compared with full's)."),
     ] = 32,
-    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
-    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
-    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
-    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+    model: Annotated[str, option(IndexSettings, "model")] = default(IndexSettings, "model"),
+    embedder: Annotated[str, option(IndexSettings, "embedder")] = default(IndexSettings, "embedder"),
+    device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
+    dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
-    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
+    kv_codec: Annotated[KVCodec, option(IndexSettings, "codec")] = KVCodec(default(IndexSettings, "codec")),
     kv_remote: KVRemote = None,
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
@@ -187,21 +187,21 @@ def bench(
             resume=resume,
             prompt_style=prompt_style.value,
         )
-        cfg = base_config(
+        cfg = base_config().with_index(
             chunk_tokens=chunk_tokens,
-            top_k=top_k,
             model=model,
             embedder=embedder,
             chunk_prefill=chunk_prefill.value,
             context_chunks=context_chunks,
-            device=device,
             dtype=dtype.value,
+            codec=kv_codec.value,
         )
+        cfg = cfg.with_query(top_k=top_k).with_runtime(device=device)
         cfg = cfg.with_fusion(
             ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
         )
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
-        cfg = cfg.with_storage(remote=kv_remote, codec=kv_codec.value, memory_on_device=kv_on_device)
+        cfg = cfg.with_storage(remote=kv_remote, memory_on_device=kv_on_device)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional, get_args, get_type_hints
@@ -19,8 +18,11 @@ from ..bench.prompts import PROMPT_STYLES
 from ..config import (
     CHUNK_PREFILLS,
     CODEC_NAMES,
+    DTYPE_NAMES,
     Config,
     Deviation,
+    IndexSettings,
+    RuntimeConfig,
     StorageConfig,
 )
 from ..serving.settings import ServerConfig
@@ -41,7 +43,7 @@ KVCodec = Enum("KVCodec", {name: name for name in CODEC_NAMES}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
-DType = Enum("DType", {name: name for name in get_args(get_type_hints(Config)["dtype"])}, type=str)
+DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
 Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
 History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)
@@ -60,21 +62,24 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
 KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
 KVOnDevice = Annotated[bool, option(StorageConfig, "memory_on_device", "--kv-on-device/--kv-in-host")]
 # --device and --dtype of a command that opens an index: not given, the index's own setting stands
-PlacedDevice = Annotated[Optional[str], option(Config, "device")]
-PlacedDType = Annotated[Optional[DType], option(Config, "dtype")]
+PlacedDevice = Annotated[Optional[str], option(RuntimeConfig, "device")]
+PlacedDType = Annotated[Optional[DType], option(IndexSettings, "dtype")]
 
 
-def base_config(**changes: object) -> Config:
-    cache_dir = os.environ.get("RAG_KVCACHE_CACHE_DIR")
-    cfg = Config(**({"cache_dir": Path(cache_dir)} if cache_dir else {}))
+def base_config() -> Config:
+    """The defaults, with what this process's environment sets: the model cache folder and the remote tier's secret."""
+    cfg = Config()
+    if cache_dir := os.environ.get("RAG_KVCACHE_CACHE_DIR"):
+        cfg = cfg.with_runtime(cache_dir=Path(cache_dir))
     if secret := os.environ.get("RAG_KVCACHE_KV_REMOTE_SECRET"):
         cfg = cfg.with_storage(remote_secret=secret.encode())
-    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    return cfg
 
 
 def placed(cfg: Config, device: str | None, dtype: DType | None) -> Config:
     """`cfg` with the `--device` and `--dtype` given (each left as it is when not given)."""
-    return replace(cfg, **{k: v for k, v in (("device", device), ("dtype", dtype and dtype.value)) if v is not None})
+    cfg = cfg if device is None else cfg.with_runtime(device=device)
+    return cfg if dtype is None else cfg.with_index(dtype=dtype.value)
 
 
 def model_process() -> None:

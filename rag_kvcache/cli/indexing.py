@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
 from rich.filesize import decimal
 
-from ..config import (
-    Config,
-    StorageConfig,
-)
+from ..config import IndexSettings, RuntimeConfig
 from .common import (
     ChunkPrefillName,
     DType,
@@ -34,15 +30,19 @@ def index(
     ctx: typer.Context,
     docs_arg: Annotated[str, typer.Argument(metavar="DOCS_DIR", help="Folder of text documents.")],
     index_arg: Annotated[str, typer.Option("--index", help="Where the index and KV caches go.")],
-    chunk_tokens: Annotated[int, option(Config, "chunk_tokens", min=16)] = default(Config, "chunk_tokens"),
-    model: Annotated[str, option(Config, "model")] = default(Config, "model"),
-    embedder: Annotated[str, option(Config, "embedder")] = default(Config, "embedder"),
-    hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
-    chunk_prefill: Annotated[ChunkPrefillName, option(Config, "chunk_prefill")] = ChunkPrefillName(
-        default(Config, "chunk_prefill")
+    chunk_tokens: Annotated[int, option(IndexSettings, "chunk_tokens", min=16)] = default(
+        IndexSettings, "chunk_tokens"
     ),
-    context_chunks: Annotated[int, option(Config, "context_chunks", min=1)] = default(Config, "context_chunks"),
-    kv_codec: Annotated[KVCodec, option(StorageConfig, "codec")] = KVCodec(default(StorageConfig, "codec")),
+    model: Annotated[str, option(IndexSettings, "model")] = default(IndexSettings, "model"),
+    embedder: Annotated[str, option(IndexSettings, "embedder")] = default(IndexSettings, "embedder"),
+    hnsw: Annotated[bool, typer.Option(help="HNSW instead of exact search (large corpora).")] = False,
+    chunk_prefill: Annotated[ChunkPrefillName, option(IndexSettings, "chunk_prefill")] = ChunkPrefillName(
+        default(IndexSettings, "chunk_prefill")
+    ),
+    context_chunks: Annotated[int, option(IndexSettings, "context_chunks", min=1)] = default(
+        IndexSettings, "context_chunks"
+    ),
+    kv_codec: Annotated[KVCodec, option(IndexSettings, "codec")] = KVCodec(default(IndexSettings, "codec")),
     prune: Annotated[
         bool,
         typer.Option(
@@ -50,13 +50,17 @@ def index(
             "(deleted files, other folders', added through a store)."
         ),
     ] = False,
-    max_file_bytes: Annotated[int, option(Config, "max_file_bytes", min=1)] = default(Config, "max_file_bytes"),
-    max_documents: Annotated[int, option(Config, "max_documents", min=1)] = default(Config, "max_documents"),
+    max_file_bytes: Annotated[int, option(RuntimeConfig, "max_file_bytes", min=1)] = default(
+        RuntimeConfig, "max_file_bytes"
+    ),
+    max_documents: Annotated[int, option(RuntimeConfig, "max_documents", min=1)] = default(
+        RuntimeConfig, "max_documents"
+    ),
     kv_remote: KVRemote = None,
-    ray: Annotated[Optional[str], option(Config, "ray")] = None,
-    ray_workers: Annotated[int, option(Config, "ray_workers", min=0)] = default(Config, "ray_workers"),
-    device: Annotated[str, option(Config, "device")] = default(Config, "device"),
-    dtype: Annotated[DType, option(Config, "dtype")] = DType(default(Config, "dtype")),
+    ray: Annotated[Optional[str], option(RuntimeConfig, "ray")] = None,
+    ray_workers: Annotated[int, option(RuntimeConfig, "ray_workers", min=0)] = default(RuntimeConfig, "ray_workers"),
+    device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
+    dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
 ) -> None:
     """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
 
@@ -90,16 +94,18 @@ def index(
         if database.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
             cfg = KVIndex.config_of(index_dir, base_config())
             for key, value in given.items():
-                if value != getattr(cfg, key):
-                    fail(f"{index_dir} was built with {key}={getattr(cfg, key)!r}, not {value!r}: use a new --index")
-            if was_given(ctx, "kv_codec") and kv_codec.value != cfg.storage.codec:
-                fail(
-                    f"{index_dir} stores KV caches as {cfg.storage.codec!r}, not {kv_codec.value!r}: use a new --index"
-                )
+                if value != getattr(cfg.index, key):
+                    fail(
+                        f"{index_dir} was built with {key}={getattr(cfg.index, key)!r}, not {value!r}: use a new --index"
+                    )
+            if was_given(ctx, "kv_codec") and kv_codec.value != cfg.index.codec:
+                fail(f"{index_dir} stores KV caches as {cfg.index.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
-            cfg = base_config(**given).with_storage(codec=kv_codec.value)
-        cfg = replace(cfg, max_file_bytes=max_file_bytes, max_documents=max_documents, device=device)  # not recorded
-        idx = KVIndex.create(index_dir, replace(cfg, ray=ray, ray_workers=ray_workers).with_storage(remote=kv_remote))
+            cfg = base_config().with_index(**given, codec=kv_codec.value)
+        cfg = cfg.with_runtime(
+            max_file_bytes=max_file_bytes, max_documents=max_documents, device=device, ray=ray, ray_workers=ray_workers
+        )
+        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote))
         if ray is None:
             report = idx.update(docs_dir, prune=prune)
         else:

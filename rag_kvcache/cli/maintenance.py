@@ -29,7 +29,7 @@ def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], 
 
     try:
         cfg = KVIndex.config_of(index_dir, base_config()).with_storage(remote=kv_remote)
-        store = KVStore(index_dir / "kv", cfg.storage)
+        store = KVStore(index_dir / "kv", cfg.index.codec, cfg.runtime.storage)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     table = Table("tier", "hits", "misses", "hit rate", "read", "written", "evictions", "corrupt", "errors")
@@ -48,10 +48,10 @@ def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], 
         )
     out.print(table)
     sizes = [p.stat().st_size for p in store.disk.files()]
-    budget = "unbounded" if cfg.storage.disk_bytes is None else _mib(cfg.storage.disk_bytes)
+    budget = "unbounded" if cfg.runtime.storage.disk_bytes is None else _mib(cfg.runtime.storage.disk_bytes)
     out.print(
-        f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.storage.codec}; "
-        f"memory tier budget {_mib(cfg.storage.memory_bytes)} per process, eviction {cfg.storage.eviction}"
+        f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.index.codec}; "
+        f"memory tier budget {_mib(cfg.runtime.storage.memory_bytes)} per process, eviction {cfg.runtime.storage.eviction}"
     )
     if store.remote is not None:
         _print_remote(store.remote)
@@ -157,11 +157,11 @@ def calibrate(
         idx = KVIndex.open(index_dir, cfg)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
-    cal = measure(idx.adapter, index_dir, cfg.storage, cfg.cache_dir, n_tokens=tokens)
+    cal = measure(idx.adapter, index_dir, cfg.index.codec, cfg.runtime.cache_dir, n_tokens=tokens)
     table = Table("tier", "read throughput", "load per layer", "balanced ratio")
-    n_tokens = cfg.top_k * cfg.chunk_tokens
+    n_tokens = cfg.query.top_k * cfg.index.chunk_tokens
     for tier in MEASURED_TIERS:
-        d = choose_ratio(cal, tier, n_tokens, cfg.storage.quality_floor)
+        d = choose_ratio(cal, tier, n_tokens, cfg.runtime.storage.quality_floor)
         table.add_row(
             tier,
             f"{cal.read_bytes_per_s[tier] / 2**30:.2f} GiB/s",
@@ -174,5 +174,7 @@ def calibrate(
         f"({cal.recompute_s(1.0, n_tokens) * 1e3:.1f} ms per layer for {n_tokens} tokens); "
         f"stored KV: {cal.bytes_per_token_layer:.0f} B per token per layer ({cal.codec})"
     )
-    out.print(f"ratio auto (disk): {choose_ratio(cal, 'disk', n_tokens, cfg.storage.quality_floor).explain()}")
-    out.print(f"tier for ratio {cfg.fusion.ratio}: {choose_tier(cal, cfg.fusion.ratio, n_tokens).explain()}")
+    out.print(f"ratio auto (disk): {choose_ratio(cal, 'disk', n_tokens, cfg.runtime.storage.quality_floor).explain()}")
+    out.print(
+        f"tier for ratio {cfg.query.fusion.ratio}: {choose_tier(cal, cfg.query.fusion.ratio, n_tokens).explain()}"
+    )

@@ -107,6 +107,6 @@ def serve(
             f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
             highlight=False,
         )
-    err.print(f"serving {index_dir} ({cfg.model}) on http://{host}:{port}/v1", highlight=False)
+    err.print(f"serving {index_dir} ({cfg.index.model}) on http://{host}:{port}/v1", highlight=False)
     with engine:
         run_server(engine, server_cfg)

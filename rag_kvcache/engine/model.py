@@ -177,10 +177,12 @@ class ModelAdapter:
 
     @classmethod
     def load(cls, config: Config) -> ModelAdapter:
-        source = resolve_model_source(config.model, config.cache_dir)
+        source = resolve_model_source(config.index.model, config.runtime.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[config.dtype], attn_implementation="sdpa")
-        return cls(model.to(config.device), tokenizer, config.model)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=DTYPES[config.index.dtype], attn_implementation="sdpa"
+        )
+        return cls(model.to(config.runtime.device), tokenizer, config.index.model)
 
     def _fingerprint(self) -> str:
         """Identity of the weights, architecture and dtype: part of every cache key. The config's

@@ -45,11 +45,11 @@ class CacheWorker:
         self.pack_tokens = pack_tokens(config)
         if self.adapter.fingerprint != fingerprint:
             raise ValueError(
-                f"the Ray worker loaded {config.model!r} with fingerprint {self.adapter.fingerprint}, not the "
+                f"the Ray worker loaded {config.index.model!r} with fingerprint {self.adapter.fingerprint}, not the "
                 f"driver's {fingerprint}: every worker must load the same weights and dtype"
             )
         self.namespace = namespace
-        self.writer = WriteBehind(KVStore(Path(store_root), config.storage))
+        self.writer = WriteBehind(KVStore(Path(store_root), config.index.codec, config.runtime.storage))
 
     def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> int:
         """Compute the caches of `chunks` behind `context` and queue their writes; returns their tokens."""
@@ -67,9 +67,9 @@ class RayWorkers:
     `namespace`, by a model of `fingerprint`), for `KVIndex.update(workers=...)`; `KVIndex.ray_workers()`
     makes the pool of an index.
 
-    Connects to the cluster `config.ray` names (`ray.init(address=...)`: 'auto', 'ray://host:port', or
+    Connects to the cluster `config.runtime.ray` names (`ray.init(address=...)`: 'auto', 'ray://host:port', or
     'local' to start one on this machine), unless this process is connected already, and starts
-    `config.ray_workers` actors (0: one per CPU the cluster has free), each holding one CPU, or one GPU
+    `config.runtime.ray_workers` actors (0: one per CPU the cluster has free), each holding one CPU, or one GPU
     when the index's device is CUDA. `close()` (or leaving the `with` block) stops them.
     """
 
@@ -83,9 +83,9 @@ class RayWorkers:
         self._ray, self._pool_of = ray, ActorPool
         self.pack_tokens = pack_tokens(config)
         if not ray.is_initialized():
-            ray.init(address=config.ray, include_dashboard=False)
-        n = config.ray_workers or max(1, int(ray.available_resources().get("CPU", 1)))
-        gpus = 1 if config.device.startswith("cuda") else 0
+            ray.init(address=config.runtime.ray, include_dashboard=False)
+        n = config.runtime.ray_workers or max(1, int(ray.available_resources().get("CPU", 1)))
+        gpus = 1 if config.runtime.device.startswith("cuda") else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(CacheWorker)
         self.actors = [actor.remote(config, str(store_root), namespace, fingerprint) for _ in range(n)]
 

@@ -86,7 +86,7 @@ class CacheMaker:
             if self.with_neighbours and self._neighbours_path.exists()
             else {}
         )
-        chunk_context = () if config.chunk_prefill == "isolated" else format.prefix_ids
+        chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table is the one `precompute_neighbours` fills)
         self.addressing = CacheAddressing(
             namespace, chunk_context, format.prefix_ids, format.separator_ids, self._neighbours
@@ -96,14 +96,14 @@ class CacheMaker:
     @property
     def with_neighbours(self) -> bool:
         """Whether chunks also have caches behind their most similar chunks (recomputed or cached context)."""
-        return self.config.chunk_prefill in ("neighbours", "cached_neighbours")
+        return self.config.index.chunk_prefill in ("neighbours", "cached_neighbours")
 
     def live_keys(self) -> Table:
         """Every cache the index uses: the prefix's, each chunk's behind its context and, with
         `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of its recorded neighbours."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         live: Table = {self.addressing.key(prefix, ()): (prefix, ())}
-        if self.config.chunk_prefill == "cached_neighbours" and sep:
+        if self.config.index.chunk_prefill == "cached_neighbours" and sep:
             live[self.addressing.key(sep, prefix)] = (sep, prefix)
         for ids in self.chunks.token_ids():
             live[self.addressing.key(ids)] = (ids, self.addressing.chunk_context)
@@ -180,14 +180,19 @@ class CacheMaker:
         caches already stored."""
         table, key = self._neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
-        if chunks and self.config.chunk_prefill == "cached_neighbours" and sep and key(sep, prefix) not in self.store:
+        if (
+            chunks
+            and self.config.index.chunk_prefill == "cached_neighbours"
+            and sep
+            and key(sep, prefix) not in self.store
+        ):
             self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
         for chunk in chunks:
-            hits = self.chunks.search(chunk.text, self.config.context_chunks + 1)
+            hits = self.chunks.search(chunk.text, self.config.index.context_chunks + 1)
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids]
-            near = near[: self.config.context_chunks]
+            near = near[: self.config.index.context_chunks]
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
             for j, ctx in enumerate(self.addressing.neighbour_contexts(near), 1):
                 if key(chunk.token_ids, ctx) not in self.store:
@@ -216,7 +221,7 @@ class CacheMaker:
         computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
         cache, the separator's behind-prefix cache between them; the last separator computed with the
         chunk), else behind the context's recomputed text."""
-        if self.config.chunk_prefill != "cached_neighbours":
+        if self.config.index.chunk_prefill != "cached_neighbours":
             return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         between = [self.cached(sep, prefix)] if sep else []

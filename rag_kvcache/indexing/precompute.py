@@ -44,7 +44,7 @@ PACK_CHUNKS = 4  # a packed forward holds at most this many full chunks' worth o
 
 def pack_tokens(config: Config) -> int:
     """The most tokens a packed forward holds for an index of `config` (2,048 for 512-token chunks)."""
-    return PACK_CHUNKS * config.chunk_tokens
+    return PACK_CHUNKS * config.index.chunk_tokens
 
 
 def compute_caches(

@@ -15,12 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar, get_args, get_type_hints
+from typing import TypeVar
 
 from ..answers import Answer
-from ..config import Config, FusionConfig, GenerationConfig
+from ..config import DTYPE_NAMES, Config, FusionConfig, GenerationConfig
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
 from ..generator import FusedGenerator
@@ -45,7 +44,7 @@ class Engine:
         except BaseException:
             self._worker.shutdown()
             raise
-        budget = self.index.config.storage.conversation_bytes
+        budget = self.index.config.runtime.storage.conversation_bytes
         self.generator = FusedGenerator(self.index, ConversationCache(budget) if budget else None)
 
     def __enter__(self) -> Engine:
@@ -100,12 +99,12 @@ class EngineHandle:
                 "give either engine= (an opened Engine, to share) or index= (an index folder), not "
                 f"{'both' if engine is not None else 'neither'}"
             )
-        if dtype is not None and dtype not in (dtypes := get_args(get_type_hints(Config)["dtype"])):
-            raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+        if dtype is not None and dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
         if engine is not None and (device, dtype) != (None, None):
             raise ValueError(
                 f"device={device!r} and dtype={dtype!r} apply to an engine opened for index=; the given "
-                f"engine= of {engine.path} is already loaded on {engine.index.config.device}"
+                f"engine= of {engine.path} is already loaded on {engine.index.config.runtime.device}"
             )
         self._given = engine
         self._own: Engine | None = None
@@ -113,8 +112,9 @@ class EngineHandle:
         config = (
             engine.index.config if engine is not None else KVIndex.config_of(self.index_path)
         )  # refuses a non-index
-        self._config = replace(config, **{k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
-        self.model_name = config.model
+        config = config if device is None else config.with_runtime(device=device)
+        self._config = config if dtype is None else config.with_index(dtype=dtype)
+        self.model_name = config.index.model
 
     def get(self) -> Engine:
         if self._given is not None:

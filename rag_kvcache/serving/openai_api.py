@@ -77,7 +77,7 @@ class Server:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.model_id = engine.index.config.model
+        self.model_id = engine.index.config.index.model
         self.created = int(time.time())
         # No token spans more characters than the vocabulary's longest entry (a byte-level entry's symbols are
         # bytes, one or more per character): a prompt with more characters than this can never fit the limit.
@@ -280,7 +280,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 code="documents_disabled",
             )
         paths = [document_path(config.docs_dir, doc.source) for doc in body.documents]
-        limit = server.engine.index.config.max_file_bytes
+        limit = server.engine.index.config.runtime.max_file_bytes
         if large := [
             doc.source for doc in body.documents if len(doc.text.encode()) > limit
         ]:  # never indexed: not written

@@ -123,10 +123,12 @@ def resolve_ratio(config: Config, adapter: ModelAdapter, tier: str = "disk") -> 
     choice for `top_k * chunk_tokens` context tokens whose caches come from `tier`, from this machine's
     calibration for `adapter`'s model and `config`'s codec (with the decision); a number is kept (no decision).
     The one place `auto` is resolved (`ask` and `bench` both call it)."""
-    if config.fusion.ratio != "auto":
+    if config.query.fusion.ratio != "auto":
         return config, None
-    cal = load_calibration(config.cache_dir, adapter, config.storage.codec)
-    decision = choose_ratio(cal, tier, config.top_k * config.chunk_tokens, config.storage.quality_floor)
+    cal = load_calibration(config.runtime.cache_dir, adapter, config.index.codec)
+    decision = choose_ratio(
+        cal, tier, config.query.top_k * config.index.chunk_tokens, config.runtime.storage.quality_floor
+    )
     return config.with_fusion(ratio=decision.ratio), decision
 
 
@@ -158,14 +160,15 @@ def load_calibration(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Cali
 def calibrate(
     adapter: ModelAdapter,
     work_dir: Path,
-    storage: StorageConfig,
+    codec: str,
     cache_dir: Path,
     n_tokens: int = 512,
     entries: int = 4,
     repeats: int = 3,
 ) -> Calibration:
     """Measure tier throughputs with `entries` synthetic caches of `n_tokens` tokens written under
-    `work_dir` (use the disk the index lives on), and the prefill time; save and return them."""
+    `work_dir` (use the disk the index lives on) and encoded by `codec`, and the prefill time; save and return
+    them."""
     layout = adapter.layout
     g = torch.Generator().manual_seed(0)
     kv = ChunkKV(
@@ -179,7 +182,7 @@ def calibrate(
         ],
         0,
     )  # L x [H_kv, T, D]
-    store = KVStore(Path(work_dir) / ".calibration-store", StorageConfig(memory_bytes=0, codec=storage.codec))
+    store = KVStore(Path(work_dir) / ".calibration-store", codec, StorageConfig(memory_bytes=0))
     keys = [f"{i:032x}" for i in range(entries)]
     for key in keys:
         store.put(key, kv)
@@ -211,13 +214,13 @@ def calibrate(
     cal = Calibration(
         machine=machine_id(adapter.device),
         model_fingerprint=adapter.fingerprint,
-        codec=storage.codec,
+        codec=codec,
         bytes_per_token_layer=stored / (entries * n_tokens * layout.n_layers),
         read_bytes_per_s=throughput,
         prefill_s_per_token_layer=prefill / (n_tokens * layout.n_layers),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    path = calibration_path(cache_dir, adapter, storage.codec)
+    path = calibration_path(cache_dir, adapter, codec)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(cal), indent=1))
     log.info("saved calibration to %s", path)

@@ -41,15 +41,18 @@ class KVStore:
     """Chunk caches under `root`: `<key[:2]>/<key>.safetensors`, with a memory tier in front (in host
     memory, or on the model's device) and a remote tier behind."""
 
-    def __init__(self, root: Path, config: StorageConfig = StorageConfig(), device: torch.device | str = "cpu") -> None:
-        """`device` is the model's: where the memory tier keeps its caches when `config.memory_on_device`."""
+    def __init__(
+        self, root: Path, codec: str, config: StorageConfig = StorageConfig(), device: torch.device | str = "cpu"
+    ) -> None:
+        """Entries encoded by `codec` (a name in `store.codecs.CODECS`: the index's `IndexSettings.codec`);
+        `device` is the model's: where the memory tier keeps its caches when `config.memory_on_device`."""
         self.root = Path(root)
         self.config = config
-        self.codec = get_codec(config.codec)
+        self.codec = get_codec(codec)
         self.memory = MemoryTier(config.memory_bytes, config.eviction, device if config.memory_on_device else "cpu")
         promote = self.memory.put if config.memory_bytes > 0 else None
         self.disk = DiskTier(self.root, self.codec, config.disk_bytes, config.eviction, on_loaded=promote)
-        self.remote = _remote_tier(config, promote) if config.remote is not None else None
+        self.remote = _remote_tier(config, codec, promote) if config.remote is not None else None
         self.backends: list[Backend] = [self.disk] + ([self.remote] if self.remote is not None else [])
 
     def path(self, key: str) -> Path:
@@ -132,7 +135,7 @@ class KVStore:
             return {}
 
 
-def _remote_tier(config: StorageConfig, on_loaded: Callable[[str, ChunkKV], None] | None) -> Backend:
+def _remote_tier(config: StorageConfig, codec: str, on_loaded: Callable[[str, ChunkKV], None] | None) -> Backend:
     """The remote tier `config.remote` names (redis-py is an optional dependency)."""
     try:
         from .redis_tier import RedisTier
@@ -140,4 +143,4 @@ def _remote_tier(config: StorageConfig, on_loaded: Callable[[str, ChunkKV], None
         raise ValueError(
             f"a remote KV tier (StorageConfig.remote) needs redis-py: pip install 'rag-kvcache[redis]' ({err})"
         ) from err
-    return RedisTier(config, on_loaded)
+    return RedisTier(config, codec, on_loaded)

@@ -49,12 +49,14 @@ _TAG_BYTES = hashlib.sha256().digest_size
 
 
 class RedisTier(Backend):
-    """Entries on the Redis or Valkey server at `config.remote`."""
+    """Entries on the Redis or Valkey server at `config.remote`, encoded by `codec` (a name in `CODECS`)."""
 
-    def __init__(self, config: StorageConfig, on_loaded: Callable[[str, ChunkKV], None] | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig, codec: str, on_loaded: Callable[[str, ChunkKV], None] | None = None
+    ) -> None:
         if config.remote is None:
             raise ValueError("a RedisTier needs StorageConfig.remote, a redis:// URL; got None")
-        super().__init__(get_codec(config.codec), on_loaded)
+        super().__init__(get_codec(codec), on_loaded)
         self.name = config.remote_address
         self.client = redis.Redis.from_url(  # one immediate retry: a pooled connection the server closed
             config.remote,
@@ -64,7 +66,7 @@ class RedisTier(Backend):
         )
         self.retry = config.remote_retry
         self._secret = config.remote_secret
-        self._prefix = f"{FORMAT}:{config.codec}:"
+        self._prefix = f"{FORMAT}:{codec}:"
         self._lock = threading.Lock()
         self._down_until: float | None = None  # monotonic time; None while the server answers
         self._logged: set[str] = set()
