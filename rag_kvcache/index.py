@@ -25,7 +25,7 @@ import logging
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -36,7 +36,7 @@ from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
 from .indexing import staging
 from .indexing.maker import CacheMaker
-from .indexing.staging import SyncReport
+from .indexing.staging import Chunker, SyncReport
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex, Hit, TextDocument
 from .retrieval.chunking import chunk_document
@@ -176,38 +176,39 @@ class KVIndex:
         index commits them; other documents stay unless `prune` drops those not in `docs_dir`. With
         `workers` (`ray_workers()`) the caches are computed on a Ray cluster.
         Raises `StorageFullError` (index unchanged) when the disk fills."""
-        tok, n = self.adapter.tokenizer, self.config.index.chunk_tokens
-        with _writer_lock(self.path):
-            used = self.maker.live_keys()
-            staged = staging.stage_sync(
+        return self._index(
+            lambda chunker: staging.stage_sync(
                 self.chunks,
                 Path(docs_dir),
-                lambda text, src: chunk_document(text, src, tok, n),
+                chunker,
                 progress=progress,
                 prune=prune,
                 max_file_bytes=self.config.runtime.max_file_bytes,
                 max_documents=self.config.runtime.max_documents,
-            )
-            self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
-            report = staging.commit(self.chunks, staged)  # a committed chunk always has its cache
-            self.maker.committed()
-            if self.maker.with_neighbours:
-                self.maker.precompute_neighbours(self.maker.unrecorded_chunks(), progress)
-            self.collect(used)
-        self.flush_stats()
-        return report
+            ),
+            progress,
+            workers,
+        )
 
     def add_texts(self, documents: Sequence[TextDocument], progress: bool = True) -> SyncReport:
         """Add documents given as text (a vector store's: `source` is the document's id): chunked,
         embedded, and the new chunks' KV caches stored before the index commits them, as `update` does;
         a document with the source of an indexed one replaces it, nothing else is removed."""
+        return self._index(
+            lambda chunker: staging.stage_texts(self.chunks, documents, chunker, progress=progress), progress
+        )
+
+    def _index(
+        self, stage: Callable[[Chunker], staging.Staged], progress: bool, workers: RayWorkers | None = None
+    ) -> SyncReport:
+        """The indexing pipeline after what `stage` reads, diffs, chunks (with the chunker it is given) and
+        embeds: the new chunks' caches stored, then the chunks committed (a committed chunk always has its
+        cache), then neighbour caches and what no chunk reads any more collected; all under the writer lock."""
         tok, n = self.adapter.tokenizer, self.config.index.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
-            staged = staging.stage_texts(
-                self.chunks, documents, lambda text, src: chunk_document(text, src, tok, n), progress=progress
-            )
-            self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress)
+            staged = stage(lambda text, src: chunk_document(text, src, tok, n))
+            self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
             report = staging.commit(self.chunks, staged)
             self.maker.committed()
             if self.maker.with_neighbours:
