@@ -27,21 +27,19 @@ is the client's whole raw prompt, its control tokens kept (it may be the client'
 OpenAI's and vLLM's completions); with chunks, the prompt is the question and is spelt out too.
 A request body over `max_body_bytes` is a 413, refused before it is read whole or parsed.
 
-This module is the app (routes, the shared `Server`, responses and SSE); a request becomes its prompt in
-`prompts`, waits in `admission`, fails as `errors` says; `documents` writes posted documents and
-`middleware` limits bodies and counts responses.
+This module is the app (routes and the shared `Server`); a request becomes its prompt in `prompts`, waits
+in `admission`, is answered as JSON or events by `responses`, fails as `errors` says; `documents` writes
+posted documents and `middleware` limits bodies and counts responses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from functools import partial
@@ -49,7 +47,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..answers import Answer
@@ -63,8 +61,9 @@ from .errors import APIError, ClientGone, validation_error
 from .metrics import ServerMetrics
 from .middleware import CountRequests, LimitBody
 from .prompts import chat_prompt, completion_prompt
+from .responses import respond
 from .scheduler import Scheduler
-from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest, Sampling
+from .schemas import ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest
 from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -121,7 +120,9 @@ class Server:
                 code="model_not_found",
             )
 
-    async def generate(self, ticket: Ticket, prompt: Prompt, request: Request | None) -> AsyncIterator[str | Answer]:
+    async def generate(
+        self, ticket: Ticket, prompt: Prompt, request: Request | None
+    ) -> AsyncGenerator[str | Answer, None]:
         """Wait for a place, then stream `prompt` from the scheduler (text pieces, then the `Answer`);
         records the metrics. Closing the stream early (the client left) takes the request out before
         the scheduler's next step. `request` (non-streaming responses) is polled for a disconnect before
@@ -151,29 +152,6 @@ class Server:
             raise
         finally:
             ticket.close()
-
-
-def _usage(answer: Answer) -> dict[str, Any]:
-    return {
-        "prompt_tokens": answer.prompt_tokens,
-        "completion_tokens": answer.generated_tokens,
-        "total_tokens": answer.prompt_tokens + answer.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
-    }
-
-
-def _extension(prompt: Prompt, answer: Answer) -> dict[str, Any]:
-    """The `rag_kvcache` field of a response: what the fusion did."""
-    return {
-        "chunks": prompt.chunks,
-        **answer.fusion_stats,
-        "prompt_tokens": answer.prompt_tokens,
-        "dropped_messages": prompt.dropped,
-    }
-
-
-def _sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -327,7 +305,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         except BaseException:
             ticket.close()
             raise
-        return await _respond(server, ticket, prompt, body, request, chat=chat)
+        return await respond(partial(server.generate, ticket, prompt), server.model_id, prompt, body, request, chat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -340,82 +318,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return await answer(body, request, tenant, completion_prompt, chat=False)
 
     return app
-
-
-async def _respond(
-    server: Server, ticket: Ticket, prompt: Prompt, body: Sampling, request: Request, chat: bool
-) -> Response:
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    head = {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": server.model_id,
-    }
-    if not body.stream:
-        pieces: list[str] = []
-        try:
-            async with aclosing(server.generate(ticket, prompt, request)) as steps:
-                async for step in steps:
-                    if isinstance(step, str):
-                        pieces.append(step)
-                    else:
-                        answer = step
-        except ClientGone:
-            return Response(status_code=499)  # nobody is listening
-        except ValueError as e:  # what the fusion refuses (e.g. ratio 'auto' without calibration)
-            raise APIError(400, str(e), param="rag_kvcache") from None
-        text = "".join(pieces)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-            if chat
-            else {"index": 0, "text": text, "logprobs": None}
-        )
-        return JSONResponse(
-            head
-            | {
-                "choices": [choice | {"finish_reason": answer.finish_reason}],
-                "usage": _usage(answer),
-                "rag_kvcache": _extension(prompt, answer),
-            }
-        )
-
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    usage_field = {"usage": None} if body.include_usage else {}
-
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
-        if chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return _sse(head | {"choices": [choice]} | usage_field)
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            if chat:
-                yield chunk("", None, role=True)
-            async with aclosing(server.generate(ticket, prompt, None)) as steps:
-                async for step in steps:
-                    if isinstance(step, str):
-                        if step:
-                            yield chunk(step, None)
-                        continue
-                    yield chunk(None if chat else "", step.finish_reason)
-                    if body.include_usage:
-                        yield _sse(
-                            head | {"choices": [], "usage": _usage(step), "rag_kvcache": _extension(prompt, step)}
-                        )
-        except ValueError as e:
-            yield _sse(APIError(400, str(e), param="rag_kvcache").body())
-        except Exception as e:  # the status line is sent: the error goes in the stream, as OpenAI's does
-            log.exception("error while streaming %s", rid)
-            yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
-        yield _sse("[DONE]")
-
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
 
 
 def serve(engine: Engine, config: ServerConfig) -> None:
