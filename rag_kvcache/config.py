@@ -1,4 +1,6 @@
-"""The one configuration object, passed explicitly everywhere (no globals, no environment).
+"""The one configuration object, passed explicitly everywhere (no globals, no environment), made of
+its settings by lifetime: what an index records (`IndexSettings`), how a question is answered unless its
+request says otherwise (`QueryConfig`), and where a process runs (`RuntimeConfig`).
 
 Each setting a user may choose carries its help text in its field's metadata (`setting`); the CLI
 builds its options, defaults and help from these fields, so a default changed here changes the CLI.
