@@ -176,8 +176,8 @@ class StorageConfig:
     A memory tier (`memory_bytes`, 0 disables it; in host memory, or on the model's device with
     `memory_on_device`) sits over the disk tier (`disk_bytes`, None for no
     limit); both evict by `eviction` (least recently or least frequently used) when over budget.
-    How entries are encoded is the index's (`IndexSettings.codec`). `prefetch_layers` is how many layers the background reader
-    may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
+    How entries are encoded is the index's (`IndexSettings.codec`). `prefetch_layers` is how many layers the
+    background reader may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap).
     `quality_floor` is the smallest recompute ratio the loading controller will pick.
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
     disk: a Redis or Valkey server (`store.redis_tier`). A request to it that takes longer than
@@ -374,6 +374,12 @@ class Config:
 
     def with_index(self, **changes: object) -> Config:
         return replace(self, index=replace(self.index, **changes))
+
+    def placed(self, device: str | None, dtype: str | None) -> Config:
+        """This config with the model on `device` in `dtype`, each kept as it is when None (an index is read
+        in the dtype it records unless told otherwise)."""
+        config = self if device is None else self.with_runtime(device=device)
+        return config if dtype is None else config.with_index(dtype=dtype)
 
     def with_query(self, **changes: object) -> Config:
         return replace(self, query=replace(self.query, **changes))

@@ -78,8 +78,7 @@ def base_config() -> Config:
 
 def placed(cfg: Config, device: str | None, dtype: DType | None) -> Config:
     """`cfg` with the `--device` and `--dtype` given (each left as it is when not given)."""
-    cfg = cfg if device is None else cfg.with_runtime(device=device)
-    return cfg if dtype is None else cfg.with_index(dtype=dtype.value)
+    return cfg.placed(device, None if dtype is None else dtype.value)
 
 
 def model_process() -> None:

@@ -90,6 +90,7 @@ def index(
         if was_given(ctx, name)
     }
     given |= {"index_type": "hnsw"} if hnsw else {}
+    given |= {"codec": kv_codec.value} if was_given(ctx, "kv_codec") else {}
     try:
         if database.exists(index_dir):  # not an index.sqlite without tables (a killed creation): that is replaced
             cfg = KVIndex.config_of(index_dir, base_config())
@@ -98,10 +99,8 @@ def index(
                     fail(
                         f"{index_dir} was built with {key}={getattr(cfg.index, key)!r}, not {value!r}: use a new --index"
                     )
-            if was_given(ctx, "kv_codec") and kv_codec.value != cfg.index.codec:
-                fail(f"{index_dir} stores KV caches as {cfg.index.codec!r}, not {kv_codec.value!r}: use a new --index")
         else:
-            cfg = base_config().with_index(**given, codec=kv_codec.value)
+            cfg = base_config().with_index(**given)  # --kv-codec's default is IndexSettings.codec's
         cfg = cfg.with_runtime(
             max_file_bytes=max_file_bytes, max_documents=max_documents, device=device, ray=ray, ray_workers=ray_workers
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..answers import Answer
-from ..config import DTYPE_NAMES, Config, FusionConfig, GenerationConfig
+from ..config import Config, FusionConfig, GenerationConfig
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
 from ..generator import FusedGenerator
@@ -99,8 +99,6 @@ class EngineHandle:
                 "give either engine= (an opened Engine, to share) or index= (an index folder), not "
                 f"{'both' if engine is not None else 'neither'}"
             )
-        if dtype is not None and dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
         if engine is not None and (device, dtype) != (None, None):
             raise ValueError(
                 f"device={device!r} and dtype={dtype!r} apply to an engine opened for index=; the given "
@@ -112,8 +110,7 @@ class EngineHandle:
         config = (
             engine.index.config if engine is not None else KVIndex.config_of(self.index_path)
         )  # refuses a non-index
-        config = config if device is None else config.with_runtime(device=device)
-        self._config = config if dtype is None else config.with_index(dtype=dtype)
+        self._config = config.placed(device, dtype)  # a dtype it does not know is refused here (ConfigError)
         self.model_name = config.index.model
 
     def get(self) -> Engine:
