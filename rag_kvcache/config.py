@@ -339,6 +339,11 @@ class RuntimeConfig:
     one index with different ones)."""
 
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
+    cuda_graphs: int = setting(
+        16,
+        "On CUDA, the fused prefill's layers after its last token selection run as one captured CUDA graph per "
+        "bucket of sizes; this many are kept (least recently used dropped; 0: every layer op by op).",
+    )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     ray: str | None = setting(
         None,
@@ -359,6 +364,8 @@ class RuntimeConfig:
             raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
             raise ConfigError(f"max_documents must be >= 1, got {self.max_documents!r}")
+        if self.cuda_graphs < 0:
+            raise ConfigError(f"cuda_graphs must be >= 0 (0: none), got {self.cuda_graphs!r}")
         if self.ray_workers < 0:
             raise ConfigError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
 

@@ -107,3 +107,25 @@ def test_memory_tier_on_the_device_is_read_in_place():
     assert held is not None and all(t.device.type == "cuda" for t in (*held.keys, *held.values))
     ((k, v),) = read_layer([held], 1, "cuda")
     assert k.data_ptr() == held.keys[1].data_ptr() and torch.equal(v.cpu(), host.values[1])
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
+    # each method's settled layers recorded once as a CUDA graph per bucket and replayed for later prompts (new
+    # inputs in the same buffers): logits and K/V equal the op-by-op forward's, prompt after prompt
+    cuda = ModelAdapter(tiny_llama().to("cuda", dtype), tokenizer, name="tiny-cuda", graphs=8)
+    captured = cuda.graphs
+    assert captured is not None and captured.capture
+    for method in ("prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"):
+        cfg = FusionConfig(method=method, repick_layers=(2, 3))
+        for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):
+            inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks)
+            cuda.graphs = None
+            ref = get_method(method)(cuda, inp, cfg)
+            cuda.graphs = captured
+            out = get_method(method)(cuda, inp, cfg)
+            assert "layers" in out.stages and out.active_per_layer == ref.active_per_layer
+            torch.testing.assert_close(out.logits, ref.logits, atol=atol, rtol=0)
+            for a, b in zip(out.keys + out.values, ref.keys + ref.values):
+                torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert all(step.graph is not None for step in captured._steps.values())

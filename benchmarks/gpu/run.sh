@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 30's GPU table in one device run: the fused path's CUDA tests, then benchmarks/musique/profile_stages.py
 # on random-weight Llamas of Llama-3.2-1B's shape and of an 8B shape (bf16, MuSiQue top-6 x 512), with the
-# memory tier in host memory (each layer staged through pinned memory) and on the device, reported apart.
+# memory tier on the device and in host memory (each layer staged through pinned memory), reported apart;
+# every fused method both with its settled layers as captured CUDA graphs and op by op, side by side.
 #
 #   bash benchmarks/gpu/run.sh MUSIQUE_JSON LLM_TOKENIZER_DIR EMBEDDER_TOKENIZER_DIR OUT_DIR
 #
@@ -21,15 +22,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step llama-1b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step llama-1b 90 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
 step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$embed_tok" --out "$work/bow"
 common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
         --threads 8 --memory-mib 8192)
-step 1b-host 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --profile
 step 1b-device 120 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device
+step 1b-host 100 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b"
 rm -rf "$work/llama-1b"
-step llama-8b 150 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-8b" --device cuda \
+step llama-8b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-8b" --device cuda \
     --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336
 step 8b-device 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-8b" --model "$work/llama-8b" \
     --memory-on-device --methods full,reuse,epic,cacheblend

@@ -102,35 +102,45 @@ def main() -> None:
     methods = args.methods.split(",")
     if methods[0] != "full" or not set(methods) <= set(METHODS):
         parser.error(f"--methods {args.methods!r}: full first, then any of {', '.join(METHODS[1:])}")
-    runs: dict[str, list] = {m: [] for m in methods}
+    adapter = index.adapter
+    captured = adapter.graphs  # on CUDA: the settled layers as captured graphs (RuntimeConfig.cuda_graphs)
+    variants = [(m, m, captured) for m in methods]  # (row, method, graphs)
+    if captured is not None:  # each fused method also op by op, side by side in the same repeats
+        variants += [(f"{m} (op by op)", m, None) for m in methods[1:]]
+
+    def fuse(method: str, graphs) -> object:
+        adapter.graphs = graphs
+        return generator.fuse(segments, FusionConfig(method=method))
+
+    runs: dict[str, list] = {row: [] for row, _, _ in variants}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
         hits = index.search(example["question"], args.top_k)
         segments = fmt.segments(
-            [h.chunk.token_ids for h in hits], fmt.question_ids(index.adapter.tokenizer, example["question"])
+            [h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, example["question"])
         )
-        for method in methods:  # warm-up: first touch of the caches and the kernels
-            generator.fuse(segments, FusionConfig(method=method))
+        for _, method, graphs in variants:  # warm-up: first touch of the caches and the kernels, graphs captured
+            fuse(method, graphs)
         for _ in range(args.repeats):
-            for method in methods:
+            for row, method, graphs in variants:
                 t0 = time.perf_counter()
-                fused = generator.fuse(segments, FusionConfig(method=method))
+                fused = fuse(method, graphs)
                 fused.result.logits.argmax().item()  # on CUDA: wait for the device, as sampling the first token does
-                runs[method].append(
+                runs[row].append(
                     (time.perf_counter() - t0, fused.result.stages, fused.result.compute_fraction, fused.prompt_tokens)
                 )
 
-    dispatched = {}  # method -> PyTorch operators dispatched per layer, the host's work the issue counts
-    n_layers = index.adapter.layout.n_layers
-    for method in methods:
+    dispatched = {}  # row -> PyTorch operators dispatched per layer, the host's work the issue counts
+    n_layers = adapter.layout.n_layers
+    for row, method, graphs in variants:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            generator.fuse(segments, FusionConfig(method=method))  # the last question's prompt
-        dispatched[method] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / n_layers
+            fuse(method, graphs)  # the last question's prompt
+        dispatched[row] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / n_layers
         if args.profile:
             with torch.profiler.profile(activities=torch.profiler.supported_activities()) as prof:
-                generator.fuse(segments, FusionConfig(method=method))
-            sort = "self_cuda_time_total" if index.adapter.device.type == "cuda" else "self_cpu_time_total"
-            print(f"\n## {method}\n" + prof.key_averages().table(sort_by=sort, row_limit=12))
+                fuse(method, graphs)
+            sort = "self_cuda_time_total" if adapter.device.type == "cuda" else "self_cpu_time_total"
+            print(f"\n## {row}\n" + prof.key_averages().table(sort_by=sort, row_limit=12))
 
     full_s = statistics.median(r[0] for r in runs["full"])
     tier = f"memory tier on {index.store.memory.device} ({index.store.memory.nbytes >> 20} MiB held)"
@@ -143,14 +153,14 @@ def main() -> None:
         "| method | fuse (ms) | speedup | compute fraction | time / (fraction x full) | aten ops / layer | stages (ms) |"
     )
     print("|---|---:|---:|---:|---:|---:|---|")
-    for method, rows in runs.items():
+    for row, rows in runs.items():
         seconds = statistics.median(r[0] for r in rows)
         fraction = statistics.mean(r[2] for r in rows)
         stages = {name: statistics.median(r[1].get(name, 0.0) for r in rows) for name in rows[0][1]}
         print(
-            f"| {method} | {seconds * 1e3:.0f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
-            f"{seconds / (fraction * full_s):.2f} | {dispatched[method]:.0f} | "
-            + " ".join(f"{k}={v * 1e3:.0f}" for k, v in stages.items())
+            f"| {row} | {seconds * 1e3:.1f} | {full_s / seconds:.1f}x | {fraction:.3f} | "
+            f"{seconds / (fraction * full_s):.2f} | {dispatched[row]:.0f} | "
+            + " ".join(f"{k}={v * 1e3:.1f}" for k, v in stages.items())
             + " |"
         )
 

@@ -21,6 +21,7 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer
+from .graphs import LayerGraphs
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -38,6 +39,7 @@ class FusionModel(Protocol):
     inv_freq: torch.Tensor  # [D/2], float32
     scale: float
     sliding_window: int | None
+    graphs: LayerGraphs | None  # the settled layers as one captured step (None: op by op)
 
     @property
     def lexicon(self) -> Lexicon: ...
@@ -253,6 +255,7 @@ def selective_prefill(
     refine: Refine | None = None,
     clock: StageClock | None = None,
     reader: LayerReader | None = None,
+    settled: int | None = None,
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
@@ -269,6 +272,9 @@ def selective_prefill(
     `reader` delivers each layer's K/V with the cached tokens assembled (default: read when needed,
     in this thread, into new memory); the time spent waiting for them and placing them is the stage
     `kv_wait`.
+    `settled` is the first layer from which `refine` returns None (default: 0 without a `refine`, else
+    none): from there the active set is fixed, and with `adapter.graphs` those layers run as one step
+    (`graphs.LayerGraphs`: on CUDA one captured graph), the stage `layers`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))
@@ -288,7 +294,19 @@ def selective_prefill(
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     last = layout.n_layers - 1
+    if settled is None:
+        settled = 0 if refine is None else layout.n_layers
     for layer in range(layout.n_layers):
+        if adapter.graphs is not None and layer == settled:
+            with clock.stage("kv_wait"):
+                rest = [reader.get(i) for i in range(layer, layout.n_layers)]  # L' x [2, H_kv, N, D]
+            with clock.stage("layers"):
+                h, kv = adapter.graphs.run(layer, h, active, *rope[1:], rest)  # [1, E], [L', 2, H_kv, N, D]
+            keys_all.extend(kv[:, 0].unbind(0))
+            values_all.extend(kv[:, 1].unbind(0))
+            counts.extend([active.numel()] * len(rest))
+            through += active.numel() * (len(rest) - 1) + 1
+            break
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             keys, values = reader.get(layer).unbind(0)  # [H_kv, N, D], cached tokens in place
         keys_all.append(keys)

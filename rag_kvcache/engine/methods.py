@@ -207,7 +207,9 @@ def hkvd_prefill(
                 return None  # every active token goes on: full prefill's K/V from here
         return keep
 
-    result = selective_prefill(adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader)
+    result = selective_prefill(
+        adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader, settled=max(schedule) + 1
+    )
     result.drift = float(drift[0]) if drift else None
     result.bounded = bounded
     return result

@@ -34,6 +34,7 @@ from transformers import (
 from ..config import Config
 from ..errors import RagKVCacheError
 from .decoding import DecodeCache, RowStep, attend_rows
+from .graphs import LayerGraphs
 from .ops import apply_rope, attend, causal_mask_for, rope_cos_sin
 from .sentences import Lexicon
 from .sources import resolve_model_source
@@ -154,7 +155,9 @@ def check_supported(model: PreTrainedModel) -> None:
 class ModelAdapter:
     """A loaded causal LM with the per-layer hooks the fusion engine drives."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, name: str) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str, graphs: int = 0) -> None:
+        """`graphs`: on CUDA, how many captured settled-layer steps to keep (`graphs.LayerGraphs`; 0: none,
+        every layer op by op); elsewhere unused."""
         check_supported(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -174,6 +177,8 @@ class ModelAdapter:
         # before (vLLM's CPU build pins 5.19); the old name is deprecated, with a FutureWarning on every call
         self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.fingerprint = self._fingerprint()
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.graphs = LayerGraphs(self, group, graphs) if graphs and self.device.type == "cuda" else None
 
     @classmethod
     def load(cls, config: Config) -> ModelAdapter:
@@ -182,7 +187,7 @@ class ModelAdapter:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=DTYPES[config.index.dtype], attn_implementation="sdpa"
         )
-        return cls(model.to(config.runtime.device), tokenizer, config.index.model)
+        return cls(model.to(config.runtime.device), tokenizer, config.index.model, config.runtime.cuda_graphs)
 
     def _fingerprint(self) -> str:
         """Identity of the weights, architecture and dtype: part of every cache key. The config's

@@ -72,6 +72,7 @@ class VllmAdapter:
         self.inv_freq = rope._compute_inv_freq(rope.base).to(torch.float32)  # [D/2], vLLM's own
         self.scale = attn.scaling
         self.sliding_window = reference.sliding_window
+        self.graphs = None  # vLLM's own layers run op by op
 
     @property
     def lexicon(self) -> Lexicon:

@@ -1,0 +1,147 @@
+"""The fused prefill's settled layers as one captured step: a CUDA graph per bucket of sizes.
+
+Once a prompt's active set stops changing (from the first layer for `prefix`, `reuse` and the EPIC
+methods; after the last selecting layer for CacheBlend), every remaining layer does the same thing:
+project the active tokens, write their K/V into the layer's buffer, attend with the exact causal mask,
+run the MLP. Issued op by op, that is ~200 PyTorch calls a layer whose host time is most of the step on
+a GPU (benchmarks/RESULTS.md, issue 30). `LayerGraphs` runs those layers over fixed-size buffers instead,
+so that on CUDA they are captured once per bucket and replayed: one launch for all of them.
+
+A bucket is (first settled layer, active tokens rounded up, prompt tokens rounded up). Padding is laid
+out so it changes no real value: padded query rows come first (the real last token stays the last row,
+which the last layer narrows to), start from a zero hidden state, write their K/V into a scratch key
+column past the prompt that no query reads, and attend every key; real rows attend keys up to their own
+position only, so the padded keys past the prompt get zero weight. Off CUDA (`capture=False`) the same
+padded step runs eagerly: the tests check it against `fusion.selective_prefill` on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias
+
+
+def bucket(n: int, floor: int, step: int) -> int:
+    """`n` rounded up: to a power of two from `floor` up to `step`, beyond it to a multiple of `step`."""
+    if n <= step:
+        return max(floor, 1 << (n - 1).bit_length())
+    return -(-n // step) * step
+
+
+class SettledStep:
+    """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
+    `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed."""
+
+    def __init__(self, adapter, group: int, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
+        layout = adapter.layout
+        self.adapter, self.start = adapter, start
+        dev, dt = adapter.device, adapter.dtype
+        self.h = torch.zeros(n_active, width, dtype=dt, device=dev)  # [A, E]
+        self.active = torch.full((n_active,), n_keys, dtype=torch.long, device=dev)  # [A]
+        self.cos = torch.zeros(n_active, layout.head_dim, dtype=dt, device=dev)  # [A, D]
+        self.sin = torch.zeros_like(self.cos)  # [A, D]
+        self.keys = torch.arange(n_keys, device=dev)  # [K]
+        self.bias = torch.zeros(group * n_active, n_keys, dtype=dt, device=dev)  # [G * A, K]
+        self.last_bias = torch.zeros(group, n_keys, dtype=dt, device=dev)  # [G, K]
+        # every settled layer's K/V, and one scratch column (index K) for the padded rows' writes
+        self.kv = torch.zeros(
+            layout.n_layers - start, 2, layout.n_kv_heads, n_keys + 1, layout.head_dim, dtype=dt, device=dev
+        )  # [L', 2, H_kv, K + 1, D]
+        self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias),))
+        self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias),))
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # [1, E], the last token's hidden state (the graph's output)
+        if capture:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # allocations and lazy kernel set-up before recording
+                self.layers()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.layers()
+
+    def layers(self) -> torch.Tensor:
+        """The settled layers over the static buffers: the last token's hidden state after them [1, E]."""
+        adapter, last = self.adapter, self.adapter.layout.n_layers - 1
+        h, plan = self.h, self.plan  # [A, E]
+        for i, layer in enumerate(range(self.start, last + 1)):
+            keys, values = self.kv[i].unbind(0)  # [H_kv, K + 1, D]
+            x = adapter.attention_input(layer, h)  # [A, E]
+            if layer < last:
+                q, k, v = adapter.qkv(layer, x, self.cos, self.sin)  # [H_q, A, D], [H_kv, A, D] x 2
+            else:
+                k, v = adapter.kv(layer, x, self.cos, self.sin)  # [H_kv, A, D] x 2
+            keys.index_copy_(1, self.active, k)
+            values.index_copy_(1, self.active, v)
+            if layer == last:  # only the last token's output is read, by the logits
+                h, plan = h[-1:], self.last_plan  # [1, E]
+                q = adapter.q(layer, x[-1:], self.cos[-1:], self.sin[-1:])  # [H_q, 1, D]
+            h = adapter.finish(layer, h, causal_attend(q, keys, values, plan, adapter.scale))  # [A, E]
+        return h
+
+    def __call__(
+        self, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the settled layers for active tokens `active` [a] (ascending, the last prompt token last) with
+        hidden states h [a, E], RoPE tables cos/sin [a, D], and each settled layer's K/V of the prompt
+        kv [2, H_kv, n, D] (cached tokens in place). Returns the last token's hidden state [1, E] and every
+        settled layer's K/V with the active tokens' written, [L', 2, H_kv, n, D] (new memory)."""
+        n, pad = kv[0].shape[2], self.active.numel() - active.numel()
+        self.h[pad:].copy_(h)
+        self.h[:pad].zero_()
+        self.active[:pad].fill_(self.keys.numel())  # the scratch column
+        self.active[pad:].copy_(active)
+        self.cos[pad:].copy_(cos)
+        self.sin[pad:].copy_(sin)
+        rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
+        self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
+        self.last_bias.copy_(rows[-1])  # [G, K]
+        for layer_kv, cached in zip(self.kv, kv):
+            layer_kv[:, :, :n].copy_(cached)  # [2, H_kv, n, D]
+        if self.graph is None:
+            out = self.layers()  # [1, E]
+        else:
+            self.graph.replay()
+            out = self.out.clone()  # [1, E]
+        return out, self.kv[:, :, :, :n].clone()  # [1, E], [L', 2, H_kv, n, D]
+
+
+class LayerGraphs:
+    """A model's `SettledStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
+    its settled layers' K/V buffers for its largest prompt. `group` is the model's query heads per KV head.
+    `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for."""
+
+    def __init__(self, adapter, group: int, limit: int, capture: bool | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"LayerGraphs keeps at least one step, got limit={limit!r}")
+        self.adapter, self.group, self.limit = adapter, group, limit
+        self.capture = adapter.device.type == "cuda" if capture is None else capture
+        self._steps: OrderedDict[tuple[int, int, int, int], SettledStep] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def run(
+        self,
+        start: int,
+        h: torch.Tensor,
+        active: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`SettledStep.__call__` for layers [start, L), in the step of this prompt's bucket (made, and on CUDA
+        captured, the first time the bucket is asked for)."""
+        key = (start, bucket(active.numel(), 16, 1024), bucket(kv[0].shape[2], 256, 256), h.shape[1])
+        step = self._steps.get(key)
+        if step is None:
+            while len(self._steps) >= self.limit:
+                self._steps.popitem(last=False)
+            step = self._steps[key] = SettledStep(self.adapter, self.group, start, *key[1:], capture=self.capture)
+        self._steps.move_to_end(key)
+        return step(h, active, cos, sin, kv)

@@ -1,0 +1,69 @@
+"""The settled layers as one padded static step (`engine.graphs`): on a CPU it runs eagerly, and must give what the
+layer-by-layer forward gives, method for method, whatever bucket the prompt lands in and whatever an earlier prompt
+left in the step's buffers. On CUDA the same step is captured (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_fusion import rag_prompt
+
+from rag_kvcache.config import FusionConfig
+from rag_kvcache.engine.graphs import LayerGraphs, bucket
+from rag_kvcache.engine.methods import get_method
+from rag_kvcache.engine.model import ModelAdapter
+
+METHODS = {
+    "prefix": {},
+    "reuse": {},
+    "epic": {"epic_k": 3},
+    "cacheblend": {"ratio": 0.3, "check_layer": 1},
+    "cacheblend_repick": {"ratio": 0.3, "check_layer": 0, "repick_layers": (2,)},
+}
+
+
+@pytest.fixture(scope="module")
+def adapter(tokenizer) -> ModelAdapter:
+    return ModelAdapter(tiny_llama(seed=3), tokenizer, name="tiny-graphs")
+
+
+def fuse(adapter, inp, method, graphs):
+    adapter.graphs = graphs
+    try:
+        return get_method(method)(adapter, inp, FusionConfig(method=method, **METHODS[method]))
+    finally:
+        adapter.graphs = None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
+    graphs = LayerGraphs(adapter, group=2, limit=8, capture=False)
+    for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):  # later prompts land in buckets an earlier prompt filled
+        inp = rag_prompt(adapter, seed=seed, n_chunks=n_chunks)
+        ref = fuse(adapter, inp, method, None)
+        got = fuse(adapter, inp, method, graphs)
+        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+        for a, b in zip(got.keys + got.values, ref.keys + ref.values):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        assert got.active_per_layer == ref.active_per_layer
+        assert got.compute_fraction == ref.compute_fraction
+        assert "layers" in got.stages
+    assert 1 <= len(graphs) <= 3
+
+
+def test_steps_kept_are_bounded(adapter):
+    graphs = LayerGraphs(adapter, group=2, limit=1, capture=False)
+    for method in ("reuse", "cacheblend"):  # different first settled layers: different steps
+        fuse(adapter, rag_prompt(adapter), method, graphs)
+        assert len(graphs) == 1
+
+
+def test_bucket_rounds_up():
+    assert [bucket(n, 16, 1024) for n in (1, 16, 17, 40, 1024, 1025)] == [16, 16, 32, 64, 1024, 2048]
+    assert [bucket(n, 256, 256) for n in (1, 256, 257, 2246)] == [256, 256, 512, 2304]
+
+
+def test_a_step_needs_room():
+    with pytest.raises(ValueError, match="limit=0"):
+        LayerGraphs(object(), group=1, limit=0)
