@@ -377,7 +377,7 @@ class FusedGenerator:
                 )
         depth = self.index.config.runtime.storage.prefetch_layers
         placement = inp.placement(self.layers)
-        if caches is None or depth == 0:
+        if caches is None or depth == 0 or self.layers.graphs is not None:  # graphs: read at once, not ahead
             reader = DirectReader(inp.sources, placement, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
         else:

@@ -117,7 +117,7 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
     captured = cuda.graphs
     assert captured is not None and captured.capture
     for method in ("prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"):
-        cfg = FusionConfig(method=method, repick_layers=(2, 3))
+        cfg = FusionConfig(method=method, repick_layers=(2,))  # the tiny model's layer 3 settled after the re-pick
         for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):
             inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks)
             cuda.graphs = None

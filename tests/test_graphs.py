@@ -10,9 +10,11 @@ from conftest import tiny_llama
 from test_fusion import rag_prompt
 
 from rag_kvcache.config import FusionConfig
+from rag_kvcache.engine.cache import SliceKV, pack_layer, pack_layers
 from rag_kvcache.engine.graphs import LayerGraphs, bucket
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.store.loading import LayerFeed
 
 METHODS = {
     "prefix": {},
@@ -28,10 +30,10 @@ def adapter(tokenizer) -> ModelAdapter:
     return ModelAdapter(tiny_llama(seed=3), tokenizer, name="tiny-graphs")
 
 
-def fuse(adapter, inp, method, graphs):
+def fuse(adapter, inp, method, graphs, reader=None):
     adapter.graphs = graphs
     try:
-        return get_method(method)(adapter, inp, FusionConfig(method=method, **METHODS[method]))
+        return get_method(method)(adapter, inp, FusionConfig(method=method, **METHODS[method]), reader=reader)
     finally:
         adapter.graphs = None
 
@@ -50,6 +52,27 @@ def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
         assert got.compute_fraction == ref.compute_fraction
         assert "layers" in got.stages
     assert 1 <= len(graphs) <= 3
+
+
+def test_a_layer_feed_fills_the_step_too(adapter):
+    # the pipelined reader hands the settled layers over one by one: the same answer as the direct read
+    inp = rag_prompt(adapter)
+    graphs = LayerGraphs(adapter, group=2, limit=2, capture=False)
+    ref = fuse(adapter, inp, "cacheblend", None)
+    with LayerFeed(inp.sources, inp.placement(adapter), adapter.layout.n_layers, depth=2) as feed:
+        got = fuse(adapter, inp, "cacheblend", graphs, reader=feed)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+
+
+def test_pack_layers_equals_packing_each_layer(adapter):
+    # one concatenation for every layer (a slice and an uncached segment among the sources)
+    inp = rag_prompt(adapter)
+    sources = [*inp.sources[:2], SliceKV(inp.sources[3], 2, 9), None]
+    packed = pack_layers(sources, range(1, 4), "cpu")
+    assert packed.shape[0] == 3
+    for i, layer in enumerate(range(1, 4)):
+        assert torch.equal(packed[i], pack_layer(sources, layer, "cpu"))
+    assert pack_layers([None, None], range(2), "cpu") is None
 
 
 def test_steps_kept_are_bounded(adapter):

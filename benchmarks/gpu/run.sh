@@ -27,7 +27,7 @@ step llama-1b 90 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out
 step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$embed_tok" --out "$work/bow"
 common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
         --threads 8 --memory-mib 8192)
-step 1b-device 120 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device
+step 1b-device 120 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device --profile
 step 1b-host 100 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b"
 rm -rf "$work/llama-1b"
 step llama-8b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-8b" --device cuda \

@@ -107,6 +107,23 @@ def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     return packed
 
 
+def pack_layers(
+    sources: Sequence[LayerSource | None], layers: range, device: torch.device | str
+) -> torch.Tensor | None:
+    """`pack_layer` for several layers at once [L', 2, H_kv, C, D] (a view). When every cached layer is already
+    on `device` (a device-resident tier), one concatenation for all of them; otherwise layer by layer."""
+    cached = [s for s in sources if s is not None]
+    if not cached:
+        return None
+    reads = [[s.layer(i) for s in cached] for i in layers]  # per layer, per segment: [H_kv, T, D] x 2
+    if any(t.device != torch.device(device) for per_layer in reads for kv in per_layer for t in kv):
+        return torch.stack([pack_layer(sources, i, device) for i in layers])  # [L', 2, H_kv, C, D]
+    pieces = [kv[j] for per_layer in reads for j in (0, 1) for kv in per_layer]  # (layer, K or V, segment)
+    flat = torch.cat(pieces, dim=1)  # [H_kv, L' * 2 * C, D]
+    h_kv, _, d = flat.shape
+    return flat.view(h_kv, len(layers), 2, -1, d).permute(1, 2, 0, 3, 4)  # [L', 2, H_kv, C, D]
+
+
 @dataclass(frozen=True)
 class SliceKV:
     """Tokens [start, stop) of a cache: the part of a chunk that a prompt holds (a matched span)."""

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
 
 from .buffers import KVBufferPool
-from .cache import LayerSource, pack_layer
+from .cache import LayerSource, pack_layer, pack_layers
 from .graphs import LayerGraphs
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
@@ -123,12 +124,12 @@ class FusionInput:
                 mask[p.start : p.end] = True
         return mask
 
-    @property
+    @cached_property
     def fresh(self) -> torch.Tensor:
         """Tokens with no cache [N]: always recomputed."""
         return self.token_mask(lambda p: p.kv is None)
 
-    @property
+    @cached_property
     def reusable(self) -> torch.Tensor:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
         return self.token_mask(lambda p: p.kv is not None and not p.exact)
@@ -189,26 +190,28 @@ class KVPlacement:
         return self.place(packed, pool.take(self.shape, self.dtype, self.positions.device))
 
     def place(self, packed: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
-        """Rotate the moved keys of `packed` [2, H_kv, C, D] in place and write the pack into the layer's
-        K/V kv [2, H_kv, N, D]; returns kv."""
+        """Rotate the moved keys of `packed` [..., 2, H_kv, C, D] in place and write the pack into the
+        layer's (or layers') K/V kv [..., 2, H_kv, N, D]; returns kv."""
         if packed is None:
             return kv
         if self.cos is not None:
-            span = packed[0, :, self.turn_start : self.turn_end]  # [H_kv, M, D]
+            span = packed[..., 0, :, self.turn_start : self.turn_end, :]  # [..., H_kv, M, D]
             rotate_keys(span, self.cos, self.sin, out=span)
         if kv.device.type == "cuda":
-            return kv.index_copy_(2, self.positions, packed.to(kv.dtype))  # [2, H_kv, N, D]
+            return kv.index_copy_(-2, self.positions, packed.to(kv.dtype))  # [..., 2, H_kv, N, D]
         for start, at, n in self.runs:
-            kv[:, :, start : start + n] = packed[:, :, at : at + n]  # [2, H_kv, n, D]
+            kv[..., start : start + n, :] = packed[..., at : at + n, :]  # [..., 2, H_kv, n, D]
         return kv
 
 
 class LayerReader(Protocol):
     """Delivers each layer's K/V of the whole prompt [2, H_kv, N, D], in layer order, with every cached
     token in place and its key re-rotated (`KVPlacement.assemble`); the other positions are the
-    fusion's to write."""
+    fusion's to write. `fill` writes the layers left, from the next one, into memory of the caller's
+    [L', 2, H_kv, N, D] (the settled layers' static buffers, `graphs.SettledStep`)."""
 
     def get(self, layer: int) -> torch.Tensor: ...
+    def fill(self, layers: range, out: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,9 @@ class DirectReader:
 
     def get(self, layer: int) -> torch.Tensor:
         return self.placement.assemble(pack_layer(self.sources, layer, self.placement.positions.device), self.pool)
+
+    def fill(self, layers: range, out: torch.Tensor) -> None:
+        self.placement.place(pack_layers(self.sources, layers, self.placement.positions.device), out)
 
 
 @dataclass
@@ -298,11 +304,10 @@ def selective_prefill(
         settled = 0 if refine is None else layout.n_layers
     for layer in range(layout.n_layers):
         if adapter.graphs is not None and layer == settled:
-            with clock.stage("kv_wait"):
-                rest = [reader.get(i) for i in range(layer, layout.n_layers)]  # L' x [2, H_kv, N, D]
-            with clock.stage("layers"):
-                h, kv = adapter.graphs.run(layer, h, active, *rope[1:], rest)  # [1, E], [L', 2, H_kv, N, D]
-            keys_all.extend(kv[:, 0].unbind(0))
+            rest = range(layer, layout.n_layers)
+            with clock.stage("layers"):  # the reads that fill the step's buffers included
+                h, kv = adapter.graphs.run(layer, h, active, *rope[1:], n, lambda out: reader.fill(rest, out))
+            keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
             values_all.extend(kv[:, 1].unbind(0))
             counts.extend([active.numel()] * len(rest))
             through += active.numel() * (len(rest) - 1) + 1

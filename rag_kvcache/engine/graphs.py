@@ -18,7 +18,7 @@ padded step runs eagerly: the tests check it against `fusion.selective_prefill` 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -85,13 +85,20 @@ class SettledStep:
         return h
 
     def __call__(
-        self, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]
+        self,
+        h: torch.Tensor,
+        active: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        n: int,
+        fill: Callable[[torch.Tensor], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the settled layers for active tokens `active` [a] (ascending, the last prompt token last) with
-        hidden states h [a, E], RoPE tables cos/sin [a, D], and each settled layer's K/V of the prompt
-        kv [2, H_kv, n, D] (cached tokens in place). Returns the last token's hidden state [1, E] and every
-        settled layer's K/V with the active tokens' written, [L', 2, H_kv, n, D] (new memory)."""
-        n, pad = kv[0].shape[2], self.active.numel() - active.numel()
+        """Run the settled layers for active tokens `active` [a] (ascending, the last prompt token last) of an
+        n-token prompt with hidden states h [a, E] and RoPE tables cos/sin [a, D]; `fill` writes the settled
+        layers' cached K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the last
+        token's hidden state [1, E] and every settled layer's K/V with the active tokens' written,
+        [L', 2, H_kv, n, D] (new memory)."""
+        pad = self.active.numel() - active.numel()
         self.h[pad:].copy_(h)
         self.h[:pad].zero_()
         self.active[:pad].fill_(self.keys.numel())  # the scratch column
@@ -101,8 +108,7 @@ class SettledStep:
         rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
         self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
         self.last_bias.copy_(rows[-1])  # [G, K]
-        for layer_kv, cached in zip(self.kv, kv):
-            layer_kv[:, :, :n].copy_(cached)  # [2, H_kv, n, D]
+        fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
         if self.graph is None:
             out = self.layers()  # [1, E]
         else:
@@ -133,15 +139,16 @@ class LayerGraphs:
         active: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: Sequence[torch.Tensor],
+        n: int,
+        fill: Callable[[torch.Tensor], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`SettledStep.__call__` for layers [start, L), in the step of this prompt's bucket (made, and on CUDA
         captured, the first time the bucket is asked for)."""
-        key = (start, bucket(active.numel(), 16, 1024), bucket(kv[0].shape[2], 256, 256), h.shape[1])
+        key = (start, bucket(active.numel(), 16, 1024), bucket(n, 256, 256), h.shape[1])
         step = self._steps.get(key)
         if step is None:
             while len(self._steps) >= self.limit:
                 self._steps.popitem(last=False)
             step = self._steps[key] = SettledStep(self.adapter, self.group, start, *key[1:], capture=self.capture)
         self._steps.move_to_end(key)
-        return step(h, active, cos, sin, kv)
+        return step(h, active, cos, sin, n, fill)

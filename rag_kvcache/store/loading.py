@@ -80,6 +80,10 @@ class LayerFeed:
             raise item
         return self._placement.assemble(item, self._pool)
 
+    def fill(self, layers: range, out: torch.Tensor) -> None:
+        for i, layer in enumerate(layers):
+            out[i].copy_(self.get(layer))  # [2, H_kv, N, D]
+
     def close(self) -> None:
         """Stop reading ahead and let the reader thread finish."""
         self._stop.set()
