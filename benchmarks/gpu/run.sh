@@ -9,6 +9,7 @@
 # The tokenizer folders are saved Hugging Face tokenizers (SmolLM2's for the Llamas; MiniLM's WordPiece for the
 # bag-of-words embedder, with which retrieval gives ~2,500-3,000-token prompts); nothing is downloaded. Each step has its own
 # time limit and the next runs whatever the last did, so a run cut short still leaves what it measured in OUT_DIR.
+# STEPS (space-separated step names) runs only those.
 set -u
 data=$1 tok=$2 embed_tok=$3 out=$4
 mkdir -p "$out"
@@ -16,6 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 work=$(mktemp -d)
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
     local name=$1 limit=$2; shift 2
+    [[ " ${STEPS:-$name} " == *" $name "* ]] || return 0  # STEPS="a b ...": only those steps
     echo "== $name ($(date -u +%T))"
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "   rc=$? ($(date -u +%T))"; tail -n 12 "$out/$name.log"
