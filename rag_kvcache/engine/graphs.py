@@ -22,9 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias, masked_attend
-
-EXPLICIT_SCORES = 1 << 26  # a step whose float32 scores fit this many elements forms them explicitly
+from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias
 
 
 def bucket(n: int, floor: int, step: int) -> int:
@@ -53,7 +51,6 @@ class SettledStep:
         self.kv = torch.zeros(
             layout.n_layers - start, 2, layout.n_kv_heads, n_keys + 1, layout.head_dim, dtype=dt, device=dev
         )  # [L', 2, H_kv, K + 1, D]
-        self.explicit = layout.n_kv_heads * group * n_active * n_keys <= EXPLICIT_SCORES  # `ops.masked_attend`
         self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias),))
         self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias),))
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -84,15 +81,8 @@ class SettledStep:
             if layer == last:  # only the last token's output is read, by the logits
                 h, plan = h[-1:], self.last_plan  # [1, E]
                 q = adapter.q(layer, x[-1:], self.cos[-1:], self.sin[-1:])  # [H_q, 1, D]
-            h = adapter.finish(layer, h, self.attend(q, keys, values, plan))  # [A, E]
+            h = adapter.finish(layer, h, causal_attend(q, keys, values, plan, adapter.scale))  # [A, E]
         return h
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """q [H_q, Q, D] over the first K of keys, values [H_kv, K + 1, D] under `plan`'s mask: [Q, H_q * D]."""
-        if self.explicit:
-            n = plan.n_keys
-            return masked_attend(q, keys[:, :n], values[:, :n], plan.runs[0].bias, self.adapter.scale)
-        return causal_attend(q, keys, values, plan, self.adapter.scale)
 
     def __call__(
         self,

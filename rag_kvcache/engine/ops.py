@@ -370,19 +370,6 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     return out.view(n_q, h_q * d)  # [Q, H_q * D]
 
 
-def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention of q [H_q, Q, D] over k, v [H_kv, K, D] under an additive bias [G * Q, K] (rows
-    g-major, as a `QueryRun`'s), the scores formed explicitly in float32: three batched kernels. For a few
-    hundred queries on a GPU these spread over every SM, where the fused kernel's grid is a few dozen blocks
-    walking every key in turn (128 us a layer for 64 queries over 2,304 keys on an H100, benchmarks/RESULTS.md)."""
-    (h_q, n_q, d), h_kv = q.shape, k.shape[0]
-    g = h_q // h_kv
-    grouped = q.reshape(h_kv, g * n_q, d).float()  # [H_kv, G * Q, D]
-    scores = torch.baddbmm(bias.float(), grouped, k.float().transpose(1, 2), alpha=scale)  # [H_kv, G * Q, K]
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)  # [H_kv, G * Q, D]
-    return out.view(h_kv, g, n_q, d).permute(2, 0, 1, 3).reshape(n_q, h_q * d)  # [Q, H_q * D]
-
-
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     """Per-token L2 distance between freshly computed and cached K (or V) [H_kv, T, D] -> [T]."""
     diff = fresh.to(torch.float32) - cached.to(torch.float32)  # [H_kv, T, D]
