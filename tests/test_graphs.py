@@ -4,6 +4,8 @@ left in the step's buffers. On CUDA the same step is captured (tests/test_gpu.py
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -73,6 +75,23 @@ def test_pack_layers_equals_packing_each_layer(adapter):
     for i, layer in enumerate(range(1, 4)):
         assert torch.equal(packed[i], pack_layer(sources, layer, "cpu"))
     assert pack_layers([None, None], range(2), "cpu") is None
+
+
+def test_concurrent_fusions_share_steps_safely(adapter):
+    # fusions in several threads use the same steps (their static buffers): each gets its own prompt's answer
+    graphs = LayerGraphs(adapter, group=2, limit=4, capture=False)
+    prompts = [rag_prompt(adapter, seed=seed) for seed in range(6)]
+    refs = [fuse(adapter, inp, "reuse", None).logits for inp in prompts]
+    adapter.graphs = graphs
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(
+                pool.map(lambda inp: get_method("reuse")(adapter, inp, FusionConfig(method="reuse")), prompts * 3)
+            )
+    finally:
+        adapter.graphs = None
+    for i, result in enumerate(got):
+        torch.testing.assert_close(result.logits, refs[i % len(prompts)], atol=1e-5, rtol=0)
 
 
 def test_steps_kept_are_bounded(adapter):

@@ -17,6 +17,7 @@ padded step runs eagerly: the tests check it against `fusion.selective_prefill` 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -120,7 +121,8 @@ class SettledStep:
 class LayerGraphs:
     """A model's `SettledStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
     its settled layers' K/V buffers for its largest prompt. `group` is the model's query heads per KV head.
-    `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for."""
+    `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for. Steps
+    are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out)."""
 
     def __init__(self, adapter, group: int, limit: int, capture: bool | None = None) -> None:
         if limit < 1:
@@ -128,6 +130,7 @@ class LayerGraphs:
         self.adapter, self.group, self.limit = adapter, group, limit
         self.capture = adapter.device.type == "cuda" if capture is None else capture
         self._steps: OrderedDict[tuple[int, int, int, int], SettledStep] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -145,10 +148,12 @@ class LayerGraphs:
         """`SettledStep.__call__` for layers [start, L), in the step of this prompt's bucket (made, and on CUDA
         captured, the first time the bucket is asked for)."""
         key = (start, bucket(active.numel(), 16, 1024), bucket(n, 256, 256), h.shape[1])
-        step = self._steps.get(key)
-        if step is None:
-            while len(self._steps) >= self.limit:
-                self._steps.popitem(last=False)
-            step = self._steps[key] = SettledStep(self.adapter, self.group, start, *key[1:], capture=self.capture)
-        self._steps.move_to_end(key)
-        return step(h, active, cos, sin, n, fill)
+        with self._lock:
+            step = self._steps.get(key)
+            if step is None:
+                while len(self._steps) >= self.limit:
+                    self._steps.popitem(last=False)
+                step = SettledStep(self.adapter, self.group, start, *key[1:], capture=self.capture)
+                self._steps[key] = step
+            self._steps.move_to_end(key)
+            return step(h, active, cos, sin, n, fill)
