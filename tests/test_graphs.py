@@ -42,7 +42,7 @@ def fuse(adapter, inp, method, graphs, reader=None):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
-    graphs = LayerGraphs(adapter, group=2, limit=8, capture=False)
+    graphs = LayerGraphs(adapter, limit=8, capture=False)
     for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):  # later prompts land in buckets an earlier prompt filled
         inp = rag_prompt(adapter, seed=seed, n_chunks=n_chunks)
         ref = fuse(adapter, inp, method, None)
@@ -59,7 +59,7 @@ def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
 def test_a_layer_feed_fills_the_step_too(adapter):
     # the pipelined reader hands the settled layers over one by one: the same answer as the direct read
     inp = rag_prompt(adapter)
-    graphs = LayerGraphs(adapter, group=2, limit=2, capture=False)
+    graphs = LayerGraphs(adapter, limit=2, capture=False)
     ref = fuse(adapter, inp, "cacheblend", None)
     with LayerFeed(inp.sources, inp.placement(adapter), adapter.layout.n_layers, depth=2) as feed:
         got = fuse(adapter, inp, "cacheblend", graphs, reader=feed)
@@ -79,7 +79,7 @@ def test_pack_layers_equals_packing_each_layer(adapter):
 
 def test_concurrent_fusions_share_steps_safely(adapter):
     # fusions in several threads use the same steps (their static buffers): each gets its own prompt's answer
-    graphs = LayerGraphs(adapter, group=2, limit=4, capture=False)
+    graphs = LayerGraphs(adapter, limit=4, capture=False)
     prompts = [rag_prompt(adapter, seed=seed) for seed in range(6)]
     refs = [fuse(adapter, inp, "reuse", None).logits for inp in prompts]
     adapter.graphs = graphs
@@ -95,7 +95,7 @@ def test_concurrent_fusions_share_steps_safely(adapter):
 
 
 def test_steps_kept_are_bounded(adapter):
-    graphs = LayerGraphs(adapter, group=2, limit=1, capture=False)
+    graphs = LayerGraphs(adapter, limit=1, capture=False)
     for method in ("reuse", "cacheblend"):  # different first settled layers: different steps
         fuse(adapter, rag_prompt(adapter), method, graphs)
         assert len(graphs) == 1
@@ -108,4 +108,4 @@ def test_bucket_rounds_up():
 
 def test_a_step_needs_room():
     with pytest.raises(ValueError, match="limit=0"):
-        LayerGraphs(object(), group=1, limit=0)
+        LayerGraphs(object(), limit=0)

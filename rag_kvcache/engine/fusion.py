@@ -22,7 +22,7 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer, pack_layers
-from .graphs import LayerGraphs
+from .graphs import LayerGraphs, settled_layers
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -40,6 +40,7 @@ class FusionModel(Protocol):
     inv_freq: torch.Tensor  # [D/2], float32
     scale: float
     sliding_window: int | None
+    n_q_heads: int
     graphs: LayerGraphs | None  # the settled layers as one captured step (None: op by op)
 
     @property
@@ -271,16 +272,17 @@ def selective_prefill(
     `active` that go on through that layer's attention and MLP and all later layers (CacheBlend picks
     its tokens at the check layer's K/V, as LMCache's blender does). The fresh K/V of the tokens it
     drops stay in that layer's cache. The active set can only shrink and must keep the last prompt token.
-    Q is projected after `refine`, for the tokens that go on only; without a `refine` a layer's q, k and v
-    come from one projection (`ModelAdapter.qkv`). The last layer computes the K/V of
+    Q is projected after `refine`, for the tokens that go on only; once the set is settled a layer's q, k
+    and v come from one projection (`graphs.settled_layers`). The last layer computes the K/V of
     its active tokens, but Q, attention and MLP for the last token alone: nothing else reads their
     output (the logits are the last token's).
     `reader` delivers each layer's K/V with the cached tokens assembled (default: read when needed,
     in this thread, into new memory); the time spent waiting for them and placing them is the stage
     `kv_wait`.
     `settled` is the first layer from which `refine` returns None (default: 0 without a `refine`, else
-    none): from there the active set is fixed, and with `adapter.graphs` those layers run as one step
-    (`graphs.LayerGraphs`: on CUDA one captured graph), the stage `layers`.
+    none): from there the active set is fixed and the layers run as `graphs.settled_layers`, op by op, or
+    with `adapter.graphs` as one step over static buffers (`graphs.LayerGraphs`: on CUDA one captured
+    graph), the stage `layers`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))
@@ -299,33 +301,18 @@ def selective_prefill(
     counts, through = [], 0  # tokens whose K/V each layer computes; token-layers through attention and MLP
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
-    last = layout.n_layers - 1
-    if settled is None:
-        settled = 0 if refine is None else layout.n_layers
-    for layer in range(layout.n_layers):
-        if adapter.graphs is not None and layer == settled:
-            rest = range(layer, layout.n_layers)
-            with clock.stage("layers"):  # the reads that fill the step's buffers included
-                h, kv = adapter.graphs.run(layer, h, active, *rope[1:], n, lambda out: reader.fill(rest, out))
-            keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
-            values_all.extend(kv[:, 1].unbind(0))
-            counts.extend([active.numel()] * len(rest))
-            through += active.numel() * (len(rest) - 1) + 1
-            break
+    group, last = adapter.n_q_heads // layout.n_kv_heads, layout.n_layers - 1
+    settled = (0 if refine is None else layout.n_layers) if settled is None else settled
+    for layer in range(settled):  # the layers where `refine` may narrow the active set
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             keys, values = reader.get(layer).unbind(0)  # [H_kv, N, D], cached tokens in place
         keys_all.append(keys)
         values_all.append(values)
-        with clock.stage("qkv"):
+        with clock.stage("qkv"):  # Q after `refine` and the last layer's narrowing, for the tokens that go on only
             x = adapter.attention_input(layer, h)  # [A, E]
-            if refine is None and layer < last:  # the whole active set goes on: q, k, v in one projection
-                q, k, v = adapter.qkv(layer, x, *rope[1:])  # [H_q, A, D], [H_kv, A, D], [H_kv, A, D]
-            else:  # Q comes after `refine` and the last layer's narrowing, for the tokens that go on only
-                q, (k, v) = None, adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D] x 2
-        keep = None
-        if refine is not None:
-            with clock.stage("select"):
-                keep = refine(layer, active, (k, v), (keys, values))  # [A'] indices into active
+            k, v = adapter.kv(layer, x, *rope[1:])  # [H_kv, A, D] x 2
+        with clock.stage("select"):
+            keep = None if refine is None else refine(layer, active, (k, v), (keys, values))  # [A'] into active
         with clock.stage("qkv"):
             keys.index_copy_(1, active, k)  # every computed token's fresh K/V, kept by `refine` or not
             values.index_copy_(1, active, v)
@@ -338,15 +325,33 @@ def selective_prefill(
                 active, h, x = active[-1:], h[-1:], x[-1:]  # [1], [1, E], [1, E]
             if rope[0] is not active:
                 rope = active, cos_all[active], sin_all[active]  # [A'], [A', D], [A', D]
-            if q is None:
-                q = adapter.q(layer, x, *rope[1:])  # [H_q, A', D]
+            q = adapter.q(layer, x, *rope[1:])  # [H_q, A', D]
         with clock.stage("attention"):
             if plan is None or plan.positions is not active:
-                plan = attention_plan(active, n, q.shape[0] // layout.n_kv_heads, q.dtype)
+                plan = attention_plan(active, n, group, q.dtype)
             attn = causal_attend(q, keys, values, plan, adapter.scale)  # [A, H_q * D]
         with clock.stage("mlp"):
             h = adapter.finish(layer, h, attn)  # [A, E]
         through += active.numel()
+    rest = range(settled, layout.n_layers)  # the active set fixed from here
+    if rest and adapter.graphs is not None:
+        with clock.stage("layers"):  # the reads that fill the step's buffers included
+            h, kv = adapter.graphs.run(settled, h, active, *rope[1:], n, lambda out: reader.fill(rest, out))
+        keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
+        values_all.extend(kv[:, 1].unbind(0))
+    elif rest:
+
+        def layer_kv(layer: int) -> torch.Tensor:
+            with clock.stage("kv_wait"):
+                kv = reader.get(layer)  # [2, H_kv, N, D]
+            keys_all.append(kv[0])
+            values_all.append(kv[1])
+            return kv
+
+        plans = tuple(attention_plan(a, n, group, adapter.dtype) for a in (active, active[-1:]))
+        h = settled_layers(adapter, rest, h, active, *rope[1:], layer_kv, *plans, clock)  # [1, E]
+    counts.extend([active.numel()] * len(rest))
+    through += active.numel() * (len(rest) - 1) + 1 if rest else 0
     with clock.stage("logits"):
         logits = adapter.logits(h)[0]  # [V]
     return FusionResult(

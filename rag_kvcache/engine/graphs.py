@@ -24,6 +24,46 @@ from collections.abc import Callable
 import torch
 
 from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias
+from .profiling import StageClock
+
+
+def settled_layers(
+    adapter,
+    layers: range,
+    h: torch.Tensor,
+    active: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer_kv: Callable[[int], torch.Tensor],
+    plan: AttentionPlan,
+    last_plan: AttentionPlan,
+    clock: StageClock,
+) -> torch.Tensor:
+    """The fused prefill's layers `layers` (up to the model's last) for a fixed active set `active` [A] (the
+    prompt's last token last) with hidden states h [A, E] and RoPE tables cos/sin [A, D]: each layer's q, k,
+    v in one projection, the active tokens' K/V written into `layer_kv(layer)` [2, H_kv, K, D], attention
+    under `plan` (the last layer: the last token alone, under `last_plan`), the MLP. Returns the last
+    token's hidden state [1, E]. Run op by op by `fusion.selective_prefill`, and over static buffers by
+    `SettledStep` (captured on CUDA)."""
+    last = adapter.layout.n_layers - 1
+    for layer in layers:
+        keys, values = layer_kv(layer).unbind(0)  # [H_kv, K, D]
+        with clock.stage("qkv"):
+            x = adapter.attention_input(layer, h)  # [A, E]
+            if layer < last:
+                q, k, v = adapter.qkv(layer, x, cos, sin)  # [H_q, A, D], [H_kv, A, D] x 2
+            else:
+                k, v = adapter.kv(layer, x, cos, sin)  # [H_kv, A, D] x 2
+            keys.index_copy_(1, active, k)
+            values.index_copy_(1, active, v)
+            if layer == last:  # only the last token's output is read, by the logits
+                h, x, plan = h[-1:], x[-1:], last_plan  # [1, E], [1, E]
+                q = adapter.q(layer, x, cos[-1:], sin[-1:])  # [H_q, 1, D]
+        with clock.stage("attention"):
+            attn = causal_attend(q, keys, values, plan, adapter.scale)  # [A, H_q * D]
+        with clock.stage("mlp"):
+            h = adapter.finish(layer, h, attn)  # [A, E]
+    return h
 
 
 def bucket(n: int, floor: int, step: int) -> int:
@@ -37,8 +77,9 @@ class SettledStep:
     """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
     `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed."""
 
-    def __init__(self, adapter, group: int, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
+    def __init__(self, adapter, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
         layout = adapter.layout
+        group = adapter.n_q_heads // layout.n_kv_heads
         self.adapter, self.start = adapter, start
         dev, dt = adapter.device, adapter.dtype
         self.h = torch.zeros(n_active, width, dtype=dt, device=dev)  # [A, E]
@@ -67,23 +108,20 @@ class SettledStep:
                 self.out = self.layers()
 
     def layers(self) -> torch.Tensor:
-        """The settled layers over the static buffers: the last token's hidden state after them [1, E]."""
-        adapter, last = self.adapter, self.adapter.layout.n_layers - 1
-        h, plan = self.h, self.plan  # [A, E]
-        for i, layer in enumerate(range(self.start, last + 1)):
-            keys, values = self.kv[i].unbind(0)  # [H_kv, K + 1, D]
-            x = adapter.attention_input(layer, h)  # [A, E]
-            if layer < last:
-                q, k, v = adapter.qkv(layer, x, self.cos, self.sin)  # [H_q, A, D], [H_kv, A, D] x 2
-            else:
-                k, v = adapter.kv(layer, x, self.cos, self.sin)  # [H_kv, A, D] x 2
-            keys.index_copy_(1, self.active, k)
-            values.index_copy_(1, self.active, v)
-            if layer == last:  # only the last token's output is read, by the logits
-                h, plan = h[-1:], self.last_plan  # [1, E]
-                q = adapter.q(layer, x[-1:], self.cos[-1:], self.sin[-1:])  # [H_q, 1, D]
-            h = adapter.finish(layer, h, causal_attend(q, keys, values, plan, adapter.scale))  # [A, E]
-        return h
+        """`settled_layers` over the static buffers: the last token's hidden state after them [1, E]."""
+        start = self.start
+        return settled_layers(
+            self.adapter,
+            range(start, self.adapter.layout.n_layers),
+            self.h,
+            self.active,
+            self.cos,
+            self.sin,
+            lambda layer: self.kv[layer - start],
+            self.plan,
+            self.last_plan,
+            StageClock(),
+        )
 
     def __call__(
         self,
@@ -120,14 +158,14 @@ class SettledStep:
 
 class LayerGraphs:
     """A model's `SettledStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
-    its settled layers' K/V buffers for its largest prompt. `group` is the model's query heads per KV head.
+    its settled layers' K/V buffers for its largest prompt.
     `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for. Steps
     are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out)."""
 
-    def __init__(self, adapter, group: int, limit: int, capture: bool | None = None) -> None:
+    def __init__(self, adapter, limit: int, capture: bool | None = None) -> None:
         if limit < 1:
             raise ValueError(f"LayerGraphs keeps at least one step, got limit={limit!r}")
-        self.adapter, self.group, self.limit = adapter, group, limit
+        self.adapter, self.limit = adapter, limit
         self.capture = adapter.device.type == "cuda" if capture is None else capture
         self._steps: OrderedDict[tuple[int, int, int, int], SettledStep] = OrderedDict()
         self._lock = threading.Lock()
@@ -153,7 +191,7 @@ class LayerGraphs:
             if step is None:
                 while len(self._steps) >= self.limit:
                     self._steps.popitem(last=False)
-                step = SettledStep(self.adapter, self.group, start, *key[1:], capture=self.capture)
+                step = SettledStep(self.adapter, start, *key[1:], capture=self.capture)
                 self._steps[key] = step
             self._steps.move_to_end(key)
             return step(h, active, cos, sin, n, fill)

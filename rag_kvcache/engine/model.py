@@ -177,8 +177,8 @@ class ModelAdapter:
         # before (vLLM's CPU build pins 5.19); the old name is deprecated, with a FutureWarning on every call
         self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.fingerprint = self._fingerprint()
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.graphs = LayerGraphs(self, group, graphs) if graphs and self.device.type == "cuda" else None
+        self.n_q_heads = cfg.num_attention_heads
+        self.graphs = LayerGraphs(self, graphs) if graphs and self.device.type == "cuda" else None
 
     @classmethod
     def load(cls, config: Config) -> ModelAdapter:

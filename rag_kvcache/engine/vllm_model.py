@@ -69,6 +69,7 @@ class VllmAdapter:
         self.device, self.dtype = weight.device, weight.dtype
         self.layout = KVLayout(len(self.blocks), attn.num_kv_heads, attn.head_dim, self.dtype)
         self.sizes = [attn.q_size, attn.kv_size, attn.kv_size]  # q's, k's and v's columns of qkv_proj's output
+        self.n_q_heads = attn.q_size // attn.head_dim
         self.inv_freq = rope._compute_inv_freq(rope.base).to(torch.float32)  # [D/2], vLLM's own
         self.scale = attn.scaling
         self.sliding_window = reference.sliding_window
