@@ -128,4 +128,4 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
             torch.testing.assert_close(out.logits, ref.logits, atol=atol, rtol=0)
             for a, b in zip(out.keys + out.values, ref.keys + ref.values):
                 torch.testing.assert_close(a, b, atol=atol, rtol=0)
-    assert all(step.graph is not None for step in captured._steps.values())
+    assert all(step.captured is not None for step in captured._steps.values())

@@ -110,14 +110,12 @@ def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
 def pack_layers(
     sources: Sequence[LayerSource | None], layers: range, device: torch.device | str
 ) -> torch.Tensor | None:
-    """`pack_layer` for several layers at once [L', 2, H_kv, C, D] (a view). When every cached layer is already
-    on `device` (a device-resident tier), one concatenation for all of them; otherwise layer by layer."""
-    cached = [s for s in sources if s is not None]
-    if not cached:
+    """`pack_layer` for several layers at once [L', 2, H_kv, C, D] (a view): each layer read (`read_layer`:
+    in place from a device-resident tier, one pinned transfer a layer from host memory), then one
+    concatenation for all of them."""
+    if all(s is None for s in sources):
         return None
-    reads = [[s.layer(i) for s in cached] for i in layers]  # per layer, per segment: [H_kv, T, D] x 2
-    if any(t.device != torch.device(device) for per_layer in reads for kv in per_layer for t in kv):
-        return torch.stack([pack_layer(sources, i, device) for i in layers])  # [L', 2, H_kv, C, D]
+    reads = [[kv for kv in read_layer(sources, i, device) if kv is not None] for i in layers]  # [H_kv, T, D] x 2
     pieces = [kv[j] for per_layer in reads for j in (0, 1) for kv in per_layer]  # (layer, K or V, segment)
     flat = torch.cat(pieces, dim=1)  # [H_kv, L' * 2 * C, D]
     h_kv, _, d = flat.shape

@@ -348,8 +348,10 @@ def selective_prefill(
             values_all.append(kv[1])
             return kv
 
-        plans = tuple(attention_plan(a, n, group, adapter.dtype) for a in (active, active[-1:]))
-        h = settled_layers(adapter, rest, h, active, *rope[1:], layer_kv, *plans, clock)  # [1, E]
+        if plan is None or plan.positions is not active:  # the last selecting layer's plan holds
+            plan = attention_plan(active, n, group, adapter.dtype)
+        last_plan = attention_plan(active[-1:], n, group, adapter.dtype)
+        h = settled_layers(adapter, rest, h, active, *rope[1:], layer_kv, plan, last_plan, clock)  # [1, E]
     counts.extend([active.numel()] * len(rest))
     through += active.numel() * (len(rest) - 1) + 1 if rest else 0
     with clock.stage("logits"):

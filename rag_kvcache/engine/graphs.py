@@ -12,7 +12,7 @@ out so it changes no real value: padded query rows come first (the real last tok
 which the last layer narrows to), start from a zero hidden state, write their K/V into a scratch key
 column past the prompt that no query reads, and attend every key; real rows attend keys up to their own
 position only, so the padded keys past the prompt get zero weight. Off CUDA (`capture=False`) the same
-padded step runs eagerly: the tests check it against `fusion.selective_prefill` on a CPU.
+padded step runs eagerly: the tests check it against the same layers op by op on a CPU.
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias
 from .profiling import StageClock
 
+if TYPE_CHECKING:  # fusion imports this module
+    from .fusion import FusionModel
+
 
 def settled_layers(
-    adapter,
+    adapter: FusionModel,
     layers: range,
     h: torch.Tensor,
     active: torch.Tensor,
@@ -77,7 +81,7 @@ class SettledStep:
     """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
     `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed."""
 
-    def __init__(self, adapter, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
+    def __init__(self, adapter: FusionModel, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
         layout = adapter.layout
         group = adapter.n_q_heads // layout.n_kv_heads
         self.adapter, self.start = adapter, start
@@ -95,17 +99,17 @@ class SettledStep:
         )  # [L', 2, H_kv, K + 1, D]
         self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias),))
         self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias),))
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None  # [1, E], the last token's hidden state (the graph's output)
+        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output [1, E]
         if capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # allocations and lazy kernel set-up before recording
                 self.layers()
             torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self.layers()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.layers()  # [1, E], in the graph's memory
+            self.captured = graph, out
 
     def layers(self) -> torch.Tensor:
         """`settled_layers` over the static buffers: the last token's hidden state after them [1, E]."""
@@ -148,11 +152,12 @@ class SettledStep:
         self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
         self.last_bias.copy_(rows[-1])  # [G, K]
         fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
-        if self.graph is None:
+        if self.captured is None:
             out = self.layers()  # [1, E]
         else:
-            self.graph.replay()
-            out = self.out.clone()  # [1, E]
+            graph, result = self.captured
+            graph.replay()
+            out = result.clone()  # [1, E]
         return out, self.kv[:, :, :, :n].clone()  # [1, E], [L', 2, H_kv, n, D]
 
 
@@ -162,7 +167,7 @@ class LayerGraphs:
     `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for. Steps
     are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out)."""
 
-    def __init__(self, adapter, limit: int, capture: bool | None = None) -> None:
+    def __init__(self, adapter: FusionModel, limit: int, capture: bool | None = None) -> None:
         if limit < 1:
             raise ValueError(f"LayerGraphs keeps at least one step, got limit={limit!r}")
         self.adapter, self.limit = adapter, limit
