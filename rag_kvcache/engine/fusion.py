@@ -22,7 +22,7 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer, pack_layers
-from .graphs import LayerGraphs, settled_layers
+from .graphs import LayerGraphs, Settled, settled_layers
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -336,7 +336,8 @@ def selective_prefill(
     rest = range(settled, layout.n_layers)  # the active set fixed from here
     if rest and adapter.graphs is not None:
         with clock.stage("layers"):  # the reads that fill the step's buffers included
-            h, kv = adapter.graphs.run(settled, h, active, *rope[1:], n, lambda out: reader.fill(rest, out))
+            at = Settled(settled, h, active, *rope[1:], n)
+            h, kv = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [1, E], [L', 2, H_kv, N, D]
         keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
         values_all.extend(kv[:, 1].unbind(0))
     elif rest:

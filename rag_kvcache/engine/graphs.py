@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +69,20 @@ def settled_layers(
         with clock.stage("mlp"):
             h = adapter.finish(layer, h, attn)  # [A, E]
     return h
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A fused prefill where its active set stops changing: the first settled layer, the active tokens'
+    prompt positions (ascending, the last prompt token last), their hidden states and RoPE tables, and
+    the prompt's length."""
+
+    start: int
+    h: torch.Tensor  # [A, E]
+    active: torch.Tensor  # [A]
+    cos: torch.Tensor  # [A, D]
+    sin: torch.Tensor  # [A, D]
+    n: int
 
 
 def bucket(n: int, floor: int, step: int) -> int:
@@ -127,27 +142,18 @@ class SettledStep:
             StageClock(),
         )
 
-    def __call__(
-        self,
-        h: torch.Tensor,
-        active: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        n: int,
-        fill: Callable[[torch.Tensor], None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the settled layers for active tokens `active` [a] (ascending, the last prompt token last) of an
-        n-token prompt with hidden states h [a, E] and RoPE tables cos/sin [a, D]; `fill` writes the settled
-        layers' cached K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the last
-        token's hidden state [1, E] and every settled layer's K/V with the active tokens' written,
+    def __call__(self, at: Settled, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the settled layers from `at` (its active set padded to this step's size); `fill` writes the
+        settled layers' cached K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the
+        last token's hidden state [1, E] and every settled layer's K/V with the active tokens' written,
         [L', 2, H_kv, n, D] (new memory)."""
-        pad = self.active.numel() - active.numel()
-        self.h[pad:].copy_(h)
+        n, pad = at.n, self.active.numel() - at.active.numel()
+        self.h[pad:].copy_(at.h)
         self.h[:pad].zero_()
         self.active[:pad].fill_(self.keys.numel())  # the scratch column
-        self.active[pad:].copy_(active)
-        self.cos[pad:].copy_(cos)
-        self.sin[pad:].copy_(sin)
+        self.active[pad:].copy_(at.active)
+        self.cos[pad:].copy_(at.cos)
+        self.sin[pad:].copy_(at.sin)
         rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
         self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
         self.last_bias.copy_(rows[-1])  # [G, K]
@@ -178,25 +184,16 @@ class LayerGraphs:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def run(
-        self,
-        start: int,
-        h: torch.Tensor,
-        active: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        n: int,
-        fill: Callable[[torch.Tensor], None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`SettledStep.__call__` for layers [start, L), in the step of this prompt's bucket (made, and on CUDA
-        captured, the first time the bucket is asked for)."""
-        key = (start, bucket(active.numel(), 16, 1024), bucket(n, 256, 256), h.shape[1])
+    def run(self, at: Settled, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`SettledStep.__call__` in the step of `at`'s bucket (made, and on CUDA captured, the first time the
+        bucket is asked for)."""
+        key = (at.start, bucket(at.active.numel(), 16, 1024), bucket(at.n, 256, 256), at.h.shape[1])
         with self._lock:
             step = self._steps.get(key)
             if step is None:
                 while len(self._steps) >= self.limit:
                     self._steps.popitem(last=False)
-                step = SettledStep(self.adapter, start, *key[1:], capture=self.capture)
+                step = SettledStep(self.adapter, *key, capture=self.capture)
                 self._steps[key] = step
             self._steps.move_to_end(key)
-            return step(h, active, cos, sin, n, fill)
+            return step(at, fill)
