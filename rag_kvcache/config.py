@@ -383,12 +383,6 @@ class Config:
     def with_index(self, **changes: object) -> Config:
         return replace(self, index=replace(self.index, **changes))
 
-    def placed(self, device: str | None, dtype: str | None) -> Config:
-        """This config with the model on `device` in `dtype`, each kept as it is when None (an index is read
-        in the dtype it records unless told otherwise)."""
-        config = self if device is None else self.with_runtime(device=device)
-        return config if dtype is None else config.with_index(dtype=dtype)
-
     def with_query(self, **changes: object) -> Config:
         return replace(self, query=replace(self.query, **changes))
 
@@ -403,3 +397,9 @@ class Config:
 
     def with_storage(self, **changes: object) -> Config:
         return self.with_runtime(storage=replace(self.runtime.storage, **changes))
+
+    def placed(self, device: str | None, dtype: str | None) -> Config:
+        """This config with the model on `device` in `dtype`, each kept as it is when None (an index is read
+        in the dtype it records unless told otherwise)."""
+        config = self if device is None else self.with_runtime(device=device)
+        return config if dtype is None else config.with_index(dtype=dtype)

@@ -92,27 +92,14 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     return [None if kv is None else (placed(kv[0]), placed(kv[1])) for kv in layers]
 
 
-def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> torch.Tensor | None:
-    """One layer of every cached segment, packed end to end in segment order on `device`: keys and
-    values [2, H_kv, C, D] for the C cached tokens of the prompt (None: no segment has a cache). Two
-    concatenations whatever the number of segments; `KVPlacement.place` puts the pack in the prompt."""
-    layers = [kv for kv in read_layer(sources, layer, device) if kv is not None]  # per cached segment: [H_kv, T, D] x 2
-    if not layers:
-        return None
-    h_kv, _, d = layers[0][0].shape
-    n = sum(k.shape[1] for k, _ in layers)
-    packed = torch.empty(2, h_kv, n, d, dtype=layers[0][0].dtype, device=layers[0][0].device)  # [2, H_kv, C, D]
-    torch.cat([k for k, _ in layers], dim=1, out=packed[0])  # [H_kv, C, D]
-    torch.cat([v for _, v in layers], dim=1, out=packed[1])  # [H_kv, C, D]
-    return packed
-
-
 def pack_layers(
     sources: Sequence[LayerSource | None], layers: range, device: torch.device | str
 ) -> torch.Tensor | None:
-    """`pack_layer` for several layers at once [L', 2, H_kv, C, D] (a view): each layer read (`read_layer`:
-    in place from a device-resident tier, one pinned transfer a layer from host memory), then one
-    concatenation for all of them."""
+    """Layers `layers` of every cached segment, packed end to end in segment order on `device`: keys and
+    values [L', 2, H_kv, C, D] (a view) for the C cached tokens of the prompt (None: no segment has a
+    cache). Each layer is read (`read_layer`: in place from a device-resident tier, one pinned transfer a
+    layer from host memory), then one concatenation for all of them, whatever the number of segments;
+    `KVPlacement.place` puts the pack in the prompt."""
     if all(s is None for s in sources):
         return None
     reads = [[kv for kv in read_layer(sources, i, device) if kv is not None] for i in layers]  # [H_kv, T, D] x 2
@@ -120,6 +107,12 @@ def pack_layers(
     flat = torch.cat(pieces, dim=1)  # [H_kv, L' * 2 * C, D]
     h_kv, _, d = flat.shape
     return flat.view(h_kv, len(layers), 2, -1, d).permute(1, 2, 0, 3, 4)  # [L', 2, H_kv, C, D]
+
+
+def pack_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> torch.Tensor | None:
+    """`pack_layers` for one layer: [2, H_kv, C, D] (None: no segment has a cache)."""
+    packed = pack_layers(sources, range(layer, layer + 1), device)  # [1, 2, H_kv, C, D]
+    return None if packed is None else packed[0]
 
 
 @dataclass(frozen=True)
