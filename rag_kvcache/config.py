@@ -26,7 +26,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 Deviation = Literal["k", "v"]
-ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours"]
+ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours", "grouped"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -272,13 +272,16 @@ class IndexSettings:
         "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
         "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
         "cached_neighbours: the same, but behind the neighbours' cached K/V instead of their recomputed text, so only "
-        "the chunk's own tokens are computed for each context).",
+        "the chunk's own tokens are computed for each context; grouped: similar chunks prefilled together as one "
+        "sequence of 1 + context_chunks, each chunk's one cache computed behind those before it in its group, "
+        "about one forward over the corpus).",
     )
     context_chunks: int = setting(
         3,
         "chunk_prefill=neighbours or cached_neighbours: a chunk's caches are computed behind its 1, 2, ... this many "
         "most similar chunks; "
-        "a chunk with r chunks before it in a prompt reads the one behind min(r, this).",
+        "a chunk with r chunks before it in a prompt reads the one behind min(r, this). "
+        "chunk_prefill=grouped: a group holds a chunk and up to this many of its most similar chunks.",
     )
     dtype: DType = setting(
         "float32",

@@ -34,6 +34,7 @@ from filelock import FileLock, Timeout
 from .config import Config, IndexSettings
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
+from .errors import ConfigError
 from .indexing import staging
 from .indexing.maker import CacheMaker
 from .indexing.staging import Chunker, SyncReport
@@ -208,7 +209,16 @@ class KVIndex:
         with _writer_lock(self.path):
             used = self.maker.live_keys()
             staged = stage(lambda text, src: chunk_document(text, src, tok, n))
-            self.maker.precompute([c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers)
+            if self.maker.grouped:
+                if workers is not None:
+                    raise ConfigError(
+                        "chunk_prefill='grouped' computes its groups in this process: index without --ray"
+                    )
+                self.maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress=progress)
+            else:
+                self.maker.precompute(
+                    [c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers
+                )
             report = staging.commit(self.chunks, staged)
             self.maker.committed()
             if self.maker.with_neighbours:

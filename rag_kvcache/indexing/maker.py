@@ -24,6 +24,13 @@ costs the context's tokens too); the K/V differ from the recomputed ones (a neig
 not seen the neighbours before it), so they live under their own keys (the namespace holds
 `chunk_prefill`). With one neighbour the context is exact (the neighbour's cache is its own, right after
 the prefix), and so is the chunk's cache behind it.
+`chunk_prefill="grouped"` gives each chunk one cache with cross-chunk context at about the cost of a plain
+forward: the new chunks are split into groups of similar chunks (`grouping.similar_groups`, at most
+1 + `context_chunks` each), each group prefilled behind the prefix as one sequence laid out as a prompt lays
+chunks out, and each chunk's K/V cut from it: its cache behind the prefix and the chunks before it in its
+group (recorded in `neighbours.json`, nearest first; a group's first chunk is behind the prefix alone). A
+prompt that lays a group out as it was indexed reads exact caches; elsewhere a chunk reads its one cache
+re-rotated to where it sits (`precompute_grouped`).
 
 A run records the caches it is about to compute in `pending.json` before computing them, so that until it
 commits its chunks they are resumable work, not garbage (`pending`).
@@ -40,6 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from rich.filesize import decimal
 from tqdm.auto import tqdm
 
@@ -53,7 +61,8 @@ from ..store.addressing import CacheAddressing
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
-from .precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens
+from .grouping import similar_groups
+from .precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens, token_packs
 
 if TYPE_CHECKING:
     from .cluster import RayWorkers
@@ -83,13 +92,13 @@ class CacheMaker:
         self.chunks, self.format, self.foreign = chunks, format, foreign
         self._neighbours: dict[str, list[list[int]]] = (  # chunk (by `neighbour_key`) -> its neighbours' ids
             json.loads(self._neighbours_path.read_text(encoding="utf-8"))
-            if self.with_neighbours and self._neighbours_path.exists()
+            if (self.with_neighbours or self.grouped) and self._neighbours_path.exists()
             else {}
         )
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
-        # what names this index's caches (its neighbour table is the one `precompute_neighbours` fills)
+        # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
         self.addressing = CacheAddressing(
-            namespace, chunk_context, format.prefix_ids, format.separator_ids, self._neighbours
+            namespace, chunk_context, format.prefix_ids, format.separator_ids, self._neighbours, self.grouped
         )
 
     # ---- names ----------------------------------------------------------------------------------------
@@ -97,6 +106,11 @@ class CacheMaker:
     def with_neighbours(self) -> bool:
         """Whether chunks also have caches behind their most similar chunks (recomputed or cached context)."""
         return self.config.index.chunk_prefill in ("neighbours", "cached_neighbours")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether each chunk's one cache is computed behind the chunks before it in its group of similar chunks."""
+        return self.config.index.chunk_prefill == "grouped"
 
     def live_keys(self) -> Table:
         """Every cache the index uses: the prefix's, each chunk's behind its context and, with
@@ -106,8 +120,11 @@ class CacheMaker:
         if self.config.index.chunk_prefill == "cached_neighbours" and sep:
             live[self.addressing.key(sep, prefix)] = (sep, prefix)
         for ids in self.chunks.token_ids():
-            live[self.addressing.key(ids)] = (ids, self.addressing.chunk_context)
-            for context in self.addressing.neighbour_contexts(self.addressing.near(ids)):
+            own = self.addressing.contexts_at(0, ids)[0]  # the chunk's context, its group's with `grouped`
+            live[self.addressing.key(ids, own)] = (ids, own)
+            for context in (
+                self.addressing.neighbour_contexts(self.addressing.near(ids)) if self.with_neighbours else ()
+            ):
                 live[self.addressing.key(ids, context)] = (ids, context)
         return live
 
@@ -150,6 +167,64 @@ class CacheMaker:
             for i, kv in self.compute(todo, self.addressing.chunk_context):
                 writer.put(key(todo[i]), kv)
                 bar.update(len(todo[i]))
+        bar.close()
+        return len(todo)
+
+    def precompute_grouped(self, chunks: Sequence[ChunkRecord], embeddings: np.ndarray, progress: bool = True) -> int:
+        """`chunk_prefill="grouped"`: compute and store the caches of `chunks` (embedded as `embeddings` [C, E])
+        that have none yet, in groups of similar chunks, each group one sequence behind the prefix (packed
+        several to a forward); record each chunk's group before it in `neighbours.json`. Returns how many
+        caches were computed. A chunk already recorded with its cache stored (an unchanged chunk of an edited
+        document, or one a killed run computed) is not computed again; a recorded one whose cache is missing
+        is grouped again."""
+        prefix, sep, key = self.format.prefix_ids, self.format.separator_ids, self.addressing.key
+        past = self.adapter.prefill_packed([prefix])[0]  # L x [H_kv, P, D] each: what every group is behind
+        if key(prefix, ()) not in self.store.disk:
+            self.store.put(key(prefix, ()), ChunkKV(*past, 0))
+        table, todo, rows, seen = self._neighbours, [], [], set()
+        for row, chunk in enumerate(chunks):
+            ids = chunk.token_ids
+            if ids in seen or key(ids, self.addressing.contexts_at(0, ids)[0]) in self.store.disk:
+                continue
+            seen.add(ids)
+            todo.append(ids)
+            rows.append(row)
+        if not todo:
+            return 0
+        groups = [[todo[i] for i in g] for g in similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)]
+        for group in groups:
+            for k, ids in enumerate(group):
+                table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
+        self._record_pending(
+            self.pending() | {key(ids, ctx): (ids, ctx) for ids in todo for ctx in self.addressing.contexts_at(0, ids)}
+        )
+        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
+        log.info(
+            "computing the KV caches of %d chunks in %d groups of similar chunks (%d tokens): about %s on disk "
+            "(codec %s)",
+            len(todo),
+            len(groups),
+            sum(map(len, todo)),
+            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
+            self.store.codec.name,
+        )
+        sequences = [tuple(t for k, ids in enumerate(g) for t in (*(sep if k else ()), *ids)) for g in groups]
+        bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
+        with WriteBehind(self.store) as writer:
+            for pack in token_packs(sequences, pack_tokens(self.config)):
+                for g, (keys, values) in zip(pack, self.adapter.prefill_packed([sequences[g] for g in pack], past)):
+                    start = 0
+                    for k, ids in enumerate(groups[g]):
+                        start += len(sep) if k else 0
+                        cut = slice(start, start + len(ids))
+                        kv = ChunkKV(
+                            [x[:, cut].contiguous() for x in keys],  # [H_kv, T, D]
+                            [x[:, cut].contiguous() for x in values],  # [H_kv, T, D]
+                            len(prefix) + start,
+                        )
+                        writer.put(key(ids, self.addressing.contexts_at(0, ids)[0]), kv)
+                        start += len(ids)
+                        bar.update(len(ids))
         bar.close()
         return len(todo)
 

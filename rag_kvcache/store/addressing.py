@@ -4,7 +4,8 @@ what names an index's caches.
 A cache is addressed by its content (`cache_key`): the index's namespace (its model and `chunk_prefill`),
 the tokens it was computed behind (its context) and its own tokens. `CacheAddressing` holds the contexts an
 index computes caches behind: the system prefix (or nothing, `chunk_prefill="isolated"`), and with
-neighbour caches each chunk's recorded most similar chunks. `address` lays a prompt's segments over them:
+neighbour caches each chunk's recorded most similar chunks (with grouped caches, the chunks before it in its
+group: its one context). `address` lays a prompt's segments over them:
 for each segment the keys it reads (averaged when several), what they were computed behind, and whether
 they hold request text (a tenant's, kept in memory only). `KVIndex.caches.open` opens what it names.
 """
@@ -34,13 +35,16 @@ def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) ->
 class CacheAddressing:
     """What names an index's caches: its `namespace`, the `chunk_context` a chunk's cache is computed behind,
     the prompt format's `prefix_ids` and `separator_ids`, and (`chunk_prefill="neighbours"` or
-    "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first."""
+    "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first; with
+    `grouped` (`chunk_prefill="grouped"`) a chunk's recorded neighbours are the chunks before it in its group,
+    nearest first, and its one cache is behind them."""
 
     namespace: str
     chunk_context: tuple[int, ...]
     prefix_ids: tuple[int, ...]
     separator_ids: tuple[int, ...]
     neighbours: Mapping[str, Sequence[Sequence[int]]]
+    grouped: bool = False
 
     def key(self, ids: Sequence[int], context: Sequence[int] | None = None, salt: str = "") -> str:
         """The store key of the cache of `ids` computed behind `context` (default: a chunk's); a `salt`
@@ -68,9 +72,12 @@ class CacheAddressing:
         """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
         prompt: with recorded neighbours, behind its min(depth, recorded) most similar chunks (a context of
         as many chunks as it meets) and behind `chunk_context`, except for the first chunk (depth 0), whose
-        behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `address`
-        reads one alone where the prompt reproduces it."""
+        behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `grouped`: the
+        chunk's one cache, behind the chunks before it in its group, at every depth. `address` reads one alone
+        where the prompt reproduces it."""
         near = self.neighbours.get(self.neighbour_key(ids))
+        if self.grouped:
+            return (self.neighbour_context(near) if near else self.chunk_context,)
         if near is None or depth == 0:
             return (self.chunk_context,)
         return self.neighbour_context(near[:depth]), self.chunk_context

@@ -1,0 +1,169 @@
+"""`chunk_prefill="grouped"` (issue 33 item 1): similar chunks prefilled together as one sequence, each chunk's
+one cache cut from it, so a cache carries the context of the similar chunks before it at the cost of one
+forward over the corpus. Each stored cache equals a prefill of the chunk behind its recorded group context;
+a prompt that lays a group out as it was indexed reads every chunk exactly."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from test_cached_neighbours import assert_same, text_cache, write_docs
+from test_fusion import ATOL
+
+from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
+from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.grouping import similar_groups
+
+# caches stored as computed: the exactness checks compare K/V to float tolerance; groups of three
+GROUPED = Config(
+    index=IndexSettings(chunk_tokens=24, chunk_prefill="grouped", context_chunks=2, codec="none"),
+    query=QueryConfig(top_k=3),
+)
+
+
+@pytest.fixture(params=["tiny", "bpe_tiny"])
+def model(request):
+    """MiniLM's WordPiece (no separator token between chunks) and a byte-level BPE (a separator token)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture()
+def index(model, tmp_path) -> KVIndex:
+    write_docs(tmp_path / "docs")
+    return KVIndex.build(tmp_path / "docs", tmp_path / "idx", GROUPED, adapter=model, progress=False)
+
+
+def groups_of(index: KVIndex) -> list[list[tuple[int, ...]]]:
+    """The index's groups, each in the order it was laid out, read back from the recorded contexts."""
+    near = {c.token_ids: [tuple(n) for n in index.addressing.near(c.token_ids)] for c in index.chunks.all_chunks()}
+    return [[*reversed(before), ids] for ids, before in near.items() if not any(ids in n for n in near.values())]
+
+
+def test_similar_groups_partition_the_rows_and_gather_the_similar():
+    rng = np.random.default_rng(0)
+    directions = np.eye(3, 8, dtype=np.float32) * 10  # three well-separated directions
+    which = rng.permutation(np.repeat(np.arange(3), 4))  # 12 rows, 4 of each, shuffled
+    rows = directions[which] + rng.normal(0, 0.1, (12, 8)).astype(np.float32)
+    groups = similar_groups(rows, 4)
+    assert sorted(i for g in groups for i in g) == list(range(12))
+    assert all(len(set(which[g])) == 1 for g in groups) and len(groups) == 3
+    assert similar_groups(rows, 5)[0][0] == 0 and max(map(len, similar_groups(rows, 5))) == 5
+    assert similar_groups(np.zeros((0, 8), np.float32), 3) == []
+    with pytest.raises(ValueError, match="size must be >= 1, got 0"):
+        similar_groups(rows, 0)
+
+
+def test_each_chunk_has_one_cache_a_prefill_behind_its_group_gives(model, index):
+    """The invariant: a chunk's stored cache equals a prefill of it behind the prefix and the chunks before it
+    in its group (its recorded context); each chunk has that one cache and no behind-prefix one besides."""
+    groups = groups_of(index)
+    assert max(map(len, groups)) == 3 and sum(map(len, groups)) == len(index.chunks)
+    live = index.maker.live_keys()
+    assert len(live) == len(index.chunks) + 1  # one cache a chunk, and the prefix's
+    assert sorted(p.stem for p in index.store.disk.files()) == sorted(live)
+    for group in groups:
+        for k, ids in enumerate(group):
+            (context,) = index.addressing.contexts_at(k, ids)
+            assert context == index.addressing.neighbour_context(list(reversed(group[:k])))
+            assert_same(index.store.get(index.addressing.key(ids, context)), text_cache(model, ids, context))
+
+
+def test_indexing_computes_each_token_once(tiny, tmp_path, monkeypatch):
+    """The cost: one forward over the prefix, and every chunk's tokens and the separators inside its group once."""
+    write_docs(tmp_path / "docs")
+    index = KVIndex.create(tmp_path / "idx", GROUPED, adapter=tiny)
+    computed, real = [], tiny.prefill_packed
+    monkeypatch.setattr(tiny, "prefill_packed", lambda chunks, past=None: computed.extend(chunks) or real(chunks, past))
+    index.update(tmp_path / "docs", progress=False)
+    monkeypatch.undo()
+    groups = groups_of(index)
+    sep = len(index.format.separator_ids)
+    chunk_tokens = sum(len(c.token_ids) for c in index.chunks.all_chunks())
+    assert sum(map(len, computed)) == len(index.format.prefix_ids) + chunk_tokens + sep * (
+        len(index.chunks) - len(groups)
+    )
+
+
+def test_a_prompt_laying_a_group_out_reads_it_exactly(model, index):
+    """A prompt with a group's chunks in the order they were indexed reproduces each chunk's context: every
+    chunk's cache is exact, and `reuse` (which recomputes only the question) equals a full prefill."""
+    group = max(groups_of(index), key=len)
+    fmt, question = index.format, "Who kept the diary?"
+    gen = FusedGenerator(index)
+    for chunks, exact in ((group, True), (group[::-1], False)):
+        segments = fmt.segments(chunks, fmt.question_ids(model.tokenizer, question))
+        caches = index.caches.open(segments)
+        parts = FusionInput.build(segments, caches.sources, caches.contexts).parts
+        assert caches.missing == 0
+        assert all(p.exact for p in parts if p.segment.label.startswith("chunk")) == exact
+    segments = fmt.segments(group, fmt.question_ids(model.tokenizer, question))
+    torch.testing.assert_close(
+        gen.fuse(segments, FusionConfig(method="reuse")).result.logits,
+        gen.fuse(segments, FusionConfig(method="full")).result.logits,
+        atol=ATOL,
+        rtol=0,
+    )
+
+
+def test_a_missing_cache_is_recomputed_behind_its_group_and_the_answer_unchanged(model, index, caplog):
+    """Fault: a grouped chunk's cache gone is recomputed behind its group's text, stored again, logged, and
+    equals the one the group's forward made."""
+    group = max(groups_of(index), key=len)
+    ids = group[-1]
+    (context,) = index.addressing.contexts_at(0, ids)
+    key = index.addressing.key(ids, context)
+    before = index.store.get(key)
+    index.store.memory.remove(key)
+    index.store.disk.remove(key)
+    segments = index.format.segments(group, index.format.question_ids(model.tokenizer, "Who kept the diary?"))
+    with caplog.at_level(logging.WARNING):
+        assert index.caches.open(segments).missing == 1
+    assert "recomputed and rewrote" in caplog.text and key in index.store.disk
+    assert_same(index.store.get(key), before)
+
+
+def test_documents_added_later_are_grouped_among_themselves_and_nothing_is_orphaned(tiny, tmp_path):
+    write_docs(tmp_path / "docs")
+    index = KVIndex.build(tmp_path / "docs", tmp_path / "idx", GROUPED, adapter=tiny, progress=False)
+    before = {key: index.store.get(key) for key in index.maker.live_keys()}
+    (tmp_path / "docs" / "mill.txt").write_text(
+        "The windmill at Saltmere grinds rye for the bakery. Its sails were replaced in 1990 after a storm."
+    )
+    index.update(tmp_path / "docs", progress=False)
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    assert set(before) < set(reopened.maker.live_keys()) and reopened.orphans() == []
+    for key, kv in before.items():
+        assert_same(reopened.store.get(key), kv)
+    new = [c for c in reopened.chunks.all_chunks() if c.source == "mill.txt"]
+    assert all(not set(map(tuple, reopened.addressing.near(c.token_ids))) - {n.token_ids for n in new} for c in new)
+    question = "When were the windmill's sails replaced?"
+    segments = reopened.format.segments(
+        [h.chunk.token_ids for h in reopened.search(question, 3)],
+        reopened.format.question_ids(tiny.tokenizer, question),
+    )
+    assert reopened.caches.open(segments).missing == 0
+
+
+def test_a_ray_cluster_is_refused_by_name(tiny, tmp_path):
+    write_docs(tmp_path / "docs")
+    index = KVIndex.create(tmp_path / "idx", GROUPED, adapter=tiny)
+    with pytest.raises(ConfigError, match="grouped.*without --ray"):
+        index.update(tmp_path / "docs", progress=False, workers=object())
+
+
+def test_bench_and_cli_name_it():
+    from typer.testing import CliRunner
+
+    from rag_kvcache.bench.variants import made_with, parse_variant
+    from rag_kvcache.cli import app
+
+    assert parse_variant("epic_match@grouped", FusionConfig(), Config()).caches == "grouped"
+    assert made_with(Config(), "grouped").index.chunk_prefill == "grouped"
+    result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "grouped" in result.output
