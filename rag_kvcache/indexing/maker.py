@@ -62,7 +62,7 @@ from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
 from .grouping import similar_groups
-from .precompute import WriteBehind, compute_behind_cached, compute_caches, pack_tokens, token_packs
+from .precompute import WriteBehind, compute_behind_cached, compute_caches, compute_grouped, pack_tokens
 
 if TYPE_CHECKING:
     from .cluster import RayWorkers
@@ -208,23 +208,11 @@ class CacheMaker:
             decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
             self.store.codec.name,
         )
-        sequences = [tuple(t for k, ids in enumerate(g) for t in (*(sep if k else ()), *ids)) for g in groups]
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
-            for pack in token_packs(sequences, pack_tokens(self.config)):
-                for g, (keys, values) in zip(pack, self.adapter.prefill_packed([sequences[g] for g in pack], past)):
-                    start = 0
-                    for k, ids in enumerate(groups[g]):
-                        start += len(sep) if k else 0
-                        cut = slice(start, start + len(ids))
-                        kv = ChunkKV(
-                            [x[:, cut].contiguous() for x in keys],  # [H_kv, T, D]
-                            [x[:, cut].contiguous() for x in values],  # [H_kv, T, D]
-                            len(prefix) + start,
-                        )
-                        writer.put(key(ids, self.addressing.contexts_at(0, ids)[0]), kv)
-                        start += len(ids)
-                        bar.update(len(ids))
+            for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
+                writer.put(key(ids, self.addressing.contexts_at(0, ids)[0]), kv)
+                bar.update(len(ids))
         bar.close()
         return len(todo)
 

@@ -15,6 +15,9 @@ another, BLAS may pick other kernels on small shapes: a 3-token chunk's cache di
 between 1 and 2 threads). The writer keeps at most `depth` caches waiting (memory stays bounded); a
 failed write (`StorageFullError`) is raised to the caller at the next `put` or at `flush`.
 
+`compute_grouped` prefills groups of chunks, each group one sequence behind a context, and cuts each chunk's
+cache from its group's K/V (`chunk_prefill="grouped"`).
+
 `compute_behind_cached` prefills a chunk behind a context read from caches instead of recomputed from
 its text (`chunk_prefill="cached_neighbours"`): the context's K/V are stored caches laid end to end,
 each one's keys re-rotated to the positions it takes there (`cached_context`), so only the chunk's own
@@ -60,6 +63,36 @@ def compute_caches(
     for pack in token_packs(chunks, max_tokens):
         for i, (keys, values) in zip(pack, adapter.prefill_packed([chunks[i] for i in pack], past)):
             yield i, ChunkKV(keys, values, len(context))
+
+
+def compute_grouped(
+    adapter: ModelAdapter,
+    groups: Sequence[Sequence[tuple[int, ...]]],
+    past: tuple[list[torch.Tensor], list[torch.Tensor]],
+    separator: tuple[int, ...],
+    max_tokens: int,
+) -> Iterator[tuple[tuple[int, ...], ChunkKV]]:
+    """Prefill each group of chunks behind `past` (a context's per-layer K/V [H_kv, P, D]) as one sequence,
+    laid out as a prompt lays chunks out (`separator` between two), the groups in packs of at most
+    `max_tokens` tokens (`token_packs`); yields each chunk's ids and its cache, cut from its group's K/V:
+    the chunk computed behind the context and the chunks before it in its group."""
+    p = past[0][0].shape[1]
+    sequences = [tuple(t for k, ids in enumerate(g) for t in (*(separator if k else ()), *ids)) for g in groups]
+    for pack in token_packs(sequences, max_tokens):
+        for g, (keys, values) in zip(pack, adapter.prefill_packed([sequences[g] for g in pack], past)):
+            start = 0  # where the chunk starts in its group's sequence
+            for k, ids in enumerate(groups[g]):
+                start += len(separator) if k else 0
+                cut = slice(start, start + len(ids))
+                yield (
+                    ids,
+                    ChunkKV(
+                        [x[:, cut].contiguous() for x in keys],  # L x [H_kv, T, D]
+                        [x[:, cut].contiguous() for x in values],  # L x [H_kv, T, D]
+                        p + start,
+                    ),
+                )
+                start += len(ids)
 
 
 def cached_context(
