@@ -11,7 +11,8 @@ teacher-forced KL to `full` (bootstrap 95% interval), and the tokens the method 
 repair adds the sentences echoing the question to EPIC's chunk heads: fewer echoes, fewer tokens; and
 `epic_evidence`'s, from runs with `full,epic_evidence`, adds the sentences the embedder finds closest to
 the question; `cacheblend@cached_neighbours` and `epic_match@cached_neighbours` run on caches computed behind
-each chunk's most similar chunks' cached K/V, issue 33 item 1). Paired over questions, on each set, with a bootstrap interval: TF KL differences between
+each chunk's most similar chunks' cached K/V, issue 33 item 1; `cacheblend@grouped` and `epic_match@grouped` on
+caches cut from groups of similar chunks prefilled together). Paired over questions, on each set, with a bootstrap interval: TF KL differences between
 the methods of `PAIRS` (where every question has both); and on the
 questions `full` answers right both ways, each method's planted-fact hits on one set against the other.
 """
@@ -28,7 +29,8 @@ import numpy as np
 BOOT = 2000
 METHODS = ("full", "cacheblend", "epic_match")
 NEIGHBOURS = ("cacheblend@cached_neighbours", "epic_match@cached_neighbours")
-OPTIONAL = ("epic", "epic_evidence", *NEIGHBOURS)  # reported where every question has it
+GROUPED = ("cacheblend@grouped", "epic_match@grouped")
+OPTIONAL = ("epic", "epic_evidence", *NEIGHBOURS, *GROUPED)  # reported where every question has it
 PAIRS = (
     ("epic_match", "cacheblend"),
     ("epic_evidence", "cacheblend"),
@@ -38,6 +40,9 @@ PAIRS = (
     ("epic_match@cached_neighbours", "epic_match"),
     ("epic_match@cached_neighbours", "cacheblend"),
     ("epic_match@cached_neighbours", "cacheblend@cached_neighbours"),
+    ("epic_match@grouped", "epic_match"),
+    ("epic_match@grouped", "cacheblend"),
+    ("epic_match@cached_neighbours", "epic_match@grouped"),
 )
 
 
