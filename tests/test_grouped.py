@@ -128,6 +128,46 @@ def test_a_missing_cache_is_recomputed_behind_its_group_and_the_answer_unchanged
     assert_same(index.store.get(key), before)
 
 
+def test_a_run_killed_midway_keeps_what_it_stored_and_the_next_completes_it(tiny, tmp_path, monkeypatch):
+    """Fault: indexing killed after two caches were written. The next run computes only the chunks without a
+    stored cache (grouped again among themselves); every cache it reads then equals a prefill behind its
+    recorded group, and nothing is left orphaned."""
+    import rag_kvcache.indexing.maker as maker
+
+    write_docs(tmp_path / "docs")
+    index = KVIndex.create(tmp_path / "idx", GROUPED, adapter=tiny)
+    real = maker.compute_grouped
+
+    def dies_after_two(*args, **kwargs):
+        for n, item in enumerate(real(*args, **kwargs)):
+            if n == 2:
+                raise KeyboardInterrupt("killed while computing grouped caches")
+            yield item
+
+    monkeypatch.setattr(maker, "compute_grouped", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        index.update(tmp_path / "docs", progress=False)
+    monkeypatch.undo()
+    stored = {p.stem for p in index.store.disk.files()}
+    assert len(stored) == 3  # the prefix's and two chunks'
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    computed: list[tuple[int, ...]] = []
+
+    def counts(*args, **kwargs):
+        for ids, kv in real(*args, **kwargs):
+            computed.append(ids)
+            yield ids, kv
+
+    monkeypatch.setattr(maker, "compute_grouped", counts)
+    reopened.update(tmp_path / "docs", progress=False)
+    kept = {ids for key, (ids, _) in reopened.maker.live_keys().items() if key in stored}
+    assert len(computed) == len(reopened.chunks) - 2 and not kept & set(computed)
+    assert stored < set(reopened.maker.live_keys()) and reopened.orphans() == []
+    for ids, context in reopened.maker.live_keys().values():
+        if ids != reopened.format.prefix_ids:
+            assert_same(reopened.store.get(reopened.addressing.key(ids, context)), text_cache(tiny, ids, context))
+
+
 def test_documents_added_later_are_grouped_among_themselves_and_nothing_is_orphaned(tiny, tmp_path):
     write_docs(tmp_path / "docs")
     index = KVIndex.build(tmp_path / "docs", tmp_path / "idx", GROUPED, adapter=tiny, progress=False)
