@@ -113,8 +113,9 @@ class CacheMaker:
         return self.config.index.chunk_prefill == "grouped"
 
     def live_keys(self) -> Table:
-        """Every cache the index uses: the prefix's, each chunk's behind its context and, with
-        `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of its recorded neighbours."""
+        """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
+        before it in its group) and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each
+        number of its recorded neighbours."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         live: Table = {self.addressing.key(prefix, ()): (prefix, ())}
         if self.config.index.chunk_prefill == "cached_neighbours" and sep:
