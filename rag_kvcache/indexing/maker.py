@@ -156,13 +156,7 @@ class CacheMaker:
                 )
             return len(todo)
         if todo:
-            log.info(
-                "computing the KV caches of %d chunks (%d tokens): about %s on disk (codec %s)",
-                len(todo),
-                sum(map(len, todo)),
-                decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
-                self.store.codec.name,
-            )
+            self._announce(todo)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
             for i, kv in self.compute(todo, self.addressing.chunk_context):
@@ -200,15 +194,7 @@ class CacheMaker:
             self.pending() | {key(ids, ctx): (ids, ctx) for ids in todo for ctx in self.addressing.contexts_at(0, ids)}
         )
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
-        log.info(
-            "computing the KV caches of %d chunks in %d groups of similar chunks (%d tokens): about %s on disk "
-            "(codec %s)",
-            len(todo),
-            len(groups),
-            sum(map(len, todo)),
-            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
-            self.store.codec.name,
-        )
+        self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
             for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
@@ -216,6 +202,18 @@ class CacheMaker:
                 bar.update(len(ids))
         bar.close()
         return len(todo)
+
+    def _announce(self, todo: Sequence[tuple[int, ...]], how: str = "") -> None:
+        """Log, before computing them, how many chunk caches indexing computes (`how`) and about how many bytes
+        they take on disk."""
+        log.info(
+            "computing the KV caches of %d chunks%s (%d tokens): about %s on disk (codec %s)",
+            len(todo),
+            how,
+            sum(map(len, todo)),
+            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
+            self.store.codec.name,
+        )
 
     def pending(self) -> Table:
         """The caches an `index` run computed for chunks it had not committed when it was interrupted (Ctrl-C,
