@@ -34,7 +34,6 @@ from filelock import FileLock, Timeout
 from .config import Config, IndexSettings
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
-from .errors import ConfigError
 from .indexing import staging
 from .indexing.maker import CacheMaker
 from .indexing.staging import Chunker, SyncReport
@@ -210,11 +209,7 @@ class KVIndex:
             used = self.maker.live_keys()
             staged = stage(lambda text, src: chunk_document(text, src, tok, n))
             if self.maker.grouped:
-                if workers is not None:
-                    raise ConfigError(
-                        "chunk_prefill='grouped' computes its groups in this process: index without --ray"
-                    )
-                self.maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress=progress)
+                self.maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress, workers)
             else:
                 self.maker.precompute(
                     [c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers

@@ -55,7 +55,7 @@ from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
 from ..engine.model import ModelAdapter
 from ..engine.prompt import PromptFormat
-from ..errors import StorageFullError
+from ..errors import ConfigError, StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
 from ..store.addressing import CacheAddressing
 from ..store.codecs import cache_nbytes
@@ -121,7 +121,7 @@ class CacheMaker:
         if self.config.index.chunk_prefill == "cached_neighbours" and sep:
             live[self.addressing.key(sep, prefix)] = (sep, prefix)
         for ids in self.chunks.token_ids():
-            own = self.addressing.contexts_at(0, ids)[0]  # the chunk's context, its group's with `grouped`
+            own = self.addressing.own_context(ids)
             live[self.addressing.key(ids, own)] = (ids, own)
             for context in (
                 self.addressing.neighbour_contexts(self.addressing.near(ids)) if self.with_neighbours else ()
@@ -165,40 +165,50 @@ class CacheMaker:
         bar.close()
         return len(todo)
 
-    def precompute_grouped(self, chunks: Sequence[ChunkRecord], embeddings: np.ndarray, progress: bool = True) -> int:
+    def precompute_grouped(
+        self,
+        chunks: Sequence[ChunkRecord],
+        embeddings: np.ndarray,
+        progress: bool = True,
+        workers: RayWorkers | None = None,
+    ) -> int:
         """`chunk_prefill="grouped"`: compute and store the caches of `chunks` (embedded as `embeddings` [C, E])
         that have none yet, in groups of similar chunks, each group one sequence behind the prefix (packed
         several to a forward); record each chunk's group before it in `neighbours.json`. Returns how many
         caches were computed. A chunk already recorded with its cache stored (an unchanged chunk of an edited
         document, or one a killed run computed) is not computed again; a recorded one whose cache is missing
-        is grouped again."""
-        prefix, sep, key = self.format.prefix_ids, self.format.separator_ids, self.addressing.key
-        past = self.adapter.prefill_packed([prefix])[0]  # L x [H_kv, P, D] each: what every group is behind
-        if key(prefix, ()) not in self.store.disk:
-            self.store.put(key(prefix, ()), ChunkKV(*past, 0))
+        is grouped again. Ray `workers` are refused: the groups are computed in this process."""
+        if workers is not None:
+            raise ConfigError("chunk_prefill='grouped' computes its groups in this process: index without --ray")
+        prefix, sep = self.format.prefix_ids, self.format.separator_ids
+        key, own = self.addressing.key, self.addressing.own_context
         table, todo, rows, seen = self._neighbours, [], [], set()
         for row, chunk in enumerate(chunks):
             ids = chunk.token_ids
-            if ids in seen or key(ids, self.addressing.contexts_at(0, ids)[0]) in self.store.disk:
+            if ids in seen or key(ids, own(ids)) in self.store.disk:
                 continue
             seen.add(ids)
             todo.append(ids)
             rows.append(row)
+        stored = key(prefix, ()) in self.store.disk
+        if stored and not todo:
+            return 0
+        past = self.adapter.prefill_packed([prefix])[0]  # L x [H_kv, P, D] each: what every group is behind
+        if not stored:
+            self.store.put(key(prefix, ()), ChunkKV(*past, 0))
         if not todo:
             return 0
         groups = [[todo[i] for i in g] for g in similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)]
         for group in groups:
             for k, ids in enumerate(group):
                 table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
-        self._record_pending(
-            self.pending() | {key(ids, ctx): (ids, ctx) for ids in todo for ctx in self.addressing.contexts_at(0, ids)}
-        )
+        self._record_pending(self.pending() | {key(ids, own(ids)): (ids, own(ids)) for ids in todo})
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
             for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
-                writer.put(key(ids, self.addressing.contexts_at(0, ids)[0]), kv)
+                writer.put(key(ids, own(ids)), kv)
                 bar.update(len(ids))
         bar.close()
         return len(todo)

@@ -68,6 +68,12 @@ class CacheAddressing:
         similar, for j = 1..len(near)."""
         return [self.neighbour_context(near[:j]) for j in range(1, len(near) + 1)]
 
+    def own_context(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """What chunk `ids`'s own cache (the one indexing makes first) is computed behind: `chunk_context`, or
+        with `grouped` the prefix and the chunks before it in its group."""
+        near = self.neighbours.get(self.neighbour_key(ids)) if self.grouped else None
+        return self.neighbour_context(near) if near else self.chunk_context
+
     def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
         prompt: with recorded neighbours, behind its min(depth, recorded) most similar chunks (a context of
@@ -75,9 +81,9 @@ class CacheAddressing:
         behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `grouped`: the
         chunk's one cache, behind the chunks before it in its group, at every depth. `address` reads one alone
         where the prompt reproduces it."""
-        near = self.neighbours.get(self.neighbour_key(ids))
         if self.grouped:
-            return (self.neighbour_context(near) if near else self.chunk_context,)
+            return (self.own_context(ids),)
+        near = self.neighbours.get(self.neighbour_key(ids))
         if near is None or depth == 0:
             return (self.chunk_context,)
         return self.neighbour_context(near[:depth]), self.chunk_context
