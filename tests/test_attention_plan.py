@@ -12,9 +12,11 @@ from rag_kvcache.engine.ops import (
     RunCost,
     attend,
     attend_lse,
+    attend_split,
     attention_plan,
     causal_attend,
     causal_mask_for,
+    mask_bias,
     merge_attention,
     plan_runs,
 )
@@ -119,9 +121,27 @@ def test_merge_attention_into_a_strided_view_equals_attention_over_the_union(dty
     torch.testing.assert_close(merge_attention(o_a, lse_a, o_b, lse_b), ref, **tol)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_attention_over_keys_cut_into_parts_equals_one_pass(splits):
+    # scattered queries, some before the later parts' first key (they see nothing there: weight 0, whatever the
+    # kernel leaves for them), over keys in a buffer with a column past them (the settled step's scratch key)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor(sorted(set(torch.randint(0, 128, (40,), generator=g).tolist())))  # [M]
+    q = torch.randn(3, positions.numel(), 16, generator=g)  # [H, M, D]
+    k, v = torch.randn(3, 129, 16, generator=g), torch.randn(3, 129, 16, generator=g)  # [H, 128 + 1, D]
+    bias = mask_bias(causal_mask_for(positions, torch.arange(128)), q.dtype)  # [M, 128]
+    ref, ref_lse = attend_lse(q, k[:, :128], v[:, :128], bias, 0.25)
+    out, lse = attend_split(q, k, v, bias, 0.25, splits)
+    assert positions[0] < 128 // splits  # a query with no key in the last part
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="128 keys do not cut into 3"):
+        attend_split(q, k, v, bias, 0.25, 3)
+
+
 def test_a_single_call_plan_equals_the_mask():
     """The plan CUDA gets for scattered queries (one masked call per layer, not a call per run), made
-    here on the CPU: one run over every key up to the last query, and the result equals the mask."""
+    here on the CPU: one run over every key, and the result equals the mask."""
     positions = torch.tensor(scattered(600, 90, 12, seed=3))
     g = torch.Generator().manual_seed(3)
     q = torch.randn(6, len(positions), 8, generator=g)  # GQA: 6 query heads over 2 KV heads

@@ -275,6 +275,20 @@ def test_an_active_set_without_every_uncached_token_is_refused(tiny):
         selective_prefill(tiny, inp, fresh[1:])
 
 
+@pytest.mark.parametrize("keep", ["all but the last", "none"])
+def test_a_refine_that_drops_the_last_token_is_refused(tiny, keep):
+    """The logits are the last token's: a narrowing that leaves it out is refused (checked once the forward is
+    queued, so that no narrowing waits on the device), not served."""
+    inp = rag_prompt(tiny)
+
+    def refine(layer, active, fresh_kv, layer_cache):
+        return torch.arange(active.numel() - 1 if keep == "none" else 0, active.numel() - 1)  # [A - 1] or []
+
+    match = "kept no token" if keep == "none" else "dropped the last prompt token"
+    with pytest.raises(ValueError, match=match):
+        selective_prefill(tiny, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], refine, settled=2)
+
+
 def test_cacheblend_drift_estimate_is_what_its_selection_leaves(tiny):
     """The check layer's drift estimate: 0 when every reusable token is recomputed (ratio 1.0), the largest when
     none is (ratio 0), falling as the ratio rises; recorded, and nothing bounded, without a limit."""

@@ -13,7 +13,7 @@ from rag_kvcache.engine.cache import ChunkKV, SliceKV, read_layer
 from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.engine.ops import attend_lse, mask_bias
+from rag_kvcache.engine.ops import attend_lse, attend_split, causal_mask_for, mask_bias
 from rag_kvcache.store.tiers import MemoryTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -59,6 +59,24 @@ def test_attend_lse_on_cuda_equals_a_float64_reference(dtype, tol):
     assert lse.dtype == torch.float32 and lse.shape == (h, m) and out.shape == (h, m, d)
     assert (out.double().cpu() - ref).norm() / ref.norm() < tol
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_attend_split_on_cuda_equals_a_float64_reference(dtype, tol):
+    # the keys cut into 8 parts in one call of the memory-efficient kernel, merged by log-sum-exp; the first
+    # queries see no key of the later parts (whatever the kernel writes for them must weigh nothing)
+    g = torch.Generator().manual_seed(6)
+    h, d, n = 8, 64, 512
+    positions = torch.cat([torch.arange(3, 9), torch.randperm(n, generator=g)[:57].sort().values]).unique()  # [M]
+    q = torch.randn(h, positions.numel(), d, generator=g)
+    k, v = torch.randn(h, n + 1, d, generator=g), torch.randn(h, n + 1, d, generator=g)  # a scratch column past n
+    bias = mask_bias(causal_mask_for(positions, torch.arange(n)), torch.float64)  # [M, n]
+    scores = torch.einsum("hmd,hnd->hmn", q.double(), k[:, :n].double()) * 0.125 + bias  # [H, M, n]
+    ref = torch.softmax(scores, -1) @ v[:, :n].double()  # [H, M, D]
+    out, lse = attend_split(*(t.to("cuda", dtype) for t in (q, k, v)), bias.to("cuda", dtype), 0.125, 8)
+    assert not out.isnan().any()
+    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+    torch.testing.assert_close(lse.double().cpu(), scores.logsumexp(-1), atol=tol, rtol=0)
 
 
 def test_read_layer_on_cuda_equals_copying_each_segment():

@@ -13,7 +13,7 @@ from test_fusion import rag_prompt
 
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.cache import SliceKV, pack_layer, pack_layers
-from rag_kvcache.engine.graphs import LayerGraphs, bucket
+from rag_kvcache.engine.graphs import LayerGraphs, bucket, key_splits
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.store.loading import LayerFeed
@@ -40,9 +40,10 @@ def fuse(adapter, inp, method, graphs, reader=None):
         adapter.graphs = None
 
 
+@pytest.mark.parametrize("processors", [0, 64])  # 64: the attention's keys cut into parts (on CUDA, by its SMs)
 @pytest.mark.parametrize("method", METHODS)
-def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
-    graphs = LayerGraphs(adapter, limit=8, capture=False)
+def test_settled_step_equals_the_layer_by_layer_forward(adapter, method, processors):
+    graphs = LayerGraphs(adapter, limit=8, capture=False, processors=processors)
     for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):  # later prompts land in buckets an earlier prompt filled
         inp = rag_prompt(adapter, seed=seed, n_chunks=n_chunks)
         ref = fuse(adapter, inp, method, None)
@@ -54,6 +55,17 @@ def test_settled_step_equals_the_layer_by_layer_forward(adapter, method):
         assert got.compute_fraction == ref.compute_fraction
         assert "layers" in got.stages
     assert 1 <= len(graphs) <= 3
+    splits = {run.splits for step in graphs._steps.values() for run in (*step.plan.runs, *step.last_plan.runs)}
+    assert splits == ({1} if processors == 0 else {4})  # four parts of 64 of the 256 keys
+
+
+def test_key_splits_fill_the_processors_in_aligned_parts():
+    # 1B reuse on an H100: 64 active tokens x 4 query heads a KV head, 8 KV heads -> 32 blocks, cut 8 ways
+    assert key_splits(256, 8, 2304, 132) == 8
+    assert key_splits(4, 8, 2304, 132) == 16  # the last layer's one token: 8 blocks; 2,304 / 32 is not a multiple of 16
+    assert key_splits(2048, 8, 2304, 132) == 1  # CacheBlend's ~400 tokens already give 256 blocks
+    assert key_splits(256, 8, 256, 132) == 4  # parts of at least 64 keys
+    assert key_splits(256, 8, 2304, 0) == 1
 
 
 def test_a_layer_feed_fills_the_step_too(adapter):

@@ -118,6 +118,10 @@ class FusionInput:
         lengths = torch.tensor([len(p.segment.ids) for p in self.parts], device=self.ids.device)  # [P]
         return torch.repeat_interleave(torch.arange(len(self.parts), device=self.ids.device), lengths)  # [N]
 
+    def count(self, pred: Callable[[SegmentKV], bool]) -> int:
+        """Tokens of the segments `pred` picks: `token_mask(pred).sum()`, counted on the host (no device sync)."""
+        return sum(len(p.segment.ids) for p in self.parts if pred(p))
+
     def token_mask(self, pred: Callable[[SegmentKV], bool]) -> torch.Tensor:
         mask = torch.zeros(self.n_tokens, dtype=torch.bool, device=self.ids.device)  # [N]
         for p in self.parts:
@@ -303,6 +307,7 @@ def selective_prefill(
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     group, last = adapter.n_q_heads // layout.n_kv_heads, layout.n_layers - 1
     settled = (0 if refine is None else layout.n_layers) if settled is None else settled
+    dropped: list[torch.Tensor] = []  # per narrowing: did `refine` drop the last prompt token? [] each
     for layer in range(settled):  # the layers where `refine` may narrow the active set
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
             keys, values = reader.get(layer).unbind(0)  # [H_kv, N, D], cached tokens in place
@@ -317,8 +322,9 @@ def selective_prefill(
             keys.index_copy_(1, active, k)  # every computed token's fresh K/V, kept by `refine` or not
             values.index_copy_(1, active, v)
             if keep is not None:
-                if keep.numel() == 0 or keep[-1].item() != active.numel() - 1:
-                    raise ValueError(f"refine at layer {layer} dropped the last prompt token")
+                if keep.numel() == 0:
+                    raise ValueError(f"refine at layer {layer} kept no token")
+                dropped.append(keep[-1] != active.numel() - 1)  # [], checked after the forward: no sync here
                 active, h, x = active[keep], h[keep], x[keep]  # [A'], [A', E], [A', E]
             counts.append(active.numel())
             if layer == last:  # only the last token's output is read, by the logits
@@ -357,6 +363,8 @@ def selective_prefill(
     through += active.numel() * (len(rest) - 1) + 1 if rest else 0
     with clock.stage("logits"):
         logits = adapter.logits(h)[0]  # [V]
+    if dropped and bool(torch.stack(dropped).any()):  # the one sync for every narrowing, once the forward is queued
+        raise ValueError("refine dropped the last prompt token")
     return FusionResult(
         keys_all,
         values_all,

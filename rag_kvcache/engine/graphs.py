@@ -92,11 +92,25 @@ def bucket(n: int, floor: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def key_splits(rows: int, kv_heads: int, n_keys: int, processors: int) -> int:
+    """How many equal parts to cut `n_keys` keys into for `rows` query rows a KV head (`ops.attend_split`),
+    so that the attention kernel's thread blocks (one per KV head and tile of 64 query rows: the
+    memory-efficient kernel's) number at least `processors`: powers of two, parts of at least 64 keys and
+    a multiple of 16 (the kernel's bias alignment). 0 processors: one part."""
+    blocks, splits = kv_heads * -(-rows // 64), 1
+    while blocks * splits < processors and n_keys % (32 * splits) == 0 and n_keys // (2 * splits) >= 64:
+        splits *= 2
+    return splits
+
+
 class SettledStep:
     """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
-    `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed."""
+    `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed. The
+    attention's keys are cut into parts to give at least `processors` thread blocks (`key_splits`)."""
 
-    def __init__(self, adapter: FusionModel, start: int, n_active: int, n_keys: int, width: int, capture: bool) -> None:
+    def __init__(
+        self, adapter: FusionModel, start: int, n_active: int, n_keys: int, width: int, capture: bool, processors: int
+    ) -> None:
         layout = adapter.layout
         group = adapter.n_q_heads // layout.n_kv_heads
         self.adapter, self.start = adapter, start
@@ -112,8 +126,10 @@ class SettledStep:
         self.kv = torch.zeros(
             layout.n_layers - start, 2, layout.n_kv_heads, n_keys + 1, layout.head_dim, dtype=dt, device=dev
         )  # [L', 2, H_kv, K + 1, D]
-        self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias),))
-        self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias),))
+        splits = key_splits(group * n_active, layout.n_kv_heads, n_keys, processors)
+        last_splits = key_splits(group, layout.n_kv_heads, n_keys, processors)
+        self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias, splits),))
+        self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias, last_splits),))
         self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output [1, E]
         if capture:
             side = torch.cuda.Stream(dev)
@@ -171,13 +187,21 @@ class LayerGraphs:
     """A model's `SettledStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
     its settled layers' K/V buffers for its largest prompt.
     `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for. Steps
-    are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out)."""
+    are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out).
+    `processors`: the thread blocks each attention call should give the device (`key_splits`; default: the
+    CUDA device's multiprocessors, elsewhere 0, keys in one part)."""
 
-    def __init__(self, adapter: FusionModel, limit: int, capture: bool | None = None) -> None:
+    def __init__(
+        self, adapter: FusionModel, limit: int, capture: bool | None = None, processors: int | None = None
+    ) -> None:
         if limit < 1:
             raise ValueError(f"LayerGraphs keeps at least one step, got limit={limit!r}")
         self.adapter, self.limit = adapter, limit
-        self.capture = adapter.device.type == "cuda" if capture is None else capture
+        cuda = adapter.device.type == "cuda"
+        self.capture = cuda if capture is None else capture
+        if processors is None:
+            processors = torch.cuda.get_device_properties(adapter.device).multi_processor_count if cuda else 0
+        self.processors = processors
         self._steps: OrderedDict[tuple[int, int, int, int], SettledStep] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -193,7 +217,7 @@ class LayerGraphs:
             if step is None:
                 while len(self._steps) >= self.limit:
                     self._steps.popitem(last=False)
-                step = SettledStep(self.adapter, *key, capture=self.capture)
+                step = SettledStep(self.adapter, *key, capture=self.capture, processors=self.processors)
                 self._steps[key] = step
             self._steps.move_to_end(key)
             return step(at, fill)

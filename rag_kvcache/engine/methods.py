@@ -185,7 +185,7 @@ def hkvd_prefill(
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
     uncached token; all non-exact tokens are computed up to the first such layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
-    n_reusable = int(reusable.sum())
+    n_fresh, n_reusable = inp.count(lambda p: p.kv is None), inp.count(lambda p: p.kv is not None and not p.exact)
     which = 0 if cfg.deviation == "k" else 1
     check = min(schedule)
     drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
@@ -198,8 +198,8 @@ def hkvd_prefill(
         forced = fresh[active]  # [A]
         cached = layer_cache[which][:, active]  # [H_kv, A, D]
         score = kv_deviation(fresh_kv[which], cached)  # [A]
-        score[forced] = math.inf
-        keep = select_tokens(score, int(forced.sum()) + round(schedule[layer] * n_reusable))  # [A']
+        score.masked_fill_(forced, math.inf)  # every uncached token is active, and kept
+        keep = select_tokens(score, n_fresh + round(schedule[layer] * n_reusable))  # [A']
         if layer == check:
             drift.append(left_deviation(score, cached, forced, keep))
             if cfg.drift_limit is not None and drift[0].item() > cfg.drift_limit:  # the one sync, when bounded
@@ -223,7 +223,7 @@ def left_deviation(score: torch.Tensor, cached: torch.Tensor, forced: torch.Tens
     left = reusable.clone()  # [A]
     left[keep] = False
     energy = score.masked_fill(~left, 0.0).square().sum()  # [], the deviation left
-    size = cached.to(torch.float32).square().sum(dim=(0, 2))[reusable].sum()  # [], the reusable tokens' cached K/V
+    size = cached.to(torch.float32).square().sum(dim=(0, 2)).masked_fill(forced, 0.0).sum()  # [], the reusable ones
     return (energy / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
 
 

@@ -107,49 +107,78 @@ def attend_lse(
     scale: float,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [H, M, D] over k, v [H, n, D] under an additive bias [M, n] (`mask_bias`; None:
-    every key), with each query's log-sum-exp of scores [H, M] (float32), so partial results over
-    disjoint key sets merge exactly (`merge_attention`). On CPU, SDPA's flash kernel returns both at the
-    cost of a plain SDPA call; on CUDA its memory-efficient kernel does; elsewhere the scores are formed
-    explicitly. CPU only: `causal` (query i sees keys 0..i, M == n, no bias), and q may have G times k's
-    heads (query head h reads KV head h // G)."""
+    """Attention of q [B?, H, M, D] over k, v [B?, H, n, D] (B: an optional batch axis) under an additive
+    bias [M, n] (`mask_bias`), or one that broadcasts to [B?, H, M, n] (None: every key), with each query's
+    log-sum-exp of scores [B?, H, M] (float32), so partial results over disjoint key sets merge exactly
+    (`merge_attention`, `merge_splits`). On CPU, SDPA's flash kernel returns both at the cost of a plain SDPA
+    call; on CUDA its memory-efficient kernel does; elsewhere the scores are formed explicitly. CPU only:
+    `causal` (query i sees keys 0..i, M == n, no bias), and q may have G times k's heads (query head h
+    reads KV head h // G)."""
+    batched = q.dim() == 4
+    q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [B, H, M, D], [B, H, n, D] x 2
+    if bias is not None:
+        bias = bias[(None,) * (4 - bias.dim())]  # [1 or B, 1 or H, M, n]
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None],
-            k[None],
-            v[None],
-            0.0,
-            causal,
-            attn_mask=None if bias is None else bias[None, None],
-            scale=scale,
-        )[:2]  # [1, H, M, D], [1, H, M]
-        return out[0], lse[0]
-    if causal or q.shape[0] != k.shape[0]:
+            q4, k4, v4, 0.0, causal, attn_mask=bias, scale=scale
+        )[:2]  # [B, H, M, D], [B, H, M]
+    elif causal or q4.shape[1] != k4.shape[1]:
         raise ValueError(
-            f"attend_lse on {q.device.type}: causal={causal}, {q.shape[0]} query heads over "
-            f"{k.shape[0]} KV heads (the causal and grouped forms are CPU-only)"
+            f"attend_lse on {q.device.type}: causal={causal}, {q4.shape[1]} query heads over "
+            f"{k4.shape[1]} KV heads (the causal and grouped forms are CPU-only)"
         )
-    if q.device.type == "cuda":
+    elif q.device.type == "cuda":
         if bias is not None:
-            bias = bias.to(q.dtype)  # [M, n]
-            if bias.stride(0) % 16:  # the kernel reads bias rows 16-element aligned
-                padded = bias.new_empty(bias.shape[0], -(-bias.shape[1] // 16) * 16)  # [M, n rounded up to 16]
-                bias = padded[:, : bias.shape[1]].copy_(bias)  # [M, n], rows 16-aligned
-            bias = bias[None, None].expand(1, q.shape[0], *bias.shape)  # [1, H, M, n], one copy for every head
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q[None],
-            k[None],
-            v[None],
-            bias,
-            True,
-            scale=scale,
-        )[:2]  # [1, H, M, D], [1, H, M rounded up]
-        return out[0], lse[0, :, : q.shape[1]]
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [H, M, n]
-    if bias is not None:
-        scores = scores + bias.float()  # [H, M, n]
-    lse = scores.logsumexp(dim=-1)  # [H, M]
-    return torch.matmul((scores - lse[..., None]).exp(), v.float()).to(q.dtype), lse  # [H, M, D], [H, M]
+            bias = bias.to(q.dtype)  # [1 or B, 1 or H, M, n]
+            if bias.stride(-2) % 16:  # the kernel reads bias rows 16-element aligned
+                n = bias.shape[-1]
+                padded = bias.new_empty(*bias.shape[:-1], -(-n // 16) * 16)  # [.., M, n rounded up to 16]
+                bias = padded[..., :n].copy_(bias)  # [.., M, n], rows 16-aligned
+            bias = bias.expand(q4.shape[0], q4.shape[1], *bias.shape[-2:])  # [B, H, M, n], no copy
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q4, k4, v4, bias, True, scale=scale)[:2]
+        lse = lse[..., : q.shape[-2]]  # [B, H, M] (the kernel rounds M up)
+    else:
+        scores = torch.matmul(q4.float(), k4.float().transpose(-1, -2)) * scale  # [B, H, M, n]
+        if bias is not None:
+            scores = scores + bias.float()  # [B, H, M, n]
+        lse = scores.logsumexp(dim=-1)  # [B, H, M]
+        out = torch.matmul((scores - lse[..., None]).exp(), v4.float()).to(q.dtype)  # [B, H, M, D]
+    return (out, lse) if batched else (out[0], lse[0])
+
+
+def attend_split(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_lse` of q [H, M, D] over keys k, v [H, >= n, D] 0..n-1 under bias [M, n] (n divisible by
+    `splits`), with the keys cut into `splits` equal parts attended side by side in one call (the parts
+    as a batch axis; k, v and the bias as views, q repeated) and merged by log-sum-exp (`merge_splits`).
+    A kernel that gives each (head, tile of queries) one thread block walks all n keys in each block:
+    few queries over many keys (reuse's ~64 rows over ~2,300 keys) leave most of a GPU idle, and parts
+    multiply the blocks (flash-decoding's split-K). Returns [H, M, D] and the log-sum-exp [H, M]."""
+    h, m, d = q.shape
+    n = bias.shape[1]
+    if n % splits:
+        raise ValueError(f"{n} keys do not cut into {splits} equal parts")
+    parts = (splits, n // splits)
+    qs = q[:, None].expand(h, splits, m, d).contiguous()  # [H, S, M, D]
+    ks, vs = (t[:, :n].unflatten(1, parts) for t in (k, v))  # [H, S, n/S, D] x 2, views
+    bs = bias.unflatten(1, parts).transpose(0, 1)  # [S, M, n/S], a view
+    out, lse = attend_lse(qs, ks, vs, bs, scale)  # [H, S, M, D], [H, S, M]
+    seen = bs.amax(-1) > -math.inf  # [S, M]: the part holds a key the query sees (else the kernels' lse is 0 or -inf)
+    return merge_splits(out, lse.masked_fill(~seen, -math.inf))  # [H, M, D], [H, M]
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of S disjoint key sets from each set's output [..., S, M, D] and
+    log-sum-exp [..., S, M]: each set weighted by exp(lse - max), in float32. A set a query sees no key
+    of has lse -inf (or NaN): weight 0, whatever output the kernel wrote for it. Returns the
+    merged output [..., M, D] (out's dtype) and log-sum-exp [..., M]."""
+    lse32 = lse.float().nan_to_num(-math.inf)  # [..., S, M]
+    top = lse32.amax(-2, keepdim=True)  # [..., 1, M]
+    w = (lse32 - top).exp()  # [..., S, M]
+    total = w.sum(-2)  # [..., M]
+    merged = (out.float() * w[..., None]).nansum(-3) / total[..., None]  # [..., M, D]
+    return merged.to(out.dtype), top.squeeze(-2) + total.log()  # [..., M, D], [..., M]
 
 
 def merge_attention(
@@ -245,12 +274,14 @@ def plan_runs(
 @dataclass(frozen=True)
 class QueryRun:
     """Queries [start, end) of a plan: every one sees keys [0, open_end) whole (one unmasked attention)
-    and keys [open_end, open_end + n) under `bias` [G * (end - start), n] (one masked attention)."""
+    and keys [open_end, open_end + n) under `bias` [G * (end - start), n] (one masked attention, its keys
+    cut into `splits` parts: `attend_split`)."""
 
     start: int
     end: int
     open_end: int
     bias: torch.Tensor  # [G * B, n]
+    splits: int = 1
 
 
 @dataclass(frozen=True)
@@ -292,18 +323,18 @@ def attention_plan(
     unmasked call over the keys before them, computes no more scores than any runs would, and no padded
     rows: CacheBlend's first layer 170 -> 146 ms on a MuSiQue prompt (2,522 queries after 530 exact
     tokens, 1 thread).
-    `single_call` (default: on CUDA) plans scattered queries as one masked call over every key up to the
-    last query: per layer one kernel, whatever the runs.
+    `single_call` (default: on CUDA) plans the queries as one masked call over every key: per layer one
+    kernel, whatever the runs, and no device sync.
     """
+    if positions.device.type == "cuda" if single_call is None else single_call:
+        # One masked call for every query over every key (the runs' bias rows, whole; no device sync): on a GPU
+        # each call is a launch the host pays for, and the kernel skips no work the runs would save it.
+        keys = torch.arange(n_keys, device=positions.device)  # [N]
+        bias = mask_bias(causal_mask_for(positions, keys), dtype).repeat(group, 1)  # [G * Q, N]
+        return AttentionPlan(positions, n_keys, (QueryRun(0, positions.numel(), 0, bias),))
     pos = positions.tolist()  # one device sync, once per plan
     if positions.device.type == "cpu" and pos[-1] - pos[0] + 1 == len(pos):
         return AttentionPlan(positions, n_keys, (), pos[0])
-    if positions.device.type == "cuda" if single_call is None else single_call:
-        # One masked call for every query (the runs' bias rows, whole): on a GPU each call is a launch the
-        # host pays for, and the kernel skips no work the runs would save it; the bias is made once per plan.
-        keys = torch.arange(pos[-1] + 1, device=positions.device)  # [K]
-        bias = mask_bias(causal_mask_for(positions, keys), dtype).repeat(group, 1)  # [G * Q, K]
-        return AttentionPlan(positions, n_keys, (QueryRun(0, len(pos), 0, bias),))
     runs = plan_runs(pos, block)
     if sum((e - s) * (pos[e - 1] + 1) for s, e, _ in runs) >= n_keys * n_keys // 2:
         return AttentionPlan(positions, n_keys, ())
@@ -351,7 +382,11 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
         s, e, first = run.start, run.end, run.open_end
         end = first + run.bias.shape[1]
         qb = grouped[:, :, s:e].reshape(h_kv, g * (e - s), d)  # [H_kv, G * B, D]
-        o, lse = attend_lse(qb, k[:, first:end], v[:, first:end], run.bias, scale)  # [H_kv, G * B, D], [H_kv, G * B]
+        kb, vb = k[:, first:end], v[:, first:end]  # [H_kv, n, D] x 2
+        if run.splits > 1:
+            o, lse = attend_split(qb, kb, vb, run.bias, scale, run.splits)  # [H_kv, G * B, D], [H_kv, G * B]
+        else:
+            o, lse = attend_lse(qb, kb, vb, run.bias, scale)  # [H_kv, G * B, D], [H_kv, G * B]
         o = o.reshape(h_kv, g, e - s, d)  # [H_kv, G, B, D]
         dst = out[s:e].permute(1, 2, 0, 3)  # [H_kv, G, B, D], a view of out
         if first > 0:
