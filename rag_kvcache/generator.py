@@ -338,7 +338,8 @@ class FusedGenerator:
         they come first, as one cached segment at position 0 that no method recomputes; a method that
         computes every token computes the rest (prefix caching over its own earlier K/V).
 
-        Stages: `kv_load` (opening entries, and recomputing missing ones), `kv_wait` (the fusion
+        Stages: `kv_load` (opening entries, and recomputing missing ones), `layout` (where the caches go in
+        the prompt, `KVPlacement`), `kv_wait` (the fusion
         waiting for cached layers, what the recompute did not hide, and placing each one in the prompt's
         K/V: `KVPlacement`), then the method's own.
         The K/V are written into this generator's `buffers`: a `Fused` kept by the caller keeps its
@@ -376,7 +377,8 @@ class FusedGenerator:
                     ),
                 )
         depth = self.index.config.runtime.storage.prefetch_layers
-        placement = inp.placement(self.layers)
+        with clock.stage("layout"):
+            placement = inp.placement(self.layers)
         if caches is None or depth == 0 or self.layers.graphs is not None:  # graphs: read at once, not ahead
             reader = DirectReader(inp.sources, placement, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)

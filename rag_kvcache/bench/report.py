@@ -119,7 +119,21 @@ def markdown_table(summary: Sequence[Entry]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
-STAGE_ORDER = ("match", "kv_load", "kv_wait", "qkv", "attention", "mlp", "select", "logits", "prefill", "other")
+STAGE_ORDER = (
+    "match",
+    "kv_load",
+    "layout",
+    "setup",
+    "kv_wait",
+    "qkv",
+    "attention",
+    "mlp",
+    "select",
+    "layers",
+    "logits",
+    "prefill",
+    "other",
+)
 
 
 def stage_table(summary: Sequence[Entry]) -> str:

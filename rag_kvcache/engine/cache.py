@@ -35,8 +35,8 @@ class ChunkKV:
     def n_layers(self) -> int:
         return len(self.keys)
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # read by the memory tier on every hit
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +72,12 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     memory, each copy (two per segment per layer) would wait for the stream's queued compute and block
     the host until done, so the fusion's launches could never run ahead of the device."""
     layers = [None if s is None else s.layer(layer) for s in sources]  # per segment: [H_kv, T, D] x 2, or None
-    cuda = torch.device(device).type == "cuda"
-    host = [t for kv in layers if kv is not None for t in kv if t.device.type == "cpu"] if cuda else []
-    if not host or len({t.dtype for t in host}) > 1:
+    device = torch.device(device)
+    away = [t for kv in layers if kv is not None for t in kv if t.device != device]
+    if not away:  # every cache already there (a device-resident tier): nothing dispatched
+        return layers
+    host = [t for t in away if t.device.type == "cpu"] if device.type == "cuda" else []
+    if len(host) < len(away) or len({t.dtype for t in host}) > 1:
         return [None if kv is None else (kv[0].to(device), kv[1].to(device)) for kv in layers]
     staging = torch.empty(sum(t.numel() for t in host), dtype=host[0].dtype, pin_memory=True)  # [S], flat
     views, start = {}, 0

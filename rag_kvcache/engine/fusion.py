@@ -285,23 +285,24 @@ def selective_prefill(
     `kv_wait`.
     `settled` is the first layer from which `refine` returns None (default: 0 without a `refine`, else
     none): from there the active set is fixed and the layers run as `graphs.settled_layers`, op by op, or
-    with `adapter.graphs` as one step over static buffers (`graphs.LayerGraphs`: on CUDA one captured
-    graph), the stage `layers`.
+    with `adapter.graphs` as one step over static buffers, the model's head included (`graphs.LayerGraphs`:
+    on CUDA one captured graph), the stage `layers`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))
     n, layout = inp.n_tokens, adapter.layout
     if adapter.sliding_window is not None and n > adapter.sliding_window:
         raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window {adapter.sliding_window}")
-    if initial.numel() == 0 or initial[-1].item() != n - 1:
-        raise ValueError("the active set must include the last prompt token")
-    if not bool(inp.fresh[initial].sum() == inp.fresh.sum()):  # one sync, before the layer loop
-        raise ValueError("the active set must include every token without a cache (they are computed, not read)")
-    positions = torch.arange(n, device=inp.ids.device)  # [N]
-    cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device), adapter.dtype)  # [N, D]
+    with clock.stage("setup"):
+        if initial.numel() == 0 or initial[-1].item() != n - 1:
+            raise ValueError("the active set must include the last prompt token")
+        if not bool(inp.fresh[initial].sum() == inp.fresh.sum()):  # one sync, before the layer loop
+            raise ValueError("the active set must include every token without a cache (they are computed, not read)")
+        positions = torch.arange(n, device=inp.ids.device)  # [N]
+        cos_all, sin_all = rope_cos_sin(positions, adapter.inv_freq.to(positions.device), adapter.dtype)  # [N, D]
+        active = initial  # [A], token positions in ascending order
+        h = adapter.embed(inp.ids[active])  # [A, E]
     keys_all, values_all = [], []  # L x [H_kv, N, D]
-    active = initial  # [A], token positions in ascending order
-    h = adapter.embed(inp.ids[active])  # [A, E]
     counts, through = [], 0  # tokens whose K/V each layer computes; token-layers through attention and MLP
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
@@ -340,10 +341,11 @@ def selective_prefill(
             h = adapter.finish(layer, h, attn)  # [A, E]
         through += active.numel()
     rest = range(settled, layout.n_layers)  # the active set fixed from here
+    logits = None  # [V], the step's output when the settled layers run as one
     if rest and adapter.graphs is not None:
-        with clock.stage("layers"):  # the reads that fill the step's buffers included
+        with clock.stage("layers"):  # the reads that fill the step's buffers, and the model's head, included
             at = Settled(settled, h, active, *rope[1:], n)
-            h, kv = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [1, E], [L', 2, H_kv, N, D]
+            logits, kv = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
         keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
         values_all.extend(kv[:, 1].unbind(0))
     elif rest:
@@ -361,8 +363,9 @@ def selective_prefill(
         h = settled_layers(adapter, rest, h, active, *rope[1:], layer_kv, plan, last_plan, clock)  # [1, E]
     counts.extend([active.numel()] * len(rest))
     through += active.numel() * (len(rest) - 1) + 1 if rest else 0
-    with clock.stage("logits"):
-        logits = adapter.logits(h)[0]  # [V]
+    if logits is None:
+        with clock.stage("logits"):
+            logits = adapter.logits(h)[0]  # [V]
     if dropped and bool(torch.stack(dropped).any()):  # the one sync for every narrowing, once the forward is queued
         raise ValueError("refine dropped the last prompt token")
     return FusionResult(

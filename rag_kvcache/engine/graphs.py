@@ -130,7 +130,7 @@ class SettledStep:
         last_splits = key_splits(group, layout.n_kv_heads, n_keys, processors)
         self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias, splits),))
         self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias, last_splits),))
-        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output [1, E]
+        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output [1, V]
         if capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -139,13 +139,13 @@ class SettledStep:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self.layers()  # [1, E], in the graph's memory
+                out = self.layers()  # [1, V], in the graph's memory
             self.captured = graph, out
 
     def layers(self) -> torch.Tensor:
-        """`settled_layers` over the static buffers: the last token's hidden state after them [1, E]."""
+        """`settled_layers` over the static buffers, then the model's head: the last token's logits [1, V]."""
         start = self.start
-        return settled_layers(
+        h = settled_layers(
             self.adapter,
             range(start, self.adapter.layout.n_layers),
             self.h,
@@ -156,12 +156,13 @@ class SettledStep:
             self.plan,
             self.last_plan,
             StageClock(),
-        )
+        )  # [1, E]
+        return self.adapter.logits(h)  # [1, V]
 
     def __call__(self, at: Settled, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the settled layers from `at` (its active set padded to this step's size); `fill` writes the
         settled layers' cached K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the
-        last token's hidden state [1, E] and every settled layer's K/V with the active tokens' written,
+        last token's next-token logits [V] and every settled layer's K/V with the active tokens' written,
         [L', 2, H_kv, n, D] (new memory)."""
         n, pad = at.n, self.active.numel() - at.active.numel()
         self.h[pad:].copy_(at.h)
@@ -175,12 +176,12 @@ class SettledStep:
         self.last_bias.copy_(rows[-1])  # [G, K]
         fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
         if self.captured is None:
-            out = self.layers()  # [1, E]
+            out = self.layers()  # [1, V]
         else:
             graph, result = self.captured
             graph.replay()
-            out = result.clone()  # [1, E]
-        return out, self.kv[:, :, :, :n].clone()  # [1, E], [L', 2, H_kv, n, D]
+            out = result.clone()  # [1, V]
+        return out[0], self.kv[:, :, :, :n].clone()  # [V], [L', 2, H_kv, n, D]
 
 
 class LayerGraphs:

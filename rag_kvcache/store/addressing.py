@@ -83,7 +83,7 @@ class CacheAddressing:
         where the prompt reproduces it."""
         if self.grouped:
             return (self.own_context(ids),)
-        near = self.neighbours.get(self.neighbour_key(ids))
+        near = self.neighbours.get(self.neighbour_key(ids)) if self.neighbours else None
         if near is None or depth == 0:
             return (self.chunk_context,)
         return self.neighbour_context(near[:depth]), self.chunk_context
