@@ -143,7 +143,11 @@ class SettledStep:
             self.captured = graph, out
 
     def layers(self) -> torch.Tensor:
-        """`settled_layers` over the static buffers, then the model's head: the last token's logits [1, V]."""
+        """The attention bias of the active positions (padded rows see every key), `settled_layers` over the
+        static buffers, then the model's head: the last token's logits [1, V]."""
+        rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
+        self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
+        self.last_bias.copy_(rows[-1])  # [G, K]
         start = self.start
         h = settled_layers(
             self.adapter,
@@ -171,9 +175,6 @@ class SettledStep:
         self.active[pad:].copy_(at.active)
         self.cos[pad:].copy_(at.cos)
         self.sin[pad:].copy_(at.sin)
-        rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
-        self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
-        self.last_bias.copy_(rows[-1])  # [G, K]
         fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
         if self.captured is None:
             out = self.layers()  # [1, V]

@@ -55,13 +55,13 @@ def rotate_keys(
 ) -> torch.Tensor:
     """Apply a `rotation` to keys [H_kv, T, D] (into `out` if given; `out` may be `keys` itself). RoPE
     rotations compose, so rotating keys computed at positions p by the angle of `delta` equals computing
-    them at p + delta. Float32 math: the halves swapped (one `roll`, a copy), then one product and one
-    multiply-add (into `out` itself when it is float32)."""
-    k32 = keys.float()  # [H_kv, T, D], no copy for float32
-    swapped = k32.roll(keys.shape[-1] // 2, -1)  # [H_kv, T, D], (k2, k1): read before `out` is written
+    them at p + delta. Float32 math: the halves swapped in the keys' dtype (one `roll`, a copy: exact),
+    then one product and one multiply-add against the float32 tables, which promote half-precision
+    operands exactly (no float32 copy of the keys made first; into `out` itself when it is float32)."""
+    swapped = keys.roll(keys.shape[-1] // 2, -1)  # [H_kv, T, D], (k2, k1): read before `out` is written
     if out is not None and out.dtype == torch.float32:
-        return torch.mul(k32, cos, out=out).addcmul_(swapped, sin)  # [H_kv, T, D]
-    turned = torch.addcmul(k32 * cos, swapped, sin)  # [H_kv, T, D]
+        return torch.mul(keys, cos, out=out).addcmul_(swapped, sin)  # [H_kv, T, D]
+    turned = torch.addcmul(keys * cos, swapped, sin)  # [H_kv, T, D], float32
     return turned.to(keys.dtype) if out is None else out.copy_(turned)
 
 
