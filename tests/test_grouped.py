@@ -15,7 +15,6 @@ from test_fusion import ATOL
 
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.errors import ConfigError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.grouping import similar_groups
@@ -188,13 +187,6 @@ def test_documents_added_later_are_grouped_among_themselves_and_nothing_is_orpha
         reopened.format.question_ids(tiny.tokenizer, question),
     )
     assert reopened.caches.open(segments).missing == 0
-
-
-def test_a_ray_cluster_is_refused_by_name(tiny, tmp_path):
-    write_docs(tmp_path / "docs")
-    index = KVIndex.create(tmp_path / "idx", GROUPED, adapter=tiny)
-    with pytest.raises(ConfigError, match="grouped.*without --ray"):
-        index.update(tmp_path / "docs", progress=False, workers=object())
 
 
 def test_bench_and_cli_name_it():

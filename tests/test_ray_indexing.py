@@ -52,7 +52,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs, tmp_path, one_thread):
+def own_key(index: KVIndex, ids: tuple[int, ...]) -> str:
+    """The key of a chunk's own cache (behind the prefix, or behind the chunks before it in its group)."""
+    return index.addressing.key(ids, index.addressing.own_context(ids))
+
+
+@pytest.mark.parametrize("prefill", ["grouped", "behind_prefix"])
+def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs, tmp_path, one_thread, prefill):
+    config = config.with_index(chunk_prefill=prefill)
     local = KVIndex.build(docs, tmp_path / "local", config, progress=False)
     result = CliRunner().invoke(
         app,
@@ -69,6 +76,8 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
             "local",
             "--ray-workers",
             "2",
+            "--chunk-prefill",
+            prefill,
         ],
     )
     assert result.exit_code == 0, result.output
@@ -80,8 +89,8 @@ def test_index_built_on_ray_by_the_cli_equals_local_one(local_ray, config, docs,
     )  # several packs (4 chunks each at most) for two actors
     for chunk in chunks:
         want, got = (
-            local.store.get(local.addressing.key(chunk.token_ids)),
-            on_ray.store.get(on_ray.addressing.key(chunk.token_ids)),
+            local.store.get(own_key(local, chunk.token_ids)),
+            on_ray.store.get(own_key(on_ray, chunk.token_ids)),
         )
         assert got.position == want.position
         assert all(torch.equal(g, w) for g, w in zip(got.keys + got.values, want.keys + want.values))
@@ -118,7 +127,7 @@ def test_interrupted_job_resumes_reusing_stored_caches(local_ray, config, docs, 
         report = index.update(docs, progress=False, workers=workers)
     chunks = list(index.chunks.all_chunks())
     assert len(chunks) == len(report.new_chunks) > len(stored) - 1  # the rest was computed by the re-run
-    assert all(index.addressing.key(c.token_ids) in index.store for c in chunks)
+    assert all(own_key(index, c.token_ids) in index.store for c in chunks)
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stored} == stored  # reused, not rewritten
 
 

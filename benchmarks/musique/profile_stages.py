@@ -29,7 +29,7 @@ import torch
 
 from rag_kvcache import Config, FusedGenerator, FusionConfig, IndexSettings, KVIndex, QueryConfig, RuntimeConfig
 from rag_kvcache.cli.common import model_process
-from rag_kvcache.config import StorageConfig
+from rag_kvcache.config import CHUNK_PREFILLS, StorageConfig
 from rag_kvcache.engine.graphs import LayerGraphs
 
 METHODS = ("full", "prefix", "reuse", "epic", "cacheblend", "cacheblend_repick")
@@ -47,6 +47,7 @@ def main() -> None:
         "--model", default=IndexSettings.model, help="the LLM (a local folder: benchmarks/gpu/random_llama.py)"
     )
     parser.add_argument("--embedder", default=IndexSettings.embedder)
+    parser.add_argument("--chunk-prefill", default=IndexSettings.chunk_prefill, choices=CHUNK_PREFILLS)
     parser.add_argument("--device", default=RuntimeConfig.device)
     parser.add_argument("--dtype", default=IndexSettings.dtype)
     parser.add_argument(
@@ -85,7 +86,13 @@ def main() -> None:
         for pi, ctx in enumerate(example["ctxs"]):
             (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
     cfg = Config(
-        index=IndexSettings(chunk_tokens=512, model=args.model, embedder=args.embedder, dtype=args.dtype),
+        index=IndexSettings(
+            chunk_tokens=512,
+            model=args.model,
+            embedder=args.embedder,
+            dtype=args.dtype,
+            chunk_prefill=args.chunk_prefill,
+        ),
         query=QueryConfig(top_k=args.top_k),
         runtime=RuntimeConfig(
             device=args.device,

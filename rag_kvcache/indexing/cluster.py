@@ -28,13 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+import torch
 from tqdm.auto import tqdm
 
 from ..config import Config
 from ..engine.model import ModelAdapter
 from ..store.addressing import cache_key
 from ..store.kvstore import KVStore
-from .precompute import WriteBehind, compute_caches, pack_tokens, token_packs
+from .precompute import WriteBehind, compute_caches, compute_grouped, group_sequence, pack_tokens, token_packs
 
 
 class CacheWorker:
@@ -50,12 +51,28 @@ class CacheWorker:
             )
         self.namespace = namespace
         self.writer = WriteBehind(KVStore(Path(store_root), config.index.codec, config.runtime.storage))
+        self._behind: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # a prefix's K/V
 
     def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> int:
         """Compute the caches of `chunks` behind `context` and queue their writes; returns their tokens."""
         for i, kv in compute_caches(self.adapter, chunks, context, self.pack_tokens):
             self.writer.put(cache_key(self.namespace, context, chunks[i]), kv)
         return sum(map(len, chunks))
+
+    def store_groups(
+        self,
+        groups: Sequence[Sequence[tuple[int, ...]]],
+        prefix: tuple[int, ...],
+        separator: tuple[int, ...],
+        keys: dict[tuple[int, ...], str],
+    ) -> int:
+        """Prefill `groups` of similar chunks behind `prefix` (`compute_grouped`: one pack, as the driver dealt
+        it) and queue each chunk's cache under its key in `keys`; returns their tokens."""
+        if prefix not in self._behind:
+            self._behind[prefix] = self.adapter.prefill_packed([prefix])[0]
+        for ids, kv in compute_grouped(self.adapter, groups, self._behind[prefix], separator, self.pack_tokens):
+            self.writer.put(keys[ids], kv)
+        return sum(len(ids) for group in groups for ids in group)
 
     def flush(self) -> None:
         """Wait for every queued write (raises the first write error)."""
@@ -101,6 +118,36 @@ class RayWorkers:
         )
         pool = self._pool_of(self.actors)
         for n_tokens in pool.map_unordered(lambda actor, pack: actor.store.remote(pack, context), packs):
+            bar.update(n_tokens)
+        self._ray.get([actor.flush.remote() for actor in self.actors])
+        bar.close()
+
+    def store_groups(
+        self,
+        groups: Sequence[Sequence[tuple[int, ...]]],
+        prefix: tuple[int, ...],
+        separator: tuple[int, ...],
+        keys: dict[tuple[int, ...], str],
+        progress: bool = True,
+    ) -> None:
+        """`chunk_prefill="grouped"`: compute and store the caches of the chunks of `groups`, each under its key in
+        `keys`, the groups dealt out in the packs a local run prefills together (so each cache is the one it
+        computes); returns when every cache is written."""
+        packs = [
+            [groups[g] for g in pack]
+            for pack in token_packs([group_sequence(g, separator) for g in groups], self.pack_tokens)
+        ]
+        bar = tqdm(
+            total=sum(len(ids) for group in groups for ids in group),
+            unit="tok",
+            disable=not progress,
+            desc=f"KV precompute, grouped, on {len(self.actors)} Ray workers",
+        )
+        pool = self._pool_of(self.actors)
+        work = lambda actor, pack: actor.store_groups.remote(  # noqa: E731
+            pack, prefix, separator, {ids: keys[ids] for group in pack for ids in group}
+        )
+        for n_tokens in pool.map_unordered(work, packs):
             bar.update(n_tokens)
         self._ray.get([actor.flush.remote() for actor in self.actors])
         bar.close()

@@ -55,7 +55,7 @@ from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
 from ..engine.model import ModelAdapter
 from ..engine.prompt import PromptFormat
-from ..errors import ConfigError, StorageFullError
+from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
 from ..store.addressing import CacheAddressing
 from ..store.codecs import cache_nbytes
@@ -149,11 +149,7 @@ class CacheMaker:
         self._record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.addressing.chunk_context, progress)
-            if lost := [ids for ids in todo if key(ids) not in self.store]:
-                raise RuntimeError(
-                    f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
-                    f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
-                )
+            self._check_stored(todo, [key(ids) for ids in todo])
             return len(todo)
         if todo:
             self._announce(todo)
@@ -177,9 +173,8 @@ class CacheMaker:
         several to a forward); record each chunk's group before it in `neighbours.json`. Returns how many
         caches were computed. A chunk already recorded with its cache stored (an unchanged chunk of an edited
         document, or one a killed run computed) is not computed again; a recorded one whose cache is missing
-        is grouped again. Ray `workers` are refused: the groups are computed in this process."""
-        if workers is not None:
-            raise ConfigError("chunk_prefill='grouped' computes its groups in this process: index without --ray")
+        is grouped again. With Ray `workers`, the groups are computed on the cluster, in the packs this process
+        would prefill, and each cache is checked to be in this index's store before this returns."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         key, own = self.addressing.key, self.addressing.own_context
         table, todo, rows, seen = self._neighbours, [], [], set()
@@ -204,6 +199,10 @@ class CacheMaker:
                 table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
         self._record_pending(self.pending() | {key(ids, own(ids)): (ids, own(ids)) for ids in todo})
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
+        if workers is not None:
+            workers.store_groups(groups, prefix, sep, {ids: key(ids, own(ids)) for ids in todo}, progress)
+            self._check_stored(todo, [key(ids, own(ids)) for ids in todo])
+            return len(todo)
         self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
@@ -212,6 +211,14 @@ class CacheMaker:
                 bar.update(len(ids))
         bar.close()
         return len(todo)
+
+    def _check_stored(self, todo: Sequence[tuple[int, ...]], keys: Sequence[str]) -> None:
+        """Every cache the Ray workers were given is in this index's store, or `RuntimeError`."""
+        if lost := [ids for ids, k in zip(todo, keys) if k not in self.store]:
+            raise RuntimeError(
+                f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
+                f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
+            )
 
     def _announce(self, todo: Sequence[tuple[int, ...]], how: str = "") -> None:
         """Log, before computing them, how many chunk caches indexing computes (`how`) and about how many bytes

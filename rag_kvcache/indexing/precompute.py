@@ -65,6 +65,11 @@ def compute_caches(
             yield i, ChunkKV(keys, values, len(context))
 
 
+def group_sequence(group: Sequence[tuple[int, ...]], separator: tuple[int, ...]) -> tuple[int, ...]:
+    """A group's chunks laid out as a prompt lays chunks out: `separator` between two."""
+    return tuple(t for k, ids in enumerate(group) for t in (*(separator if k else ()), *ids))
+
+
 def compute_grouped(
     adapter: ModelAdapter,
     groups: Sequence[Sequence[tuple[int, ...]]],
@@ -77,7 +82,7 @@ def compute_grouped(
     `max_tokens` tokens (`token_packs`); yields each chunk's ids and its cache, cut from its group's K/V:
     the chunk computed behind the context and the chunks before it in its group."""
     p = past[0][0].shape[1]
-    sequences = [tuple(t for k, ids in enumerate(g) for t in (*(separator if k else ()), *ids)) for g in groups]
+    sequences = [group_sequence(g, separator) for g in groups]
     for pack in token_packs(sequences, max_tokens):
         for g, (keys, values) in zip(pack, adapter.prefill_packed([sequences[g] for g in pack], past)):
             start = 0  # where the chunk starts in its group's sequence
