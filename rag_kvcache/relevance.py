@@ -1,14 +1,14 @@
 """Relevance checks that read the chunk caches: an agent's "is this chunk relevant?" step for every retrieved
 chunk at once, at the cost of the check's question alone.
 
-A check's prompt is the index's own layout of one chunk, `[system prefix][chunk][check question]`. The system
-prefix and the chunk are cached exactly (the chunk computed behind the prefix at indexing time, the default
-`chunk_prefill`), so only the check question's tokens are computed, and what is computed is what a full
-prefill of that prompt computes. The chunks' caches are read into the slots of one `DecodePool` and the check
-question is fed to all of them in one batched forward (`ModelAdapter.extend_rows`: the weights read once, each
-row attending over its own chunk alone). On an index whose chunk caches are not exact there (another
-`chunk_prefill`), a chunk's tokens are computed with the question, as the `prefix` method would: the verdict
-stays exact, and chunks of one length share a forward. The verdict is read from the first answer token's
+A check's prompt is the index's own layout of one chunk, `[system prefix][chunk][check question]`. Where the
+chunk's cache was computed behind the prefix alone (`chunk_prefill="behind_prefix"`, or with the default grouped
+caches the first chunk of each group), the system prefix and the chunk are cached exactly, so only the check
+question's tokens are computed, and what is computed is what a full prefill of that prompt computes. The
+chunks' caches are read into the slots of one `DecodePool` and the check question is fed to all of them in one
+batched forward (`ModelAdapter.extend_rows`: the weights read once, each row attending over its own chunk
+alone). Where a chunk's cache is not exact there (another context), its tokens are computed with the question,
+as the `prefix` method would: the verdict stays exact, and chunks of one length share a forward. The verdict is read from the first answer token's
 distribution: the probability of "yes" against "no", with no decoding.
 """
 

@@ -109,8 +109,8 @@ def test_exact_methods_match_full(bench_out):
 
 def test_plan_puts_defaults_first_and_dedupes_the_sweep():
     labels = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(ratio=0.15, epic_k=16), Config())]
-    assert labels[:5] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16"]
-    assert labels[5:] == [
+    assert labels[:6] == ["full", "prefix", "reuse", "cacheblend r=0.15", "epic k=16", "epic_match k=16"]
+    assert labels[6:] == [
         "cacheblend r=0.05",
         "cacheblend r=0.1",
         "cacheblend r=0.25",
@@ -124,14 +124,14 @@ def test_plan_puts_defaults_first_and_dedupes_the_sweep():
 
 
 def test_plan_reads_the_caches_a_method_runs_on():
-    """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own are the
-    default and unwritten."""
+    """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own (the default
+    grouped caches, int8-channel) are unwritten."""
     settings = BenchSettings(
         methods=(
             "full",
             "cacheblend",
             "reuse@neighbours",
-            "cacheblend@behind_prefix",
+            "cacheblend@grouped",
             "cacheblend@neighbours",
             "cacheblend@none",
             "cacheblend@int8-channel",

@@ -54,11 +54,11 @@ def test_check_reports_every_injected_fault_and_repair_restores_only_them(index,
     calls.update(computed=0, embedded=0)  # the question's embedding
     chunks = list(index.chunks.all_chunks())
     flipped, deleted, bad_embedding = chunks[0], chunks[1], chunks[2]
-    path = index.store.path(index.addressing.key(flipped.token_ids))
+    path = index.store.path(index.addressing.own_key(flipped.token_ids))
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF  # in the last layer's data
     path.write_bytes(bytes(raw))
-    index.store.path(index.addressing.key(deleted.token_ids)).unlink()
+    index.store.path(index.addressing.own_key(deleted.token_ids)).unlink()
     vectors = index.path / "vectors.faiss"
     data = bytearray(vectors.read_bytes())
     data[-5] ^= 0xFF
@@ -67,16 +67,16 @@ def test_check_reports_every_injected_fault_and_repair_restores_only_them(index,
     damaged = np.frombuffer(blob, dtype="<f4").copy()
     damaged[5] *= 2.0**40  # one exponent bit: a score of ~1e11 for every question
     index.chunks._conn.execute("UPDATE chunks SET embedding = ? WHERE id = ?", (damaged.tobytes(), bad_embedding.id))
-    orphan = index.store.path("ff" + index.addressing.key(flipped.token_ids)[2:])
+    orphan = index.store.path("ff" + index.addressing.own_key(flipped.token_ids)[2:])
     orphan.parent.mkdir(exist_ok=True)
-    shutil.copy(index.store.path(index.addressing.key(chunks[3].token_ids)), orphan)
+    shutil.copy(index.store.path(index.addressing.own_key(chunks[3].token_ids)), orphan)
     (index.path / ".vectors.faiss.4242-deadbeef").write_bytes(b"killed mid-write")
 
     report = check(index, progress=False)
     found = "\n".join(report.problems + report.garbage)
     assert not report.ok and len(report.problems) == 4 and len(report.garbage) == 2, found
-    assert f"KV cache {index.addressing.key(flipped.token_ids)}" in found and "corrupt" in found
-    assert f"KV cache {index.addressing.key(deleted.token_ids)} ({len(deleted.token_ids)} tokens): missing" in found
+    assert f"KV cache {index.addressing.own_key(flipped.token_ids)}" in found and "corrupt" in found
+    assert f"KV cache {index.addressing.own_key(deleted.token_ids)} ({len(deleted.token_ids)} tokens): missing" in found
     assert "vectors.faiss does not match the checksum" in found
     assert f"chunk {bad_embedding.id}: embedding is not a finite unit vector" in found
     assert "1 orphan KV caches" in found and ".vectors.faiss.4242-deadbeef" in found
@@ -116,7 +116,7 @@ def test_the_check_command_exits_non_zero_until_repaired(index):
 
     from rag_kvcache.cli import app
 
-    index.store.path(index.addressing.key(next(index.chunks.all_chunks()).token_ids)).unlink()
+    index.store.path(index.addressing.own_key(next(index.chunks.all_chunks()).token_ids)).unlink()
     vectors = index.path / "vectors.faiss"
     damaged = bytearray(vectors.read_bytes())
     damaged[-5] ^= 0xFF

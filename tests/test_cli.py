@@ -76,7 +76,7 @@ def test_ask_json(built, model_dir):
     out = json.loads(result.stdout)
     for key in ("answer", "method", "ttft_s", "retrieval_s", "prompt_tokens", "recomputed_tokens", "chunks"):
         assert key in out
-    assert out["method"] == "cacheblend" and out["chunks"][0]["source"] == "a.txt"
+    assert out["method"] == "epic_match" and out["chunks"][0]["source"] == "a.txt"  # the default
     assert set(out["chunks"][0]) == {"id", "source", "score"}
 
 
@@ -102,6 +102,8 @@ def test_ask_cacheblend_knobs(built):
         "2",
         "--top-k",
         "2",
+        "--method",
+        "cacheblend",
         "--ratio",
         "0.2",
     ]
@@ -452,25 +454,35 @@ def test_index_says_the_caches_size_and_codec(built):
     assert "(int8-channel, " in output and "KiB/token)" in output and "KV caches " in output
 
 
-def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_path, model_dir, monkeypatch):
+@pytest.mark.parametrize("prefill", ["grouped", "behind_prefix"])
+def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_path, model_dir, monkeypatch, prefill):
     """Ctrl-C during `index` exited 130 without a word; `check` then called the caches it had computed garbage
     and advised `gc`, which would have thrown away what the next run resumes with."""
-    from rag_kvcache.indexing.maker import CacheMaker
+    from rag_kvcache.indexing import maker
 
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, word in enumerate(["harbour", "lighthouse", "granite", "bakery"]):
         (docs / f"{word}.txt").write_text(f"The {word} of Saltmere, number {i}, is old and well kept. " * 8)
     args = ["index", str(docs), "--index", str(tmp_path / "idx"), "--model", str(model_dir), "--chunk-tokens", "32"]
-    compute = CacheMaker.compute
+    args += ["--chunk-prefill", prefill]
 
-    def interrupted(self, chunks, context):
-        for n, item in enumerate(compute(self, chunks, context)):
-            if n == 2 and context:  # two chunk caches computed, then Ctrl-C
+    def two_then_ctrl_c(items):
+        for n, item in enumerate(items):
+            if n == 2:  # two chunk caches computed, then Ctrl-C
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(CacheMaker, "compute", interrupted)
+    if prefill == "grouped":
+        grouped = maker.compute_grouped
+        monkeypatch.setattr(maker, "compute_grouped", lambda *args: two_then_ctrl_c(grouped(*args)))
+    else:
+        compute = maker.CacheMaker.compute
+        monkeypatch.setattr(  # the system prefix's cache is computed behind nothing first
+            maker.CacheMaker,
+            "compute",
+            lambda self, ids, ctx: two_then_ctrl_c(compute(self, ids, ctx)) if ctx else compute(self, ids, ctx),
+        )
     result = runner.invoke(app, args)
     assert result.exit_code == 130 and "the 2 KV caches this run computed are kept" in " ".join(result.stderr.split())
     files = sorted((tmp_path / "idx" / "kv").rglob("*.safetensors"))
@@ -479,7 +491,7 @@ def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_pat
     assert check.exit_code == 0 and "garbage" not in check.output and "interrupted `index` run" in check.output
     assert runner.invoke(app, ["gc", "--index", str(tmp_path / "idx")]).exit_code == 0
     assert sorted((tmp_path / "idx" / "kv").rglob("*.safetensors")) == files  # gc kept them
-    monkeypatch.setattr(CacheMaker, "compute", compute)
+    monkeypatch.undo()
     mtimes = {p: p.stat().st_mtime_ns for p in files}
     assert runner.invoke(app, args).exit_code == 0  # resumed: the kept caches are read, not computed again
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())

@@ -16,18 +16,39 @@ DEMO = files("rag_kvcache") / "demo"
 QUESTION = "What is the name of the main telescope of the Veldmark Observatory?"
 
 
-@pytest.fixture(scope="module")
-def demo_index(smollm2, tmp_path_factory) -> KVIndex:
+def build(smollm2, tmp_path_factory, **index) -> KVIndex:
     cfg = Config(
-        index=IndexSettings(chunk_tokens=128),
+        index=IndexSettings(chunk_tokens=128, **index),
         query=QueryConfig(top_k=4, generation=GenerationConfig(max_new_tokens=24)),
     )
     return KVIndex.build(DEMO, tmp_path_factory.mktemp("demo") / "idx", cfg, adapter=smollm2, progress=False)
 
 
-@pytest.mark.parametrize("method", ["full", "cacheblend", "epic", "prefix"])
-def test_planted_fact_comes_back(demo_index, method):
-    answer = FusedGenerator(demo_index).ask(QUESTION, fusion=FusionConfig(method=method))
+@pytest.fixture(scope="module")
+def demo_index(smollm2, tmp_path_factory) -> KVIndex:
+    return build(smollm2, tmp_path_factory)  # the default caches: grouped
+
+
+@pytest.fixture(scope="module")
+def behind_prefix_index(smollm2, tmp_path_factory) -> KVIndex:
+    return build(smollm2, tmp_path_factory, chunk_prefill="behind_prefix")
+
+
+@pytest.mark.parametrize(
+    "method,caches",
+    [
+        ("full", "default"),
+        ("epic_match", "default"),
+        ("epic", "default"),
+        ("prefix", "default"),
+        # on the grouped caches CacheBlend 0.15 answers this one with the distractor's telescope (Hobb's Eye)
+        # while reuse, EPIC and epic_match keep it (benchmarks/RESULTS.md, session 25): its own caches here
+        ("cacheblend", "behind_prefix"),
+    ],
+)
+def test_planted_fact_comes_back(request, method, caches):
+    index = request.getfixturevalue("demo_index" if caches == "default" else "behind_prefix_index")
+    answer = FusedGenerator(index).ask(QUESTION, fusion=FusionConfig(method=method))
     assert answer.chunks[0].source == "observatory.md"
     assert "Harrow" in answer.answer, answer.answer
 

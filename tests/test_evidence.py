@@ -106,7 +106,7 @@ def test_the_generator_scores_the_sentences_with_the_index_embedder(tiny, tmp_pa
     (docs / "a.txt").write_text(OTHER + " " + FACT)
     (docs / "b.txt").write_text("Saltmere is a mill village on the river Anvel, known for its caraway bread.")
     cfg = Config(
-        index=IndexSettings(chunk_tokens=24),
+        index=IndexSettings(chunk_tokens=24, chunk_prefill="behind_prefix"),  # no chunk exact: each has its repair
         query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=4)),
         runtime=RuntimeConfig(storage=StorageConfig(memory_bytes=0)),
     )

@@ -70,7 +70,7 @@ def assert_consistent(index_dir: Path, adapter) -> KVIndex:
     index = KVIndex.open(index_dir, CFG, adapter=adapter)
     chunks = list(index.chunks.all_chunks())
     assert chunks and len(index.chunks) == len(chunks)
-    assert all(index.store.get(index.addressing.key(c.token_ids)) is not None for c in chunks)
+    assert all(index.store.get(index.addressing.own_key(c.token_ids)) is not None for c in chunks)
     assert not list(index.store.root.rglob(".tmp-*"))
     return index
 
@@ -81,7 +81,7 @@ def index(tiny, tmp_path) -> KVIndex:
 
 
 def top_chunk_path(index: KVIndex) -> Path:
-    return index.store.path(index.addressing.key(index.search(QUESTION, 1)[0].chunk.token_ids))
+    return index.store.path(index.addressing.own_key(index.search(QUESTION, 1)[0].chunk.token_ids))
 
 
 @pytest.mark.parametrize("fault", ["bit_flip_last_layer", "truncated", "missing"])
@@ -103,7 +103,7 @@ def test_bad_cache_file_is_recomputed_and_the_answer_unchanged(index, fault, cap
     assert after.cache_misses == 1 and "recomputed and rewrote" in caplog.text
     assert after.answer == before.answer
     torch.testing.assert_close(after.first_token_logits, before.first_token_logits, atol=1e-4, rtol=0)
-    assert index.store.get(index.addressing.key(hits[0].chunk.token_ids)) is not None  # rewritten, intact
+    assert index.store.get(index.addressing.own_key(hits[0].chunk.token_ids)) is not None  # rewritten, intact
     assert gen.ask(QUESTION, hits).cache_misses == 0
 
 

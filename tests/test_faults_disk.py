@@ -118,7 +118,7 @@ def test_a_corrupt_cache_that_cannot_be_removed_is_still_a_recomputed_miss(index
     asked = FusedGenerator(index).ask(QUESTION, top_k=6)
     reference = asked.answer
     (last,) = index.chunks.get([asked.chunks[-1].id])  # a cache the question reads, whatever the directory order
-    victim = index.store.disk.path(index.addressing.key(last.token_ids))
+    victim = index.store.disk.path(index.addressing.own_key(last.token_ids))
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))

@@ -21,7 +21,8 @@ WORDS = (
 DOCS = {
     f"doc{i}.txt": " ".join(f"{WORDS[(7 * i + j) % len(WORDS)]}{j}" for j in range(20 + 9 * i)) + "." for i in range(6)
 }
-CFG = Config(index=IndexSettings(chunk_tokens=24)).with_index(codec="none")  # lossless: stored equals computed
+# behind the prefix alone, and lossless: each stored cache equals a prefill of the prefix and its chunk
+CFG = Config(index=IndexSettings(chunk_tokens=24, chunk_prefill="behind_prefix", codec="none"))
 
 
 @pytest.fixture()

@@ -77,7 +77,7 @@ def shared(tiny, corpus, server, tmp_path) -> KVIndex:
 
 def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
     """The remote key and stored value of the top chunk's cache."""
-    key = index.store.remote.redis_key(index.addressing.key(index.search(QUESTION, 1)[0].chunk.token_ids))
+    key = index.store.remote.redis_key(index.addressing.own_key(index.search(QUESTION, 1)[0].chunk.token_ids))
     return key, server.client().get(key)
 
 
@@ -193,7 +193,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
     stats = shared.store.stats()["remote"]
     assert stats.errors >= 1 and stats.corrupt == 0
     # Nothing corrupted: the recomputed caches went to the local disk, intact; the next query reads them.
-    for key in (shared.addressing.key(h.chunk.token_ids) for h in shared.search(QUESTION, 3)):
+    for key in (shared.addressing.own_key(h.chunk.token_ids) for h in shared.search(QUESTION, 3)):
         entry = shared.store.disk.open(key)
         assert all(entry.layer(i) for i in range(entry.n_layers))
     shared.caches.open = open_caches
@@ -260,7 +260,7 @@ def test_an_entry_planted_in_the_shared_tier_before_indexing_is_not_taken_as_com
     cfg = CFG.with_runtime(storage=remote_cfg(server.url))
     probe = KVIndex.create(tmp_path / "probe", CFG, adapter=tiny)  # the keys the chunks will have
     probe.update(docs, progress=False)
-    keys = [probe.addressing.key(ids) for ids in probe.chunks.token_ids()]
+    keys = [probe.addressing.own_key(ids) for ids in probe.chunks.token_ids()]
     entries = [(probe.store.disk.path(k)).read_bytes() for k in keys]
     tier = RedisTier(remote_cfg(server.url), CFG.index.codec)
     tier.client.flushdb()
@@ -285,7 +285,7 @@ def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp
     cfg = CFG.with_runtime(storage=replace(remote_cfg(server.url), remote_secret=SECRET))
     a = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "a", cfg, adapter=tiny, progress=False)
     b = KVIndex.open(copy_without_caches(tmp_path / "a", tmp_path / "b"), cfg, adapter=tiny)
-    top, other = (b.addressing.key(h.chunk.token_ids) for h in b.search(QUESTION, 2))
+    top, other = (b.addressing.own_key(h.chunk.token_ids) for h in b.search(QUESTION, 2))
     name, other_name = b.store.remote.redis_key(top), b.store.remote.redis_key(other)
     client = server.client()
     if forgery == "another_chunk_entry":  # the project's own encoder, no secret: a valid entry of the wrong chunk

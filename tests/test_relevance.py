@@ -13,12 +13,14 @@ from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.relevance import CHECK, RelevanceCheck
 
+BEHIND = CFG.with_index(chunk_prefill="behind_prefix")  # each chunk's cache exact right after the prefix, as in a check
+
 
 @pytest.fixture(scope="module")
 def generator(tiny, tmp_path_factory) -> FusedGenerator:
     root = tmp_path_factory.mktemp("relevance")
     return FusedGenerator(
-        KVIndex.build(write_docs(root / "docs", 3), root / "index", CFG, adapter=tiny, progress=False)
+        KVIndex.build(write_docs(root / "docs", 3), root / "index", BEHIND, adapter=tiny, progress=False)
     )
 
 
@@ -81,7 +83,7 @@ def test_chunk_caches_that_are_not_exact_are_computed(tiny, tmp_path):
 def test_a_damaged_chunk_cache_is_recomputed_and_the_verdict_unchanged(tiny, tmp_path, fault):
     """A chunk's cache file missing (recomputed when opened: its tokens counted as computed) or with a flipped
     byte (found when its layer is read, recomputed then): the verdicts are those of the intact caches."""
-    index = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "index", CFG, adapter=tiny, progress=False)
+    index = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "index", BEHIND, adapter=tiny, progress=False)
     chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
     check = RelevanceCheck(FusedGenerator(index))
     before = check(QUESTION, chunks)

@@ -48,8 +48,9 @@ DOCS = {
     "observatory.txt": "The main telescope of the Veldmark Observatory is named Harrow's Eye. It is a refractor. " * 3,
     "bakery.txt": "Saltmere's bakery sells a dark rye loaf with caraway seeds every market day. " * 3,
 }
-CFG = Config(
-    index=IndexSettings(chunk_tokens=24), query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6))
+CFG = Config(  # 24-token chunks behind the prefix: the first retrieved is exact, the prompt mostly cached
+    index=IndexSettings(chunk_tokens=24, chunk_prefill="behind_prefix"),
+    query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
 )
 KEY = "test-key"
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
@@ -220,7 +221,7 @@ def test_chat_with_history_equals_engine_stream(running):
 def test_openai_completion_equals_ask_and_retrieves_itself(running):
     want = running.engine.run(
         lambda: running.engine.generator.ask(
-            QUESTION, top_k=3, fusion=FusionConfig(method="cacheblend"), generation=GenerationConfig(max_new_tokens=6)
+            QUESTION, top_k=3, fusion=FusionConfig(), generation=GenerationConfig(max_new_tokens=6)
         )
     )
     client = running.client()
@@ -263,7 +264,9 @@ def test_reuse_is_transparent_for_a_prompt_that_quotes_indexed_text(running):
     assert chat.choices[0].message.content.strip() == want.answer
     assert chat.usage.prompt_tokens_details.cached_tokens == want.cached_tokens
     assert chat.usage.prompt_tokens_details.cached_tokens > chat.usage.prompt_tokens / 2
-    completion = client.completions.create(model=running.model, prompt=rag, max_tokens=4)
+    completion = client.completions.create(
+        model=running.model, prompt=rag, max_tokens=4, extra_body={"rag_kvcache": {"method": "cacheblend"}}
+    )  # 15% of the chunks' tokens recomputed (EPIC's 16 of each 24-token chunk would be most of this short prompt)
     assert completion.usage.prompt_tokens_details.cached_tokens > completion.usage.prompt_tokens / 2
     plain = client.chat.completions.create(
         model=running.model, messages=[{"role": "user", "content": "Hi there."}], max_tokens=2
@@ -310,7 +313,7 @@ def test_langchain_chat_openai(running):
     from langchain_openai import ChatOpenAI
 
     ids = top_ids(running)
-    want = reference(running.engine, QUESTION, "cacheblend", ids)
+    want = reference(running.engine, QUESTION, FusionConfig().method, ids)  # the server's default
     model = ChatOpenAI(
         model=running.model,
         base_url=f"{running.url}/v1",
@@ -875,7 +878,7 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
     )
     KVIndex.build(docs, tmp_path / "idx", cfg, adapter=smollm2, progress=False).close()
     question = "What is the name of the main telescope of the Veldmark Observatory?"
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=12)
+    fusion, generation = FusionConfig(), GenerationConfig(max_new_tokens=16)  # the default method
     with Engine(tmp_path / "idx", cfg.with_storage(conversation_bytes=0), smollm2) as engine:  # each prompt alone
         hits = engine.search(question, 3)
         context = "\n\n".join(h.chunk.text for h in hits)
@@ -890,14 +893,13 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
             named = client.chat.completions.create(
                 model=cfg.index.model,
                 messages=[{"role": "user", "content": question}],
-                max_tokens=12,
-                extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits], "method": "cacheblend"}},
+                max_tokens=16,
+                extra_body={"rag_kvcache": {"chunk_ids": [h.chunk.id for h in hits]}},
             )
             found = client.chat.completions.create(
                 model=cfg.index.model,
                 messages=quoted,
-                max_tokens=12,
-                extra_body={"rag_kvcache": {"method": "cacheblend"}},
+                max_tokens=16,
             )
         finally:
             stop_server(server, thread)

@@ -64,9 +64,8 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     path = tmp_path_factory.mktemp("vllm-index")
-    config = Config(index=IndexSettings(chunk_tokens=128)).with_index(
-        codec="none"
-    )  # lossless caches: `prefix` is then exact
+    # lossless caches behind the prefix alone: `prefix` then reads the system prefix and the first chunk exactly
+    config = Config(index=IndexSettings(chunk_tokens=128, chunk_prefill="behind_prefix", codec="none"))
     index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", path, config, progress=False)
     records = list(index.chunks.all_chunks())
     picked = [

@@ -14,7 +14,7 @@ from .prompts import NATIVE, PROMPT_STYLES
 from .report import label
 
 REFERENCE = "full"
-DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic")
+DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic", "epic_match")
 ALL_METHODS = "all"  # --methods all: every registered method at its defaults
 DEFAULT_BASELINE = "cacheblend"
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16

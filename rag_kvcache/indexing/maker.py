@@ -176,11 +176,11 @@ class CacheMaker:
         is grouped again. With Ray `workers`, the groups are computed on the cluster, in the packs this process
         would prefill, and each cache is checked to be in this index's store before this returns."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        key, own = self.addressing.key, self.addressing.own_context
+        key, own, own_key = self.addressing.key, self.addressing.own_context, self.addressing.own_key
         table, todo, rows, seen = self._neighbours, [], [], set()
         for row, chunk in enumerate(chunks):
             ids = chunk.token_ids
-            if ids in seen or key(ids, own(ids)) in self.store.disk:
+            if ids in seen or own_key(ids) in self.store.disk:
                 continue
             seen.add(ids)
             todo.append(ids)
@@ -197,17 +197,17 @@ class CacheMaker:
         for group in groups:
             for k, ids in enumerate(group):
                 table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
-        self._record_pending(self.pending() | {key(ids, own(ids)): (ids, own(ids)) for ids in todo})
+        self._record_pending(self.pending() | {own_key(ids): (ids, own(ids)) for ids in todo})
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         if workers is not None:
-            workers.store_groups(groups, prefix, sep, {ids: key(ids, own(ids)) for ids in todo}, progress)
-            self._check_stored(todo, [key(ids, own(ids)) for ids in todo])
+            workers.store_groups(groups, prefix, sep, {ids: own_key(ids) for ids in todo}, progress)
+            self._check_stored(todo, [own_key(ids) for ids in todo])
             return len(todo)
         self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
             for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
-                writer.put(key(ids, own(ids)), kv)
+                writer.put(own_key(ids), kv)
                 bar.update(len(ids))
         bar.close()
         return len(todo)

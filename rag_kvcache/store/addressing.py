@@ -74,6 +74,10 @@ class CacheAddressing:
         near = self.neighbours.get(self.neighbour_key(ids)) if self.grouped else None
         return self.neighbour_context(near) if near else self.chunk_context
 
+    def own_key(self, ids: Sequence[int]) -> str:
+        """The store key of chunk `ids`'s own cache (behind `own_context`)."""
+        return self.key(ids, self.own_context(ids))
+
     def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
         prompt: with recorded neighbours, behind its min(depth, recorded) most similar chunks (a context of

@@ -57,7 +57,7 @@ def test_added_documents_are_chunk_cached(store: RagKVCacheVectorStore, store_en
     chunks = store_engine.run(lambda: list(store_engine.index.chunks.all_chunks()))
     assert chunks and all(c.source.startswith("demo/") for c in chunks)
     index = store_engine.index
-    assert all(index.addressing.key(c.token_ids) in index.store for c in chunks)
+    assert all(index.addressing.own_key(c.token_ids) in index.store for c in chunks)
 
 
 def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(

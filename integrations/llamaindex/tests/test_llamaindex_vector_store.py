@@ -75,7 +75,7 @@ def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engi
     index = store_engine.index
     chunks = store_engine.run(lambda: list(index.chunks.all_chunks()))
     assert len({c.source for c in chunks}) >= 5
-    assert all(index.addressing.key(c.token_ids) in index.store for c in chunks)
+    assert all(index.addressing.own_key(c.token_ids) in index.store for c in chunks)
 
 
 def test_delete_by_document_and_by_node(demo_engine: Engine, tmp_path: Path) -> None:
