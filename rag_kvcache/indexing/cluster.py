@@ -24,9 +24,10 @@ what actors on other machines need. The driver refuses to commit chunks whose ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -110,17 +111,8 @@ class RayWorkers:
         """Compute and store the caches of `chunks` behind `context`, packs dealt out to the actors as
         they come free; returns when every cache is written."""
         packs = [[chunks[i] for i in pack] for pack in token_packs(chunks, self.pack_tokens)]
-        bar = tqdm(
-            total=sum(map(len, chunks)),
-            unit="tok",
-            disable=not progress,
-            desc=f"KV precompute on {len(self.actors)} Ray workers",
-        )
-        pool = self._pool_of(self.actors)
-        for n_tokens in pool.map_unordered(lambda actor, pack: actor.store.remote(pack, context), packs):
-            bar.update(n_tokens)
-        self._ray.get([actor.flush.remote() for actor in self.actors])
-        bar.close()
+        work = lambda actor, pack: actor.store.remote(pack, context)  # noqa: E731
+        self._deal(packs, work, sum(map(len, chunks)), "KV precompute", progress)
 
     def store_groups(
         self,
@@ -133,21 +125,20 @@ class RayWorkers:
         """`chunk_prefill="grouped"`: compute and store the caches of the chunks of `groups`, each under its key in
         `keys`, the groups dealt out in the packs a local run prefills together (so each cache is the one it
         computes); returns when every cache is written."""
-        packs = [
-            [groups[g] for g in pack]
-            for pack in token_packs([group_sequence(g, separator) for g in groups], self.pack_tokens)
-        ]
-        bar = tqdm(
-            total=sum(len(ids) for group in groups for ids in group),
-            unit="tok",
-            disable=not progress,
-            desc=f"KV precompute, grouped, on {len(self.actors)} Ray workers",
-        )
-        pool = self._pool_of(self.actors)
+        sequences = [group_sequence(g, separator) for g in groups]
+        packs = [[groups[g] for g in pack] for pack in token_packs(sequences, self.pack_tokens)]
         work = lambda actor, pack: actor.store_groups.remote(  # noqa: E731
             pack, prefix, separator, {ids: keys[ids] for group in pack for ids in group}
         )
-        for n_tokens in pool.map_unordered(work, packs):
+        self._deal(packs, work, sum(len(ids) for group in groups for ids in group), "KV precompute, grouped,", progress)
+
+    def _deal(
+        self, packs: Sequence[Any], work: Callable[[Any, Any], Any], tokens: int, what: str, progress: bool
+    ) -> None:
+        """`work(actor, pack)` for every pack, dealt out to the actors as they come free (each returns the tokens
+        it computed: the progress bar's `tokens`), then every actor's queued writes flushed."""
+        bar = tqdm(total=tokens, unit="tok", disable=not progress, desc=f"{what} on {len(self.actors)} Ray workers")
+        for n_tokens in self._pool_of(self.actors).map_unordered(work, packs):
             bar.update(n_tokens)
         self._ray.get([actor.flush.remote() for actor in self.actors])
         bar.close()
