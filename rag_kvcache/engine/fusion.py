@@ -72,6 +72,16 @@ class SegmentKV:
     def end(self) -> int:
         return self.start + len(self.segment.ids)
 
+    @property
+    def fresh(self) -> bool:
+        """No cache: computed at query time."""
+        return self.kv is None
+
+    @property
+    def reusable(self) -> bool:
+        """A cache that is not exact here: a candidate for recomputation."""
+        return self.kv is not None and not self.exact
+
 
 @dataclass(frozen=True)
 class FusionInput:
@@ -103,9 +113,8 @@ class FusionInput:
             ids.extend(seg.ids)
         if not parts or parts[-1].kv is not None:
             raise ValueError("the prompt must end with an uncached segment (the question)")
-        return cls(
-            torch.from_numpy(np.array(ids, dtype=np.int64)).to(device), tuple(parts)
-        )  # [N]; a third of torch.tensor's time
+        tokens = torch.from_numpy(np.array(ids, dtype=np.int64))  # [N]: a third of torch.tensor's time on a list
+        return cls(tokens.to(device), tuple(parts))
 
     @property
     def n_tokens(self) -> int:
@@ -135,12 +144,12 @@ class FusionInput:
     @cached_property
     def fresh(self) -> torch.Tensor:
         """Tokens with no cache [N]: always recomputed."""
-        return self.token_mask(lambda p: p.kv is None)
+        return self.token_mask(lambda p: p.fresh)
 
     @cached_property
     def reusable(self) -> torch.Tensor:
         """Tokens with a cache that is not exact here [N]: candidates for recomputation."""
-        return self.token_mask(lambda p: p.kv is not None and not p.exact)
+        return self.token_mask(lambda p: p.reusable)
 
     def placement(self, adapter: FusionModel) -> KVPlacement:
         """Where each layer's packed caches go (`KVPlacement`), the same for every layer: made once."""

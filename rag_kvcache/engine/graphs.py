@@ -4,8 +4,10 @@ Once a prompt's active set stops changing (from the first layer for `prefix`, `r
 methods; after the last selecting layer for CacheBlend), every remaining layer does the same thing:
 project the active tokens, write their K/V into the layer's buffer, attend with the exact causal mask,
 run the MLP. Issued op by op, that is ~200 PyTorch calls a layer whose host time is most of the step on
-a GPU (benchmarks/RESULTS.md, issue 30). `LayerGraphs` runs those layers over fixed-size buffers instead,
-so that on CUDA they are captured once per bucket and replayed: one launch for all of them.
+a GPU (benchmarks/RESULTS.md, issue 30). `LayerGraphs` runs those layers, and the model's head after them,
+over fixed-size buffers instead, so that on CUDA they are captured once per bucket and replayed: one launch for
+all of them. Few active tokens over many keys would leave most of a GPU idle in the attention kernel, so the
+step cuts the keys into parts attended side by side (`key_splits`, `ops.attend_split`).
 
 A bucket is (first settled layer, active tokens rounded up, prompt tokens rounded up). Padding is laid
 out so it changes no real value: padded query rows come first (the real last token stays the last row,

@@ -185,7 +185,7 @@ def hkvd_prefill(
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
     uncached token; all non-exact tokens are computed up to the first such layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
-    n_fresh, n_reusable = inp.count(lambda p: p.kv is None), inp.count(lambda p: p.kv is not None and not p.exact)
+    n_fresh, n_reusable = inp.count(lambda p: p.fresh), inp.count(lambda p: p.reusable)  # on the host: no sync
     which = 0 if cfg.deviation == "k" else 1
     check = min(schedule)
     drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
