@@ -339,9 +339,8 @@ class FusedGenerator:
         computes every token computes the rest (prefix caching over its own earlier K/V).
 
         Stages: `kv_load` (opening entries, and recomputing missing ones), `layout` (where the caches go in
-        the prompt, `KVPlacement`), `kv_wait` (the fusion
-        waiting for cached layers, what the recompute did not hide, and placing each one in the prompt's
-        K/V: `KVPlacement`), then the method's own.
+        the prompt, `KVPlacement`), `kv_wait` (the fusion waiting for cached layers, what the recompute did not
+        hide, and placing each one in the prompt's K/V), then the method's own (`selective_prefill`'s).
         The K/V are written into this generator's `buffers`: a `Fused` kept by the caller keeps its
         buffers, which the pool hands out again only once nothing else holds them.
         """

@@ -8,8 +8,8 @@ question's tokens are computed, and what is computed is what a full prefill of t
 chunks' caches are read into the slots of one `DecodePool` and the check question is fed to all of them in one
 batched forward (`ModelAdapter.extend_rows`: the weights read once, each row attending over its own chunk
 alone). Where a chunk's cache is not exact there (another context), its tokens are computed with the question,
-as the `prefix` method would: the verdict stays exact, and chunks of one length share a forward. The verdict is read from the first answer token's
-distribution: the probability of "yes" against "no", with no decoding.
+as the `prefix` method would: the verdict stays exact, and chunks of one length share a forward. The verdict is
+read from the first answer token's distribution: the probability of "yes" against "no", with no decoding.
 """
 
 from __future__ import annotations

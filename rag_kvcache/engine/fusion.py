@@ -294,7 +294,8 @@ def selective_prefill(
     `settled` is the first layer from which `refine` returns None (default: 0 without a `refine`, else
     none): from there the active set is fixed and the layers run as `graphs.settled_layers`, op by op, or
     with `adapter.graphs` as one step over static buffers, the model's head included (`graphs.LayerGraphs`:
-    on CUDA one captured graph), the stage `layers`.
+    on CUDA one captured graph), the stage `layers`. The checks of the active set (one device sync), the
+    RoPE tables and the embedding before the first layer are the stage `setup`.
     """
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))

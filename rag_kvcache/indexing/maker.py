@@ -42,7 +42,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,7 +149,7 @@ class CacheMaker:
         self._record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.addressing.chunk_context, progress)
-            self._check_stored(todo, [key(ids) for ids in todo])
+            self._check_stored({ids: key(ids) for ids in todo})
             return len(todo)
         if todo:
             self._announce(todo)
@@ -176,7 +176,7 @@ class CacheMaker:
         is grouped again. With Ray `workers`, the groups are computed on the cluster, in the packs this process
         would prefill, and each cache is checked to be in this index's store before this returns."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        key, own, own_key = self.addressing.key, self.addressing.own_context, self.addressing.own_key
+        key, own_key = self.addressing.key, self.addressing.own_key
         table, todo, rows, seen = self._neighbours, [], [], set()
         for row, chunk in enumerate(chunks):
             ids = chunk.token_ids
@@ -197,26 +197,29 @@ class CacheMaker:
         for group in groups:
             for k, ids in enumerate(group):
                 table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
-        self._record_pending(self.pending() | {own_key(ids): (ids, own(ids)) for ids in todo})
+        contexts = {ids: self.addressing.own_context(ids) for ids in todo}  # behind its group, now recorded
+        keys = {ids: key(ids, context) for ids, context in contexts.items()}
+        self._record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         if workers is not None:
-            workers.store_groups(groups, prefix, sep, {ids: own_key(ids) for ids in todo}, progress)
-            self._check_stored(todo, [own_key(ids) for ids in todo])
+            workers.store_groups(groups, prefix, sep, keys, progress)
+            self._check_stored(keys)
             return len(todo)
         self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
             for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
-                writer.put(own_key(ids), kv)
+                writer.put(keys[ids], kv)
                 bar.update(len(ids))
         bar.close()
         return len(todo)
 
-    def _check_stored(self, todo: Sequence[tuple[int, ...]], keys: Sequence[str]) -> None:
-        """Every cache the Ray workers were given is in this index's store, or `RuntimeError`."""
-        if lost := [ids for ids, k in zip(todo, keys) if k not in self.store]:
+    def _check_stored(self, keys: Mapping[tuple[int, ...], str]) -> None:
+        """Every chunk cache the Ray workers were given (chunk ids -> store key) is in this index's store, or
+        `RuntimeError`."""
+        if lost := [ids for ids, k in keys.items() if k not in self.store]:
             raise RuntimeError(
-                f"{len(lost)} of the {len(todo)} chunk caches the Ray workers computed are not in the store "
+                f"{len(lost)} of the {len(keys)} chunk caches the Ray workers computed are not in the store "
                 f"{self.store.root}: workers on other machines need a shared tier (--kv-remote)"
             )
 
