@@ -1,27 +1,30 @@
 """Relevance checks that read the chunk caches: an agent's "is this chunk relevant?" step for every retrieved
 chunk at once, at the cost of the check's question alone.
 
-A check's prompt is the index's own layout of one chunk, `[system prefix][chunk][check question]`. Where the
-chunk's cache was computed behind the prefix alone (`chunk_prefill="behind_prefix"`, or with the default grouped
-caches the first chunk of each group), the system prefix and the chunk are cached exactly, so only the check
-question's tokens are computed, and what is computed is what a full prefill of that prompt computes. The
-chunks' caches are read into the slots of one `DecodePool` and the check question is fed to all of them in one
-batched forward (`ModelAdapter.extend_rows`: the weights read once, each row attending over its own chunk
-alone). Where a chunk's cache is not exact there (another context), its tokens are computed with the question,
-as the `prefix` method would: the verdict stays exact, and chunks of one length share a forward. The verdict is
-read from the first answer token's distribution: the probability of "yes" against "no", with no decoding.
+A check's prompt is the index's own layout of one chunk, `[system prefix][chunk][check question]`. The
+system prefix and the chunk are read from their caches, the chunk's keys re-rotated to its place as the `reuse`
+method reads them, and only the check question's tokens are computed: the chunks' caches go into the slots of
+one `DecodePool` and the question is fed to all of them in one batched forward (`ModelAdapter.extend_rows`: the
+weights read once, each row attending over its own chunk alone). Where the chunk's cache was computed behind the
+prefix alone (`chunk_prefill="behind_prefix"`, or the first chunk of each group of the default grouped caches)
+the verdict is what a full prefill of the check prompt gives; a cache computed in another context (behind its
+group's earlier chunks) makes it `reuse`'s approximation. With `exact=True` such a chunk's tokens are computed
+with the question instead, as the `prefix` method would: every verdict exact, chunks of one length sharing a
+forward. The verdict is read from the first answer token's distribution: the probability of "yes" against "no",
+with no decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
 import torch
 
 from .engine.decoding import DecodeCache, DecodePool
-from .engine.fusion import FusionInput
+from .engine.fusion import FusionInput, SegmentKV
+from .engine.ops import rotate_keys, rotation
 from .engine.prompt import Segment
 from .errors import RagKVCacheError
 from .generator import FusedGenerator
@@ -43,9 +46,12 @@ class Verdict:
 
 
 class RelevanceCheck:
-    """Asks the model whether each chunk is relevant to a question, reading the chunks' caches."""
+    """Asks the model whether each chunk is relevant to a question, reading the chunks' caches (`exact`: only
+    the caches a full prefill of the check prompt would compute; the other chunks computed)."""
 
-    def __init__(self, generator: FusedGenerator, template: str = CHECK, threshold: float = 0.5) -> None:
+    def __init__(
+        self, generator: FusedGenerator, template: str = CHECK, threshold: float = 0.5, exact: bool = False
+    ) -> None:
         if "{question}" not in template:
             raise RagKVCacheError(f"the check template must contain '{{question}}', got {template!r}")
         if not 0.0 <= threshold <= 1.0:
@@ -53,12 +59,13 @@ class RelevanceCheck:
         self.generator = generator
         self.template = template
         self.threshold = threshold
+        self.exact = exact
         tokenizer = generator.adapter.tokenizer
         self.yes, self.no = (_single_tokens(tokenizer, words) for words in (("yes", "Yes"), ("no", "No")))
 
     def __call__(self, question: str, chunks: Sequence[ChunkRecord]) -> list[Verdict]:
         """A verdict for each chunk, in order: the chunks whose check prompts leave the same number of tokens
-        to compute (all of them, on an index of the default `chunk_prefill`) checked in one batched forward."""
+        to compute (all of them unless `exact`) checked in one batched forward."""
         generator, fmt = self.generator, self.generator.index.format
         check = fmt.question_ids(
             generator.adapter.tokenizer, self.template.format(question=question.strip())
@@ -69,7 +76,7 @@ class RelevanceCheck:
         computed: list[int] = []
         for chunk in chunks:
             segments = fmt.segments([chunk.token_ids], check)
-            keys, values, n_opened = _exact_head(generator.index, segments)
+            keys, values, n_opened = _cached_head(generator.index, segments, self.exact)
             tails.append([t for seg in segments for t in seg.ids][keys[0].shape[1] :])
             rows.append(pool.admit(keys, values, room=len(tails[-1])))
             computed.append(len(tails[-1]) + n_opened)
@@ -84,19 +91,31 @@ class RelevanceCheck:
         return [Verdict(chunk, p >= self.threshold, p, n) for chunk, p, n in zip(chunks, p_yes, computed)]
 
 
-def _exact_head(index: KVIndex, segments: Sequence[Segment]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """The per-layer K/V [H_kv, N, D] of a check prompt's leading segments whose caches are exact
-    (`SegmentKV.exact`: what a full prefill computes there), and the tokens whose caches the index computed
-    now (missing entries, recomputed when opened)."""
+def _cached_head(
+    index: KVIndex, segments: Sequence[Segment], exact: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The per-layer K/V [H_kv, N, D] of a check prompt's leading cached segments, keys re-rotated to their
+    places (`exact`: only the leading caches that are exact there, `SegmentKV.exact`), and the tokens whose caches
+    the index computed now (missing entries, recomputed when opened)."""
     caches = index.caches.open(segments)
     parts = FusionInput.build(segments, caches.sources, caches.contexts).parts
-    head = [p.kv for p in takewhile(lambda p: p.exact, parts) if p.kv is not None]  # an exact part has a cache
-    layout, device = index.adapter.layout, index.adapter.device
+    read: Callable[[SegmentKV], bool] = (lambda p: p.exact) if exact else (lambda p: p.kv is not None)
+    head = [(p.start, p.kv) for p in takewhile(read, parts) if p.kv is not None]  # every part read has a cache
+    adapter = index.adapter
+    layout, device = adapter.layout, adapter.device
+    turns = {  # the same rotation for every layer: made once
+        i: rotation(start - kv.position, adapter.inv_freq.to(device))  # cos, sin [1, D]
+        for i, (start, kv) in enumerate(head)
+        if kv.position != start
+    }
     none = torch.empty(layout.n_kv_heads, 0, layout.head_dim, dtype=layout.dtype, device=device)  # [H_kv, 0, D]
     keys, values = [], []
     for layer in range(layout.n_layers):
-        layers = [source.layer(layer) for source in head]
-        keys.append(torch.cat([none, *(k.to(device) for k, _ in layers)], 1))  # [H_kv, N, D]
+        layers = [kv.layer(layer) for _, kv in head]  # [H_kv, T, D] x 2 each
+        turned = [
+            rotate_keys(k.to(device), *turns[i]) if i in turns else k.to(device) for i, (k, _) in enumerate(layers)
+        ]
+        keys.append(torch.cat([none, *turned], 1))  # [H_kv, N, D]
         values.append(torch.cat([none, *(v.to(device) for _, v in layers)], 1))  # [H_kv, N, D]
     return keys, values, caches.computed_tokens
 

@@ -1,5 +1,6 @@
 """Relevance checks that read the chunk caches (`rag_kvcache.relevance`): every chunk checked in one batched
-forward, only the check's question computed, and each verdict what a full prefill of its check prompt gives."""
+forward, only the check's question computed; each verdict what a full prefill of its check prompt gives where the
+chunk's cache is exact there, `reuse`'s where it is not, and `prefix`'s with `exact=True`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from test_faults import CFG, QUESTION, write_docs
 
 from rag_kvcache.config import FusionConfig
+from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
@@ -54,29 +56,46 @@ def test_a_bad_check_is_refused(generator, template, threshold, message):
         RelevanceCheck(generator, template, threshold)
 
 
-def test_chunk_caches_that_are_not_exact_are_computed(tiny, tmp_path):
-    """An index whose chunks were computed alone (`isolated`: at position 0, not behind the prefix), so their
-    caches are not what a full prefill computes in a check prompt: each verdict equals the `prefix` method's
-    for that chunk's check prompt alone (exact: the chunk's tokens are computed)."""
+@pytest.mark.parametrize(
+    "chunk_prefill,exact,method",
+    [
+        ("grouped", False, "reuse"),
+        ("isolated", False, "reuse"),
+        ("grouped", True, "prefix"),
+        ("isolated", True, "prefix"),
+    ],
+)
+def test_chunk_caches_that_are_not_exact_are_read_as_reuse_reads_them_or_computed(
+    tiny, tmp_path, chunk_prefill, exact, method
+):
+    """Indexes whose chunk caches are not what a full prefill computes in a check prompt (`grouped`: computed
+    behind their group's earlier chunks; `isolated`: at position 0, not behind the prefix). Read (the default),
+    each chunk's cache is re-rotated to its place and only the check question computed: the verdict equals the
+    `reuse` method's for that check prompt. With `exact=True` the chunk's tokens are computed: `prefix`'s."""
     index = KVIndex.build(
         write_docs(tmp_path / "docs", 3),
         tmp_path / "index",
-        CFG.with_index(chunk_prefill="isolated"),
+        CFG.with_index(chunk_prefill=chunk_prefill),
         adapter=tiny,
         progress=False,
     )
     generator = FusedGenerator(index)
     chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
-    check = RelevanceCheck(generator)
+    check = RelevanceCheck(generator, exact=exact)
     question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    moved = 0
     for verdict, chunk in zip(check(QUESTION, chunks), chunks):
-        logits = generator.fuse(
-            index.format.segments([chunk.token_ids], question), FusionConfig(method="prefix")
-        ).result.logits
-        p = torch.softmax(logits.float(), dim=-1)  # [V]
+        segments = index.format.segments([chunk.token_ids], question)
+        fused = generator.fuse(segments, FusionConfig(method=method)).result
+        p = torch.softmax(fused.logits.float(), dim=-1)  # [V]
         assert verdict.p_yes == pytest.approx(
             float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum())), abs=1e-4
         )
+        opened = index.caches.open(segments)
+        inexact = not FusionInput.build(segments, opened.sources, opened.contexts).parts[1].exact
+        assert verdict.computed_tokens == len(question) + (len(chunk.token_ids) if exact and inexact else 0)
+        moved += opened.sources[1].position != len(segments[0].ids)
+    assert moved > 0  # some chunk's cache was computed elsewhere than its place in the check prompt
 
 
 @pytest.mark.parametrize("fault", ["missing", "bit_flip"])

@@ -1,6 +1,6 @@
 """An agentic RAG graph's "grade documents" step. `RagKVCacheGrader`: each document judged by the model while
 reading its chunk's cache (`rag_kvcache.RelevanceCheck`): only the check question is computed, for all documents
-in one batched forward. `ChatModelGrader`: the same question put to any chat model, one full prompt per document
+in one batched forward (`exact=True`: a chunk whose cache was computed in another context is computed too). `ChatModelGrader`: the same question put to any chat model, one full prompt per document
 (how the step runs without the caches)."""
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
     threshold: float = Field(
         default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document."
     )
+    exact: bool = Field(
+        default=False,
+        description="Compute the chunks whose caches are not what a full prefill of the check prompt computes "
+        "(on grouped caches, those not first in their group), so that every verdict is a full prefill's.",
+    )
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         return self._call_with_config(self._grade, input, config, run_type="parser", **kwargs)
@@ -43,7 +48,7 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
         engine = self._handle.get()
 
         def check(question: str, ids: list[str]) -> list[Verdict]:  # on the engine's thread, which owns the index
-            return RelevanceCheck(engine.generator, self.template, self.threshold)(
+            return RelevanceCheck(engine.generator, self.template, self.threshold, self.exact)(
                 question, engine.index.chunks.get(ids)
             )
 
