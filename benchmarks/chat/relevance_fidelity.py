@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_kvcache import Config, FusedGenerator, IndexSettings, KVIndex
+from rag_kvcache.bench.metrics import spearman
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.relevance import CHECK, RelevanceCheck
 
@@ -99,7 +100,7 @@ def main() -> None:
         "verdict_agreement_at_median": float(np.mean((got >= median) == (want >= median))),
         "p_yes_abs_diff_mean": float(np.abs(got - want).mean()),
         "p_yes_abs_diff_max": float(np.abs(got - want).max()),
-        "spearman": float(np.corrcoef(_ranks(got), _ranks(want))[0, 1]),
+        "spearman": spearman(got, want),
         "answer_chunks_not_exact": int(gold.sum()),
         "p_yes_exact_answer_chunks": float(want[gold].mean()) if gold.any() else None,
         "p_yes_exact_other_chunks": float(want[~gold].mean()) if (~gold).any() else None,
@@ -110,10 +111,6 @@ def main() -> None:
     }
     args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    return np.argsort(np.argsort(x)).astype(np.float64)  # [M]: P(yes) are floats, ties do not occur in practice
 
 
 if __name__ == "__main__":

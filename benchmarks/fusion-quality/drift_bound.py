@@ -23,22 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_kvcache.bench.metrics import spearman, spearman_ci
+
 QUANTILE = 0.75  # the calibration half's drift quantile taken as the limit: about a quarter of questions bounded
-BOOT = 2000
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def boot_ci(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
-    stats = []
-    for _ in range(BOOT):
-        i = rng.integers(0, len(x), len(x))
-        if np.ptp(x[i]) > 0 and np.ptp(y[i]) > 0:
-            stats.append(spearman(x[i], y[i]))
-    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
 
 
 def bounded(rows: list[dict], limit: float) -> dict:
@@ -73,12 +60,11 @@ def main() -> None:
         for r in records
         if r["method"] == "cacheblend" and not r["params"].get("drift") and r["tf_kl"] is not None
     ]
-    rng = np.random.default_rng(0)
     drift, kl = np.array([r["drift"] for r in rows]), np.array([r["kl"] for r in rows])
     result: dict = {
         "questions": len(rows),
         "spearman_drift_tf_kl": spearman(drift, kl),
-        "spearman_drift_tf_kl_ci": boot_ci(drift, kl, rng),
+        "spearman_drift_tf_kl_ci": spearman_ci(drift, kl),
     }
     with_fact = [r for r in rows if r["full_hit"]]
     if with_fact and len({r["hit"] for r in with_fact}) > 1:

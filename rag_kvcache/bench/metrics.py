@@ -176,3 +176,30 @@ def bootstrap_ci(values: ArrayLike, level: float = 0.95, resamples: int = 2000, 
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def spearman(x: ArrayLike, y: ArrayLike) -> float:
+    """Spearman's rank correlation of `x` and `y` (ranks by order; ties broken by position)."""
+    a, b = _as_finite_1d(x, "x"), _as_finite_1d(y, "y")
+    if a.size != b.size:
+        raise ValueError(f"x has {a.size} values, y has {b.size}")
+    return float(np.corrcoef(np.argsort(np.argsort(a)), np.argsort(np.argsort(b)))[0, 1])
+
+
+def spearman_ci(
+    x: ArrayLike, y: ArrayLike, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of `spearman(x, y)`, the pairs resampled with replacement
+    (resamples in which either side is constant are skipped)."""
+    a, b = _as_finite_1d(x, "x"), _as_finite_1d(y, "y")
+    rng = np.random.default_rng(seed)
+    stats = [
+        spearman(a[i], b[i])
+        for i in rng.integers(0, a.size, size=(resamples, a.size))
+        if np.ptp(a[i]) > 0 and np.ptp(b[i]) > 0
+    ]
+    if not stats:
+        raise ValueError(f"no resample of {a.size} pairs varies on both sides: no rank correlation to bound")
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    return float(low), float(high)

@@ -134,11 +134,17 @@ def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=
     """EPIC, and the sentences of inexact chunks that echo the question (`sentences.echo_sentences`: they
     share `match_words` words with it and an earlier sentence of the prompt does too), recomputed so
     that each attends to the earlier ones as in a full prefill and the question's subject binds to its own."""
+    return selective_prefill(
+        adapter, inp, epic_match_tokens(adapter, inp, cfg).nonzero()[:, 0], clock=clock, reader=reader
+    )
+
+
+def epic_match_tokens(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig) -> torch.Tensor:
+    """The tokens `epic_match` computes [N]: the uncached ones, the chunk heads and the echoing sentences."""
     chunks = inp.token_mask(lambda p: p.kv is not None and p.start > 0)  # [N], the cached head at 0 is no chunk
     question = inp.token_mask(lambda p: p is inp.parts[-1])  # [N]
     echoes = echo_sentences(inp.ids, adapter.lexicon, inp.segment_of, chunks, question, cfg.match_words)  # [N]
-    active = inp.fresh | chunk_heads(inp, cfg.epic_k) | (echoes & inp.reusable)  # [N]
-    return selective_prefill(adapter, inp, active.nonzero()[:, 0], clock=clock, reader=reader)
+    return inp.fresh | chunk_heads(inp, cfg.epic_k) | (echoes & inp.reusable)  # [N]
 
 
 @register("epic_evidence", reads_relevance=True)
