@@ -86,9 +86,15 @@ class FusionConfig:
     )
     drift_limit: float | None = setting(
         None,
-        "CacheBlend's per-question bound, an experiment of the bench (`cacheblend:drift=X`): when the drift its "
-        "check layer estimates exceeds this, every token is recomputed from that layer on (full prefill's answer); "
-        "none: never. The estimate does not yet predict a question's drift (benchmarks/RESULTS.md, session 16).",
+        "Per-question bound of CacheBlend and epic_match, an experiment of the bench (`cacheblend:drift=X`, "
+        "`epic_match:drift=X`): when the drift the method estimates exceeds this, the question is recomputed "
+        "(CacheBlend: every token from its check layer on; epic_match: answered as `prefix`); none: never. "
+        "benchmarks/RESULTS.md (sessions 16 and 26) says how well each estimate predicts a question's drift.",
+    )
+    drift_layers: int = setting(
+        5,
+        "epic_match's drift estimate: the mean, over this many layers from the check layer, of the K deviation "
+        "of the chunk tokens it recomputes (fresh in the prompt against their caches).",
     )
     template_text: bool = setting(
         False,
@@ -116,6 +122,8 @@ class FusionConfig:
             raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
         if self.drift_limit is not None and not self.drift_limit >= 0.0:
             raise ConfigError(f"drift_limit must be >= 0 or None, got {self.drift_limit!r}")
+        if self.drift_layers < 1:
+            raise ConfigError(f"drift_layers must be >= 1, got {self.drift_layers!r}")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class RelevanceCheck:
         )  # refuses an empty question
         pool = DecodePool()
         rows: list[DecodeCache] = []
-        tails: list[list[int]] = []  # per chunk, the tokens after its exact head: computed
+        tails: list[list[int]] = []  # per chunk, the tokens after its cached head: computed
         computed: list[int] = []
         for chunk in chunks:
             segments = fmt.segments([chunk.token_ids], check)

@@ -16,6 +16,8 @@ from rag_kvcache.bench.metrics import (
     median_ratio,
     normalize_answer,
     rouge_l,
+    spearman,
+    spearman_ci,
 )
 
 
@@ -143,3 +145,15 @@ def test_median_ratio_is_median_of_per_item_ratios():
 def test_median_ratio_rejects_bad_input(num, den, match):
     with pytest.raises(ValueError, match=match):
         median_ratio(num, den)
+
+
+def test_spearman_is_one_for_any_increasing_map_and_its_interval_brackets_it():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=200)
+    assert spearman(x, np.exp(3 * x)) == pytest.approx(1.0)
+    assert spearman(x, -x) == pytest.approx(-1.0)
+    y = x + rng.normal(scale=2.0, size=200)  # a weak monotone relation
+    lo, hi = spearman_ci(y, x)
+    assert -1 < lo < spearman(y, x) < hi < 1
+    with pytest.raises(ValueError, match="x has 3 values, y has 2"):
+        spearman([1, 2, 3], [1, 2])

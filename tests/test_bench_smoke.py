@@ -533,6 +533,7 @@ def test_plan_reads_a_parameter_written_with_the_method():
     bounded = parse_variant("cacheblend:drift=0.3", FusionConfig(ratio=0.15), Config())
     assert bounded.label == "cacheblend r=0.15 drift=0.3"
     assert (bounded.fusion(FusionConfig()).ratio, bounded.fusion(FusionConfig()).drift_limit) == (0.15, 0.3)
+    assert parse_variant("epic_match:drift=0.2", FusionConfig(), Config()).fusion(FusionConfig()).drift_limit == 0.2
     for bad, message in [
         ("reuse:k=3", "reuse takes no parameter"),
         ("epic:r=0.1", "epic takes only k=VALUE"),

@@ -15,6 +15,7 @@ from rag_kvcache.engine.ops import (
     causal_attend,
     causal_mask_for,
     query_blocks,
+    relative_deviation,
     rerotate_keys,
     rotate_keys,
     rotation,
@@ -296,6 +297,44 @@ def test_cacheblend_drift_estimate_is_what_its_selection_leaves(tiny):
     drifts = [run(tiny, inp, "cacheblend", ratio=r) for r in (0.0, 0.15, 0.5, 1.0)]
     assert [d.bounded for d in drifts] == [False] * 4
     assert drifts[0].drift > drifts[1].drift > drifts[2].drift > drifts[3].drift == 0.0
+
+
+def test_epic_match_over_its_drift_limit_equals_prefix_and_under_it_is_its_own(tiny):
+    """epic_match's drift estimate (the K deviation of the chunk tokens it recomputes, over `drift_layers` layers
+    from the check layer): a question over the limit is answered as `prefix`, whose K/V and logits are full
+    prefill's; under it, epic_match's own tokens, its own K/V and logits."""
+    inp = rag_prompt(tiny, isolated=True)  # chunks cached without their prompt context: they deviate
+    plain = run(tiny, inp, "epic_match")
+    full = run(tiny, inp, "full")
+    under = run(tiny, inp, "epic_match", drift_limit=1e9, drift_layers=2)
+    assert under.drift > 0 and not under.bounded and plain.drift is None
+    assert under.active_per_layer == plain.active_per_layer
+    torch.testing.assert_close(under.logits, plain.logits, atol=ATOL, rtol=0)
+    over = run(tiny, inp, "epic_match", drift_limit=under.drift / 2, drift_layers=2)
+    assert over.bounded and over.drift == under.drift
+    torch.testing.assert_close(over.logits, full.logits, atol=ATOL, rtol=0)
+    for k, k_full in zip(over.keys, full.keys):
+        torch.testing.assert_close(k, k_full, atol=ATOL, rtol=0)
+
+
+def test_epic_match_drift_layers_beyond_the_model_are_refused(tiny):
+    inp = rag_prompt(tiny)
+    with pytest.raises(ValueError, match=r"reads layers 1\.\.4, beyond the model's 4 layers"):
+        run(tiny, inp, "epic_match", drift_limit=0.1, drift_layers=4)
+
+
+def test_relative_deviation_counts_only_the_tokens_it_is_given():
+    """0 for tokens equal to their caches, the relative norm of the difference otherwise; a token not counted
+    weighs nothing however far it is."""
+    cached = torch.ones(2, 3, 4)  # [H_kv, T, D]
+    fresh = cached.clone()
+    fresh[:, 2] = 100.0  # token 2 far off
+    fresh[:, 1] = 2.0  # token 1 off by its own norm
+    cached[:, 2] = float("nan")  # what an uncached token's memory may hold
+    counted = torch.tensor([True, True, False])
+    assert float(relative_deviation(fresh, cached, counted)) == pytest.approx((1 / 2) ** 0.5)
+    assert float(relative_deviation(cached, cached, counted)) == 0.0
+    assert float(relative_deviation(fresh, cached, torch.zeros(3, dtype=torch.bool))) == 0.0
 
 
 def test_cacheblend_over_its_drift_limit_equals_full(tiny):

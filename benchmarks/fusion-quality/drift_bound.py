@@ -1,24 +1,30 @@
-"""Does CacheBlend's check-layer drift estimate say which questions it will get wrong? And what does bounding
-them (`drift_limit`: those questions recomputed from the check layer on, i.e. answered as `full`) buy and cost?
+"""Does a method's drift estimate say which questions it will get wrong? And what does bounding them
+(`drift_limit`: those questions recomputed, i.e. answered as `full`) buy and cost? For CacheBlend (its
+check-layer estimate of the deviation its selection leaves) and `epic_match` (the K deviation of the chunk tokens
+it recomputes).
 
-Reads a `rag-kvcache bench` run with `full` and `cacheblend` (its records carry each question's `drift`):
+Reads a `rag-kvcache bench` run with `full` and the method; its records carry each question's `drift`
+(`epic_match` estimates only with a limit: run it as `epic_match:drift=1000`, a limit that never fires):
 
-    python benchmarks/fusion-quality/drift_bound.py BENCH_OUT [OUT.json] [PLOT.png]
+    python benchmarks/fusion-quality/drift_bound.py BENCH_OUT [--method epic_match] [--limit X] \
+        [--json OUT.json] [--plot PLOT.png]
 
 - Rank correlation (Spearman) of the estimate with the question's teacher-forced KL to `full`, with a
   bootstrap 95% interval; the same against losing a planted fact `full` answers.
 - The bound, calibrated on the first half of the questions (limit = the estimate's 75th percentile there) and
-  judged on the second half: how often it fires, the mean KL and planted-fact accuracy with and without it,
-  and the mean TTFT. A bounded question's answer is `full`'s (tested: `test_cacheblend_over_its_drift_limit_
-  equals_full`), so its KL is 0, its fact is full's, and its TTFT is taken as `full`'s measured TTFT on that
-  question (the bounded run also did CacheBlend's first layers: a slight underestimate of the cost).
+  judged on the second half, or, with `--limit`, a limit calibrated elsewhere judged on every question: how
+  often it fires, the mean KL and planted-fact accuracy with and without it, and the mean TTFT. A bounded
+  question's answer is exact (tested: `test_cacheblend_over_its_drift_limit_equals_full`,
+  `test_epic_match_over_its_drift_limit_equals_prefix_and_under_it_is_its_own`), so its KL is 0, its fact is
+  full's, and its TTFT is taken as `full`'s measured TTFT on that question (the bounded run also did the
+  method's own forward, CacheBlend's first layers or all of `epic_match`'s: an underestimate of the cost).
 - The same trade-off for every limit: mean KL against mean TTFT over all questions (the plot).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +35,7 @@ QUANTILE = 0.75  # the calibration half's drift quantile taken as the limit: abo
 
 
 def bounded(rows: list[dict], limit: float) -> dict:
-    """Mean KL, planted accuracy (over the facts full answers) and TTFT of CacheBlend with `limit`, from the
+    """Mean KL, planted accuracy (over the facts full answers) and TTFT of the method with `limit`, from the
     measured rows (a bounded question takes full's answer and TTFT)."""
     fired = [r["drift"] > limit for r in rows]
     kl = [0.0 if f else r["kl"] for r, f in zip(rows, fired)]
@@ -44,7 +50,14 @@ def bounded(rows: list[dict], limit: float) -> dict:
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bench_out", type=Path)
+    parser.add_argument("--method", default="cacheblend", choices=("cacheblend", "epic_match"))
+    parser.add_argument("--limit", type=float, help="a limit calibrated elsewhere, judged on every question")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    out_dir = args.bench_out
     records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines() if line.strip()]
     full = {r["id"]: r for r in records if r["method"] == "full"}
     rows = [
@@ -58,8 +71,10 @@ def main() -> None:
             "full_ttft": full[r["id"]]["ttft_s"],
         }
         for r in records
-        if r["method"] == "cacheblend" and not r["params"].get("drift") and r["tf_kl"] is not None
+        if r["method"] == args.method and r["drift"] is not None and not r["bounded"] and r["tf_kl"] is not None
     ]
+    if not rows:
+        parser.error(f"{out_dir} has no {args.method} rows with a drift estimate and no bound fired")
     drift, kl = np.array([r["drift"] for r in rows]), np.array([r["kl"] for r in rows])
     result: dict = {
         "questions": len(rows),
@@ -72,8 +87,8 @@ def main() -> None:
         result["spearman_drift_fact_lost"] = spearman(np.array([r["drift"] for r in with_fact]), lost)
 
     half = len(rows) // 2
-    calibration, held_out = rows[:half], rows[half:]
-    limit = float(np.quantile([r["drift"] for r in calibration], QUANTILE))
+    calibration, held_out = (rows[:half], rows[half:]) if args.limit is None else ([], rows)
+    limit = float(np.quantile([r["drift"] for r in calibration], QUANTILE)) if args.limit is None else args.limit
     result |= {
         "limit": limit,
         "held_out_questions": len(held_out),
@@ -84,10 +99,10 @@ def main() -> None:
     limits = sorted({0.0, *drift.tolist()})
     result["curve"] = [{"limit": x, **bounded(rows, x)} for x in [*limits, float("inf")]]
     text = json.dumps(result, indent=1)
-    if len(sys.argv) > 2:
-        Path(sys.argv[2]).write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        args.json.write_text(text + "\n", encoding="utf-8")
     print(text)
-    if len(sys.argv) > 3:
+    if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -96,7 +111,11 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         curve = result["curve"]
         ax.plot(
-            [c["ttft_s"] for c in curve], [c["tf_kl"] for c in curve], "o-", ms=3, label="CacheBlend, bounded by drift"
+            [c["ttft_s"] for c in curve],
+            [c["tf_kl"] for c in curve],
+            "o-",
+            ms=3,
+            label=f"{args.method}, bounded by drift",
         )
         order = np.argsort(-kl)  # an oracle: bound the questions with the largest KL first
         oracle = [
@@ -114,7 +133,7 @@ def main() -> None:
         ax.set_title(f"{len(rows)} questions; Spearman(drift, KL) = {result['spearman_drift_tf_kl']:.2f}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(sys.argv[3], dpi=120)
+        fig.savefig(args.plot, dpi=120)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ for the echoing sentences apart, beside each question's teacher-forced KL to `fu
 forced through both caches), and reports the rank correlation (Spearman, bootstrap 95%) of each estimate with
 the KL, beside trivial predictors (the prompt's length, the tokens recomputed). The estimate named before the
 run is `all_k_mean` (heads and echoes together, K, the mean over layers); the per-layer scan is exploratory, so
-its best predictor is also chosen on the first half of the questions and judged on the second. From the
+its best predictor is also chosen on the first half of the questions and judged on the second. `all_k_early`
+(layers 1-5) was named after the first run, on questions 0-39, and is judged on a held-out set (`--skip 40`). From the
 repository root:
 
     flock /tmp/bench.lock nice -n 5 .venv/bin/python benchmarks/fusion-quality/epic_drift.py \
         --data ../shared/data/musique_dev.json --work /tmp/epicdrift --questions 40 OUT.json
+    ... --work /tmp/epicdrift-heldout --skip 40 --questions 40 OUT2.json
 
 The passages are written under --work and indexed there with the defaults (grouped caches) at run time. The
 fused prefill is `epic_match`'s own (`methods.epic_match_tokens`), run with a `refine` that only records.
@@ -35,6 +37,7 @@ from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import chunk_heads, epic_match_tokens, register
 
 PROBE = "epic_match_probe"
+EARLY = range(1, 6)  # `all_k_early`'s layers: named after the first run (questions 0-39), judged on 40-79
 
 
 class Probe:
@@ -64,12 +67,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="where the passages and the index go")
     parser.add_argument("out", type=Path)
     parser.add_argument("--questions", type=int, default=40)
+    parser.add_argument("--skip", type=int, default=0, help="questions of --data passed over first (a held-out set)")
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--chunk-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    data = json.loads(args.data.read_text(encoding="utf-8"))[: args.questions]
+    data = json.loads(args.data.read_text(encoding="utf-8"))[args.skip : args.skip + args.questions]
     docs = args.work / "docs"
     docs.mkdir(parents=True, exist_ok=True)
     for qi, example in enumerate(data):
@@ -133,6 +137,7 @@ def main() -> None:
                 predictors[f"{part}_{name}_layer{layer}"] = np.sqrt(dev / np.maximum(norm, np.finfo(np.float64).tiny))
     per_layer = [k for k in predictors if k.startswith("all_k_layer")]
     predictors["all_k_mean"] = np.mean([predictors[k] for k in per_layer], axis=0)  # [Q]
+    predictors["all_k_early"] = np.mean([predictors[f"all_k_layer{i}"] for i in EARLY], axis=0)  # [Q]
     table = {key: (spearman(x, kl), *spearman_ci(x, kl)) for key, x in predictors.items() if np.ptp(x) > 0}
     best = sorted(table.items(), key=lambda kv: -kv[1][0])
     half = len(questions) // 2
@@ -145,6 +150,7 @@ def main() -> None:
         "questions": len(questions),
         "tf_kl_mean": float(kl.mean()),
         "all_k_mean": table["all_k_mean"],
+        "all_k_early": table["all_k_early"],
         "split_half": None
         if chosen is None
         else {
@@ -160,7 +166,7 @@ def main() -> None:
     }
     args.out.write_text(json.dumps({"summary": summary, "questions": questions}, indent=1), encoding="utf-8")
     print(json.dumps({k: summary[k] for k in ("questions", "tf_kl_mean", "split_half", "best_five")}, indent=1))
-    for key in (*best[:8], *((k, table[k]) for k in ("all_k_mean", "prompt_tokens", "computed_tokens"))):
+    for key in (*best[:8], *((k, table[k]) for k in ("all_k_mean", "all_k_early", "prompt_tokens", "computed_tokens"))):
         name, (rho, lo, hi) = key
         print(f"{name:28s} Spearman {rho:+.2f} [{lo:+.2f}, {hi:+.2f}]")
 

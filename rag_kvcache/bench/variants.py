@@ -23,7 +23,7 @@ PARAM_TYPES = {"r": float, "k": int, "drift": float, "s": int}
 METHOD_PARAMS = {  # the first is always shown
     "cacheblend": ("r", "drift"),
     "epic": ("k",),
-    "epic_match": ("k",),
+    "epic_match": ("k", "drift"),
     "epic_evidence": ("k", "s"),
 }
 

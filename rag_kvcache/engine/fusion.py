@@ -252,8 +252,8 @@ class FusionResult:
     compute_fraction: float  # token-layers through attention and MLP / (N x layers): the work relative to `full`
     active_per_layer: list[int] = field(default_factory=list)  # tokens whose K/V each layer computes
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
-    drift: float | None = None  # CacheBlend's check-layer estimate of the deviation it leaves (`methods.hkvd_prefill`)
-    bounded: bool = False  # the estimate exceeded `FusionConfig.drift_limit`: every token recomputed from there on
+    drift: float | None = None  # the method's drift estimate (`methods.hkvd_prefill`, `methods.epic_match`)
+    bounded: bool = False  # the estimate exceeded `FusionConfig.drift_limit`: the question recomputed
 
 
 class Refine(Protocol):

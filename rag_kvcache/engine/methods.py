@@ -30,7 +30,7 @@ import torch
 from ..config import FusionConfig
 from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selective_prefill
 from .model import ModelAdapter
-from .ops import kv_deviation, select_tokens
+from .ops import kv_deviation, relative_deviation, select_tokens
 from .profiling import StageClock
 from .sentences import closest_sentences, echo_sentences, sentence_ids
 
@@ -133,10 +133,33 @@ def epic(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, 
 def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC, and the sentences of inexact chunks that echo the question (`sentences.echo_sentences`: they
     share `match_words` words with it and an earlier sentence of the prompt does too), recomputed so
-    that each attends to the earlier ones as in a full prefill and the question's subject binds to its own."""
-    return selective_prefill(
-        adapter, inp, epic_match_tokens(adapter, inp, cfg).nonzero()[:, 0], clock=clock, reader=reader
-    )
+    that each attends to the earlier ones as in a full prefill and the question's subject binds to its own.
+    With `drift_limit`, its drift estimate is the K deviation of the chunk tokens it recomputes (fresh against
+    their caches: `ops.relative_deviation`), averaged over `drift_layers` layers from the check layer; a question
+    over the limit is answered as `prefix` (exact), after the fused forward that estimated it."""
+    active = epic_match_tokens(adapter, inp, cfg).nonzero()[:, 0]  # [A]
+    if cfg.drift_limit is None:
+        return selective_prefill(adapter, inp, active, clock=clock, reader=reader)
+    layers = range(cfg.check_layer, cfg.check_layer + cfg.drift_layers)
+    if layers[-1] >= adapter.layout.n_layers:
+        raise ValueError(
+            f"epic_match's drift estimate reads layers {layers[0]}..{layers[-1]}, beyond the model's "
+            f"{adapter.layout.n_layers} layers (check_layer {cfg.check_layer}, drift_layers {cfg.drift_layers})"
+        )
+    drift: list[torch.Tensor] = []
+
+    def record(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> None:
+        if layer in layers:
+            drift.append(relative_deviation(fresh_kv[0], layer_cache[0][:, active], inp.reusable[active]))  # []
+        return None  # the tokens stay epic_match's
+
+    result = selective_prefill(adapter, inp, active, record, clock=clock, reader=reader, settled=layers[-1] + 1)
+    estimate = float(torch.stack(drift).mean())  # the one sync, after the forward
+    if estimate > cfg.drift_limit:
+        result = prefix(adapter, inp, cfg, clock, None)  # the caches read again, in this thread
+        result.bounded = True
+    result.drift = estimate
+    return result
 
 
 def epic_match_tokens(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig) -> torch.Tensor:

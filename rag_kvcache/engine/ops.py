@@ -411,6 +411,18 @@ def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     return diff.square().sum(dim=(0, 2)).sqrt()  # [T]
 
 
+def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """sqrt(sum ||fresh - cached||^2 / sum ||cached||^2) over the tokens `counted` [T] (bool) picks, of K (or V)
+    [H_kv, T, D] computed afresh and read from a cache; 0 when it picks none. Selected with `where`, not indexed
+    (no sync), and not multiplied by a 0/1 weight: an uncounted token's memory may hold any bits (a token
+    without a cache is never written there), NaN among them."""
+    pick = counted[None, :, None]  # [1, T, 1]
+    c = cached.to(torch.float32)  # [H_kv, T, D]
+    deviation = torch.where(pick, fresh.to(torch.float32) - c, 0.0).square().sum()  # []
+    size = torch.where(pick, c, 0.0).square().sum()  # []
+    return (deviation / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
+
+
 def select_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     """Indices of the `n_keep` highest scores [T], in ascending (prompt) order."""
     n_keep = max(0, min(n_keep, scores.numel()))
