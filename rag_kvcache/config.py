@@ -89,7 +89,7 @@ class FusionConfig:
         "Per-question bound of CacheBlend and epic_match, an experiment of the bench (`cacheblend:drift=X`, "
         "`epic_match:drift=X`): when the drift the method estimates exceeds this, the question is recomputed "
         "(CacheBlend: every token from its check layer on; epic_match: answered as `prefix`); none: never. "
-        "benchmarks/RESULTS.md (sessions 16 and 26) says how well each estimate predicts a question's drift.",
+        "Neither estimate predicts yet which questions drift (docs/methods.md).",
     )
     drift_layers: int = setting(
         5,
