@@ -35,7 +35,7 @@ from ..config import Config
 from ..errors import RagKVCacheError
 from .decoding import DecodeCache, RowStep, attend_rows
 from .graphs import LayerGraphs
-from .ops import apply_rope, attend, causal_mask_for, rope_cos_sin
+from .ops import apply_rope, attend, attention_plan, causal_attend, rope_cos_sin
 from .sentences import Lexicon
 from .sources import resolve_model_source
 
@@ -320,11 +320,15 @@ class ModelAdapter:
         positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device), self.dtype)  # [N, D]
         h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
-        masks = (
+        group = self.n_q_heads // self.layout.n_kv_heads
+        plans = (
             {}
             if past is None
-            else {  # behind a past, a chunk of n tokens: [n, P + n]
-                n: causal_mask_for(torch.arange(p, p + n), torch.arange(p + n)).to(self.device) for n in set(lengths)
+            else {  # behind a past, a chunk of n tokens at P..P+n-1: on a CPU one causal pass over its own keys (half
+                # the scores of a masked [n, P + n] call, for a grouped index's sequences of thousands) merged
+                # with an unmasked one over the past's; on CUDA one masked call
+                n: attention_plan(torch.arange(p, p + n, device=self.device), p + n, group, self.dtype)
+                for n in set(lengths)
             }
         )
         out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
@@ -343,7 +347,11 @@ class ModelAdapter:
                 if past is not None:
                     k_i = torch.cat([past[0][layer], k_i], 1)  # [H_kv, P + T_i, D]
                     v_i = torch.cat([past[1][layer], v_i], 1)  # [H_kv, P + T_i, D]
-                parts.append(attend(q[:, s:e], k_i, v_i, masks.get(e - s), self.scale))  # [T_i, H_q * D]
+                parts.append(
+                    attend(q[:, s:e], k_i, v_i, None, self.scale)
+                    if past is None
+                    else causal_attend(q[:, s:e], k_i, v_i, plans[e - s], self.scale)
+                )  # [T_i, H_q * D]
             h = self.finish(layer, h, torch.cat(parts))  # [N, E]
         return out
 
