@@ -148,9 +148,9 @@ def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=
         )
     drift: list[torch.Tensor] = []
 
-    def record(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> None:
+    def record(layer: int, now: torch.Tensor, fresh_kv, layer_cache) -> None:  # `now`: the active set, unchanged
         if layer in layers:
-            drift.append(relative_deviation(fresh_kv[0], layer_cache[0][:, active], inp.reusable[active]))  # []
+            drift.append(relative_deviation(fresh_kv[0], layer_cache[0][:, now], inp.reusable[now]))  # []
         return None  # the tokens stay epic_match's
 
     result = selective_prefill(adapter, inp, active, record, clock=clock, reader=reader, settled=layers[-1] + 1)

@@ -1,7 +1,8 @@
 """An agentic RAG graph's "grade documents" step. `RagKVCacheGrader`: each document judged by the model while
 reading its chunk's cache (`rag_kvcache.RelevanceCheck`): only the check question is computed, for all documents
-in one batched forward (`exact=True`: a chunk whose cache was computed in another context is computed too). `ChatModelGrader`: the same question put to any chat model, one full prompt per document
-(how the step runs without the caches)."""
+in one batched forward (`exact=True`: a chunk whose cache was computed in another context is computed too).
+`ChatModelGrader`: the same question put to any chat model, one full prompt per document (how the step runs
+without the caches)."""
 
 from __future__ import annotations
 
