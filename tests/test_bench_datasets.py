@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from synthetic import synthetic_multihop
 
+from rag_kvcache.bench.corpus import write_question_passages
 from rag_kvcache.bench.datasets import (
     Document,
     QAExample,
@@ -368,3 +369,20 @@ def test_the_planted_set_writer_writes_what_bench_generates(tmp_path):
         main = runpy.run_path(str(script))["main"]
         main([str(tmp_path / "m.json"), str(out), "--top-k", "2", *flag])
         assert load_jsonl(out) == load_dataset(f"{spec}{tmp_path / 'm.json'}", top_k=2)
+
+
+def test_question_passages_are_written_one_file_per_listed_context_repeats_kept(tmp_path):
+    """The scripts' layout (`write_question_passages`): every example's contexts in the order listed, a passage
+    two questions share written twice, each file "title\\ntext"."""
+    shared = Document("Harbour", "Saltmere is a harbour.")
+    examples = [
+        QAExample("a", "Where?", ("x",), (shared, Document("Tower", "It stands."))),
+        QAExample("b", "What?", ("y",), (shared,)),
+    ]
+    write_question_passages(examples, tmp_path / "docs")
+    files = {p.name: p.read_text(encoding="utf-8") for p in (tmp_path / "docs").iterdir()}
+    assert files == {
+        "000-00.txt": "Harbour\nSaltmere is a harbour.",
+        "000-01.txt": "Tower\nIt stands.",
+        "001-00.txt": "Harbour\nSaltmere is a harbour.",
+    }

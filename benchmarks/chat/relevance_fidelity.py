@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from rag_kvcache import Config, FusedGenerator, IndexSettings, KVIndex
+from rag_kvcache.bench.corpus import write_question_passages
+from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import spearman
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.relevance import CHECK, RelevanceCheck
@@ -40,12 +42,9 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=128)
     args = parser.parse_args()
 
-    data = json.loads(args.data.read_text(encoding="utf-8"))[: args.questions]
+    data = load_musique(args.data)[: args.questions]
     docs = args.work / "docs"
-    docs.mkdir(parents=True, exist_ok=True)
-    for qi, example in enumerate(data):
-        for pi, ctx in enumerate(example["ctxs"]):
-            (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
+    write_question_passages(data, docs)
     index_dir = args.work / "index"
     if (index_dir / "index.sqlite").is_file():
         index = KVIndex.open(index_dir)
@@ -58,17 +57,17 @@ def main() -> None:
     fmt, tokenizer = index.format, index.adapter.tokenizer
 
     rows, seconds = [], {"read": [], "exact": []}
-    warm = [hit.chunk for hit in index.search(data[0]["question"], args.top_k)]
-    read(data[0]["question"], warm), exact(data[0]["question"], warm)
+    warm = [hit.chunk for hit in index.search(data[0].question, args.top_k)]
+    read(data[0].question, warm), exact(data[0].question, warm)
     for qi, example in enumerate(data):
-        chunks = [hit.chunk for hit in index.search(example["question"], args.top_k)]
+        chunks = [hit.chunk for hit in index.search(example.question, args.top_k)]
         verdicts = {}
         for name, check in (("read", read), ("exact", exact)) if qi % 2 == 0 else (("exact", exact), ("read", read)):
             t0 = time.perf_counter()
-            verdicts[name] = check(example["question"], chunks)
+            verdicts[name] = check(example.question, chunks)
             seconds[name].append(time.perf_counter() - t0)
-        answers = [a.lower() for a in example["answers"]]
-        check_ids = fmt.question_ids(tokenizer, CHECK.format(question=example["question"]))
+        answers = [a.lower() for a in example.answers]
+        check_ids = fmt.question_ids(tokenizer, CHECK.format(question=example.question))
         for chunk, r, e in zip(chunks, verdicts["read"], verdicts["exact"]):
             segments = fmt.segments([chunk.token_ids], check_ids)
             opened = index.caches.open(segments)

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from rag_kvcache import Config, FusedGenerator, FusionConfig, GenerationConfig, IndexSettings, KVIndex
+from rag_kvcache.bench.corpus import write_question_passages
+from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import spearman, spearman_ci, teacher_forced
 from rag_kvcache.engine.fusion import selective_prefill
@@ -73,12 +75,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    data = json.loads(args.data.read_text(encoding="utf-8"))[args.skip : args.skip + args.questions]
+    data = load_musique(args.data)[args.skip : args.skip + args.questions]
     docs = args.work / "docs"
-    docs.mkdir(parents=True, exist_ok=True)
-    for qi, example in enumerate(data):
-        for pi, ctx in enumerate(example["ctxs"]):
-            (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
+    write_question_passages(data, docs)
     index_dir = args.work / "index"
     if (index_dir / "index.sqlite").is_file():
         index = KVIndex.open(index_dir)
@@ -97,9 +96,9 @@ def main() -> None:
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
     questions = []
     for example in data:
-        hits = index.search(example["question"], args.top_k)
+        hits = index.search(example.question, args.top_k)
         segments = fmt.segments(
-            [h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, example["question"])
+            [h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, example.question)
         )
         reference = generator.fuse(segments, FusionConfig(method="full"))
         answer = greedy_answer_ids(adapter, reference, generation)
@@ -113,14 +112,14 @@ def main() -> None:
         )  # [T, V] x 2
         questions.append(
             {
-                "question": example["question"],
+                "question": example.question,
                 "tf_kl": teacher_forced(ref, got, answer)["tf_kl"],
                 "prompt_tokens": int(sum(len(s.ids) for s in segments)),
                 "computed_tokens": int(fused.recomputed_tokens),
                 "layers": probe.rows,
             }
         )
-        print(f"{len(questions):3d} tf_kl {questions[-1]['tf_kl']:.3f} {example['question'][:60]}", flush=True)
+        print(f"{len(questions):3d} tf_kl {questions[-1]['tf_kl']:.3f} {example.question[:60]}", flush=True)
 
     kl = np.array([q["tf_kl"] for q in questions])  # [Q]
     predictors = {

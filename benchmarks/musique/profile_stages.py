@@ -18,7 +18,6 @@ two threads that share their cores with another job report that job's load, not 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 
 from rag_kvcache import Config, FusedGenerator, FusionConfig, IndexSettings, KVIndex, QueryConfig, RuntimeConfig
+from rag_kvcache.bench.corpus import write_question_passages
+from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.cli.common import model_process
 from rag_kvcache.config import CHUNK_PREFILLS, StorageConfig
 from rag_kvcache.engine.graphs import LayerGraphs
@@ -79,12 +80,9 @@ def main() -> None:
     model_process()  # as every CLI command that loads a model: cuDNN attention off on CUDA
     logging.basicConfig(level=logging.WARNING)
 
-    data = json.loads(args.data.read_text(encoding="utf-8"))[: args.questions]
+    data = load_musique(args.data)[: args.questions]
     docs = args.work / "docs"
-    docs.mkdir(parents=True, exist_ok=True)
-    for qi, example in enumerate(data):
-        for pi, ctx in enumerate(example["ctxs"]):
-            (docs / f"{qi:03d}-{pi:02d}.txt").write_text(f"{ctx['title']}\n{ctx['text']}", encoding="utf-8")
+    write_question_passages(data, docs)
     cfg = Config(
         index=IndexSettings(
             chunk_tokens=512,
@@ -125,9 +123,9 @@ def main() -> None:
     runs: dict[str, list] = {row: [] for row, _, _ in variants}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for example in data:
-        hits = index.search(example["question"], args.top_k)
+        hits = index.search(example.question, args.top_k)
         segments = fmt.segments(
-            [h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, example["question"])
+            [h.chunk.token_ids for h in hits], fmt.question_ids(adapter.tokenizer, example.question)
         )
         for _, method, graphs in variants:  # warm-up: first touch of the caches and the kernels, graphs captured
             fuse(method, graphs)

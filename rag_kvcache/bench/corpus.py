@@ -66,6 +66,15 @@ def write_corpus(examples: Sequence[QAExample], docs_dir: Path) -> int:
     return len(passages)
 
 
+def write_question_passages(examples: Sequence[QAExample], docs_dir: Path) -> None:
+    """Write each example's passages, repeats kept, as `<question>-<passage>.txt` ("title\\ntext"): the layout
+    the profiling and measurement scripts index (every question's contexts, as the dataset lists them)."""
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    for qi, example in enumerate(examples):
+        for pi, doc in enumerate(example.documents):
+            (docs_dir / f"{qi:03d}-{pi:02d}.txt").write_text(f"{doc.title}\n{doc.text}", encoding="utf-8")
+
+
 def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int = 3) -> float:
     """Tokens/s of a plain forward over `n_tokens` ids: median of `repeats` after a warm-up."""
     ids = torch.randint(0, adapter.model.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
