@@ -354,8 +354,8 @@ class RuntimeConfig:
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
     cuda_graphs: int = setting(
         16,
-        "On CUDA, the fused prefill's layers after its last token selection run as one captured CUDA graph per "
-        "bucket of sizes; this many are kept (least recently used dropped; 0: every layer op by op). Each holds "
+        "On CUDA, the fused prefill's layers with a fixed active set (CacheBlend's: every layer, its selection "
+        "at a count known beforehand) run as one captured CUDA graph per bucket of sizes; this many are kept (least recently used dropped; 0: every layer op by op). Each holds "
         "its layers' K/V for its largest prompt in GPU memory (300 MB for an 8B model's 2,300-token prompt).",
     )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")

@@ -53,10 +53,27 @@ def test_settled_step_equals_the_layer_by_layer_forward(adapter, method, process
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         assert got.active_per_layer == ref.active_per_layer
         assert got.compute_fraction == ref.compute_fraction
+        assert got.drift == pytest.approx(ref.drift, abs=1e-6)  # CacheBlend's estimate at its check layer, else None
         assert "layers" in got.stages
     assert 1 <= len(graphs) <= 3
-    splits = {run.splits for step in graphs._steps.values() for run in (*step.plan.runs, *step.last_plan.runs)}
+    picking = method.startswith("cacheblend")  # CacheBlend's selection in the step: every layer in it, from 0
+    assert all(bool(step.picks) == picking and (step.start == 0) >= picking for step in graphs._steps.values())
+    splits = {
+        run.splits for step in graphs._steps.values() for plan in (*step.plans, step.last_plan) for run in plan.runs
+    }
     assert splits == ({1} if processors == 0 else {4})  # four parts of 64 of the 256 keys
+
+
+def test_a_drift_bound_runs_cacheblend_layer_by_layer(adapter):
+    # the bound is read within the forward (a sync at the check layer): the selecting layers run op by op
+    graphs = LayerGraphs(adapter, limit=2, capture=False)
+    inp = rag_prompt(adapter)
+    adapter.graphs = graphs
+    try:
+        got = get_method("cacheblend")(adapter, inp, FusionConfig(method="cacheblend", ratio=0.3, drift_limit=0.0))
+    finally:
+        adapter.graphs = None
+    assert got.bounded and not any(step.picks for step in graphs._steps.values())
 
 
 def test_key_splits_fill_the_processors_in_aligned_parts():

@@ -13,6 +13,7 @@ Recomputed tokens attend with the exact causal mask over their original position
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -23,7 +24,7 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer, pack_layers
-from .graphs import LayerGraphs, Settled, settled_layers
+from .graphs import LayerGraphs, Pick, Settled, settled_layers
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -275,6 +276,8 @@ def selective_prefill(
     clock: StageClock | None = None,
     reader: LayerReader | None = None,
     settled: int | None = None,
+    picks: tuple[Pick, ...] = (),
+    which: int = 0,
 ) -> FusionResult:
     """Layer-wise forward computing only `initial` token indices (narrowed by `refine` within a layer).
 
@@ -296,7 +299,11 @@ def selective_prefill(
     with `adapter.graphs` as one step over static buffers, the model's head included (`graphs.LayerGraphs`:
     on CUDA one captured graph), the stage `layers`. The checks of the active set (one device sync), the
     RoPE tables and the embedding before the first layer are the stage `setup`.
+    `picks` (with `adapter.graphs` only; no `refine`): the active set narrowed at fixed counts (`graphs.Pick`,
+    by the deviation of K, `which` 0, or V), every layer one captured step from the first.
     """
+    if picks and (refine is not None or adapter.graphs is None):
+        raise ValueError("picks run in a captured step (adapter.graphs), without a refine")
     clock = clock or StageClock(adapter.device)
     reader = reader or DirectReader(inp.sources, inp.placement(adapter))
     n, layout = inp.n_tokens, adapter.layout
@@ -319,7 +326,10 @@ def selective_prefill(
     plan = None  # the attention plan of the active set, made again when the set changes
     rope = active, cos_all[active], sin_all[active]  # the active set's cos/sin [A, D], gathered again when it changes
     group, last = adapter.n_q_heads // layout.n_kv_heads, layout.n_layers - 1
-    settled = (0 if refine is None else layout.n_layers) if settled is None else settled
+    if picks:
+        settled = 0  # the step runs every layer
+    elif settled is None:
+        settled = 0 if refine is None else layout.n_layers
     dropped: list[torch.Tensor] = []  # per narrowing: did `refine` drop the last prompt token? [] each
     for layer in range(settled):  # the layers where `refine` may narrow the active set
         with clock.stage("kv_wait"):  # what the reader's read-ahead did not hide
@@ -353,11 +363,12 @@ def selective_prefill(
             h = adapter.finish(layer, h, attn)  # [A, E]
         through += active.numel()
     rest = range(settled, layout.n_layers)  # the active set fixed from here
-    logits = None  # [V], the step's output when the settled layers run as one
+    logits = drift = None  # [V], the step's output when the settled layers run as one; [], its picks' estimate
     if rest and adapter.graphs is not None:
         with clock.stage("layers"):  # the reads that fill the step's buffers, and the model's head, included
-            at = Settled(settled, h, active, *rope[1:], n)
-            logits, kv = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
+            forced = inp.fresh[active] if picks else None  # [A]
+            at = Settled(settled, h, active, *rope[1:], n, picks, forced, which)
+            logits, kv, drift = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
         keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
         values_all.extend(kv[:, 1].unbind(0))
     elif rest:
@@ -373,8 +384,10 @@ def selective_prefill(
             plan = attention_plan(active, n, group, adapter.dtype)
         last_plan = attention_plan(active[-1:], n, group, adapter.dtype)
         h = settled_layers(adapter, rest, h, active, *rope[1:], layer_kv, plan, last_plan, clock)  # [1, E]
-    counts.extend([active.numel()] * len(rest))
-    through += active.numel() * (len(rest) - 1) + 1 if rest else 0
+    kept = {p.layer: p.keep for p in picks}
+    sizes = list(itertools.accumulate(rest, lambda a, layer: kept.get(layer, a), initial=active.numel()))[1:]
+    counts.extend(sizes)  # the tokens whose K/V each layer from `settled` computes (narrowed at the picks' layers)
+    through += sum(sizes[:-1]) + 1 if rest else 0  # the last layer's attention and MLP: the last token alone
     if logits is None:
         with clock.stage("logits"):
             logits = adapter.logits(h)[0]  # [V]
@@ -388,4 +401,5 @@ def selective_prefill(
         through / (n * layout.n_layers),
         counts,
         dict(clock.seconds),
+        drift=None if drift is None else float(drift),  # a sync, once the forward is queued
     )

@@ -9,11 +9,18 @@ over fixed-size buffers instead, so that on CUDA they are captured once per buck
 all of them. Few active tokens over many keys would leave most of a GPU idle in the attention kernel, so the
 step cuts the keys into parts attended side by side (`key_splits`, `ops.attend_split`).
 
-A bucket is (first settled layer, active tokens rounded up, prompt tokens rounded up). Padding is laid
+CacheBlend's selection joins the step (`Pick`): the number of tokens it keeps at its check layer is known
+from the prompt's layout before the forward, so its first layers, its pick (a top-k on the device whose
+count is an input) and the narrowed layers after it are one step from the embedding on, with no host work
+between layers.
+
+A bucket is (first layer, active tokens rounded up, prompt tokens rounded up, the picks' layers and rows
+rounded up). Padding is laid
 out so it changes no real value: padded query rows come first (the real last token stays the last row,
 which the last layer narrows to), start from a zero hidden state, write their K/V into a scratch key
 column past the prompt that no query reads, and attend every key; real rows attend keys up to their own
-position only, so the padded keys past the prompt get zero weight. Off CUDA (`capture=False`) the same
+position only, so the padded keys past the prompt get zero weight; a pick never picks a padded row and
+lays the rows it does not keep out as padding. Off CUDA (`capture=False`) the same
 padded step runs eagerly: the tests check it against the same layers op by op on a CPU.
 """
 
@@ -27,7 +34,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .ops import AttentionPlan, QueryRun, causal_attend, causal_mask_for, mask_bias
+from .ops import (
+    AttentionPlan,
+    QueryRun,
+    causal_attend,
+    causal_mask_for,
+    kv_deviation,
+    left_deviation,
+    mask_bias,
+    pick_rows,
+)
 from .profiling import StageClock
 
 if TYPE_CHECKING:  # fusion imports this module
@@ -74,10 +90,22 @@ def settled_layers(
 
 
 @dataclass(frozen=True)
+class Pick:
+    """CacheBlend's selection at `layer`, its count known before the forward: after the layer's K/V projection,
+    the `keep` active tokens whose fresh K (or V) deviates most from their cache go on through its attention
+    and every later layer (the uncached ones first)."""
+
+    layer: int
+    keep: int
+
+
+@dataclass(frozen=True)
 class Settled:
-    """A fused prefill where its active set stops changing: the first settled layer, the active tokens'
-    prompt positions (ascending, the last prompt token last), their hidden states and RoPE tables, and
-    the prompt's length."""
+    """Where a captured step takes over a fused prefill: its first layer, the active tokens' prompt positions
+    (ascending, the last prompt token last), their hidden states and RoPE tables, and the prompt's length.
+    With `picks` (the step starts at layer 0) the active set is narrowed at each pick's layer (`Pick`),
+    by the deviation of K (`which` 0) or V (1), every `forced` token [A] kept: CacheBlend's whole forward
+    as one step. Without, the active set is settled: the same in every layer from `start`."""
 
     start: int
     h: torch.Tensor  # [A, E]
@@ -85,6 +113,9 @@ class Settled:
     cos: torch.Tensor  # [A, D]
     sin: torch.Tensor  # [A, D]
     n: int
+    picks: tuple[Pick, ...] = ()
+    forced: torch.Tensor | None = None  # [A] bool, with picks
+    which: int = 0
 
 
 def bucket(n: int, floor: int, step: int) -> int:
@@ -108,31 +139,46 @@ def key_splits(rows: int, kv_heads: int, n_keys: int, processors: int) -> int:
 class SettledStep:
     """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
     `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed. The
-    attention's keys are cut into parts to give at least `processors` thread blocks (`key_splits`)."""
+    attention's keys are cut into parts to give at least `processors` thread blocks (`key_splits`).
+    `picks` ((layer, rows) each, `Settled.picks`): the active set narrowed at those layers to at most that many
+    rows (the count kept is an input: `keep`), by the deviation of K (`which` 0) or V (1)."""
 
     def __init__(
-        self, adapter: FusionModel, start: int, n_active: int, n_keys: int, width: int, capture: bool, processors: int
+        self,
+        adapter: FusionModel,
+        start: int,
+        n_active: int,
+        n_keys: int,
+        width: int,
+        capture: bool,
+        processors: int,
+        picks: tuple[tuple[int, int], ...] = (),
+        which: int = 0,
     ) -> None:
         layout = adapter.layout
         group = adapter.n_q_heads // layout.n_kv_heads
-        self.adapter, self.start = adapter, start
+        self.adapter, self.start, self.picks, self.which = adapter, start, picks, which
         dev, dt = adapter.device, adapter.dtype
         self.h = torch.zeros(n_active, width, dtype=dt, device=dev)  # [A, E]
         self.active = torch.full((n_active,), n_keys, dtype=torch.long, device=dev)  # [A]
         self.cos = torch.zeros(n_active, layout.head_dim, dtype=dt, device=dev)  # [A, D]
         self.sin = torch.zeros_like(self.cos)  # [A, D]
+        self.forced = torch.zeros(n_active, dtype=torch.bool, device=dev)  # [A]
+        self.keep = torch.zeros(len(picks), dtype=torch.long, device=dev)  # [P], the count each pick keeps
         self.keys = torch.arange(n_keys, device=dev)  # [K]
-        self.bias = torch.zeros(group * n_active, n_keys, dtype=dt, device=dev)  # [G * A, K]
-        self.last_bias = torch.zeros(group, n_keys, dtype=dt, device=dev)  # [G, K]
-        # every settled layer's K/V, and one scratch column (index K) for the padded rows' writes
+        # every layer's K/V from `start`, and one scratch column (index K) for the padded rows' writes
         self.kv = torch.zeros(
             layout.n_layers - start, 2, layout.n_kv_heads, n_keys + 1, layout.head_dim, dtype=dt, device=dev
         )  # [L', 2, H_kv, K + 1, D]
-        splits = key_splits(group * n_active, layout.n_kv_heads, n_keys, processors)
+        self.plans = []  # the attention plan of each run of layers between picks: its rows' bias [G * rows, K]
+        for rows in (n_active, *(size for _, size in picks)):
+            bias = torch.zeros(group * rows, n_keys, dtype=dt, device=dev)  # [G * rows, K]
+            run = QueryRun(0, rows, 0, bias, key_splits(group * rows, layout.n_kv_heads, n_keys, processors))
+            self.plans.append(AttentionPlan(self.active[:rows], n_keys, (run,)))
+        self.last_bias = torch.zeros(group, n_keys, dtype=dt, device=dev)  # [G, K]
         last_splits = key_splits(group, layout.n_kv_heads, n_keys, processors)
-        self.plan = AttentionPlan(self.active, n_keys, (QueryRun(0, n_active, 0, self.bias, splits),))
         self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias, last_splits),))
-        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output [1, V]
+        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None = None  # graph, outputs
         if capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -141,35 +187,81 @@ class SettledStep:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self.layers()  # [1, V], in the graph's memory
-            self.captured = graph, out
+                out, drift = self.layers()  # [1, V], [], in the graph's memory
+            self.captured = graph, out, drift
 
-    def layers(self) -> torch.Tensor:
-        """The attention bias of the active positions (padded rows see every key), `settled_layers` over the
-        static buffers, then the model's head: the last token's logits [1, V]."""
-        rows = mask_bias(causal_mask_for(self.active, self.keys), self.bias.dtype)  # [A, K]
-        self.bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
-        self.last_bias.copy_(rows[-1])  # [G, K]
-        start = self.start
-        h = settled_layers(
-            self.adapter,
-            range(start, self.adapter.layout.n_layers),
-            self.h,
-            self.active,
-            self.cos,
-            self.sin,
-            lambda layer: self.kv[layer - start],
-            self.plan,
-            self.last_plan,
-            StageClock(),
-        )  # [1, E]
-        return self.adapter.logits(h)  # [1, V]
+    def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`settled_layers` over the static buffers between the picks (each run's attention bias made from its
+        active positions: padded rows see every key), then the model's head: the last token's logits [1, V],
+        and the first pick's drift estimate (`ops.left_deviation`; 0 without picks) []."""
+        adapter, start = self.adapter, self.start
+        h, active, cos, sin, forced = self.h, self.active, self.cos, self.sin, self.forced
+        drift = torch.zeros((), dtype=torch.float32, device=h.device)  # []
+        at = start
+        for i, plan in enumerate(self.plans):
+            rows = mask_bias(causal_mask_for(active, self.keys), plan.runs[0].bias.dtype)  # [A, K]
+            plan.runs[0].bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
+            end = self.picks[i][0] if i < len(self.picks) else adapter.layout.n_layers
+            if end == adapter.layout.n_layers:
+                self.last_bias.copy_(rows[-1])  # [G, K]
+            h = settled_layers(
+                adapter,
+                range(at, end),
+                h,
+                active,
+                cos,
+                sin,
+                lambda layer: self.kv[layer - start],
+                plan,
+                self.last_plan,
+                StageClock(),
+            )  # [A, E]; [1, E] after the last layer
+            if end == adapter.layout.n_layers:
+                break
+            h, active, cos, sin, forced, left = self.pick(i, h, active, cos, sin, forced)
+            if i == 0:
+                drift = left
+            at = end + 1
+        return adapter.logits(h), drift  # [1, V], []
 
-    def __call__(self, at: Settled, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the settled layers from `at` (its active set padded to this step's size); `fill` writes the
-        settled layers' cached K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the
-        last token's next-token logits [V] and every settled layer's K/V with the active tokens' written,
-        [L', 2, H_kv, n, D] (new memory)."""
+    def pick(
+        self, i: int, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forced: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Pick `i`'s layer: the K/V of every active row, the rows that go on picked by their deviation from the
+        cache (`ops.pick_rows`), then Q, attention and MLP for those. Returns their h, positions, cos, sin and
+        forced flags, and the pick's drift estimate []."""
+        adapter, scratch = self.adapter, self.keys.numel()
+        layer, size = self.picks[i]
+        keys, values = self.kv[layer - self.start].unbind(0)  # [H_kv, K + 1, D]
+        x = adapter.attention_input(layer, h)  # [A, E]
+        k, v = adapter.kv(layer, x, cos, sin)  # [H_kv, A, D] x 2
+        cached = (keys, values)[self.which][:, active]  # [H_kv, A, D]
+        scores = kv_deviation((k, v)[self.which], cached)  # [A]
+        keys.index_copy_(1, active, k)  # every computed row's fresh K/V, picked or not
+        values.index_copy_(1, active, v)
+        real = active != scratch  # [A]
+        picked, kept = pick_rows(scores, forced, real, self.keep[i], size)  # [S] x 2
+        reusable = real & ~forced  # [A]
+        left = reusable & ~torch.zeros_like(real).index_put_((picked,), kept)  # [A]
+        drift = left_deviation(scores, cached, reusable, left)  # []
+        on = kept[:, None]  # [S, 1]
+        h, x, cos, sin = (torch.where(on, t[picked], 0.0) for t in (h, x, cos, sin))  # [S, E] x 2, [S, D] x 2
+        active = torch.where(kept, active[picked], scratch)  # [S]
+        forced = forced[picked] & kept  # [S]
+        plan = self.plans[i + 1]
+        rows = mask_bias(causal_mask_for(active, self.keys), plan.runs[0].bias.dtype)  # [S, K]
+        plan.runs[0].bias.view(-1, *rows.shape).copy_(rows)  # [G, S, K]
+        q = adapter.q(layer, x, cos, sin)  # [H_q, S, D]
+        attn = causal_attend(q, keys, values, plan, adapter.scale)  # [S, H_q * D]
+        return adapter.finish(layer, h, attn), active, cos, sin, forced, drift
+
+    def __call__(
+        self, at: Settled, fill: Callable[[torch.Tensor], None]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run the layers from `at` (its active set padded to this step's size); `fill` writes the layers' cached
+        K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the last token's next-token
+        logits [V], every layer's K/V from `start` with the computed tokens' written, [L', 2, H_kv, n, D] (new
+        memory), and with picks the first pick's drift estimate [] (else None)."""
         n, pad = at.n, self.active.numel() - at.active.numel()
         self.h[pad:].copy_(at.h)
         self.h[:pad].zero_()
@@ -177,14 +269,19 @@ class SettledStep:
         self.active[pad:].copy_(at.active)
         self.cos[pad:].copy_(at.cos)
         self.sin[pad:].copy_(at.sin)
+        if at.forced is not None:
+            self.forced[:pad].fill_(False)
+            self.forced[pad:].copy_(at.forced)
+            for i, p in enumerate(at.picks):
+                self.keep[i].fill_(p.keep)
         fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
         if self.captured is None:
-            out = self.layers()  # [1, V]
+            out, drift = self.layers()  # [1, V], []
         else:
-            graph, result = self.captured
+            graph, out, drift = self.captured
             graph.replay()
-            out = result.clone()  # [1, V]
-        return out[0], self.kv[:, :, :, :n].clone()  # [V], [L', 2, H_kv, n, D]
+            out, drift = out.clone(), drift.clone()  # [1, V], []
+        return out[0], self.kv[:, :, :, :n].clone(), drift if at.picks else None  # [V], [L', 2, H_kv, n, D], []
 
 
 class LayerGraphs:
@@ -206,22 +303,30 @@ class LayerGraphs:
         if processors is None:
             processors = torch.cuda.get_device_properties(adapter.device).multi_processor_count if cuda else 0
         self.processors = processors
-        self._steps: OrderedDict[tuple[int, int, int, int], SettledStep] = OrderedDict()
+        self._steps: OrderedDict[tuple, SettledStep] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def run(self, at: Settled, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, at: Settled, fill: Callable[[torch.Tensor], None]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`SettledStep.__call__` in the step of `at`'s bucket (made, and on CUDA captured, the first time the
-        bucket is asked for)."""
-        key = (at.start, bucket(at.active.numel(), 16, 1024), bucket(at.n, 256, 256), at.h.shape[1])
+        bucket is asked for). With picks, the rows before the first pick (most of the prompt, through whole
+        layers) are rounded up to a multiple of 256, not to a power of two, and each pick's rows to no more
+        than the rows before it."""
+        rows = bucket(at.active.numel(), 16, 256 if at.picks else 1024)
+        picks: list[tuple[int, int]] = []
+        for p in at.picks:
+            picks.append((p.layer, min(bucket(p.keep, 16, 256), picks[-1][1] if picks else rows)))
+        key = (at.start, rows, bucket(at.n, 256, 256), at.h.shape[1], tuple(picks), at.which)
         with self._lock:
             step = self._steps.get(key)
             if step is None:
                 while len(self._steps) >= self.limit:
                     self._steps.popitem(last=False)
-                step = SettledStep(self.adapter, *key, capture=self.capture, processors=self.processors)
+                step = SettledStep(self.adapter, *key[:4], self.capture, self.processors, picks=key[4], which=key[5])
                 self._steps[key] = step
             self._steps.move_to_end(key)
             return step(at, fill)

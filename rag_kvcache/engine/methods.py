@@ -29,8 +29,9 @@ import torch
 
 from ..config import FusionConfig
 from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selective_prefill
+from .graphs import Pick
 from .model import ModelAdapter
-from .ops import kv_deviation, relative_deviation, select_tokens
+from .ops import kv_deviation, left_deviation, relative_deviation, select_tokens
 from .profiling import StageClock
 from .sentences import closest_sentences, echo_sentences, sentence_ids
 
@@ -212,10 +213,20 @@ def hkvd_prefill(
 ) -> FusionResult:
     """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
-    uncached token; all non-exact tokens are computed up to the first such layer."""
+    uncached token; all non-exact tokens are computed up to the first such layer. With `adapter.graphs`
+    the whole forward is one captured step (`graphs.Pick`: the counts kept are known before it starts),
+    unless `cfg.drift_limit` must be read within it or a pick is at the last layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_fresh, n_reusable = inp.count(lambda p: p.fresh), inp.count(lambda p: p.reusable)  # on the host: no sync
     which = 0 if cfg.deviation == "k" else 1
+    initial = (fresh | reusable).nonzero()[:, 0]  # [A]
+    counts = [n_fresh + n_reusable]
+    for layer in sorted(schedule):  # the active set only shrinks
+        counts.append(min(counts[-1], n_fresh + round(schedule[layer] * n_reusable)))
+    if adapter.graphs is not None and cfg.drift_limit is None and max(schedule) < adapter.layout.n_layers - 1:
+        picks = tuple(Pick(layer, keep) for layer, keep in zip(sorted(schedule), counts[1:]))
+        return selective_prefill(adapter, inp, initial, clock=clock, reader=reader, picks=picks, which=which)
+    keeps = dict(zip(sorted(schedule), counts[1:]))
     check = min(schedule)
     drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
     bounded = False
@@ -228,32 +239,20 @@ def hkvd_prefill(
         cached = layer_cache[which][:, active]  # [H_kv, A, D]
         score = kv_deviation(fresh_kv[which], cached)  # [A]
         score.masked_fill_(forced, math.inf)  # every uncached token is active, and kept
-        keep = select_tokens(score, n_fresh + round(schedule[layer] * n_reusable))  # [A']
+        keep = select_tokens(score, keeps[layer])  # [A']
         if layer == check:
-            drift.append(left_deviation(score, cached, forced, keep))
+            left = ~forced  # [A]
+            left[keep] = False
+            drift.append(left_deviation(score, cached, ~forced, left))
             if cfg.drift_limit is not None and drift[0].item() > cfg.drift_limit:  # the one sync, when bounded
                 bounded = True
                 return None  # every active token goes on: full prefill's K/V from here
         return keep
 
-    result = selective_prefill(
-        adapter, inp, (fresh | reusable).nonzero()[:, 0], refine, clock=clock, reader=reader, settled=max(schedule) + 1
-    )
+    result = selective_prefill(adapter, inp, initial, refine, clock=clock, reader=reader, settled=max(schedule) + 1)
     result.drift = float(drift[0]) if drift else None
     result.bounded = bounded
     return result
-
-
-def left_deviation(score: torch.Tensor, cached: torch.Tensor, forced: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """CacheBlend's drift estimate at the check layer: the deviation of the reusable tokens its selection `keep`
-    leaves to the cache, relative to their cached K (or V): sqrt(sum of the unkept tokens' squared deviation /
-    sum of every reusable token's squared cached norm). 0 when the selection keeps every deviating token."""
-    reusable = ~forced  # [A]
-    left = reusable.clone()  # [A]
-    left[keep] = False
-    energy = score.masked_fill(~left, 0.0).square().sum()  # [], the deviation left
-    size = cached.to(torch.float32).square().sum(dim=(0, 2)).masked_fill(forced, 0.0).sum()  # [], the reusable ones
-    return (energy / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
 
 
 @register("cacheblend")

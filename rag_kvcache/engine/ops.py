@@ -428,3 +428,31 @@ def select_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     n_keep = max(0, min(n_keep, scores.numel()))
     top = torch.topk(scores, n_keep, sorted=False).indices  # [n_keep]
     return top.sort().values  # [n_keep]
+
+
+def pick_rows(
+    scores: torch.Tensor, forced: torch.Tensor, real: torch.Tensor, n_keep: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_tokens` for a step of fixed size (`graphs.SettledStep`), with no host sync: the rows of the
+    `n_keep` (a device scalar) highest `scores` [A] among the `real` rows [A], every `forced` row [A] first,
+    as `size` rows, the padding first and then the picked rows in row order (the rows' order is the prompt's).
+    Returns the rows [size] and which of them are picked [size] (the others are padding)."""
+    ranked = scores.masked_fill(forced, math.inf).masked_fill(~real, -math.inf)  # [A]
+    top = torch.topk(ranked, size).indices  # [size], highest first
+    picked = torch.arange(size, device=scores.device) < n_keep  # [size]
+    order = torch.where(picked, top, -1).sort().indices  # [size]: padding first, then by row
+    return top[order], picked[order]  # [size] x 2
+
+
+def left_deviation(
+    scores: torch.Tensor, cached: torch.Tensor, reusable: torch.Tensor, left: torch.Tensor
+) -> torch.Tensor:
+    """CacheBlend's drift estimate at its check layer: the deviation `scores` [A] (`kv_deviation`) of the tokens
+    its selection `left` [A] (bool) to the cache, relative to the cached K (or V) [H_kv, A, D] of every `reusable`
+    token [A] (bool): sqrt(sum of the left tokens' squared deviation / sum of the reusable tokens' squared cached
+    norm). 0 when the selection keeps every deviating token. Selected with `where`: other tokens' memory may
+    hold any bits."""
+    energy = torch.where(left, scores, 0.0).square().sum()  # [], the deviation left
+    c = cached.to(torch.float32)  # [H_kv, A, D]
+    size = torch.where(reusable[None, :, None], c, 0.0).square().sum()  # [], the reusable tokens'
+    return (energy / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
