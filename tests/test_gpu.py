@@ -136,8 +136,8 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
     assert captured is not None and captured.capture
     for method in ("prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"):
         cfg = FusionConfig(method=method, repick_layers=(2,))  # the tiny model's layer 3 settled after the re-pick
-        for seed, n_chunks in ((0, 3), (1, 2), (2, 3)):
-            inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks)
+        for seed, n_chunks, chunk_len in ((0, 3, 24), (1, 2, 24), (2, 3, 24), (3, 3, 64)):  # the last: one causal pass
+            inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks, chunk_len=chunk_len)
             cuda.graphs = None
             ref = get_method(method)(cuda, inp, cfg)
             cuda.graphs = captured

@@ -170,8 +170,12 @@ class SettledStep:
         self.kv = torch.zeros(
             layout.n_layers - start, 2, layout.n_kv_heads, n_keys + 1, layout.head_dim, dtype=dt, device=dev
         )  # [L', 2, H_kv, K + 1, D]
-        self.plans = []  # the attention plan of each run of layers between picks: its rows' bias [G * rows, K]
-        for rows in (n_active, *(size for _, size in picks)):
+        self.plans = []  # the attention plan of each run of layers between picks (`aim` points it at its rows)
+        for i, rows in enumerate((n_active, *(size for _, size in picks))):
+            if 2 * rows >= n_keys:  # most positions are queries: one causal pass over every position, bias-free
+                at = self.active if i == 0 else torch.zeros(rows, dtype=torch.long, device=dev)  # [rows]
+                self.plans.append(AttentionPlan(at, n_keys + 1, ()))  # the scratch column is a position too
+                continue
             bias = torch.zeros(group * rows, n_keys, dtype=dt, device=dev)  # [G * rows, K]
             run = QueryRun(0, rows, 0, bias, key_splits(group * rows, layout.n_kv_heads, n_keys, processors))
             self.plans.append(AttentionPlan(self.active[:rows], n_keys, (run,)))
@@ -199,11 +203,10 @@ class SettledStep:
         drift = torch.zeros((), dtype=torch.float32, device=h.device)  # []
         at = start
         for i, plan in enumerate(self.plans):
-            rows = mask_bias(causal_mask_for(active, self.keys), plan.runs[0].bias.dtype)  # [A, K]
-            plan.runs[0].bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
+            self.aim(plan, active)
             end = self.picks[i][0] if i < len(self.picks) else adapter.layout.n_layers
             if end == adapter.layout.n_layers:
-                self.last_bias.copy_(rows[-1])  # [G, K]
+                self.aim(self.last_plan, active[-1:])
             h = settled_layers(
                 adapter,
                 range(at, end),
@@ -223,6 +226,16 @@ class SettledStep:
                 drift = left
             at = end + 1
         return adapter.logits(h), drift  # [1, V], []
+
+    def aim(self, plan: AttentionPlan, active: torch.Tensor) -> None:
+        """Point `plan` at the rows at prompt positions `active` [A]: its bias rows (padded rows see every key),
+        or for a plan over every position (no runs) its positions."""
+        if not plan.runs:
+            if plan.positions is not active:
+                plan.positions.copy_(active)  # [A]
+            return
+        rows = mask_bias(causal_mask_for(active, self.keys), plan.runs[0].bias.dtype)  # [A, K]
+        plan.runs[0].bias.view(-1, *rows.shape).copy_(rows)  # [G, A, K]
 
     def pick(
         self, i: int, h: torch.Tensor, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forced: torch.Tensor
@@ -249,8 +262,7 @@ class SettledStep:
         active = torch.where(kept, active[picked], scratch)  # [S]
         forced = forced[picked] & kept  # [S]
         plan = self.plans[i + 1]
-        rows = mask_bias(causal_mask_for(active, self.keys), plan.runs[0].bias.dtype)  # [S, K]
-        plan.runs[0].bias.view(-1, *rows.shape).copy_(rows)  # [G, S, K]
+        self.aim(plan, active)
         q = adapter.q(layer, x, cos, sin)  # [H_q, S, D]
         attn = causal_attend(q, keys, values, plan, adapter.scale)  # [S, H_q * D]
         return adapter.finish(layer, h, attn), active, cos, sin, forced, drift
