@@ -203,7 +203,8 @@ class StorageConfig:
     memory_on_device: bool = setting(
         False,
         "Keep the memory tier's caches on the model's device (a GPU's memory; memory_bytes is then spent there): "
-        "a query reads them in place, with no host-to-device copy per layer. On a CPU it changes nothing.",
+        "a query reads them in place, with no host-to-device copy per layer. Else in host memory, pinned when the "
+        "model is on a GPU (read by DMA). On a CPU it changes nothing.",
     )
     disk_bytes: int | None = None
     eviction: Eviction = "lru"

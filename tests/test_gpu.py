@@ -150,3 +150,22 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
                 else:  # bf16: a near-tie in the pick's deviation scores can tip with the kernels' rounding
                     assert int(((a - b).abs().amax(dim=(0, 2)) > atol).sum()) <= 2  # tokens picked on one side only
     assert all(step.captured is not None for step in captured._steps.values())
+
+
+def test_a_pinned_memory_tier_is_read_by_dma():
+    # a host tier beside a GPU holds its caches page-locked; each layer (a slice of one too) is copied to the
+    # device asynchronously, without a staging copy, and keeps its values
+    g = torch.Generator().manual_seed(4)
+    host = ChunkKV(
+        [torch.randn(2, 9, 16, generator=g) for _ in range(2)],
+        [torch.randn(2, 9, 16, generator=g) for _ in range(2)],
+        0,
+    )
+    tier = MemoryTier(1 << 20, "lru", "cpu", pinned=True)
+    tier.put("k", host)
+    held = tier.get("k")
+    assert held is not None and all(t.device.type == "cpu" and t.is_pinned() for t in (*held.keys, *held.values))
+    for source, ref in ((held, host), (SliceKV(held, 2, 7), SliceKV(host, 2, 7))):
+        ((k, v),) = read_layer([source], 1, "cuda")
+        assert k.device.type == "cuda"
+        assert torch.equal(k.cpu(), ref.layer(1)[0]) and torch.equal(v.cpu(), ref.layer(1)[1])

@@ -13,7 +13,7 @@ from rag_kvcache.store.backend import Entry
 from rag_kvcache.store.codecs import CODECS, get_codec
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.loading import LayerFeed
-from rag_kvcache.store.tiers import ChunkKV, EvictionPolicy
+from rag_kvcache.store.tiers import ChunkKV, EvictionPolicy, MemoryTier
 
 KEYS = [f"{i:02x}" * 16 for i in range(6)]
 
@@ -239,3 +239,8 @@ def test_counters_taken_while_a_reader_counts_lose_nothing(tmp_path):
     thread.join()
     store.flush_stats()
     assert store.stats()["disk"].hits == sum(opened) > 0
+
+
+def test_a_memory_tier_is_pinned_only_in_host_memory():
+    with pytest.raises(ValueError, match="pinned memory tier holds host memory, not meta"):
+        MemoryTier(1 << 20, "lru", "meta", pinned=True)

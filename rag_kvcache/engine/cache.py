@@ -48,6 +48,11 @@ class ChunkKV:
             return self
         return ChunkKV([k.to(device) for k in self.keys], [v.to(device) for v in self.values], self.position)
 
+    def pinned(self) -> ChunkKV:
+        """This cache in page-locked host memory (needs CUDA), which a GPU reads by DMA while the host goes on
+        (`read_layer`). PyTorch's host allocator rounds each tensor's block up to a power of two."""
+        return ChunkKV([k.pin_memory() for k in self.keys], [v.pin_memory() for v in self.values], self.position)
+
 
 class LayerSource(Protocol):
     """A chunk cache whose layers can be read one at a time: a `ChunkKV` in memory, or a stored `Entry`."""
@@ -67,10 +72,11 @@ class LayerSource(Protocol):
 def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.device | str) -> LayerKV:
     """One layer of every source (None for a segment without a cache), on `device`.
 
-    For a CUDA device, the layers held in host memory go over in one transfer: gathered into one pinned
-    buffer and copied asynchronously, then viewed per segment. Copied one tensor at a time from pageable
-    memory, each copy (two per segment per layer) would wait for the stream's queued compute and block
-    the host until done, so the fusion's launches could never run ahead of the device."""
+    For a CUDA device, layers in pinned host memory (`ChunkKV.pinned`: the memory tier's, beside a GPU) are
+    each copied asynchronously, by DMA; layers in pageable host memory go over in one transfer: gathered into
+    one pinned buffer and copied asynchronously, then viewed per segment. Copied one tensor at a time from
+    pageable memory, each copy (two per segment per layer) would wait for the stream's queued compute and
+    block the host until done, so the fusion's launches could never run ahead of the device."""
     layers = [None if s is None else s.layer(layer) for s in sources]  # per segment: [H_kv, T, D] x 2, or None
     device = torch.device(device)
     away = [t for kv in layers if kv is not None for t in kv if t.device != device]
@@ -79,6 +85,11 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     host = [t for t in away if t.device.type == "cpu"] if device.type == "cuda" else []
     if len(host) < len(away) or len({t.dtype for t in host}) > 1:
         return [None if kv is None else (kv[0].to(device), kv[1].to(device)) for kv in layers]
+    if all(t.is_pinned() for t in host):  # no staging copy on the host: the DMA reads them in place
+        return [
+            None if kv is None else (kv[0].to(device, non_blocking=True), kv[1].to(device, non_blocking=True))
+            for kv in layers
+        ]
     staging = torch.empty(sum(t.numel() for t in host), dtype=host[0].dtype, pin_memory=True)  # [S], flat
     views, start = {}, 0
     for t in host:

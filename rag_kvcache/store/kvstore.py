@@ -45,11 +45,18 @@ class KVStore:
         self, root: Path, codec: str, config: StorageConfig = StorageConfig(), device: torch.device | str = "cpu"
     ) -> None:
         """Entries encoded by `codec` (a name in `store.codecs.CODECS`: the index's `IndexSettings.codec`);
-        `device` is the model's: where the memory tier keeps its caches when `config.memory_on_device`."""
+        `device` is the model's: where the memory tier keeps its caches when `config.memory_on_device`; else in
+        host memory, pinned when the model is on a GPU."""
         self.root = Path(root)
         self.config = config
         self.codec = get_codec(codec)
-        self.memory = MemoryTier(config.memory_bytes, config.eviction, device if config.memory_on_device else "cpu")
+        gpu = torch.device(device).type == "cuda"
+        self.memory = MemoryTier(
+            config.memory_bytes,
+            config.eviction,
+            device if config.memory_on_device else "cpu",
+            pinned=gpu and not config.memory_on_device,
+        )
         promote = self.memory.put if config.memory_bytes > 0 else None
         self.disk = DiskTier(self.root, self.codec, config.disk_bytes, config.eviction, on_loaded=promote)
         self.remote = _remote_tier(config, codec, promote) if config.remote is not None else None

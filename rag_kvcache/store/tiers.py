@@ -34,7 +34,7 @@ import torch
 
 from ..config import Eviction
 from ..engine.cache import ChunkKV
-from ..errors import StorageFullError
+from ..errors import ConfigError, StorageFullError
 from .backend import Backend, Counted
 from .codecs import Codec
 
@@ -98,11 +98,17 @@ class EvictionPolicy:
 
 class MemoryTier(Counted):
     """Decoded chunk caches in process memory, within `budget` bytes, held on `device` (host memory, or a
-    GPU's: a cache put here is moved there once, so every later read finds it in place)."""
+    GPU's: a cache put here is moved there once, so every later read finds it in place). `pinned`: host memory
+    page-locked (`ChunkKV.pinned`), for a model on a GPU, which then reads each layer by DMA."""
 
-    def __init__(self, budget: int, eviction: Eviction, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, budget: int, eviction: Eviction, device: torch.device | str = "cpu", pinned: bool = False
+    ) -> None:
         self.budget = budget
         self.device = torch.device(device)
+        if pinned and self.device.type != "cpu":
+            raise ConfigError(f"a pinned memory tier holds host memory, not {self.device}")
+        self.pinned = pinned
         super().__init__()
         self._policy = EvictionPolicy(eviction)
         self._items: dict[str, ChunkKV] = {}
@@ -133,7 +139,7 @@ class MemoryTier(Counted):
     def put(self, key: str, kv: ChunkKV) -> None:
         if kv.nbytes > self.budget:
             return
-        kv = kv.to(self.device)
+        kv = kv.pinned() if self.pinned else kv.to(self.device)
         with self._lock:
             self._items[key] = kv
             self._policy.add(key, kv.nbytes)
