@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_kvcache import Config, FusedGenerator, IndexSettings, KVIndex
-from rag_kvcache.bench.corpus import write_question_passages
+from rag_kvcache import FusedGenerator
+from rag_kvcache.bench.corpus import question_index
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import spearman
 from rag_kvcache.engine.fusion import FusionInput
@@ -43,15 +43,9 @@ def main() -> None:
     args = parser.parse_args()
 
     data = load_musique(args.data)[: args.questions]
-    docs = args.work / "docs"
-    write_question_passages(data, docs)
-    index_dir = args.work / "index"
-    if (index_dir / "index.sqlite").is_file():
-        index = KVIndex.open(index_dir)
-    else:
-        index = KVIndex.build(docs, index_dir, Config(index=IndexSettings(chunk_tokens=args.chunk_tokens)))
+    index = question_index(data, args.work, args.chunk_tokens)
     if (mode := index.config.index.chunk_prefill) != "grouped":
-        parser.error(f"{index_dir} has {mode!r} caches; this compares checks on grouped ones")
+        parser.error(f"{args.work / 'index'} has {mode!r} caches; this compares checks on grouped ones")
     generator = FusedGenerator(index)
     read, exact = RelevanceCheck(generator), RelevanceCheck(generator, exact=True)
     fmt, tokenizer = index.format, index.adapter.tokenizer

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_kvcache import Config, FusedGenerator, FusionConfig, GenerationConfig, IndexSettings, KVIndex
-from rag_kvcache.bench.corpus import write_question_passages
+from rag_kvcache import FusedGenerator, FusionConfig, GenerationConfig
+from rag_kvcache.bench.corpus import question_index
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import spearman, spearman_ci, teacher_forced
@@ -76,13 +76,7 @@ def main() -> None:
     args = parser.parse_args()
 
     data = load_musique(args.data)[args.skip : args.skip + args.questions]
-    docs = args.work / "docs"
-    write_question_passages(data, docs)
-    index_dir = args.work / "index"
-    if (index_dir / "index.sqlite").is_file():
-        index = KVIndex.open(index_dir)
-    else:
-        index = KVIndex.build(docs, index_dir, Config(index=IndexSettings(chunk_tokens=args.chunk_tokens)))
+    index = question_index(data, args.work, args.chunk_tokens)
     generator, adapter, fmt = FusedGenerator(index), index.adapter, index.format
     probe = Probe()
 
