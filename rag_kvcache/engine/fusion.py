@@ -24,7 +24,7 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, pack_layer, pack_layers
-from .graphs import LayerGraphs, Pick, Settled, settled_layers
+from .graphs import LayerGraphs, Pick, StepInput, settled_layers
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
@@ -222,7 +222,7 @@ class LayerReader(Protocol):
     """Delivers each layer's K/V of the whole prompt [2, H_kv, N, D], in layer order, with every cached
     token in place and its key re-rotated (`KVPlacement.assemble`); the other positions are the
     fusion's to write. `fill` writes the layers left, from the next one, into memory of the caller's
-    [L', 2, H_kv, N, D] (the settled layers' static buffers, `graphs.SettledStep`)."""
+    [L', 2, H_kv, N, D] (the settled layers' static buffers, `graphs.LayerStep`)."""
 
     def get(self, layer: int) -> torch.Tensor: ...
     def fill(self, layers: range, out: torch.Tensor) -> None: ...
@@ -367,7 +367,7 @@ def selective_prefill(
     if rest and adapter.graphs is not None:
         with clock.stage("layers"):  # the reads that fill the step's buffers, and the model's head, included
             forced = inp.fresh[active] if picks else None  # [A]
-            at = Settled(settled, h, active, *rope[1:], n, picks, forced, which)
+            at = StepInput(settled, h, active, *rope[1:], n, picks, forced, which)
             logits, kv, drift = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
         keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
         values_all.extend(kv[:, 1].unbind(0))

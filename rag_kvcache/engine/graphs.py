@@ -1,7 +1,7 @@
-"""The fused prefill's settled layers as one captured step: a CUDA graph per bucket of sizes.
+"""The fused prefill's layers as one captured step (`LayerStep`): a CUDA graph per bucket of sizes.
 
 Once a prompt's active set stops changing (from the first layer for `prefix`, `reuse` and the EPIC
-methods; after the last selecting layer for CacheBlend), every remaining layer does the same thing:
+methods; after its last pick for CacheBlend), every remaining layer does the same thing:
 project the active tokens, write their K/V into the layer's buffer, attend with the exact causal mask,
 run the MLP. Issued op by op, that is ~200 PyTorch calls a layer whose host time is most of the step on
 a GPU (benchmarks/RESULTS.md, issue 30). `LayerGraphs` runs those layers, and the model's head after them,
@@ -67,7 +67,7 @@ def settled_layers(
     v in one projection, the active tokens' K/V written into `layer_kv(layer)` [2, H_kv, K, D], attention
     under `plan` (the last layer: the last token alone, under `last_plan`), the MLP. Returns the last
     token's hidden state [1, E]. Run op by op by `fusion.selective_prefill`, and over static buffers by
-    `SettledStep` (captured on CUDA)."""
+    `LayerStep` (captured on CUDA)."""
     last = adapter.layout.n_layers - 1
     for layer in layers:
         keys, values = layer_kv(layer).unbind(0)  # [H_kv, K, D]
@@ -100,7 +100,7 @@ class Pick:
 
 
 @dataclass(frozen=True)
-class Settled:
+class StepInput:
     """Where a captured step takes over a fused prefill: its first layer, the active tokens' prompt positions
     (ascending, the last prompt token last), their hidden states and RoPE tables, and the prompt's length.
     With `picks` (the step starts at layer 0) the active set is narrowed at each pick's layer (`Pick`),
@@ -136,11 +136,11 @@ def key_splits(rows: int, kv_heads: int, n_keys: int, processors: int) -> int:
     return splits
 
 
-class SettledStep:
+class LayerStep:
     """Layers [start, L) of the fused prefill for at most `n_active` active tokens of a prompt of at most
     `n_keys` tokens, over static buffers; with `capture`, recorded once as a CUDA graph and replayed. The
     attention's keys are cut into parts to give at least `processors` thread blocks (`key_splits`).
-    `picks` ((layer, rows) each, `Settled.picks`): the active set narrowed at those layers to at most that many
+    `picks` ((layer, rows) each, `StepInput.picks`): the active set narrowed at those layers to at most that many
     rows (the count kept is an input: `keep`), by the deviation of K (`which` 0) or V (1)."""
 
     def __init__(
@@ -268,7 +268,7 @@ class SettledStep:
         return adapter.finish(layer, h, attn), active, cos, sin, forced, drift
 
     def __call__(
-        self, at: Settled, fill: Callable[[torch.Tensor], None]
+        self, at: StepInput, fill: Callable[[torch.Tensor], None]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Run the layers from `at` (its active set padded to this step's size); `fill` writes the layers' cached
         K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the last token's next-token
@@ -297,7 +297,7 @@ class SettledStep:
 
 
 class LayerGraphs:
-    """A model's `SettledStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
+    """A model's `LayerStep`s by bucket, at most `limit` kept (the least recently used dropped): each holds
     its settled layers' K/V buffers for its largest prompt.
     `capture` (default: on CUDA) records each as a CUDA graph the first time its bucket is asked for. Steps
     are shared by the model's fusions: one runs at a time (its inputs in, its outputs copied out).
@@ -315,16 +315,16 @@ class LayerGraphs:
         if processors is None:
             processors = torch.cuda.get_device_properties(adapter.device).multi_processor_count if cuda else 0
         self.processors = processors
-        self._steps: OrderedDict[tuple, SettledStep] = OrderedDict()
+        self._steps: OrderedDict[tuple, LayerStep] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def run(
-        self, at: Settled, fill: Callable[[torch.Tensor], None]
+        self, at: StepInput, fill: Callable[[torch.Tensor], None]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """`SettledStep.__call__` in the step of `at`'s bucket (made, and on CUDA captured, the first time the
+        """`LayerStep.__call__` in the step of `at`'s bucket (made, and on CUDA captured, the first time the
         bucket is asked for). With picks, the rows before the first pick (most of the prompt, through whole
         layers) are rounded up to a multiple of 256, not to a power of two, and each pick's rows to no more
         than the rows before it."""
@@ -338,7 +338,7 @@ class LayerGraphs:
             if step is None:
                 while len(self._steps) >= self.limit:
                     self._steps.popitem(last=False)
-                step = SettledStep(self.adapter, *key[:4], self.capture, self.processors, picks=key[4], which=key[5])
+                step = LayerStep(self.adapter, *key[:4], self.capture, self.processors, picks=key[4], which=key[5])
                 self._steps[key] = step
             self._steps.move_to_end(key)
             return step(at, fill)

@@ -433,7 +433,7 @@ def select_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
 def pick_rows(
     scores: torch.Tensor, forced: torch.Tensor, real: torch.Tensor, n_keep: torch.Tensor, size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_tokens` for a step of fixed size (`graphs.SettledStep`), with no host sync: the rows of the
+    """`select_tokens` for a step of fixed size (`graphs.LayerStep`), with no host sync: the rows of the
     `n_keep` (a device scalar) highest `scores` [A] among the `real` rows [A], every `forced` row [A] first,
     as `size` rows, the padding first and then the picked rows in row order (the rows' order is the prompt's).
     Returns the rows [size] and which of them are picked [size] (the others are padding)."""
