@@ -28,6 +28,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step narrow 120 python3 benchmarks/gpu/narrow_attention.py --device cuda  # CacheBlend's narrowed rows' attention forms
 step llama-1b 90 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
 step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$embed_tok" --out "$work/bow"
 common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
