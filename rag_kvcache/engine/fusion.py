@@ -222,7 +222,7 @@ class LayerReader(Protocol):
     """Delivers each layer's K/V of the whole prompt [2, H_kv, N, D], in layer order, with every cached
     token in place and its key re-rotated (`KVPlacement.assemble`); the other positions are the
     fusion's to write. `fill` writes the layers left, from the next one, into memory of the caller's
-    [L', 2, H_kv, N, D] (the settled layers' static buffers, `graphs.LayerStep`)."""
+    [L', 2, H_kv, N, D] (a captured step's static buffers, `graphs.LayerStep`)."""
 
     def get(self, layer: int) -> torch.Tensor: ...
     def fill(self, layers: range, out: torch.Tensor) -> None: ...

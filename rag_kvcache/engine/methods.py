@@ -220,13 +220,12 @@ def hkvd_prefill(
     n_fresh, n_reusable = inp.count(lambda p: p.fresh), inp.count(lambda p: p.reusable)  # on the host: no sync
     which = 0 if cfg.deviation == "k" else 1
     initial = (fresh | reusable).nonzero()[:, 0]  # [A]
-    counts = [n_fresh + n_reusable]
-    for layer in sorted(schedule):  # the active set only shrinks
-        counts.append(min(counts[-1], n_fresh + round(schedule[layer] * n_reusable)))
+    keeps, n = {}, n_fresh + n_reusable  # layer -> tokens kept from it; the active set only shrinks
+    for layer in sorted(schedule):
+        keeps[layer] = n = min(n, n_fresh + round(schedule[layer] * n_reusable))
     if adapter.graphs is not None and cfg.drift_limit is None and max(schedule) < adapter.layout.n_layers - 1:
-        picks = tuple(Pick(layer, keep) for layer, keep in zip(sorted(schedule), counts[1:]))
+        picks = tuple(Pick(layer, keep) for layer, keep in keeps.items())
         return selective_prefill(adapter, inp, initial, clock=clock, reader=reader, picks=picks, which=which)
-    keeps = dict(zip(sorted(schedule), counts[1:]))
     check = min(schedule)
     drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
     bounded = False
@@ -241,9 +240,10 @@ def hkvd_prefill(
         score.masked_fill_(forced, math.inf)  # every uncached token is active, and kept
         keep = select_tokens(score, keeps[layer])  # [A']
         if layer == check:
-            left = ~forced  # [A]
+            reusable_here = ~forced  # [A]
+            left = reusable_here.clone()  # [A]
             left[keep] = False
-            drift.append(left_deviation(score, cached, ~forced, left))
+            drift.append(left_deviation(score, cached, reusable_here, left))
             if cfg.drift_limit is not None and drift[0].item() > cfg.drift_limit:  # the one sync, when bounded
                 bounded = True
                 return None  # every active token goes on: full prefill's K/V from here
