@@ -20,9 +20,10 @@ from .answers import Answer, Fused, Generation, PromptTooLongError, RetrievedChu
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
 from .engine.decoding import DecodePool
-from .engine.fusion import DirectReader, FusionInput, FusionModel
+from .engine.fusion import DirectReader, FusionInput
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
+from .engine.model import ModelAdapter
 from .engine.profiling import StageClock
 from .engine.prompt import ChatTurn, Segment
 from .engine.sentences import sentence_relevance
@@ -74,17 +75,21 @@ class FusedGenerator:
         self,
         index: KVIndex,
         conversations: ConversationCache | None = None,
-        layers: FusionModel | None = None,
     ) -> None:
         """`conversations`: where answered prompts' K/V are kept for the turns that continue them (None:
-        nothing is kept, every prompt is fused from the chunk caches alone). `layers`: the model whose layers
-        the fusion methods run on (default: the index's own adapter; the vLLM connector passes vLLM's)."""
+        nothing is kept, every prompt is fused from the chunk caches alone). The fusion methods run on the
+        index's model (`index.model`: transformers' weights, or vLLM's in the connector's worker); answering
+        decodes on transformers' (`index.adapter`)."""
         self.index = index
-        self.adapter = index.adapter
-        self.layers = layers or index.adapter
+        self.layers = index.model
         self.conversations = conversations
         self.layout = PromptLayout(index)  # prompts laid out over the index's chunks
-        self.buffers = KVBufferPool(self.adapter.layout.n_layers)  # one prompt's fused K/V, reused once let go
+        self.buffers = KVBufferPool(self.layers.layout.n_layers)  # one prompt's fused K/V, reused once let go
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        """transformers' weights, which answering decodes on (`KVIndex.adapter`)."""
+        return self.index.adapter
 
     def ask(
         self,
@@ -99,7 +104,7 @@ class FusedGenerator:
         """Answer `question` over `hits` (in order), or over the top-k chunks retrieved for it;
         `on_text` receives the text as it streams."""
         fmt = self.index.format
-        question_ids = fmt.question_ids(self.adapter.tokenizer, question)  # refuses an empty question
+        question_ids = fmt.question_ids(self.layers.tokenizer, question)  # refuses an empty question
         retrieval_s = 0.0
         if hits is None:
             t0 = time.perf_counter()
@@ -256,16 +261,16 @@ class FusedGenerator:
         this prompt may read and write (`KVIndex.caches.open`)."""
         fusion = fusion or self.index.config.query.fusion
         generation = generation or self.index.config.query.generation
-        n_prompt, limit = sum(len(s.ids) for s in segments), self.adapter.context_length
+        n_prompt, limit = sum(len(s.ids) for s in segments), self.layers.context_length
         if n_prompt + generation.max_new_tokens > limit:
             raise PromptTooLongError(
                 f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, beyond "
-                f"the {limit} positions of model {self.adapter.name!r}: retrieve fewer chunks or shorten the question"
+                f"the {limit} positions of model {self.layers.name!r}: retrieve fewer chunks or shorten the question"
             )
         t0 = time.perf_counter()
         fused = self.fuse(segments, fusion, salt)
         result = fused.result
-        decoder = Decoder(self.adapter, generation)
+        decoder = Decoder(self.index.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go
@@ -346,7 +351,7 @@ class FusedGenerator:
         """
         method = get_method(fusion.method)
         if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
-            fusion = resolve_ratio(self.index.config.with_query(fusion=fusion), self.adapter)[0].query.fusion
+            fusion = resolve_ratio(self.index.config.with_query(fusion=fusion), self.layers)[0].query.fusion
         clock = StageClock(self.layers.device)
         with clock.stage("kv_load"):
             segments, hit = self._recall(segments, method, salt)
@@ -371,7 +376,7 @@ class FusedGenerator:
                         inp.segment_of,
                         inp.reusable,
                         inp.token_mask(lambda p: p is inp.parts[-1]),
-                        self.adapter.tokenizer,
+                        self.layers.tokenizer,
                         self.index.embed,
                     ),
                 )

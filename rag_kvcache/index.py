@@ -32,8 +32,9 @@ import xxhash
 from filelock import FileLock, Timeout
 
 from .config import Config, IndexSettings
-from .engine.model import ModelAdapter
+from .engine.model import ModelAdapter, ModelSpec
 from .engine.prompt import PromptFormat
+from .errors import RagKVCacheError
 from .indexing import staging
 from .indexing.maker import CacheMaker
 from .indexing.staging import Chunker, SyncReport
@@ -69,7 +70,10 @@ def recorded_settings(meta: Mapping[str, str]) -> IndexSettings:
 class KVIndex:
     """Chunks, vectors and per-chunk KV caches of a document folder, for one model."""
 
-    def __init__(self, path: Path, config: Config, chunks: ChunkIndex, adapter: ModelAdapter) -> None:
+    def __init__(self, path: Path, config: Config, chunks: ChunkIndex, model: ModelSpec) -> None:
+        """`model`: the index's model, a `ModelAdapter` (transformers' weights) for the embedded engine; the vLLM
+        connector's worker passes vLLM's (`VllmAdapter`), its scheduler a bare `ModelSpec` (no weights: it
+        opens caches without making any, `CacheOpener.open(make=False)`)."""
         self.path = path
         self.recorded = recorded_settings(chunks.meta)  # what the index was built with
         if (codec := self.recorded.codec) != config.index.codec:  # what the index records wins
@@ -82,7 +86,7 @@ class KVIndex:
             config = config.with_index(codec=codec)
         self.config = config
         self.chunks = chunks
-        self.adapter = adapter
+        self.model = adapter = model
         self.store = KVStore(path / "kv", codec, config.runtime.storage, adapter.device)
         self.format = PromptFormat.build(adapter.tokenizer, config.index.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.index.chunk_prefill}".encode())
@@ -112,11 +116,27 @@ class KVIndex:
             )
         self.maker = CacheMaker(path, config, adapter, self.store, chunks, self.format, self.namespace, self.foreign)
         self.addressing = self.maker.addressing  # what names the index's caches (`store.addressing`)
-        self.caches = CacheOpener(self.store, self.maker, config.runtime.storage.request_bytes, adapter.inv_freq.cpu())
+        self.caches = CacheOpener(
+            self.store,
+            self.maker,
+            config.runtime.storage.request_bytes,
+            adapter.inv_freq.cpu(),
+            adapter.layout.n_layers,
+        )
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        """The index's model as transformers' weights: what the embedded engine answers and decodes with."""
+        if not isinstance(self.model, ModelAdapter):
+            raise RagKVCacheError(
+                f"index {self.path} is open over {type(self.model).__name__} {self.model.name!r}, not transformers' "
+                "weights: it lays prompts out and fuses caches, the embedded engine's answering needs a ModelAdapter"
+            )
+        return self.model
 
     # ---- building -------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Path, config: Config = Config(), adapter: ModelAdapter | None = None) -> KVIndex:
+    def create(cls, path: Path, config: Config = Config(), adapter: ModelSpec | None = None) -> KVIndex:
         """An index at `path` for `config`: a new empty one, or the one already there."""
         path = Path(path)
         adapter = adapter or ModelAdapter.load(config)
@@ -139,7 +159,7 @@ class KVIndex:
         docs_dir: Path,
         path: Path,
         config: Config = Config(),
-        adapter: ModelAdapter | None = None,
+        adapter: ModelSpec | None = None,
         progress: bool = True,
     ) -> KVIndex:
         """Index `docs_dir` into `path`, creating the index or bringing it up to date."""
@@ -154,7 +174,7 @@ class KVIndex:
 
     @classmethod
     def open(
-        cls, path: Path, config: Config | None = None, adapter: ModelAdapter | None = None, rewrite: bool = True
+        cls, path: Path, config: Config | None = None, adapter: ModelSpec | None = None, rewrite: bool = True
     ) -> KVIndex:
         """Open an existing index; `config` defaults to the settings it was built with. A damaged
         `vectors.faiss` is rewritten from SQLite where this process may (`ChunkIndex.open`), unless
@@ -204,7 +224,7 @@ class KVIndex:
         """The indexing pipeline after what `stage` reads, diffs, chunks (with the chunker it is given) and
         embeds: the new chunks' caches stored, then the chunks committed (a committed chunk always has its
         cache), then neighbour caches and what no chunk reads any more collected; all under the writer lock."""
-        tok, n = self.adapter.tokenizer, self.config.index.chunk_tokens
+        tok, n = self.model.tokenizer, self.config.index.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
             staged = stage(lambda text, src: chunk_document(text, src, tok, n))
@@ -235,7 +255,7 @@ class KVIndex:
         `config.runtime.ray_workers`), for `update(workers=...)`; a context manager that stops them."""
         from .indexing.cluster import RayWorkers
 
-        return RayWorkers(self.config, self.store.root, self.namespace, self.adapter.fingerprint)
+        return RayWorkers(self.config, self.store.root, self.namespace, self.model.fingerprint)
 
     def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
         """The disk caches no indexed chunk uses (not in `CacheMaker.live_keys`) and no interrupted run will
@@ -297,7 +317,7 @@ class KVIndex:
 
     def kv_bytes(self, lengths: Iterable[int]) -> int:
         """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them."""
-        return cache_nbytes(self.store.codec, self.adapter.layout, lengths)
+        return cache_nbytes(self.store.codec, self.model.layout, lengths)
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -97,7 +97,7 @@ class PromptLayout:
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
-        self.tokenizer = index.adapter.tokenizer
+        self.tokenizer = index.model.tokenizer
         self.templates = TemplateSpans()  # learned from the prompts laid out here
 
     def prompt_segments(

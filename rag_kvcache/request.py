@@ -116,7 +116,7 @@ def generation_of(index: KVIndex, options: Options) -> GenerationConfig:
         ) from None
     if generation.json_schema is not None:
         try:
-            JsonSchemaConstraint(index.adapter.tokenizer, index.adapter.eos_token_ids, generation.json_schema)
+            JsonSchemaConstraint(index.model.tokenizer, index.model.eos_token_ids, generation.json_schema)
         except ImportError as e:
             raise RequestError(
                 f"answers cannot be constrained to a JSON Schema here: {e}",
@@ -159,7 +159,7 @@ def chat_prompt(
     found = chunks_of(index, options, "\n".join(p for p in users[-1].parts if isinstance(p, str)) if users else "")
     fusion, generation = fusion_of(index, options), generation_of(index, options)
     records = [record for record, _ in found]
-    limit = None if fit is None else min(fit, index.adapter.context_length - generation.max_new_tokens)
+    limit = None if fit is None else min(fit, index.model.context_length - generation.max_new_tokens)
     try:
         if limit is not None:
             segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
@@ -179,7 +179,7 @@ def completion_prompt(generator: FusedGenerator, text: str, options: Options = O
     from the cache."""
     index = generator.index
     found = chunks_of(index, options, text)
-    fusion, tokenizer = fusion_of(index, options), index.adapter.tokenizer
+    fusion, tokenizer = fusion_of(index, options), index.model.tokenizer
     if found:
         try:
             question = index.format.question_ids(tokenizer, text)

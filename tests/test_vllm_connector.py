@@ -9,6 +9,7 @@ connector's included, and prefix caching is off so no request reads another's bl
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
+from rag_kvcache.engine.model import ModelSpec  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
@@ -180,12 +182,21 @@ def test_reuse_equals_the_embedded_engine(llm: LLM, built: Built) -> None:
 
 def fused_both_ways(worker, prompt: list[int], methods: list[str]) -> dict:
     """In vLLM's worker: each method's fused cache of `prompt` made on vLLM's layers (the connector's generator)
-    and on the index's transformers adapter (a generator of the embedded engine), compared."""
+    and on a transformers copy of the model (the embedded engine over the same index, loaded here), compared."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     planner = get_kv_transfer_group()._planner
-    on_vllm, on_engine = planner.generator, FusedGenerator(planner.index)
-    segments = on_engine.layout.find_chunks(prefix_head(prompt, planner.index.format.prefix_ids))
+    engine = KVIndex.open(planner.index.path)
+    try:
+        return compare_fused(planner.generator, FusedGenerator(engine), prompt, methods)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def compare_fused(on_vllm: FusedGenerator, on_engine: FusedGenerator, prompt: list[int], methods: list[str]) -> dict:
+    segments = on_engine.layout.find_chunks(prefix_head(prompt, on_engine.index.format.prefix_ids))
     report = {"layers": type(on_vllm.layers).__name__}
     for method in methods:
         a = on_vllm.fuse(segments, FusionConfig(method=method)).result
@@ -215,6 +226,35 @@ def test_methods_run_on_vllms_layers_and_equal_the_engine(llm: LLM, built: Built
         assert got["kv_error"] < KV_TOL and got["logit_error"] < LOGIT_TOL, (method, got)
 
 
+def weights_held(worker) -> dict:
+    """In vLLM's worker process: the transformers models of the served model's type alive (the index's embedder,
+    a BERT, is another model), and what the worker connector's index runs on."""
+    from transformers import PreTrainedModel
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    gc.collect()
+    served = get_kv_transfer_group()._spec.model_config.model_type
+    return {
+        "transformers_models": [
+            type(o).__name__
+            for o in gc.get_objects()
+            if isinstance(o, PreTrainedModel) and o.config.model_type == served
+        ],
+        "worker_model": type(get_kv_transfer_group()._planner.index.model).__name__,
+    }
+
+
+def test_the_connector_holds_no_second_copy_of_the_weights(llm: LLM, built: Built) -> None:
+    """Each connector loaded a transformers copy of the model beside vLLM's (its scheduler for the layout, its
+    worker for the misses): the scheduler now holds the model's spec alone and the worker runs vLLM's layers."""
+    generate(llm, built.prompt, params={"method": "reuse"}, max_tokens=1)  # both sides have planned and loaded
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    held = llm.collective_rpc(weights_held)[0]
+    assert held == {"transformers_models": [], "worker_model": "VllmAdapter"}
+    scheduler = RagKVCacheConnector(llm.llm_engine.vllm_config, KVConnectorRole.SCHEDULER)  # as EngineCore makes it
+    assert type(scheduler._planner.index.model) is ModelSpec
+
+
 def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> None:
     """CacheBlend recomputing every reusable token (ratio 1.0) is a full prefill of the chunks: the K/V it
     writes, and vLLM's question over them, give vLLM's own answer."""
@@ -223,6 +263,31 @@ def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> No
     assert loaded(fused) == len(built.prompt) - len(built.question)
     assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
     assert_close(first_logprobs(fused), first_logprobs(alone))
+
+
+def test_a_missing_chunk_cache_is_made_on_vllms_layers(llm: LLM, built: Built) -> None:
+    """A chunk whose cache is missing from the store: the scheduler (no weights) still reports it loadable, and
+    the worker makes it on vLLM's layers and stores it; `prefix` then equals vLLM's own answer. A chunk no other
+    test reads, so that no process has it in memory."""
+    index = KVIndex.open(built.path)
+    try:
+        fmt = index.format
+        chunk = next(r for r in index.chunks.all_chunks() if r.source.endswith("saltmere.md")).token_ids
+        stored = index.store.disk.path(index.addressing.key(chunk, fmt.prefix_ids))
+        prompt = [t for seg in fmt.segments([chunk, built.chunks[1]], built.question) for t in seg.ids]
+    finally:
+        index.close()
+    original = stored.read_bytes()
+    stored.unlink()
+    try:
+        fused = generate(llm, prompt, params={"method": "prefix"})
+        alone = generate(llm, prompt, alone=True)
+        assert loaded(fused) == len(built.prefix_ids) + len(chunk)
+        assert stored.is_file()  # made by the worker, stored for the next request
+        assert fused.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert_close(first_logprobs(fused), first_logprobs(alone))
+    finally:
+        stored.write_bytes(original)
 
 
 def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:

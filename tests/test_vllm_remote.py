@@ -16,6 +16,7 @@ from redis_server import RedisServer, needs_redis_server  # noqa: E402
 
 import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
+from rag_kvcache.engine.model import ModelAdapter, ModelSpec  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.serving.vllm_connector import Planner  # noqa: E402
 
@@ -40,7 +41,7 @@ def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_p
             tmp_path / "a", tmp_path / "b", ignore=lambda d, names: ["kv"] if Path(d) == tmp_path / "a" else []
         )
 
-        planner = Planner(tmp_path / "b", server.url)
+        planner = Planner(tmp_path / "b", ModelSpec.load(config), server.url)  # the scheduler's: no weights
         _, inp = planner.layout(prompt, FusionConfig(method="reuse"))
         stats = planner.index.store.stats()
         assert stats["remote"].hits == 4 and stats["disk"].hits == 0  # the system prefix and 3 chunks, all shared
@@ -48,7 +49,7 @@ def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_p
         planner.index.close()
 
         with caplog.at_level(logging.WARNING):  # without `kv_remote`: said, and every cache recomputed
-            alone = Planner(tmp_path / "b")
+            alone = Planner(tmp_path / "b", ModelAdapter.load(config))  # one that computes
             assert "opened without it" in caplog.text
             alone.layout(prompt, FusionConfig(method="reuse"))
         assert "remote" not in alone.index.store.stats()

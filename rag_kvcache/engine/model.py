@@ -1,6 +1,8 @@
 """Model adapter: the only module that touches transformers internals.
 
-It loads a Hugging Face causal LM (from where `sources.resolve_model_source` finds it), refuses what
+`ModelSpec` is a model without its weights: tokenizer, KV layout, RoPE tables and the fingerprint every cache
+key carries, read from the checkpoint (what the vLLM connector's processes hold beside vLLM's own weights).
+`ModelAdapter` loads a Hugging Face causal LM (from where `sources.resolve_model_source` finds it), refuses what
 cannot be fused exactly, and exposes the
 per-layer pieces the fusion engine needs (`embed`, `attention_input`, `qkv` or `kv` and `q`, `finish`,
 `logits`; projections that share an input fused into one, `LayerWeights`), a reference
@@ -14,19 +16,25 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import xxhash
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     Cache,
     DynamicCache,
+    GenerationConfig,
+    PretrainedConfig,
     PreTrainedModel,
     StaticCache,
 )
@@ -152,32 +160,240 @@ def check_supported(model: PreTrainedModel) -> None:
         raise UnsupportedModelError("sliding-window attention layers are not supported")
 
 
-class ModelAdapter:
-    """A loaded causal LM with the per-layer hooks the fusion engine drives."""
+def weights_fingerprint(
+    model_config: PretrainedConfig, dtype: torch.dtype, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> str:
+    """Identity of the weights, architecture and dtype: part of every cache key. `tensors`: (name, weight in
+    `dtype`) in the order of the model's `named_parameters()`. The config's `transformers_version` (the release
+    that wrote it) is left out: it changes no K/V, and with it every cache missed after a transformers upgrade,
+    or between .venv and .venv-vllm (5.24 and 5.19)."""
+    h = xxhash.xxh3_128()
+    config = {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    with torch.no_grad():
+        for name, p in tensors:
+            h.update(name.encode())
+            h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def checkpoint_tensors(folder: Path, names: Sequence[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `names` of the checkpoint in `folder` (its safetensors files), each cast to `dtype` as
+    `from_pretrained` casts it, read one at a time."""
+    where = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            where.update(dict.fromkeys(f.keys(), path))
+    if missing := [n for n in names if n not in where]:
+        raise UnsupportedModelError(
+            f"checkpoint {folder} has no safetensors tensor {missing[0]!r} ({len(missing)} of {len(names)} missing)"
+        )
+    for name in names:
+        with safe_open(where[name], "pt") as f:
+            yield name, f.get_tensor(name).to(dtype)
+
+
+class ModelSpec:
+    """A causal LM's identity and shape without its weights: tokenizer, fingerprint, KV layout, RoPE tables,
+    and the packed prefill over per-layer pieces (`embed`, `attention_input`, `qkv`, `finish`) that a subclass
+    computes: `ModelAdapter` on transformers' weights, `vllm_model.VllmAdapter` on a vLLM worker's. A bare
+    spec (`ModelSpec.load`) lays prompts out over an index and computes nothing: the vLLM connector's
+    scheduler holds one, so that no process keeps a copy of the weights it does not run."""
+
+    graphs: LayerGraphs | None = None  # the settled layers as one captured step (None: op by op)
+    computes = False  # whether it has weights to run the per-layer pieces on (a subclass's)
+
+    def __init__(
+        self,
+        model_config: PretrainedConfig,
+        generation_config: GenerationConfig,
+        tokenizer,
+        name: str,
+        fingerprint: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        inv_freq: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """`inv_freq` [D/2] float32: the model's RoPE frequencies; `scale`: its attention's softmax scale."""
+        self.model_config = model_config
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.fingerprint = fingerprint
+        self.dtype = dtype
+        self.device = device
+        self.inv_freq = inv_freq  # [D/2]
+        self.scale = scale
+        cfg = model_config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, dtype)
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        self.n_q_heads = cfg.num_attention_heads
+
+    @classmethod
+    def load(cls, config: Config) -> ModelSpec:
+        """The spec of `config.index.model` in `config.index.dtype`, read from its checkpoint without keeping a
+        weight: the architecture built on the meta device, the fingerprint streamed from the safetensors files
+        one tensor at a time (`checkpoint_tensors`), equal to the fingerprint of the loaded model."""
+        source = resolve_model_source(config.index.model, config.runtime.cache_dir)
+        folder = Path(source) if isinstance(source, Path) else Path(snapshot_download(source))
+        model_config = AutoConfig.from_pretrained(folder)
+        dtype = DTYPES[config.index.dtype]
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model_config, dtype=dtype, attn_implementation="sdpa")
+        check_supported(skeleton)
+        try:
+            generation = GenerationConfig.from_pretrained(folder)
+        except OSError:  # no generation_config.json: what from_pretrained derives from the model's config
+            generation = GenerationConfig.from_model_config(skeleton.config)
+        names = [name for name, _ in skeleton.named_parameters()]
+        return cls(
+            skeleton.config,
+            generation,
+            AutoTokenizer.from_pretrained(folder),
+            config.index.model,
+            weights_fingerprint(skeleton.config, dtype, checkpoint_tensors(folder, names, dtype)),
+            dtype,
+            torch.device("cpu"),
+            type(skeleton.model.rotary_emb)(config=skeleton.config).inv_freq.to(torch.float32),  # [D/2]
+            skeleton.model.layers[0].self_attn.scaling,
+        )
+
+    @cached_property
+    def lexicon(self) -> Lexicon:
+        """The tokenizer's word classes (sentence ends, words), made on first use (one decode of the vocabulary)."""
+        return Lexicon.of(self.tokenizer, self.device)
+
+    @property
+    def context_length(self) -> int:
+        """The most positions the model was trained for (prompt and generated tokens together)."""
+        return self.model_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- per-layer pieces: a subclass's, on its weights ------------------------------------------------
+    def _no_weights(self) -> RagKVCacheError:
+        return RagKVCacheError(f"model {self.name!r} is a spec without weights here: it computes no layer")
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise self._no_weights()
+
+    def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        raise self._no_weights()
+
+    def qkv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise self._no_weights()
+
+    def kv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise self._no_weights()
+
+    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        raise self._no_weights()
+
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        raise self._no_weights()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise self._no_weights()
+
+    # ---- the indexing prefill, on a subclass's layers ---------------------------------------------------
+    @torch.inference_mode()
+    def prefill_packed(
+        self, chunks: Sequence[Sequence[int]], past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Each chunk's keys and values per layer [H_kv, T_i, D], every chunk computed behind the same
+        `past` (per-layer K/V [H_kv, P, D]) at positions P..P+T_i-1, in one forward over all the chunks'
+        tokens packed end to end: embedding, projections and MLPs run once on the packed [N, E] rows;
+        each chunk attends (causally) over the past and its own tokens alone, so nothing of one chunk
+        reaches another and none is padded. A chunk's K/V are the same whichever chunks share its pack
+        (rows of a matmul are computed independently). The last layer's attention output and MLP, which
+        no K/V depends on, are not computed."""
+        if not chunks or not all(chunks):
+            raise ValueError(f"prefill_packed needs non-empty chunks, got lengths {[len(c) for c in chunks]}")
+        p = 0 if past is None else past[0][0].shape[-2]
+        lengths = [len(c) for c in chunks]
+        ends = list(accumulate(lengths))
+        spans = list(zip([0, *ends[:-1]], ends))
+        positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device), self.dtype)  # [N, D]
+        h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
+        group = self.n_q_heads // self.layout.n_kv_heads
+        plans = (
+            {}
+            if past is None
+            else {  # behind a past, a chunk of n tokens at P..P+n-1: on a CPU one causal pass over its own keys (half
+                # the scores of a masked [n, P + n] call, for a grouped index's sequences of thousands) merged
+                # with an unmasked one over the past's; on CUDA one masked call
+                n: attention_plan(torch.arange(p, p + n, device=self.device), p + n, group, self.dtype)
+                for n in set(lengths)
+            }
+        )
+        out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
+        for layer in range(self.layout.n_layers):
+            q, k, v = self.qkv(
+                layer, self.attention_input(layer, h), cos, sin
+            )  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
+            for (keys, values), (s, e) in zip(out, spans):  # own copies: k and v are views of the layer's projection
+                keys.append(k[:, s:e].contiguous())  # [H_kv, T_i, D]
+                values.append(v[:, s:e].contiguous())  # [H_kv, T_i, D]
+            if layer == self.layout.n_layers - 1:
+                break
+            parts = []
+            for (keys, values), (s, e) in zip(out, spans):
+                k_i, v_i = keys[-1], values[-1]  # [H_kv, T_i, D]
+                if past is not None:
+                    k_i = torch.cat([past[0][layer], k_i], 1)  # [H_kv, P + T_i, D]
+                    v_i = torch.cat([past[1][layer], v_i], 1)  # [H_kv, P + T_i, D]
+                parts.append(
+                    attend(q[:, s:e], k_i, v_i, None, self.scale)
+                    if past is None
+                    else causal_attend(q[:, s:e], k_i, v_i, plans[e - s], self.scale)
+                )  # [T_i, H_q * D]
+            h = self.finish(layer, h, torch.cat(parts))  # [N, E]
+        return out
+
+
+class ModelAdapter(ModelSpec):
+    """A loaded causal LM (transformers) with the per-layer hooks the fusion engine drives."""
+
+    computes = True
 
     def __init__(self, model: PreTrainedModel, tokenizer, name: str, graphs: int = 0) -> None:
         """`graphs`: on CUDA, how many captured settled-layer steps to keep (`graphs.LayerGraphs`; 0: none,
         every layer op by op); elsewhere unused."""
         check_supported(model)
+        weight = next(model.parameters())
+        super().__init__(
+            model.config,
+            model.generation_config,
+            tokenizer,
+            name,
+            weights_fingerprint(model.config, weight.dtype, model.named_parameters()),
+            weight.dtype,
+            weight.device,
+            model.model.rotary_emb.inv_freq.detach().to(torch.float32),  # [D/2]
+            model.model.layers[0].self_attn.scaling,
+        )
         self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.name = name
         cfg = model.config
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
-        self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]
-        self.scale = model.model.layers[0].self_attn.scaling
-        self.sliding_window = getattr(cfg, "sliding_window", None)
         self.silu = cfg.hidden_act == "silu"  # the MLP's activation, applied in place (`gated`)
         self.act_fn = model.model.layers[0].mlp.act_fn
         self.layers = [LayerWeights.of(block) for block in model.model.layers]  # fused projections, once
         # the forward's cache argument (and its output's field): `cache` since transformers 5.2x, `past_key_values`
         # before (vLLM's CPU build pins 5.19); the old name is deprecated, with a FutureWarning on every call
         self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        self.fingerprint = self._fingerprint()
-        self.n_q_heads = cfg.num_attention_heads
         self.graphs = LayerGraphs(self, graphs) if graphs and self.device.type == "cuda" else None
 
     @classmethod
@@ -188,25 +404,6 @@ class ModelAdapter:
             source, dtype=DTYPES[config.index.dtype], attn_implementation="sdpa"
         )
         return cls(model.to(config.runtime.device), tokenizer, config.index.model, config.runtime.cuda_graphs)
-
-    def _fingerprint(self) -> str:
-        """Identity of the weights, architecture and dtype: part of every cache key. The config's
-        `transformers_version` (the release that wrote it) is left out: it changes no K/V, and with it every
-        cache missed after a transformers upgrade, or between .venv and .venv-vllm (5.24 and 5.19)."""
-        h = xxhash.xxh3_128()
-        config = {k: v for k, v in self.model.config.to_diff_dict().items() if k != "transformers_version"}
-        h.update(json.dumps(config, sort_keys=True, default=str).encode())
-        h.update(str(self.dtype).encode())
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                h.update(name.encode())
-                h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
-        return h.hexdigest()
-
-    @cached_property
-    def lexicon(self) -> Lexicon:
-        """The tokenizer's word classes (sentence ends, words), made on first use (one decode of the vocabulary)."""
-        return Lexicon.of(self.tokenizer, self.device)
 
     # ---- per-layer pieces for the fusion engine -------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -299,61 +496,6 @@ class ModelAdapter:
         keys = [layer.keys[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         values = [layer.values[..., start:, :] for layer in layers]  # L x [B, H_kv, T, D]
         return keys, values, out.logits[:, -1].float()
-
-    @torch.inference_mode()
-    def prefill_packed(
-        self, chunks: Sequence[Sequence[int]], past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Each chunk's keys and values per layer [H_kv, T_i, D], every chunk computed behind the same
-        `past` (per-layer K/V [H_kv, P, D]) at positions P..P+T_i-1, in one forward over all the chunks'
-        tokens packed end to end: embedding, projections and MLPs run once on the packed [N, E] rows;
-        each chunk attends (causally) over the past and its own tokens alone, so nothing of one chunk
-        reaches another and none is padded. A chunk's K/V are the same whichever chunks share its pack
-        (rows of a matmul are computed independently). The last layer's attention output and MLP, which
-        no K/V depends on, are not computed."""
-        if not chunks or not all(chunks):
-            raise ValueError(f"prefill_packed needs non-empty chunks, got lengths {[len(c) for c in chunks]}")
-        p = 0 if past is None else past[0][0].shape[-2]
-        lengths = [len(c) for c in chunks]
-        ends = list(accumulate(lengths))
-        spans = list(zip([0, *ends[:-1]], ends))
-        positions = torch.cat([torch.arange(p, p + n) for n in lengths]).to(self.device)  # [N]
-        cos, sin = rope_cos_sin(positions, self.inv_freq.to(self.device), self.dtype)  # [N, D]
-        h = self.embed(torch.tensor([t for c in chunks for t in c], device=self.device))  # [N, E]
-        group = self.n_q_heads // self.layout.n_kv_heads
-        plans = (
-            {}
-            if past is None
-            else {  # behind a past, a chunk of n tokens at P..P+n-1: on a CPU one causal pass over its own keys (half
-                # the scores of a masked [n, P + n] call, for a grouped index's sequences of thousands) merged
-                # with an unmasked one over the past's; on CUDA one masked call
-                n: attention_plan(torch.arange(p, p + n, device=self.device), p + n, group, self.dtype)
-                for n in set(lengths)
-            }
-        )
-        out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
-        for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(
-                layer, self.attention_input(layer, h), cos, sin
-            )  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]
-            for (keys, values), (s, e) in zip(out, spans):  # own copies: k and v are views of the layer's projection
-                keys.append(k[:, s:e].contiguous())  # [H_kv, T_i, D]
-                values.append(v[:, s:e].contiguous())  # [H_kv, T_i, D]
-            if layer == self.layout.n_layers - 1:
-                break
-            parts = []
-            for (keys, values), (s, e) in zip(out, spans):
-                k_i, v_i = keys[-1], values[-1]  # [H_kv, T_i, D]
-                if past is not None:
-                    k_i = torch.cat([past[0][layer], k_i], 1)  # [H_kv, P + T_i, D]
-                    v_i = torch.cat([past[1][layer], v_i], 1)  # [H_kv, P + T_i, D]
-                parts.append(
-                    attend(q[:, s:e], k_i, v_i, None, self.scale)
-                    if past is None
-                    else causal_attend(q[:, s:e], k_i, v_i, plans[e - s], self.scale)
-                )  # [T_i, H_q * D]
-            h = self.finish(layer, h, torch.cat(parts))  # [N, E]
-        return out
 
     def make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> Cache:
         """A transformers cache holding the given per-layer K/V [B, H_kv, T, D] (or [H_kv, T, D]).
@@ -456,16 +598,3 @@ class ModelAdapter:
         for c in caches:
             c.length += width
         return self.logits(h.view(len(caches), width, -1)[:, -1])  # [B, V]
-
-    @property
-    def context_length(self) -> int:
-        """The most positions the model was trained for (prompt and generated tokens together)."""
-        return self.model.config.max_position_embeddings
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids

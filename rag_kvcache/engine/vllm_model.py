@@ -14,11 +14,14 @@ pipeline parallelism a worker holds a slice of the heads or the layers, which th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .model import KVLayout, ModelAdapter, UnsupportedModelError
+from .model import ModelSpec, UnsupportedModelError
 from .ops import apply_rope
-from .sentences import Lexicon
+
+log = logging.getLogger(__name__)
 
 LAYER_PARTS = (
     "input_layernorm",
@@ -30,20 +33,21 @@ LAYER_PARTS = (
 )
 
 
-class VllmAdapter:
+class VllmAdapter(ModelSpec):
     """A vLLM `*ForCausalLM` module with the per-layer hooks of `ModelAdapter` (the fusion engine's side of
-    it); the tokenizer's word classes and the model's identity come from `reference`, the index's adapter
-    of the same weights."""
+    it); the tokenizer, the model's identity and its config come from `spec`, the index's model's (which must
+    be the weights vLLM loaded), the dtype, device and RoPE tables from vLLM's modules."""
 
-    def __init__(self, model: torch.nn.Module, reference: ModelAdapter) -> None:
+    computes = True
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
         self.model = model
-        self.reference = reference
         inner = model.model
         self.blocks = list(inner.layers)
-        if len(self.blocks) != reference.layout.n_layers:
+        if len(self.blocks) != spec.layout.n_layers:
             raise UnsupportedModelError(
                 f"vLLM's model has {len(self.blocks)} decoder layers, the index's "
-                f"{reference.layout.n_layers}: serve the model the index was built with"
+                f"{spec.layout.n_layers}: serve the model the index was built with"
             )
         for part in LAYER_PARTS:
             try:
@@ -54,10 +58,10 @@ class VllmAdapter:
                     "runs Llama-shaped decoder layers only"
                 ) from err
         attn = self.blocks[0].self_attn
-        if attn.num_kv_heads != reference.layout.n_kv_heads or attn.head_dim != reference.layout.head_dim:
+        if attn.num_kv_heads != spec.layout.n_kv_heads or attn.head_dim != spec.layout.head_dim:
             raise UnsupportedModelError(
                 f"this vLLM worker holds {attn.num_kv_heads} KV heads of {attn.head_dim}, the index's model "
-                f"{reference.layout.n_kv_heads} of {reference.layout.head_dim}: tensor parallelism is not supported"
+                f"{spec.layout.n_kv_heads} of {spec.layout.head_dim}: tensor parallelism is not supported"
             )
         rope = attn.rotary_emb
         if not rope.is_neox_style or rope.rotary_dim != attn.head_dim:
@@ -66,18 +70,26 @@ class VllmAdapter:
                 f"(neox style: {rope.is_neox_style}); the engine rotates whole heads, neox style"
             )
         weight = next(model.parameters())
-        self.device, self.dtype = weight.device, weight.dtype
-        self.layout = KVLayout(len(self.blocks), attn.num_kv_heads, attn.head_dim, self.dtype)
+        super().__init__(
+            spec.model_config,
+            spec.generation_config,
+            spec.tokenizer,
+            spec.name,
+            spec.fingerprint,
+            weight.dtype,
+            weight.device,
+            rope._compute_inv_freq(rope.base).to(torch.float32),  # [D/2], vLLM's own
+            attn.scaling,
+        )
+        if weight.dtype != spec.dtype:
+            log.warning(
+                "vLLM runs %s in %s, the index's caches are %s: caches this worker makes (misses) are computed in %s",
+                spec.name,
+                weight.dtype,
+                spec.dtype,
+                weight.dtype,
+            )
         self.sizes = [attn.q_size, attn.kv_size, attn.kv_size]  # q's, k's and v's columns of qkv_proj's output
-        self.n_q_heads = attn.q_size // attn.head_dim
-        self.inv_freq = rope._compute_inv_freq(rope.base).to(torch.float32)  # [D/2], vLLM's own
-        self.scale = attn.scaling
-        self.sliding_window = reference.sliding_window
-        self.graphs = None  # vLLM's own layers run op by op
-
-    @property
-    def lexicon(self) -> Lexicon:
-        return self.reference.lexicon
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(ids)  # [T, E]

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
-from ..engine.model import ModelAdapter
+from ..engine.model import ModelSpec
 from ..engine.prompt import PromptFormat
 from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
@@ -81,7 +81,7 @@ class CacheMaker:
         self,
         path: Path,
         config: Config,
-        adapter: ModelAdapter,
+        adapter: ModelSpec,
         store: KVStore,
         chunks: ChunkIndex,
         format: PromptFormat,

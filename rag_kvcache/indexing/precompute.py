@@ -1,7 +1,7 @@
 """Computing chunk caches at indexing time: forward passes over packs of chunks, each cache handed to
 a writer thread so the next pack's compute does not wait for the disk.
 
-A pack is several chunks end to end in one forward (`ModelAdapter.prefill_packed`): projections and
+A pack is several chunks end to end in one forward (`ModelSpec.prefill_packed`): projections and
 MLPs run once over all their tokens, each chunk attends over the context and itself alone, at its
 own positions, so nothing is padded and a short chunk costs what its share of a long forward costs
 (on SmolLM2-135M over MuSiQue's ~300-token chunks: 1.02-1.05x a 512-token forward's tokens per CPU
@@ -36,7 +36,7 @@ import torch
 
 from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
-from ..engine.model import ModelAdapter
+from ..engine.model import ModelSpec
 from ..engine.ops import rotate_keys, rotation
 from ..store.kvstore import KVStore
 
@@ -51,7 +51,7 @@ def pack_tokens(config: Config) -> int:
 
 
 def compute_caches(
-    adapter: ModelAdapter, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], max_tokens: int
+    adapter: ModelSpec, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], max_tokens: int
 ) -> Iterator[tuple[int, ChunkKV]]:
     """Prefill each chunk behind `context`, in packs of at most `max_tokens` tokens (`token_packs`);
     yields (index in `chunks`, cache)."""
@@ -71,7 +71,7 @@ def group_sequence(group: Sequence[tuple[int, ...]], separator: tuple[int, ...])
 
 
 def compute_grouped(
-    adapter: ModelAdapter,
+    adapter: ModelSpec,
     groups: Sequence[Sequence[tuple[int, ...]]],
     past: tuple[list[torch.Tensor], list[torch.Tensor]],
     separator: tuple[int, ...],
@@ -131,7 +131,7 @@ def cached_context(
 
 
 def compute_behind_cached(
-    adapter: ModelAdapter,
+    adapter: ModelSpec,
     chunk: Sequence[int],
     sources: Sequence[LayerSource],
     tail: Sequence[int] = (),

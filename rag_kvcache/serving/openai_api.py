@@ -80,7 +80,7 @@ class Server:
         self.created = int(time.time())
         # No token spans more characters than the vocabulary's longest entry (a byte-level entry's symbols are
         # bytes, one or more per character): a prompt with more characters than this can never fit the limit.
-        self.max_prompt_chars = config.max_prompt_tokens * max(map(len, engine.index.adapter.tokenizer.get_vocab()))
+        self.max_prompt_chars = config.max_prompt_tokens * max(map(len, engine.index.model.tokenizer.get_vocab()))
         conversations = engine.generator.conversations
         self.metrics = ServerMetrics(
             engine.index.store.stats, None if conversations is None else lambda: conversations.stats

@@ -74,7 +74,7 @@ def completion_prompt(generator: FusedGenerator, request: CompletionRequest, con
 def _checked(index: KVIndex, prompt: Prompt, config: ServerConfig) -> Prompt:
     """Refuse a prompt over the server's limit, or one that with the tokens it may generate does not
     fit the model's context."""
-    n, limit = prompt.n_tokens, index.adapter.context_length
+    n, limit = prompt.n_tokens, index.model.context_length
     if n > config.max_prompt_tokens:
         raise APIError(
             400,

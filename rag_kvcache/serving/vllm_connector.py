@@ -14,9 +14,10 @@ the caches from the shared tier too (the secret from `RAG_KVCACHE_KV_REMOTE_SECR
 
 Scheduler side: the request's prompt token ids are laid out as the embedded engine lays out any prompt
 (`PromptLayout.find_chunks`: the system prefix's head, the indexed chunks found by their token ids, the
-index's caches opened by `KVIndex.caches.open`, `FusionInput.build`), and the tokens from the start of the
-prompt to the end of the span the method provides are reported as matched (`loadable_end`); vLLM computes
-the rest. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
+index's caches opened by `KVIndex.caches.open` without making a missing one, `FusionInput.build`), and the
+tokens from the start of the prompt to the end of the span the method provides are reported as matched
+(`loadable_end`); vLLM computes the rest. The scheduler holds the model's spec alone (tokenizer, shape,
+fingerprint streamed from the checkpoint: `ModelSpec.load`), never its weights. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
 again from the same ids, the span's K/V are produced, and vLLM's own cache writer for each attention layer
 (`impl.do_kv_cache_update`, the call its attention layers make) writes them into the paged KV cache
 through the slots of the request's blocks.
@@ -28,6 +29,7 @@ through the slots of the request's blocks.
   of the model the worker loaded) and its fused K/V up to the end of the last cached span are written;
   vLLM computes the question over them. vLLM hands a connector its caches and attention layers, never the
   model: `register_kv_caches` takes it from the model runner that registers the caches (`_loaded_model`).
+  A cache missing from the store is made there too, on vLLM's layers, and stored.
 
 A load that fails in the worker reports the request's blocks as failed (`get_block_ids_with_load_errors`):
 with `kv_load_failure_policy: recompute` vLLM prefills them itself; with its default (`fail`) the request
@@ -51,13 +53,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from ..config import FusionConfig
+from ..config import Config, FusionConfig
 from ..engine.fusion import FusionInput
 from ..engine.methods import get_method
+from ..engine.model import ModelSpec
 from ..engine.prompt import Segment, prefix_head
+from ..engine.sources import resolve_model_source
 from ..engine.vllm_model import VllmAdapter
 from ..generator import FusedGenerator
 from ..index import KVIndex
+from ..layout import PromptLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,31 +108,40 @@ def loadable_end(inp: FusionInput, method: str) -> int:
     return max((p.end for p in inp.parts if p.kv is not None), default=0)
 
 
-class Planner:
-    """An opened index and the layout of a prompt over it, the same in the scheduler and the worker."""
+def index_config(index_path: Path) -> Config:
+    """The settings the index at `index_path` was built with; a clear error when it is not an index."""
+    if not (index_path / "index.sqlite").is_file():
+        raise ValueError(
+            f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
+            "(no index.sqlite): build one with `rag-kvcache index`"
+        )
+    return KVIndex.config_of(index_path)
 
-    def __init__(self, index_path: Path, remote: str | None = None, remote_secret: bytes | None = None) -> None:
+
+class Planner:
+    """An opened index and the layout of prompts over it, the same in the scheduler and the worker. The
+    scheduler's is over a bare `ModelSpec` (no weights) and opens caches without making any (a missing one is
+    `Unmade`); the worker's is over vLLM's own layers (`VllmAdapter`), which make what is missing and run the
+    fusion methods. Neither process holds a second copy of the model's weights. Any model that `computes`
+    makes and fuses (a `ModelAdapter`, in tests)."""
+
+    def __init__(
+        self, index_path: Path, model: ModelSpec, remote: str | None = None, remote_secret: bytes | None = None
+    ) -> None:
         """`remote`: the shared KV tier (a Redis URL) the index's caches are also read from, authenticated with
         `remote_secret`, as `rag-kvcache serve --kv-remote` reads them: how replicas share one set of caches."""
-        if not (index_path / "index.sqlite").is_file():
-            raise ValueError(
-                f"kv_connector_extra_config 'index' {str(index_path)!r} is not an index folder "
-                "(no index.sqlite): build one with `rag-kvcache index`"
-            )
-        config = KVIndex.config_of(index_path)
+        config = index_config(index_path)
         if remote is not None:
             config = config.with_storage(remote=remote, remote_secret=remote_secret)
-        self.index = KVIndex.open(index_path, config, rewrite=False)
-        self.generator = FusedGenerator(self.index)
-
-    def run_on(self, layers: VllmAdapter) -> None:
-        """Run the fusion methods on `layers` (vLLM's loaded model) from now on."""
-        self.generator = FusedGenerator(self.index, layers=layers)
+        self.index = KVIndex.open(index_path, config, adapter=model, rewrite=False)
+        self.makes = model.computes
+        self.prompts = PromptLayout(self.index)
+        self.generator = FusedGenerator(self.index) if self.makes else None
 
     def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
-        segments = self.generator.layout.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
-        caches = self.index.caches.open(segments)
+        segments = self.prompts.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
+        caches = self.index.caches.open(segments, make=self.makes)
         return segments, FusionInput.build(segments, caches.sources, caches.contexts)
 
     @torch.inference_mode()
@@ -143,10 +157,12 @@ class Planner:
         for `prefix` the exact segments' stored caches as they are; for any other method the fused cache
         `FusedGenerator.fuse` makes (the code `ask` runs) on the generator's layers."""
         if fusion.method != "prefix":
+            if self.generator is None:
+                raise RuntimeError("the scheduler's planner runs no method: the worker's does")
             result = self.generator.fuse(segments, fusion).result
             return [(k[:, start:end], v[:, start:end]) for k, v in zip(result.keys, result.values)]  # [H_kv, T, D]
         out = []
-        for layer in range(self.index.adapter.layout.n_layers):
+        for layer in range(self.index.model.layout.n_layers):
             keys, values = [], []
             for part in inp.parts:
                 if part.end <= start or part.start >= end:
@@ -233,16 +249,23 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         self._defaults = fusion_config(FusionConfig(method="prefix"), extra)
         self._block_size = vllm_config.cache_config.block_size
         secret = os.environ.get("RAG_KVCACHE_KV_REMOTE_SECRET")  # as the CLI reads it: never from a config file
-        self._planner = Planner(Path(extra["index"]).expanduser(), extra.get("kv_remote"), secret and secret.encode())
+        self._index_path = Path(extra["index"]).expanduser()
+        self._remote = extra.get("kv_remote"), secret and secret.encode()
+        config = index_config(self._index_path)
+        self._spec = ModelSpec.load(config)  # tokenizer, shape and fingerprint: no weights
+        built = resolve_model_source(config.index.model, config.runtime.cache_dir)
         served = Path(vllm_config.model_config.model).expanduser()
-        if served.is_dir() and served.resolve() != Path(self._planner.index.adapter.model.name_or_path).resolve():
+        if served.is_dir() and isinstance(built, Path) and served.resolve() != built.resolve():
             log.warning(
                 "vLLM serves %s but index %s was built with %s: unless they are the same weights, every "
                 "cache read is wrong",
                 served,
                 extra["index"],
-                self._planner.index.adapter.model.name_or_path,
+                built,
             )
+        # the scheduler's planner now; the worker's once vLLM has loaded the model (`register_kv_caches`)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._planner: Planner | None = Planner(self._index_path, self._spec, *self._remote) if scheduler else None
         # scheduler side
         self._matches: dict[str, _Match] = {}  # per request: what get_num_new_matched_tokens found
         self._pending: dict[str, tuple[Request, int, int]] = {}  # request, start, end: to load at its next step
@@ -252,6 +275,13 @@ class RagKVCacheConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed_blocks: set[int] = set()
         log.info("RagKVCacheConnector (%s) over index %s, method %s", role.name, extra["index"], self._defaults.method)
+
+    def _planned(self) -> Planner:
+        if self._planner is None:
+            raise RuntimeError(
+                f"the {self._role.name} connector has no planner (a worker's comes with register_kv_caches)"
+            )
+        return self._planner
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -278,7 +308,7 @@ class RagKVCacheConnector(KVConnectorBase_V1):
             return None
         try:
             reads = len(ids) > 1 and get_method(fusion.method).reads_cache  # `full` reads nothing: no layout either
-            inp = self._planner.layout(ids, fusion)[1] if reads else None
+            inp = self._planned().layout(ids, fusion)[1] if reads else None
             end = 0 if inp is None else loadable_end(inp, fusion.method)
             exact_end = 0 if inp is None else min(end, loadable_end(inp, "prefix"))
         except Exception:  # a fault in the index (an unreadable database, a cache that cannot be recomputed)
@@ -360,14 +390,15 @@ class RagKVCacheConnector(KVConnectorBase_V1):
 
     # ---- worker side ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = self._planner.index.adapter.layout
+        layout = self._spec.layout
         if len(kv_caches) != layout.n_layers:
             raise ValueError(
                 f"vLLM has {len(kv_caches)} KV cache layers, the index's model {layout.n_layers}: "
                 "serve the model the index was built with"
             )
         self._kv_caches = kv_caches
-        self._planner.run_on(VllmAdapter(_loaded_model(kv_caches, self._vllm_config), self._planner.index.adapter))
+        model = VllmAdapter(_loaded_model(kv_caches, self._vllm_config), self._spec)
+        self._planner = Planner(self._index_path, model, *self._remote)
         name, cache = next(iter(kv_caches.items()))
         log.info(
             "vLLM paged KV cache: %d layers like %s, shape %s, dtype %s, block size %d; the methods run on "
@@ -396,13 +427,13 @@ class RagKVCacheConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(spec.block_ids[first : last + 1])
 
     def _load(self, forward_context: ForwardContext, spec: LoadSpec) -> None:
-        segments, inp = self._planner.layout(spec.prompt, spec.fusion)
+        segments, inp = self._planned().layout(spec.prompt, spec.fusion)
         if (end := loadable_end(inp, spec.fusion.method)) != spec.end:
             raise RuntimeError(
                 f"the worker finds {end} loadable tokens where the scheduler found {spec.end} "
                 "(the index changed in between?)"
             )
-        kv = self._planner.span_kv(segments, inp, spec.fusion, spec.start, spec.end)
+        kv = self._planned().span_kv(segments, inp, spec.fusion, spec.start, spec.end)
         device = next(iter(self._kv_caches.values())).device
         positions = torch.arange(spec.start, spec.end)  # [T]
         blocks = torch.tensor(spec.block_ids, dtype=torch.long)[positions // self._block_size]  # [T]

@@ -29,7 +29,7 @@ import torch
 
 from ..config import Config, StorageConfig
 from ..engine.cache import ChunkKV, pack_layer
-from ..engine.model import ModelAdapter
+from ..engine.model import ModelAdapter, ModelSpec
 from ..errors import RagKVCacheError
 from .kvstore import KVStore
 
@@ -118,7 +118,7 @@ def choose_tier(cal: Calibration, ratio: float, n_tokens: int) -> Decision:
     return next((d for d in decisions if not d.adds_delay), min(decisions, key=lambda d: d.load_s))
 
 
-def resolve_ratio(config: Config, adapter: ModelAdapter, tier: str = "disk") -> tuple[Config, Decision | None]:
+def resolve_ratio(config: Config, adapter: ModelSpec, tier: str = "disk") -> tuple[Config, Decision | None]:
     """`config` with a number for CacheBlend's ratio: `ratio="auto"` becomes the loading controller's
     choice for `top_k * chunk_tokens` context tokens whose caches come from `tier`, from this machine's
     calibration for `adapter`'s model and `config`'s codec (with the decision); a number is kept (no decision).
@@ -138,7 +138,7 @@ def machine_id(device: torch.device) -> str:
     return f"{platform.node()}-{device.type}-{name}".replace("/", "_").replace(" ", "_")
 
 
-def calibration_path(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Path:
+def calibration_path(cache_dir: Path, adapter: ModelSpec, codec: str) -> Path:
     return Path(cache_dir) / "calibration" / f"{machine_id(adapter.device)}-{adapter.fingerprint[:16]}-{codec}.json"
 
 
@@ -147,7 +147,7 @@ class NotCalibratedError(RagKVCacheError, ValueError):
     command) chose, not a fault of the server's files."""
 
 
-def load_calibration(cache_dir: Path, adapter: ModelAdapter, codec: str) -> Calibration:
+def load_calibration(cache_dir: Path, adapter: ModelSpec, codec: str) -> Calibration:
     path = calibration_path(cache_dir, adapter, codec)
     if not path.is_file():
         raise NotCalibratedError(

@@ -18,6 +18,7 @@ import torch
 
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from ..engine.prompt import Segment
+from ..errors import RagKVCacheError
 from .addressing import CacheAddressing, address
 from .backend import CorruptEntryError
 from .kvstore import KVStore
@@ -49,6 +50,19 @@ class PromptCaches:
     def repaired(self) -> int:
         """Chunk caches recomputed so far: missing when opened, or corrupt when a layer was read."""
         return self.missing + sum(isinstance(s, Repairing) and s.repaired for s in self.opened)
+
+
+@dataclass(frozen=True)
+class Unmade:
+    """A cache not in the store, opened without making it (`CacheOpener.open(make=False)`): its length and
+    position (a cache made behind a context starts right after it) for laying the prompt out; no layers."""
+
+    n_tokens: int
+    position: int
+    n_layers: int
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RagKVCacheError(f"an unmade cache of {self.n_tokens} tokens has no layers: open it with make=True")
 
 
 class Repairing:
@@ -90,11 +104,12 @@ class CacheOpener:
     only (`request_tier`, per API key, within `request_bytes`), never on disk or in the shared tier.
     `inv_freq` [D/2] turns the caches a `BlendKV` averages."""
 
-    def __init__(self, store: KVStore, maker: Maker, request_bytes: int, inv_freq: torch.Tensor) -> None:
+    def __init__(self, store: KVStore, maker: Maker, request_bytes: int, inv_freq: torch.Tensor, n_layers: int) -> None:
         self.store, self.maker, self.request_bytes, self.inv_freq = store, maker, request_bytes, inv_freq
+        self.n_layers = n_layers
         self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text
 
-    def open(self, segments: Sequence[Segment], salt: str = "") -> PromptCaches:
+    def open(self, segments: Sequence[Segment], salt: str = "", make: bool = True) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: those `address` names (the mean of several where it names several, `BlendKV`;
         a run of a stored sequence reads its slice, `SliceKV`); a sequence several segments read is opened
@@ -104,6 +119,9 @@ class CacheOpener:
         With a `salt` (the server's tenant), caches of request text are under keys of that salt alone, so
         that no other tenant can hit them (a hit is measurably faster: a guessed secret in a shared head
         would be confirmed by the time to the first token).
+
+        With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
+        as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
         """
         addresses = address(self.maker.addressing, segments, salt)
         sources: list[LayerSource | None] = []
@@ -117,7 +135,9 @@ class CacheOpener:
             for key, context in zip(at.keys, at.contexts):
                 if key not in opened:
                     entry = self._open(key, at.whole, context, salt if at.request_text else None)
-                    if entry is None:
+                    if entry is None and not make:
+                        entry = Unmade(len(at.whole), len(context), self.n_layers)
+                    elif entry is None:
                         entry = (
                             self._first_use(key, at.whole, context, salt)
                             if at.request_text
