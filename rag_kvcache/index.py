@@ -174,20 +174,22 @@ class KVIndex:
 
     @classmethod
     def open(
-        cls, path: Path, config: Config | None = None, adapter: ModelSpec | None = None, rewrite: bool = True
+        cls,
+        path: Path,
+        config: Config | None = None,
+        adapter: ModelSpec | None = None,
+        rewrite: bool = True,
+        embeds: bool = True,
     ) -> KVIndex:
         """Open an existing index; `config` defaults to the settings it was built with. A damaged
         `vectors.faiss` is rewritten from SQLite where this process may (`ChunkIndex.open`), unless
-        `rewrite` is False (`rag-kvcache check` sees the index as it is)."""
+        `rewrite` is False (`rag-kvcache check` sees the index as it is). `embeds` False: without loading its
+        embedder, for a process that finds chunks in prompts by their tokens alone (the vLLM connector's)."""
         path = Path(path)
         config = config or cls.config_of(path)
         adapter = adapter or ModelAdapter.load(config)
-        return cls(
-            path,
-            config,
-            ChunkIndex.open(path, load_embedder(config.index.embedder, config.runtime.device), rewrite),
-            adapter,
-        )
+        embedder = load_embedder(config.index.embedder, config.runtime.device) if embeds else None
+        return cls(path, config, ChunkIndex.open(path, embedder, rewrite), adapter)
 
     def update(
         self, docs_dir: Path, progress: bool = True, prune: bool = False, workers: RayWorkers | None = None

@@ -53,7 +53,8 @@ def test_a_spec_computes_nothing(tiny_model_dir):  # noqa: F811
 
 def test_an_index_over_a_spec_opens_without_making(tiny_model_dir, tmp_path):  # noqa: F811
     """A missing cache is `Unmade` (nothing computed or stored) and the prompt's layout, exact parts included,
-    is the one the made cache gives: what the connector's scheduler reports, its worker then loads."""
+    is the one the made cache gives: what the connector's scheduler reports, its worker then loads. Opened
+    without its embedder, the index embeds nothing (the connector's processes load none)."""
     config = replace_model(CFG, tiny_model_dir)
     built = KVIndex.build(write_docs(tmp_path / "docs", 3), tmp_path / "idx", config, progress=False)
     asked = FusedGenerator(built).ask(QUESTION, top_k=3)
@@ -64,7 +65,9 @@ def test_an_index_over_a_spec_opens_without_making(tiny_model_dir, tmp_path):  #
     first.unlink()  # the first chunk, exact behind the system prefix: its cache missing
     files = sorted(p.name for p in built.store.disk.root.rglob("*.safetensors"))
 
-    planned = KVIndex.open(built.path, config, adapter=ModelSpec.load(config))
+    planned = KVIndex.open(built.path, config, adapter=ModelSpec.load(config), embeds=False)
+    with pytest.raises(RagKVCacheError, match="opened without its embedder"):  # it finds chunks by their tokens
+        planned.search(QUESTION, 3)
     caches = planned.caches.open(segments, make=False)
     unmade = [s for s in caches.sources if isinstance(s, Unmade)]
     assert len(unmade) == 1 and unmade[0].n_tokens == len(records[0].token_ids)

@@ -38,6 +38,7 @@ import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
 from rag_kvcache.engine.model import ModelSpec  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
+from rag_kvcache.errors import RagKVCacheError  # noqa: E402
 from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.serving.vllm_connector import RagKVCacheConnector  # noqa: E402
@@ -227,32 +228,30 @@ def test_methods_run_on_vllms_layers_and_equal_the_engine(llm: LLM, built: Built
 
 
 def weights_held(worker) -> dict:
-    """In vLLM's worker process: the transformers models of the served model's type alive (the index's embedder,
-    a BERT, is another model), and what the worker connector's index runs on."""
+    """In vLLM's worker process: the transformers models alive (the served model's, or the index's embedder, a
+    BERT), and what the worker connector's index runs on."""
     from transformers import PreTrainedModel
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     gc.collect()
-    served = get_kv_transfer_group()._spec.model_config.model_type
     return {
-        "transformers_models": [
-            type(o).__name__
-            for o in gc.get_objects()
-            if isinstance(o, PreTrainedModel) and o.config.model_type == served
-        ],
+        "transformers_models": [type(o).__name__ for o in gc.get_objects() if isinstance(o, PreTrainedModel)],
         "worker_model": type(get_kv_transfer_group()._planner.index.model).__name__,
     }
 
 
 def test_the_connector_holds_no_second_copy_of_the_weights(llm: LLM, built: Built) -> None:
     """Each connector loaded a transformers copy of the model beside vLLM's (its scheduler for the layout, its
-    worker for the misses): the scheduler now holds the model's spec alone and the worker runs vLLM's layers."""
+    worker for the misses), and the index's embedder: the scheduler now holds the model's spec alone, the worker
+    runs vLLM's layers, and neither loads the embedder (chunks are found in a prompt by their tokens)."""
     generate(llm, built.prompt, params={"method": "reuse"}, max_tokens=1)  # both sides have planned and loaded
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     held = llm.collective_rpc(weights_held)[0]
     assert held == {"transformers_models": [], "worker_model": "VllmAdapter"}
     scheduler = RagKVCacheConnector(llm.llm_engine.vllm_config, KVConnectorRole.SCHEDULER)  # as EngineCore makes it
     assert type(scheduler._planner.index.model) is ModelSpec
+    with pytest.raises(RagKVCacheError, match="opened without its embedder"):
+        scheduler._planner.index.search("harbour", 1)
 
 
 def test_cacheblend_at_ratio_one_equals_vllm_alone(llm: LLM, built: Built) -> None:

@@ -51,7 +51,7 @@ def child(row: str, work: Path) -> dict:
     llm = LLM(
         model=spec["model"],
         dtype="float32",
-        gpu_memory_utilization=0.1,
+        gpu_memory_utilization=0.25,
         max_model_len=4096,
         enable_prefix_caching=False,
         kv_transfer_config=connector if row == "connector" else None,
@@ -88,10 +88,9 @@ def main() -> None:
     (work / "prompt.json").write_text(json.dumps({"model": model, "prompt": prompt}))
     results = {}
     for row in ROWS:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", row, str(work)], check=True, capture_output=True, text=True
-        )
-        results[row] = json.loads(proc.stdout.strip().splitlines()[-1])
+        measured = work / f"{row}.json"  # the child's report (its stdout carries vLLM's logs)
+        subprocess.run([sys.executable, __file__, "--child", row, str(work), str(measured)], check=True)
+        results[row] = json.loads(measured.read_text())
         print(row, results[row], flush=True)
     results["connector minus alone (MiB)"] = {
         k: results["connector"][k] - results["vLLM alone"][k] for k in ("rss_mib", "peak_mib")
@@ -102,6 +101,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
-        print(json.dumps(child(sys.argv[2], Path(sys.argv[3]))))
+        Path(sys.argv[4]).write_text(json.dumps(child(sys.argv[2], Path(sys.argv[3]))))
     else:
         main()

@@ -114,7 +114,7 @@ class ChunkIndex:
         index_dir: Path,
         conn: sqlite3.Connection,
         vectors: faiss.Index,
-        embedder: SentenceTransformer,
+        embedder: SentenceTransformer | None,
         meta: dict[str, str],
         vectors_sha256: str | None,
         writing: bool,
@@ -186,8 +186,9 @@ class ChunkIndex:
         return cls(index_dir, conn, vectors, embedder, full_meta, recorded, writing=True)
 
     @classmethod
-    def open(cls, index_dir: Path, embedder: SentenceTransformer, rewrite: bool = True) -> ChunkIndex:
-        """Open an existing index; `embedder` must produce vectors of the index's dimension.
+    def open(cls, index_dir: Path, embedder: SentenceTransformer | None, rewrite: bool = True) -> ChunkIndex:
+        """Open an existing index; `embedder` must produce vectors of the index's dimension (None: one that
+        embeds nothing, whose chunks are found by their tokens alone: the vLLM connector's).
 
         SQLite is opened read-only (a first write reopens it, `_writable_conn`). A `vectors.faiss` that
         fails its check is rebuilt from SQLite and, with `rewrite`, rewritten where this process may
@@ -198,7 +199,7 @@ class ChunkIndex:
         try:
             meta = db.checked_meta(conn, index_dir)
             db.ensure_ngrams(conn, index_dir)
-            dim = embedder.get_embedding_dimension()
+            dim = int(meta["embedding_dim"]) if embedder is None else embedder.get_embedding_dimension()
             if str(dim) != meta["embedding_dim"]:
                 raise ValueError(
                     f"index {index_dir} holds {meta['embedding_dim']}-d vectors of {meta['embedder']!r}, "
@@ -369,6 +370,11 @@ class ChunkIndex:
         bar over batches if `progress`)."""
         if not texts:
             return np.empty((0, self._dim), dtype=np.float32)
+        if self._embedder is None:
+            raise RagKVCacheError(
+                f"index {self._dir} was opened without its embedder {self._meta['embedder']!r}: it finds chunks by "
+                f"their tokens, and embeds nothing ({len(texts)} texts asked)"
+            )
         embeddings = self._embedder.encode(
             texts,
             batch_size=batch_size,

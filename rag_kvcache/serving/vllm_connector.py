@@ -133,7 +133,7 @@ class Planner:
         config = index_config(index_path)
         if remote is not None:
             config = config.with_storage(remote=remote, remote_secret=remote_secret)
-        self.index = KVIndex.open(index_path, config, adapter=model, rewrite=False)
+        self.index = KVIndex.open(index_path, config, adapter=model, rewrite=False, embeds=False)
         self.makes = model.computes
         self.prompts = PromptLayout(self.index)
         self.generator = FusedGenerator(self.index) if self.makes else None
