@@ -157,6 +157,25 @@ def test_a_freed_slot_taken_by_a_longer_row_while_others_decode(tiny):
     assert pool.size == 0 and pool.keys == [] and pool.rows == []
 
 
+def test_a_pool_under_steady_load_grows_its_slots_only_for_rows_in_flight():
+    """Fault found under a served trace (16 clients, chats growing by a turn each): a newcomer longer than the
+    pool's positions doubled its slots too, and a pool that never emptied grew to 256 slots (24 GB, the server
+    killed by the kernel). Two rows in flight at a time, each new one longer than the last: 2 slots, always."""
+    pool = DecodePool()
+
+    def row(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [torch.ones(2, n, 4)] * 3, [torch.ones(2, n, 4)] * 3  # 3 layers of [H_kv, N, D]
+
+    held = pool.admit(*row(8), room=4)
+    for n in range(9, 40):
+        newcomer = pool.admit(*row(n), room=4)
+        assert pool.keys[0].shape[:3] == (2, 2, n + 4)  # [S, H_kv, C]: a slot each, the newcomer's positions
+        held.close()
+        held = newcomer
+    held.close()
+    assert pool.keys == []
+
+
 def run_alone(adapter: ModelAdapter, cfg: GenerationConfig, row) -> list[Step]:
     keys, values, logits = row
     decoder = Decoder(adapter, cfg)

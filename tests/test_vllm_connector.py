@@ -312,7 +312,7 @@ def test_failed_load_is_prefilled_by_vllm(llm: LLM, built: Built) -> None:
     "part, error",
     [
         ("chunks.match", sqlite3.OperationalError("disk I/O error")),  # the index's database failing a query
-        ("caches.open", OSError(5, "Input/output error")),  # a chunk cache that can be neither read nor recomputed
+        ("caches.open", OSError(5, "Input/output error")),  # the chunk caches failing a read
     ],
 )
 def test_a_scheduler_side_fault_leaves_the_request_to_vllm(

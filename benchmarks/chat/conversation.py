@@ -23,6 +23,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from importlib.resources import files
@@ -75,15 +76,16 @@ class Server:
         """`code`: a checkout whose `rag_kvcache` the server runs (another revision's, for a side-by-side run)."""
         self.port = free_port()
         cli = Path(sys.executable).with_name("rag-kvcache")
+        self.log = tempfile.TemporaryFile("w+")  # its stderr: a pipe nobody reads would fill and stall it
         self.proc = subprocess.Popen(
             [str(cli), "serve", "--index", str(index), "--port", str(self.port), *options],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self.log,
             text=True,
             env=os.environ | ({"PYTHONPATH": str(code)} if code else {}),
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_healthy(self.proc, self.url, 300, lambda: self.proc.stderr.read())
+        wait_healthy(self.proc, self.url, 300, self.stderr)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
 
@@ -123,9 +125,15 @@ class Server:
             "server_ttft_s": extension.get("ttft_s"),
         }
 
+    def stderr(self) -> str:
+        """What the server has written to its stderr so far."""
+        self.log.seek(0)
+        return self.log.read()
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
+        self.log.close()
 
 
 def build_index(index: Path) -> None:

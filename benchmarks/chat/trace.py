@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,6 +55,18 @@ def run_trace(server: Server, documents: str, clients: int, turns: int, max_toke
     lock = threading.Lock()
     start = threading.Barrier(clients)
 
+    def record(kind: str, c: int, i: int, ask: Callable[[], dict]) -> dict | None:
+        """One request's row (its error in place of its timings when it failed: the client stops there)."""
+        try:
+            r = ask()
+        except Exception as e:
+            with lock:
+                rows.append({"kind": kind, "client": c, "turn": i + 1, "error": repr(e)})
+            return None
+        with lock:
+            rows.append({"kind": kind, "client": c, "turn": i + 1, **r})
+        return r
+
     def chat(c: int) -> None:
         messages: list[dict] = []
         start.wait()
@@ -62,18 +75,19 @@ def run_trace(server: Server, documents: str, clients: int, turns: int, max_toke
             messages.append(
                 {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}" if i == 0 else question}
             )
-            r = server.ask(messages, "cacheblend", max_tokens, extra={"cache_salt": f"chat-{c}"})
+            r = record(
+                "chat", c, i, lambda: server.ask(messages, "cacheblend", max_tokens, extra={"cache_salt": f"chat-{c}"})
+            )
+            if r is None:
+                return
             messages.append({"role": "assistant", "content": r["answer"]})
-            with lock:
-                rows.append({"kind": "chat", "client": c, "turn": i + 1, **r})
 
     def rag(c: int) -> None:
         start.wait()
         for i in range(turns):
-            question = RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]
-            r = server.ask([{"role": "user", "content": question}], "full", max_tokens, extra={"top_k": 3})
-            with lock:
-                rows.append({"kind": "rag", "client": c, "turn": i + 1, **r})
+            messages = [{"role": "user", "content": RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]}]
+            if record("rag", c, i, lambda: server.ask(messages, "full", max_tokens, extra={"top_k": 3})) is None:
+                return
 
     threads = [threading.Thread(target=chat if c % 2 == 0 else rag, args=(c,)) for c in range(clients)]
     for t in threads:
@@ -101,13 +115,19 @@ def main() -> None:
             t0 = time.perf_counter()
             rows = run_trace(server, "\n\n".join(h["text"] for h in hits), args.clients, args.turns, args.max_tokens)
             wall = time.perf_counter() - t0
+            if server.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the {order} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
+                )
         finally:
             server.close()
+        answered = [r for r in rows if "error" not in r]
         results[order] = {
             "wall_s": wall,
-            "all": summary([r["ttft_s"] for r in rows]),
-            **{kind: summary([r["ttft_s"] for r in rows if r["kind"] == kind]) for kind in ("chat", "rag")},
-            "requests": rows,
+            "failed": [r for r in rows if "error" in r],
+            "all": summary([r["ttft_s"] for r in answered]),
+            **{kind: summary([r["ttft_s"] for r in answered if r["kind"] == kind]) for kind in ("chat", "rag")},
+            "requests": answered,
         }
         print(order, json.dumps({k: v for k, v in results[order].items() if k != "requests"}), flush=True)
     args.out.write_text(json.dumps({"results": results, "command": sys.argv}, indent=1) + "\n")

@@ -92,12 +92,13 @@ class DecodePool:
             self.keys, self.values = [], []
 
     def _fit(self, slots: int, capacity: int, like: Sequence[torch.Tensor]) -> None:
-        """Buffers with at least `slots` slots of `capacity` positions (slots doubled, positions to the
-        longest sequence's), the filled part copied over; `like`: a prompt's per-layer keys."""
+        """Buffers with at least `slots` slots of `capacity` positions (slots doubled when more are needed,
+        positions to the longest sequence's), the filled part copied over; `like`: a prompt's per-layer keys."""
         have_s, have_c = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
         if slots <= have_s and capacity <= have_c:
             return
-        shape = (max(slots, 2 * have_s), like[0].shape[-3], max(capacity, have_c), like[0].shape[-1])  # [S, H_kv, C, D]
+        s = have_s if slots <= have_s else max(slots, 2 * have_s)  # a longer sequence alone adds no slot
+        shape = (s, like[0].shape[-3], max(capacity, have_c), like[0].shape[-1])  # [S, H_kv, C, D]
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:
             new = like[0].new_zeros(
