@@ -17,10 +17,10 @@ Scheduler side: the request's prompt token ids are laid out as the embedded engi
 index's caches opened by `KVIndex.caches.open` without making a missing one, `FusionInput.build`), and the
 tokens from the start of the prompt to the end of the span the method provides are reported as matched
 (`loadable_end`); vLLM computes the rest. The scheduler holds the model's spec alone (tokenizer, shape,
-fingerprint streamed from the checkpoint: `ModelSpec.load`), never its weights. Worker side (`start_load_kv`, synchronous, before the step's forward): the same layout is made
-again from the same ids, the span's K/V are produced, and vLLM's own cache writer for each attention layer
-(`impl.do_kv_cache_update`, the call its attention layers make) writes them into the paged KV cache
-through the slots of the request's blocks.
+fingerprint streamed from the checkpoint: `ModelSpec.load`), never its weights. Worker side (`start_load_kv`,
+synchronous, before the step's forward): the same layout is made again from the same ids, the span's K/V
+are produced, and vLLM's own cache writer for each attention layer (`impl.do_kv_cache_update`, the call its
+attention layers make) writes them into the paged KV cache through the slots of the request's blocks.
 
 - `prefix` (exact): the exactly cached head (system prefix, and the first chunk right behind it) is copied
   as stored; no model runs.
