@@ -1,5 +1,6 @@
 """Indexing-time precompute: packs of chunks of any lengths store the caches a chunk-by-chunk prefill
-computes, bit for bit, and a full prefill to float tolerance; the writes run behind the compute and a
+computes, to float rounding (bit for bit on some CPUs, not on others: a BLAS picks its kernel by the matmul's
+row count), and a full prefill to float tolerance; the writes run behind the compute and a
 failed write still fails the update."""
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_packs_hold_consecutive_chunks_within_the_budget_and_cover_every_chunk()
 
 
 @pytest.mark.parametrize("context", [(101, 2023, 2003, 1037), ()])
-def test_packed_caches_equal_chunk_by_chunk_bit_for_bit_and_a_full_prefill(tiny, context):
+def test_packed_caches_equal_chunk_by_chunk_and_a_full_prefill(tiny, context):
     chunks = _chunks(11, (4, 12, 20, 31))  # not 1-3 tokens alone: MKL takes another kernel for matmuls of <= 3 rows
     packed = dict(compute_caches(tiny, chunks, context, 64))
     assert sorted(packed) == list(range(11))
@@ -62,7 +63,8 @@ def test_packed_caches_equal_chunk_by_chunk_bit_for_bit_and_a_full_prefill(tiny,
         for layer in range(alone.n_layers):
             for got, want, full in zip(packed[i].layer(layer), alone.layer(layer), (keys[layer], values[layer])):
                 assert got.shape == want.shape == (2, len(ids), 16)  # [H_kv, T, D]
-                assert torch.equal(got, want)
+                # to rounding: on an AVX-512 machine (MKL 2024.2) packed and alone differed by up to 1.5e-7
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
                 torch.testing.assert_close(got, full[0, :, len(context) :], atol=1e-5, rtol=0)
 
 

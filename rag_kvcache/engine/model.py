@@ -317,9 +317,9 @@ class ModelSpec:
         `past` (per-layer K/V [H_kv, P, D]) at positions P..P+T_i-1, in one forward over all the chunks'
         tokens packed end to end: embedding, projections and MLPs run once on the packed [N, E] rows;
         each chunk attends (causally) over the past and its own tokens alone, so nothing of one chunk
-        reaches another and none is padded. A chunk's K/V are the same whichever chunks share its pack
-        (rows of a matmul are computed independently). The last layer's attention output and MLP, which
-        no K/V depends on, are not computed."""
+        reaches another and none is padded. A chunk's K/V are the same, to float rounding, whichever chunks
+        share its pack (rows of a matmul are computed independently; a BLAS may block them by the row count).
+        The last layer's attention output and MLP, which no K/V depends on, are not computed."""
         if not chunks or not all(chunks):
             raise ValueError(f"prefill_packed needs non-empty chunks, got lengths {[len(c) for c in chunks]}")
         p = 0 if past is None else past[0][0].shape[-2]

@@ -6,10 +6,11 @@ MLPs run once over all their tokens, each chunk attends over the context and its
 own positions, so nothing is padded and a short chunk costs what its share of a long forward costs
 (on SmolLM2-135M over MuSiQue's ~300-token chunks: 1.02-1.05x a 512-token forward's tokens per CPU
 second, against 0.93-0.97x chunk by chunk; `benchmarks/scale/README.md`).
-A chunk's cache comes out bit for bit the same whatever other chunks share its pack (rows of a
-matmul are computed independently, and its attention is its own; but MKL computes a matmul of at most
-3 rows with another kernel, so a chunk of 1-3 tokens forwarded alone differs by ~1e-7 from the same
-chunk in a pack). A Ray cluster is dealt the packs a local run makes, so an index built on one
+A chunk's cache comes out the same, to float rounding, whatever other chunks share its pack (rows of a
+matmul are computed independently, and its attention is its own), not always bit for bit: a BLAS picks its
+kernel and blocking by the matmul's shape (MKL takes another kernel for at most 3 rows; on an AVX-512 machine
+chunks packed together and forwarded alone differed by up to 1.5e-7). A Ray cluster is dealt the packs a local
+run makes, so an index built on one
 process or spread over a cluster stores identical caches, given the same torch thread count (for
 another, BLAS may pick other kernels on small shapes: a 3-token chunk's cache differed by 7e-8
 between 1 and 2 threads). The writer keeps at most `depth` caches waiting (memory stays bounded); a
