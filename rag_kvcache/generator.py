@@ -270,7 +270,7 @@ class FusedGenerator:
         t0 = time.perf_counter()
         fused = self.fuse(segments, fusion, salt)
         result = fused.result
-        decoder = Decoder(self.index.adapter, generation)
+        decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go

@@ -134,14 +134,13 @@ class Planner:
         if remote is not None:
             config = config.with_storage(remote=remote, remote_secret=remote_secret)
         self.index = KVIndex.open(index_path, config, adapter=model, rewrite=False, embeds=False)
-        self.makes = model.computes
         self.prompts = PromptLayout(self.index)
-        self.generator = FusedGenerator(self.index) if self.makes else None
+        self.generator = FusedGenerator(self.index) if model.computes else None
 
     def layout(self, ids: list[int], fusion: FusionConfig) -> tuple[list[Segment], FusionInput]:
         """The prompt's segments and their opened caches, as `FusedGenerator` lays out a prompt of ids."""
         segments = self.prompts.find_chunks(prefix_head(ids, self.index.format.prefix_ids), fusion)
-        caches = self.index.caches.open(segments, make=self.makes)
+        caches = self.index.caches.open(segments, make=self.index.model.computes)
         return segments, FusionInput.build(segments, caches.sources, caches.contexts)
 
     @torch.inference_mode()
