@@ -103,5 +103,5 @@ class Generation:
     fused: Fused
     started: float  # time.perf_counter() when the fusion began
     ttft_s: float
-    ids: tuple[int, ...]  # the prompt's tokens (empty without a conversation cache: nothing keeps them)
+    ids: tuple[int, ...]  # the prompt's tokens (empty when nothing keeps them: no conversation cache, hidden chunks)
     salt: str  # the tenant (`FusedGenerator.start`)

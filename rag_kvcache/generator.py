@@ -37,7 +37,7 @@ from .store.loading import LayerFeed
 log = logging.getLogger(__name__)
 
 
-def _collected(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
+def collect_answer(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
     """The `Answer` that ends `FusedGenerator.stream`'s `steps`, with the streamed text as its answer;
     `on_text` receives each piece of text as it comes."""
     pieces: list[str] = []
@@ -116,7 +116,7 @@ class FusedGenerator:
                 + ("" if len(self.index.chunks) else "; index documents into it first")
             )
         segments = fmt.segments([h.chunk.token_ids for h in hits], question_ids)
-        answer = _collected(self.stream(segments, fusion, generation), on_text)
+        answer = collect_answer(self.stream(segments, fusion, generation), on_text)
         chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
         return replace(answer, retrieval_s=retrieval_s, chunks=chunks)
 
@@ -135,7 +135,7 @@ class FusedGenerator:
         segments = self.layout.prompt_segments(prompt, fusion)
         match_s = time.perf_counter() - t0
         warn_unquoted(segments, fusion or self.index.config.query.fusion)
-        answer = _collected(self.stream(segments, fusion, generation), on_text)
+        answer = collect_answer(self.stream(segments, fusion, generation), on_text)
         return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
 
     def fitted_chat(
@@ -285,7 +285,7 @@ class FusedGenerator:
             raise RuntimeError(f"the generation is not complete ({len(live.decoder.ids)} tokens so far)")
         generation_s = time.perf_counter() - live.started - live.ttft_s
         self.index.flush_stats()  # a failure is logged: the answer is never lost for its counters
-        if self.conversations is not None:
+        if self.conversations is not None and live.ids:
             self._remember(live)
         live.decoder.close()
         n_generated, result = len(live.decoder.ids), live.fused.result

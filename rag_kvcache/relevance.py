@@ -84,11 +84,15 @@ class RelevanceCheck:
         for width in sorted({len(t) for t in tails}):
             batch = [i for i, t in enumerate(tails) if len(t) == width]
             logits = generator.adapter.extend_rows([tails[i] for i in batch], [rows[i] for i in batch])  # [B, V]
-            p = torch.softmax(logits, dim=-1)  # [B, V]
-            yes, no = p[:, self.yes].sum(-1), p[:, self.no].sum(-1)  # [B], [B]
-            for i, value in zip(batch, (yes / (yes + no).clamp_min(torch.finfo(torch.float32).tiny)).tolist()):
+            for i, value in zip(batch, self.p_yes(logits).tolist()):
                 p_yes[i] = value
         return [Verdict(chunk, p >= self.threshold, p, n) for chunk, p, n in zip(chunks, p_yes, computed)]
+
+    def p_yes(self, logits: torch.Tensor) -> torch.Tensor:
+        """The probability of "yes" against "no" [B] from the first answer token's logits [B, V]."""
+        p = torch.softmax(logits, dim=-1)  # [B, V]
+        yes, no = p[:, self.yes].sum(-1), p[:, self.no].sum(-1)  # [B], [B]
+        return yes / (yes + no).clamp_min(torch.finfo(torch.float32).tiny)  # [B]
 
 
 def _cached_head(

@@ -11,7 +11,7 @@ from test_pipeline import docs, index  # noqa: F401
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.prompt import Segment
-from rag_kvcache.generator import FusedGenerator, _collected
+from rag_kvcache.generator import FusedGenerator, collect_answer
 from rag_kvcache.store.conversations import ConversationCache
 
 L, H, D = 2, 2, 4
@@ -118,7 +118,7 @@ def test_an_exact_methods_next_turn_equals_its_answer_without_the_cache(index, m
     follow = tuple(tok("and in which year was it lit?", add_special_tokens=False)["input_ids"])
     second = [Segment(tuple(before), False, "text"), Segment(follow, False, "question")]
     warm, _ = turn(gen, second, method)
-    again = _collected(cold.stream(second, FusionConfig(method=method), GenerationConfig(max_new_tokens=6)), None)
+    again = collect_answer(cold.stream(second, FusionConfig(method=method), GenerationConfig(max_new_tokens=6)), None)
     n_stored = len(before) - (first.finish_reason == "length")  # cut at max_new_tokens: its last token never fed
     assert warm.conversation_tokens == n_stored
     assert warm.recomputed_tokens == warm.prompt_tokens - n_stored

@@ -4,7 +4,8 @@ A `DecodePool` holds, per layer, one buffer [S, H_kv, C, D]: slot s is one seque
 prompt's positions copied in when it is admitted and each decoded token's K/V written in place after
 them. `ModelAdapter.extend_rows` (and `decode_rows`, one token a row) steps B of its sequences with,
 per layer, one write of the new tokens' K/V and one attention call over the slots, each row masked
-to its own positions (`RowStep`). Slots are taken by `admit` and given back by
+to its own positions (`RowStep`), less those it hides (`admit`'s `hidden`: an attention mask over part
+of its prompt, for every token computed in that row after it). Slots are taken by `admit` and given back by
 `DecodeCache.close` (the lowest free slot is taken next); the buffers grow when a sequence needs more
 slots or positions than they have (contents copied) and are let go when the last slot is given back.
 
@@ -24,10 +25,13 @@ import torch.nn.functional as F
 class DecodeCache:
     """One sequence's slot in a `DecodePool`: `length` positions are filled, the next token goes at
     `length`, at most `capacity`. `keys`/`values` are views of the pool's buffers, per layer
-    [H_kv, C, D] (positions from `length` on are not the sequence's)."""
+    [H_kv, C, D] (positions from `length` on are not the sequence's). `hidden`: bool [N] over the
+    prompt's positions, those no token fed to this row attends to (None: none)."""
 
-    def __init__(self, pool: DecodePool, slot: int, length: int, capacity: int) -> None:
-        self.pool, self.slot, self.length, self.capacity = pool, slot, length, capacity
+    def __init__(
+        self, pool: DecodePool, slot: int, length: int, capacity: int, hidden: torch.Tensor | None = None
+    ) -> None:
+        self.pool, self.slot, self.length, self.capacity, self.hidden = pool, slot, length, capacity, hidden
 
     @property
     def open(self) -> bool:
@@ -65,22 +69,34 @@ class DecodePool:
         """Bytes of the buffers (every slot, free or not, at the pool's capacity)."""
         return sum(t.nbytes for t in (*self.keys, *self.values))
 
-    def admit(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], room: int) -> DecodeCache:
+    def admit(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        room: int,
+        hidden: torch.Tensor | None = None,
+    ) -> DecodeCache:
         """A slot holding the prompt's per-layer K/V [H_kv, N, D] (or [1, H_kv, N, D]), with `room`
-        positions to decode into."""
+        positions to decode into. `hidden` (bool [N]): prompt positions the tokens fed to this row never
+        attend to, as if an attention mask covered them; the positions after them keep their places."""
         if room < 1:
             raise ValueError(f"a decode cache needs room for at least 1 token, got room={room!r}")
+        n = keys[0].shape[-2]
+        if hidden is not None and (hidden.dtype != torch.bool or tuple(hidden.shape) != (n,)):
+            raise ValueError(
+                f"hidden must be a bool mask over the prompt's {n} positions, got {hidden.dtype} {tuple(hidden.shape)}"
+            )
         if any(k.dim() == 4 and k.shape[0] != 1 for k in keys):
             raise ValueError(f"a decode cache holds one sequence; got keys of shape {tuple(keys[0].shape)}")
         if self.keys and len(keys) != len(self.keys):
             raise ValueError(f"the pool holds {len(self.keys)} layers; got a cache of {len(keys)}")
-        n = keys[0].shape[-2]
         slot = next((s for s, r in enumerate(self.rows) if r is None), len(self.rows))
         self._fit(slot + 1, n + room, keys)
         for buf_k, buf_v, k, v in zip(self.keys, self.values, keys, values, strict=True):
             buf_k[slot, :, :n] = k.reshape(k.shape[-3:])  # [H_kv, N, D]
             buf_v[slot, :, :n] = v.reshape(v.shape[-3:])  # [H_kv, N, D]
-        cache = DecodeCache(self, slot, n, n + room)
+        masked = None if hidden is None or not hidden.any() else hidden.to(self.keys[0].device)  # [N]
+        cache = DecodeCache(self, slot, n, n + room, masked)
         self.rows[slot : slot + 1] = [cache]
         return cache
 
@@ -117,8 +133,8 @@ class RowStep:
     """Where B rows of a pool write and read in one step of M tokens each: `slots` [B] and `positions`
     [B, M] (a row's new tokens go at its length onwards), the slots attended `rows` (0..R-1: slots not
     stepping are attended too and their outputs dropped, so the pool is read as one block) and the mask
-    [R, 1, G * M, T] of the positions each query sees (its row's up to itself; T: the furthest row's
-    last position + 1), over the G query heads of a KV head folded into the query axis."""
+    [R, 1, G * M, T] of the positions each query sees (its row's up to itself, less those the row hides; T: the
+    furthest row's last position + 1), over the G query heads of a KV head folded into the query axis."""
 
     slots: torch.Tensor  # [B]
     positions: torch.Tensor  # [B, M]
@@ -140,6 +156,9 @@ class RowStep:
         visible = torch.zeros(rows, width, span, dtype=torch.bool, device=device)  # [R, M, T]
         visible[:, :, 0] = True  # a slot not stepping sees one position: its (dropped) output stays finite
         visible[index] = torch.arange(span, device=device) <= positions[:, :, None]  # [B, M, T]
+        for c in caches:
+            if c.hidden is not None:
+                visible[c.slot, :, : c.hidden.shape[0]] &= ~c.hidden  # [M, N]
         folded = (
             visible[:, None, None].expand(rows, 1, groups, width, span).reshape(rows, 1, groups * width, span)
         )  # [R, 1, G * M, T]

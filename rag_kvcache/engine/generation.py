@@ -167,13 +167,24 @@ class Decoder:
         allowed = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])  # [V]
         return sample_token(logits, self.cfg, self.rng, allowed)
 
-    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor], pool: DecodePool | None = None) -> None:
+    def start(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        pool: DecodePool | None = None,
+        hidden: torch.Tensor | None = None,
+        ahead: int = 0,
+    ) -> DecodeCache:
         """Take the prompt's cache (per layer [H_kv, N, D]) into a slot of `pool` (the decoders it is
         stepped with share one, so their rows attend in one call; by default a pool of its own), with
-        room for the tokens to come. `close` gives the slot back."""
+        room for the tokens to come: `ahead` prompt tokens still to be fed (`ModelAdapter.extend_rows`)
+        and the answer's. `hidden` (bool [N]): prompt positions no later token attends to
+        (`DecodePool.admit`). Returns the cache; `close` gives its slot back."""
         if self.cache is not None:
             raise RuntimeError("this decoder has already started: one Decoder decodes one answer")
-        self.cache = (pool or DecodePool()).admit(keys, values, room=self.cfg.max_new_tokens)
+        room = ahead + self.cfg.max_new_tokens
+        self.cache = (pool or DecodePool()).admit(keys, values, room=room, hidden=hidden)
+        return self.cache
 
     def close(self) -> None:
         """Give the cache's slot back to its pool (a shared pool's next decoder takes it); idempotent."""
