@@ -230,24 +230,29 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
 
     def _last_chunk(self, answer: Answer) -> ChatGenerationChunk:
         """The closing chunk: usage and the fusion's numbers, no text (it was streamed)."""
-        usage = answer.usage
-        usage_metadata = UsageMetadata(
-            input_tokens=usage["prompt_tokens"],
-            output_tokens=usage["completion_tokens"],
-            total_tokens=usage["total_tokens"],
-            input_token_details={"cache_read": usage["cached_tokens"]},
-        )
-        metadata = {
-            "model_name": self.model_name,
-            "model_provider": "rag_kvcache",
-            "finish_reason": answer.finish_reason,
-            "prompt_tokens": answer.prompt_tokens,
-            **answer.fusion_stats,
-        }
-        message = AIMessageChunk(
-            content="", usage_metadata=usage_metadata, response_metadata=metadata, chunk_position="last"
-        )
+        usage, metadata = answer_metadata(answer, self.model_name)
+        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message)
+
+
+def answer_metadata(answer: Answer, model_name: str) -> tuple[UsageMetadata, dict[str, Any]]:
+    """An answer's usage (the prompt tokens read from the cache as `cache_read`) and response metadata (the
+    fusion's numbers), as an `AIMessage` carries them."""
+    usage = answer.usage
+    usage_metadata = UsageMetadata(
+        input_tokens=usage["prompt_tokens"],
+        output_tokens=usage["completion_tokens"],
+        total_tokens=usage["total_tokens"],
+        input_token_details={"cache_read": usage["cached_tokens"]},
+    )
+    metadata = {
+        "model_name": model_name,
+        "model_provider": "rag_kvcache",
+        "finish_reason": answer.finish_reason,
+        "prompt_tokens": answer.prompt_tokens,
+        **answer.fusion_stats,
+    }
+    return usage_metadata, metadata
 
 
 def _json_schema(response_format: Mapping[str, Any] | type[BaseModel] | None) -> str | None:

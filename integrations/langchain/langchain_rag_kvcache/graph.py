@@ -6,6 +6,11 @@ grader computes only the check question for all documents in one batched forward
 kept documents' caches. With a plain chat model and `ChatModelGrader` it is the same graph as it runs
 elsewhere (each grading prompt and the answer prefilled in full): the baseline `benchmarks/chat/agentic.py`
 measures it against.
+
+`create_shared_prompt_rag_graph`: the same three steps over one fused prompt (`rag_kvcache.agent.SharedPrompt`):
+`grade` fuses the answer's prompt over every retrieved document and checks each one over it, `generate` answers
+from that prompt with the documents judged irrelevant hidden by an attention mask, computing only the question
+again, instead of fusing the kept documents a second time.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from langchain_core.messages import AIMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
+from rag_kvcache import Engine, FusionConfig
+from rag_kvcache.agent import SharedPrompt
+from rag_kvcache.relevance import CHECK, RelevanceCheck
+
 from .chains import rag_message
+from .chat_models import CHUNK_ID_KEY, answer_metadata
+from .graders import RELEVANCE_KEY
 
 try:
     from langgraph.graph import END, START, StateGraph
@@ -63,3 +74,74 @@ def create_agentic_rag_graph(
     graph.add_edge("grade", "generate")
     graph.add_edge("generate", END)
     return graph.compile(name="agentic_rag")
+
+
+class SharedPromptState(AgenticRAGState, total=False):
+    """`AgenticRAGState` and the fused prompt the grade and generate steps share (engine-side K/V: the graph
+    runs without a checkpointer, which could not save them)."""
+
+    prompt: SharedPrompt
+    keep: list[int]  # the documents the answer reads, by their place in the prompt
+
+
+def create_shared_prompt_rag_graph(
+    retriever: BaseRetriever,
+    engine: Engine,
+    *,
+    fusion: FusionConfig | None = None,
+    max_tokens: int | None = None,
+    template: str = CHECK,
+    threshold: float = 0.5,
+) -> Any:
+    """A compiled LangGraph graph, retrieve -> grade -> generate as `create_agentic_rag_graph`'s, over one fused
+    prompt: `grade` fuses the answer's prompt over the retrieved documents (`retriever` must be a
+    `RagKVCacheRetriever` over `engine`'s index: each document's chunk id is read) and judges each one over it
+    (`template`, `threshold`: `RelevanceCheck`'s), `generate` answers from it with the documents judged irrelevant
+    hidden (none judged relevant: from every one). `fusion` and `max_tokens`: the answer's (None: the index's).
+    The final state holds `documents` (those the answer read, with `metadata["relevance"]`), `graded` and
+    `answer`, whose `response_metadata["ttft_s"]` is the generate step's alone."""
+    generation = engine.index.config.query.generation
+    if max_tokens is not None:
+        generation = generation.with_options(max_new_tokens=max_tokens)
+    check = RelevanceCheck(engine.generator, template, threshold)
+
+    def retrieve(state: SharedPromptState) -> SharedPromptState:
+        return {"documents": retriever.invoke(state["question"])}
+
+    def grade(state: SharedPromptState) -> SharedPromptState:
+        documents = state["documents"]
+        missing = [d.page_content[:60] for d in documents if d.metadata.get(CHUNK_ID_KEY) is None]
+        if missing:
+            raise ValueError(f"documents without a chunk id (not from RagKVCacheRetriever): {missing}")
+
+        def fuse_and_check(question: str, ids: list[str]) -> tuple[SharedPrompt, list]:  # on the engine's thread
+            prompt = SharedPrompt(engine.generator, question, engine.index.chunks.get(ids), fusion)
+            return prompt, prompt.check(check)
+
+        prompt, verdicts = engine.run(fuse_and_check, state["question"], [d.metadata[CHUNK_ID_KEY] for d in documents])
+        scored = [
+            d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: v.p_yes}})
+            for d, v in zip(documents, verdicts)
+        ]
+        keep = [i for i, v in enumerate(verdicts) if v.relevant]
+        graded = [scored[i] for i in keep]
+        return {
+            "prompt": prompt,
+            "keep": keep or list(range(len(scored))),
+            "graded": graded,
+            "documents": graded or scored,
+        }
+
+    def generate(state: SharedPromptState) -> SharedPromptState:
+        answer = engine.run(state["prompt"].answer, state["keep"], generation)
+        usage, metadata = answer_metadata(answer, engine.index.config.index.model)
+        return {"answer": AIMessage(answer.answer, usage_metadata=usage, response_metadata=metadata)}
+
+    graph = StateGraph(SharedPromptState)
+    for name, node in (("retrieve", retrieve), ("grade", grade), ("generate", generate)):
+        graph.add_node(name, node)
+    graph.add_edge(START, "retrieve")
+    graph.add_edge("retrieve", "grade")
+    graph.add_edge("grade", "generate")
+    graph.add_edge("generate", END)
+    return graph.compile(name="shared_prompt_rag")

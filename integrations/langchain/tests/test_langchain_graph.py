@@ -1,5 +1,6 @@
 """`create_agentic_rag_graph`: LangGraph's agentic RAG graph (retrieve -> grade -> generate) over the chunk caches,
-and the same graph on a plain chat model (`ChatModelGrader`, full prefills)."""
+and the same graph on a plain chat model (`ChatModelGrader`, full prefills); `create_shared_prompt_rag_graph`, the
+same steps over one fused prompt whose rejected documents are hidden."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 from langchain_rag_kvcache import (
+    CHUNK_ID_KEY,
+    RELEVANCE_KEY,
     ChatModelGrader,
     ChatRagKVCache,
     RagKVCacheGrader,
@@ -48,6 +51,55 @@ def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: Engine
     )
     assert {d.id for d in state["graded"]} <= {d.id for d in cached}
     assert state["answer"].text
+
+
+@pytest.mark.smollm2
+def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_model(demo_engine: Engine) -> None:
+    """Every document judged relevant (threshold 0): nothing is hidden, and the answer decoded from the shared
+    prompt is `ChatRagKVCache`'s over the same documents (the index's layout is the chat model's)."""
+    from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
+
+    retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
+    graph = create_shared_prompt_rag_graph(retriever, demo_engine, max_tokens=12, threshold=0.0)
+    state = graph.invoke({"question": QUESTION})
+    docs = retriever.invoke(QUESTION)
+    assert [d.id for d in state["graded"]] == [d.id for d in docs] == [d.id for d in state["documents"]]
+    assert all(0.0 <= d.metadata[RELEVANCE_KEY] <= 1.0 for d in state["documents"])
+    model = ChatRagKVCache(engine=demo_engine, max_tokens=12)
+    assert state["answer"].text == model.invoke([rag_message(docs, QUESTION)]).text
+    assert state["answer"].usage_metadata["output_tokens"] >= 1
+
+
+@pytest.mark.smollm2
+def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engine: Engine) -> None:
+    """A threshold between the documents' P(yes): those under it are hidden, the answer is `SharedPrompt`'s over
+    the kept ones."""
+    from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
+
+    from rag_kvcache.agent import SharedPrompt
+    from rag_kvcache.relevance import RelevanceCheck
+
+    retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
+    docs = retriever.invoke(QUESTION)
+
+    def shared(threshold: float) -> tuple[list[float], str]:
+        generator = demo_engine.generator
+        prompt = SharedPrompt(generator, QUESTION, generator.index.chunks.get([d.metadata[CHUNK_ID_KEY] for d in docs]))
+        p = [v.p_yes for v in prompt.check(RelevanceCheck(generator, threshold=threshold))]
+        keep = [i for i, x in enumerate(p) if x >= threshold]
+        config = generator.index.config.query.generation.with_options(max_new_tokens=12)
+        return p, prompt.answer(keep, config).answer
+
+    p, _ = demo_engine.run(shared, 0.5)
+    threshold = sorted(p)[len(p) // 2]  # keeps the upper half
+    _, want = demo_engine.run(shared, threshold)
+    state = create_shared_prompt_rag_graph(retriever, demo_engine, max_tokens=12, threshold=threshold).invoke(
+        {"question": QUESTION}
+    )
+    kept = [d.id for d, x in zip(docs, p) if x >= threshold]
+    assert 0 < len(kept) < len(docs)
+    assert [d.id for d in state["documents"]] == kept
+    assert state["answer"].text == want
 
 
 def test_without_langgraph_the_import_names_the_extra(monkeypatch) -> None:
