@@ -1,17 +1,20 @@
 """The agentic RAG graph (`create_agentic_rag_graph`: retrieve 4 chunks, grade each one's relevance, answer from
-those judged relevant) as a LangGraph graph, twice over the same engine: on the caches (`RagKVCacheGrader`, then
-`ChatRagKVCache` with its default fusion) and as a plain chat model runs it (`ChatModelGrader` over
-`ChatRagKVCache(fusion=full)`: every grading prompt and the answer prefilled in full). From the repository root,
-in `.venv`:
+those judged relevant) as a LangGraph graph, three times over the same engine: on the caches (`RagKVCacheGrader`,
+then `ChatRagKVCache` with its default fusion), over one shared fused prompt (`create_shared_prompt_rag_graph`: the
+checks and the answer read one prompt, rejected documents hidden) and as a plain chat model runs it
+(`ChatModelGrader` over `ChatRagKVCache(fusion=full)`: every grading prompt and the answer prefilled in full). From
+the repository root, in `.venv`:
 
     flock /tmp/bench.lock nice -n 5 .venv/bin/python benchmarks/chat/agentic.py INDEX OUT.json
 
 INDEX: the demo documents indexed with 128-token chunks (built there if missing). The engine keeps no
 conversation cache (both runs would otherwise read earlier prompts' K/V). The plain grader judges each document
 by the first token of its answer ("yes" or not); the cached one by P(yes) >= 0.5 of the same first token (it
-reads no text). End-to-end seconds per question for both, each question once after a warm-up; the final
-answers' fidelity: the plain run's answer forced through the cached run's fused prompt (teacher-forced KL, top-1
-agreement; `bench.metrics.teacher_forced`), for the questions whose two runs kept the same documents.
+reads no text; the shared graph's checks read each chunk where it sits in the answer's prompt). End-to-end seconds
+per question for each, the three run in turn for each question, once after a warm-up; the final answers' fidelity:
+the plain run's answer forced through the cached run's fused prompt, and through the shared run's with its hidden
+documents (teacher-forced KL, top-1 agreement; `bench.metrics.teacher_forced`), for the questions whose runs kept the
+same documents as the plain one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from functools import partial
 from importlib.resources import files
 from pathlib import Path
 
+import torch
 from langchain_core.messages import HumanMessage
 from langchain_rag_kvcache import (
     ChatModelGrader,
@@ -33,11 +37,13 @@ from langchain_rag_kvcache import (
     rag_message,
 )
 from langchain_rag_kvcache.chat_models import _prompt
-from langchain_rag_kvcache.graph import create_agentic_rag_graph
+from langchain_rag_kvcache.graph import create_agentic_rag_graph, create_shared_prompt_rag_graph
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSettings, KVIndex
+from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
+from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.request import Options
 
@@ -67,51 +73,56 @@ def main() -> None:
         retriever = RagKVCacheRetriever(engine=engine, k=4)
         cached_model = ChatRagKVCache(engine=engine, max_tokens=MAX_TOKENS)
         plain_model = ChatRagKVCache(engine=engine, fusion=FULL, max_tokens=MAX_TOKENS)
-        graphs = [
-            create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
-            create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model),
-        ]
+        graphs = {
+            "cached": create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
+            "shared": create_shared_prompt_rag_graph(retriever, engine, max_tokens=MAX_TOKENS),
+            "plain": create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model),
+        }
 
         def run(graph, question: str):
             state = graph.invoke({"question": question})
             return state["documents"], state["answer"]
 
-        cached, plain = (partial(run, graph) for graph in graphs)
-
-        cached(QUESTIONS[0]), plain(QUESTIONS[0])  # warm-up
+        runs = {name: partial(run, graph) for name, graph in graphs.items()}
+        for go in runs.values():  # warm-up
+            go(QUESTIONS[0])
         for question in QUESTIONS:
-            t0 = time.perf_counter()
-            kept_c, answer_c = cached(question)
-            t1 = time.perf_counter()
-            kept_p, answer_p = plain(question)
-            t2 = time.perf_counter()
-            row = {
-                "question": question,
-                "cached_s": t1 - t0,
-                "plain_s": t2 - t1,
-                "kept_cached": [d.id for d in kept_c],
-                "kept_plain": [d.id for d in kept_p],
-                "answer_cached": answer_c.text,
-                "answer_plain": answer_p.text,
-            }
+            row: dict = {"question": question}
+            for name, go in runs.items():
+                t0 = time.perf_counter()
+                kept, answer = go(question)
+                row |= {f"{name}_s": time.perf_counter() - t0, f"kept_{name}": [d.id for d in kept]}
+                row |= {f"answer_{name}": answer.text}
             if row["kept_cached"] == row["kept_plain"]:
-                row |= engine.run(fidelity, engine, [rag_message(kept_c, question)], cached_model.fusion)
+                row |= engine.run(fidelity, engine, [rag_message(kept, question)], cached_model.fusion)
+            if row["kept_shared"] == row["kept_plain"]:
+                chunks = engine.index.chunks.get([d.metadata["chunk_id"] for d in retriever.invoke(question)])
+                kept_ids = set(row["kept_shared"])
+                keep = [i for i, c in enumerate(chunks) if c.id in kept_ids]
+                shared = engine.run(shared_fidelity, engine, question, chunks, keep, cached_model.fusion)
+                row |= {f"shared_{k}": v for k, v in shared.items()}
             rows.append(row)
             print(
-                f"{question[:50]:50s} cached {row['cached_s']:.2f} s, plain {row['plain_s']:.2f} s, kept "
-                f"{len(kept_c)}/{len(kept_p)}, tf_kl {row.get('tf_kl', float('nan')):.3f}",
+                f"{question[:44]:44s} cached {row['cached_s']:.2f} s, shared {row['shared_s']:.2f} s, plain "
+                f"{row['plain_s']:.2f} s, kept {len(row['kept_cached'])}/{len(row['kept_shared'])}/"
+                f"{len(row['kept_plain'])}, tf_kl {row.get('tf_kl', float('nan')):.3f} / "
+                f"{row.get('shared_tf_kl', float('nan')):.3f}",
                 flush=True,
             )
-    ratio = statistics.median(r["plain_s"] / r["cached_s"] for r in rows)
     same = [r for r in rows if "tf_kl" in r]
+    same_shared = [r for r in rows if "shared_tf_kl" in r]
     summary = {
         "questions": len(rows),
-        "median_plain_over_cached": ratio,
-        "cached_s_median": statistics.median(r["cached_s"] for r in rows),
-        "plain_s_median": statistics.median(r["plain_s"] for r in rows),
+        "median_plain_over_cached": statistics.median(r["plain_s"] / r["cached_s"] for r in rows),
+        "median_plain_over_shared": statistics.median(r["plain_s"] / r["shared_s"] for r in rows),
+        "median_cached_over_shared": statistics.median(r["cached_s"] / r["shared_s"] for r in rows),
+        **{f"{name}_s_median": statistics.median(r[f"{name}_s"] for r in rows) for name in graphs},
         "same_documents_kept": len(same),
         "tf_kl_mean": statistics.mean(r["tf_kl"] for r in same) if same else None,
         "tf_top1_mean": statistics.mean(r["tf_top1"] for r in same) if same else None,
+        "shared_same_documents_kept": len(same_shared),
+        "shared_tf_kl_mean": statistics.mean(r["shared_tf_kl"] for r in same_shared) if same_shared else None,
+        "shared_tf_top1_mean": statistics.mean(r["shared_tf_top1"] for r in same_shared) if same_shared else None,
     }
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
@@ -131,6 +142,30 @@ def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig)
         for r in (reference.result, fused)
     )  # [T, V] x 2
     scores = teacher_forced(ref, got, answer)
+    return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
+
+
+def shared_fidelity(engine: Engine, question: str, chunks: list, keep: list[int], fusion: FusionConfig) -> dict:
+    """The plain run's answer (full prefill of the kept documents, greedy) forced through the shared prompt with
+    the others hidden: the question computed again over the kept chunks, then the answer a token at a time."""
+    generator, adapter = engine.generator, engine.generator.adapter
+    fmt = generator.index.format
+    kept = fmt.segments([chunks[i].token_ids for i in keep], fmt.question_ids(adapter.tokenizer, question))
+    reference = generator.fuse(kept, FULL)
+    answer = greedy_answer_ids(adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
+    if not answer:
+        return {}
+    ref = teacher_forced_logits(
+        adapter, reference.result.keys, reference.result.values, reference.result.logits, answer
+    )  # [T, V]
+    prompt = SharedPrompt(generator, question, chunks, fusion)
+    keys = [k[:, : prompt.head] for k in prompt.fused.result.keys]  # L x [H_kv, head, D]
+    values = [v[:, : prompt.head] for v in prompt.fused.result.values]  # L x [H_kv, head, D]
+    row = DecodePool().admit(keys, values, room=len(prompt.tail) + len(answer), hidden=prompt.hidden(keep))
+    got = [adapter.extend_rows([prompt.tail], [row])[0]]  # [V]
+    got += [adapter.decode_rows([t], [row])[0] for t in answer[:-1]]  # T-1 x [V]
+    row.close()
+    scores = teacher_forced(ref.cpu().numpy(), torch.stack(got).float().cpu().numpy(), answer)
     return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
 
 
