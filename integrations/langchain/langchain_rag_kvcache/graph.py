@@ -15,6 +15,7 @@ again, instead of fusing the kept documents a second time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 from langchain_core.documents import Document
@@ -66,14 +67,18 @@ def create_agentic_rag_graph(
     def generate(state: AgenticRAGState) -> AgenticRAGState:
         return {"answer": model.invoke([rag_message(state["documents"], state["question"])])}
 
-    graph = StateGraph(AgenticRAGState)
-    for name, node in (("retrieve", retrieve), ("grade", grade), ("generate", generate)):
-        graph.add_node(name, node)
-    graph.add_edge(START, "retrieve")
-    graph.add_edge("retrieve", "grade")
-    graph.add_edge("grade", "generate")
-    graph.add_edge("generate", END)
-    return graph.compile(name="agentic_rag")
+    return _chain(AgenticRAGState, "agentic_rag", retrieve=retrieve, grade=grade, generate=generate)
+
+
+def _chain(state: type, name: str, **steps: Callable[[Any], Any]) -> Any:
+    """A compiled graph of `steps` one after the other, from START to END."""
+    graph = StateGraph(state)
+    for step, node in steps.items():
+        graph.add_node(step, node)
+    names = [START, *steps, END]
+    for a, b in zip(names, names[1:]):
+        graph.add_edge(a, b)
+    return graph.compile(name=name)
 
 
 class SharedPromptState(AgenticRAGState, total=False):
@@ -137,11 +142,4 @@ def create_shared_prompt_rag_graph(
         usage, metadata = answer_metadata(answer, engine.index.config.index.model)
         return {"answer": AIMessage(answer.answer, usage_metadata=usage, response_metadata=metadata)}
 
-    graph = StateGraph(SharedPromptState)
-    for name, node in (("retrieve", retrieve), ("grade", grade), ("generate", generate)):
-        graph.add_node(name, node)
-    graph.add_edge(START, "retrieve")
-    graph.add_edge("retrieve", "grade")
-    graph.add_edge("grade", "generate")
-    graph.add_edge("generate", END)
-    return graph.compile(name="shared_prompt_rag")
+    return _chain(SharedPromptState, "shared_prompt_rag", retrieve=retrieve, grade=grade, generate=generate)
