@@ -93,13 +93,16 @@ def main() -> None:
                 kept, answer = go(question)
                 row |= {f"{name}_s": time.perf_counter() - t0, f"kept_{name}": [d.id for d in kept]}
                 row |= {f"answer_{name}": answer.text}
+            docs, fusion = retriever.invoke(question), cached_model.fusion
             if row["kept_cached"] == row["kept_plain"]:
-                row |= engine.run(fidelity, engine, [rag_message(kept, question)], cached_model.fusion)
+                kept = [d for d in docs if d.id in row["kept_cached"]]
+                row |= engine.run(fidelity, engine, [rag_message(kept, question)], fusion)
             if row["kept_shared"] == row["kept_plain"]:
-                chunks = engine.index.chunks.get([d.metadata["chunk_id"] for d in retriever.invoke(question)])
-                kept_ids = set(row["kept_shared"])
-                keep = [i for i, c in enumerate(chunks) if c.id in kept_ids]
-                shared = engine.run(shared_fidelity, engine, question, chunks, keep, cached_model.fusion)
+                ids, keep = (
+                    [d.metadata["chunk_id"] for d in docs],
+                    [i for i, d in enumerate(docs) if d.id in row["kept_shared"]],
+                )
+                shared = engine.run(shared_fidelity, engine, question, ids, keep, fusion)
                 row |= {f"shared_{k}": v for k, v in shared.items()}
             rows.append(row)
             print(
@@ -145,10 +148,12 @@ def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig)
     return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
 
 
-def shared_fidelity(engine: Engine, question: str, chunks: list, keep: list[int], fusion: FusionConfig) -> dict:
+def shared_fidelity(engine: Engine, question: str, ids: list[str], keep: list[int], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill of the kept documents, greedy) forced through the shared prompt with
-    the others hidden: the question computed again over the kept chunks, then the answer a token at a time."""
+    the others hidden: the question computed again over the kept chunks, then the answer a token at a time (on
+    the engine's thread)."""
     generator, adapter = engine.generator, engine.generator.adapter
+    chunks = generator.index.chunks.get(ids)
     fmt = generator.index.format
     kept = fmt.segments([chunks[i].token_ids for i in keep], fmt.question_ids(adapter.tokenizer, question))
     reference = generator.fuse(kept, FULL)
