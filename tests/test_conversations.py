@@ -183,67 +183,18 @@ def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(i
     metrics = ServerMetrics(index.store.stats)
     scheduler = Scheduler(FusedGenerator(index, conversations), None, 1, metrics, "cache_aware")
     scheduler.pending.extend([cold, stranger, rag, warm])
-    assert [scheduler._take(scheduler._next()) for _ in range(4)] == [warm, rag, stranger, cold]
+    assert [scheduler._next() for _ in range(4)] == [warm, rag, stranger, cold]
     fifo = Scheduler(FusedGenerator(index, conversations), None, 1, metrics, "fcfs")
     fifo.pending.extend([cold, rag, warm])
-    assert [fifo._take(fifo._next()) for _ in range(3)] == [cold, rag, warm]
+    assert [fifo._next() for _ in range(3)] == [cold, rag, warm]
 
     old = job(Segment(tuple(range(200)), False, "text"))
     scheduler.pending.append(old)
     served = []
     for i in range(MAX_SKIPS + 2):
         scheduler.pending.append(job(Segment(chat + (i,), False, "text")))  # a cheap request arrives each time
-        served.append(scheduler._take(scheduler._next()))
+        served.append(scheduler._next())
     assert served.index(old) == MAX_SKIPS  # passed over MAX_SKIPS times, then next
-
-
-@pytest.mark.parametrize(
-    "order,budget,started",
-    [
-        ("cache_aware", 0, ["warm"]),  # one prefill a tick
-        ("cache_aware", 30, ["warm", "rag"]),  # 3 + 23 tokens fit; the cold one's 200 wait for the next tick
-        ("cache_aware", 1000, ["warm", "rag", "cold"]),
-        ("fcfs", 30, ["cold"]),  # the next one always starts, then nothing more fits
-        ("fcfs", 1000, ["cold", "rag"]),  # the batch is full (max_batch 2)
-    ],
-)
-def test_a_tick_starts_the_prefills_that_fit_in_its_budget(index, order, budget, started):
-    """`prefill_budget`: one scheduler tick starts waiting requests, in its order, while the tokens they compute
-    fit in the budget together and the batch has room; the next request always starts."""
-    from rag_kvcache.serving.metrics import ServerMetrics
-    from rag_kvcache.serving.scheduler import Job, Scheduler
-
-    conversations = ConversationCache(1 << 20)
-    chat = tuple(range(1000, 1100))
-    conversations.insert("tenant", chat, *kv(100), "cacheblend", exact=False)
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig()
-    jobs = {
-        "cold": Job([Segment(tuple(range(200)), False, "text")], fusion, generation, "tenant"),
-        "rag": Job(
-            [Segment(tuple(range(300, 320)), False, "text"), Segment(tuple(range(400, 600)), True, "chunk")]
-            + [Segment((1, 2, 3), False, "question")],
-            fusion,
-            generation,
-            "tenant",
-        ),
-        "warm": Job([Segment(chat + (5, 6, 7), False, "text")], fusion, generation, "tenant"),
-    }
-    max_batch = 2 if order == "fcfs" and budget == 1000 else 3
-    scheduler = Scheduler(
-        FusedGenerator(index, conversations), None, max_batch, ServerMetrics(index.store.stats), order, budget
-    )
-    scheduler.pending.extend(jobs.values())
-    names = {id(job): name for name, job in jobs.items()}
-    prefilled = []
-
-    async def prefill(job: Job) -> None:  # what `_prefill` does to the batch, without the model
-        prefilled.append(names[id(job)])
-        scheduler.decoding.append(job)
-
-    scheduler._prefill = prefill
-    asyncio.run(scheduler._admit())
-    assert prefilled == started
-    assert [names[id(job)] for job in scheduler.pending] == [n for n in jobs if n not in started]
 
 
 def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(index, caplog):

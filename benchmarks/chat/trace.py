@@ -4,8 +4,8 @@ cache-aware prefill order against first-come-first-served (issue 36).
 Half the clients chat (a first message quoting the documents, then follow-up questions; each turn after
 the first reads the chat so far from the conversation cache and computes a few dozen tokens); the other
 half send RAG questions with `full` (the chunks retrieved by the server, every token computed: the heavy
-requests of the trace). Each policy gets its own server (`--order fcfs` or `cache_aware`, and a
-`--prefill-budget`: `--policies`), the same trace, one after the other. Per request the client measures the time to the first streamed token (queueing
+requests of the trace). Each policy gets its own server (`--order fcfs` or `cache_aware`), the same trace,
+one after the other. Per request the client measures the time to the first streamed token (queueing
 included); reported: p50, p90, p99 and mean over all requests and per kind.
 
     python benchmarks/chat/trace.py --index /tmp/chat-idx --out benchmarks/chat/trace-results.json
@@ -104,24 +104,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument(
-        "--policies",
-        nargs="+",
-        default=["fcfs", "cache_aware"],
-        help="the servers to run the trace against, in turn: ORDER or ORDER:PREFILL_BUDGET (serve's --order and "
-        "--prefill-budget), e.g. fcfs cache_aware:256",
-    )
     args = parser.parse_args()
     if not args.index.exists():
         build_index(args.index)
     results = {}
-    for policy in args.policies:
-        order, _, budget = policy.partition(":")
-        server = Server(
-            args.index,
-            *("--order", order, "--prefill-budget", budget or "0"),
-            *("--max-queue", str(args.clients), "--max-per-key", "0"),
-        )
+    for order in ("fcfs", "cache_aware"):
+        server = Server(args.index, "--order", order, "--max-queue", str(args.clients), "--max-per-key", "0")
         try:
             hits = server.retrieve(QUESTIONS[0], 3)
             t0 = time.perf_counter()
@@ -129,19 +117,19 @@ def main() -> None:
             wall = time.perf_counter() - t0
             if server.proc.poll() is not None:
                 raise RuntimeError(
-                    f"the {policy} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
+                    f"the {order} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
                 )
         finally:
             server.close()
         answered = [r for r in rows if "error" not in r]
-        results[policy] = {
+        results[order] = {
             "wall_s": wall,
             "failed": [r for r in rows if "error" in r],
             "all": summary([r["ttft_s"] for r in answered]),
             **{kind: summary([r["ttft_s"] for r in answered if r["kind"] == kind]) for kind in ("chat", "rag")},
             "requests": answered,
         }
-        print(policy, json.dumps({k: v for k, v in results[policy].items() if k != "requests"}), flush=True)
+        print(order, json.dumps({k: v for k, v in results[order].items() if k != "requests"}), flush=True)
     args.out.write_text(json.dumps({"results": results, "command": sys.argv}, indent=1) + "\n")
 
 

@@ -48,9 +48,6 @@ def serve(
     ),
     max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
-    prefill_budget: Annotated[int, option(ServerConfig, "prefill_budget", min=0)] = default(
-        ServerConfig, "prefill_budget"
-    ),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
@@ -89,7 +86,6 @@ def serve(
             max_body_bytes=max_body_bytes,
             max_per_key=max_per_key,
             order=order.value,
-            prefill_budget=prefill_budget,
             history=history.value,
         )
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(

@@ -66,7 +66,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
-    skipped: int = 0  # times another waiting request was prefilled before it (read by `cache_aware`)
+    skipped: int = 0  # times another waiting request was prefilled before it (`cache_aware`)
     submitted: float = field(default_factory=time.perf_counter)
 
     def deliver(self, released: list[Step], answer: Answer | None) -> None:
@@ -90,16 +90,12 @@ class Scheduler:
         max_batch: int,
         metrics: ServerMetrics,
         order: Order = "fcfs",
-        prefill_budget: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
         if order not in ("fcfs", "cache_aware"):
             raise ValueError(f"order must be 'fcfs' or 'cache_aware', got {order!r}")
-        if prefill_budget < 0:
-            raise ValueError(f"prefill_budget must be >= 0, got {prefill_budget!r}")
         self.order = order
-        self.prefill_budget = prefill_budget
         self.generator = generator
         self.on_engine = on_engine  # fn(*args) on the engine's worker thread, awaited
         self.max_batch = max_batch
@@ -161,7 +157,8 @@ class Scheduler:
                         continue
                     self._wake.clear()
                     await self._wake.wait()
-                await self._admit()
+                if self.pending and len(self.decoding) < self.max_batch:
+                    await self._prefill(self._next())
                 self._keep(lambda job: not job.cancelled)
                 if self.decoding:
                     await self._step(self.decoding)
@@ -181,27 +178,12 @@ class Scheduler:
         else:
             self.metrics.background.labels("done").inc()
 
-    async def _admit(self) -> None:
-        """Prefill waiting requests while the batch has room: the next one (`_next`), then more while the tokens
-        they compute (`_work`) fit in `prefill_budget` together (0: one a tick)."""
-        spent = 0
-        while self.pending and len(self.decoding) < self.max_batch:
-            job = self._next()
-            work = self._work(job) if self.prefill_budget else 0
-            if spent and spent + work > self.prefill_budget:
-                return
-            spent += max(1, work)
-            await self._prefill(self._take(job))
-
     def _next(self) -> Job:
-        """The waiting request to prefill next, left in `pending` (see the module: `order`)."""
+        """The waiting request to prefill now, taken out of `pending` (see the module: `order`)."""
         if self.order == "fcfs" or len(self.pending) == 1:
-            return self.pending[0]
+            return self.pending.popleft()
         overdue = next((job for job in self.pending if job.skipped >= MAX_SKIPS), None)
-        return overdue or min(self.pending, key=self._work)  # min keeps the first, the oldest, among equals
-
-    def _take(self, job: Job) -> Job:
-        """`job` out of `pending`; every request left waiting was passed over once more."""
+        job = overdue or min(self.pending, key=self._work)  # min keeps the first, the oldest, among equals
         self.pending.remove(job)
         for other in self.pending:
             other.skipped += 1

@@ -52,12 +52,6 @@ class ServerConfig:
         "compute once cached conversations and chunks are read (cache_aware: lower median time to first token, a "
         "longer tail; a request passed over 16 times goes next).",
     )
-    prefill_budget: int = setting(
-        0,
-        "Tokens of prefill work (those computed once cached conversations and chunks are read) started in one "
-        "scheduler tick before the next batched decoding step; the next waiting request always starts. "
-        "0: one prefill a tick.",
-    )
     history: Literal["halve", "refuse"] = setting(
         "halve",
         "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
@@ -73,8 +67,7 @@ class ServerConfig:
             raise ConfigError(f"history must be 'halve' or 'refuse', got {self.history!r}")
         if not all(self.api_keys):
             raise ConfigError("api_keys must not be empty strings (give none for no authentication)")
-        names = ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key")
-        for name in (*names, "prefill_budget"):
-            least = 0 if name in ("max_queue", "max_per_key", "prefill_budget") else 1
+        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
+            least = 0 if name in ("max_queue", "max_per_key") else 1
             if getattr(self, name) < least:
                 raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
