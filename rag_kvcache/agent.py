@@ -94,6 +94,23 @@ class SharedPrompt:
                 row.close()
         return [Verdict(c, p >= check.threshold, p, len(ids)) for c, p in zip(self.chunks, p_yes)]
 
+    @torch.inference_mode()
+    def forced_logits(self, keep: Collection[int], answer_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing through the prompt with the chunks not in `keep` hidden: the next-token logits at every
+        position of `answer_ids` [T, V] (the question computed again over the kept chunks predicts the first; the
+        answer's tokens so far each next one), as `teacher_forced_logits` scores a fused prompt."""
+        if not answer_ids:
+            raise ValueError("teacher forcing needs at least one answer token, got none")
+        adapter = self.generator.adapter
+        keys, values = self._head_kv()
+        row = DecodePool().admit(keys, values, room=len(self.tail) + len(answer_ids), hidden=self.hidden(keep))
+        try:
+            logits = [adapter.extend_rows([self.tail], [row])]  # [1, V]
+            logits += [adapter.decode_rows([t], [row]) for t in answer_ids[:-1]]  # T-1 x [1, V]
+        finally:
+            row.close()
+        return torch.cat(logits).float()  # [T, V]
+
     def answer(
         self,
         keep: Collection[int],

@@ -68,6 +68,9 @@ def test_the_answer_with_hidden_chunks_is_the_model_with_an_attention_mask_over_
         tokens.append(token)
     assert answer.answer == generator.adapter.tokenizer.decode(tokens, skip_special_tokens=True).strip()
     assert answer.generated_tokens == len(tokens)
+    forced = prompt.forced_logits({0, 2}, tokens + [0])  # teacher forcing reads the same masked prompt
+    want = masked_forward(generator.adapter.model, ids + tokens, prompt.head, hidden)[len(ids) - 1 :]  # [T, V]
+    torch.testing.assert_close(forced, want.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_each_check_sees_its_chunk_alone_in_the_shared_prompt(generator, chunks):

@@ -27,7 +27,6 @@ from functools import partial
 from importlib.resources import files
 from pathlib import Path
 
-import torch
 from langchain_core.messages import HumanMessage
 from langchain_rag_kvcache import (
     ChatModelGrader,
@@ -43,7 +42,6 @@ from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSet
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
-from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.request import Options
 
@@ -163,14 +161,8 @@ def shared_fidelity(engine: Engine, question: str, ids: list[str], keep: list[in
     ref = teacher_forced_logits(
         adapter, reference.result.keys, reference.result.values, reference.result.logits, answer
     )  # [T, V]
-    prompt = SharedPrompt(generator, question, chunks, fusion)
-    keys = [k[:, : prompt.head] for k in prompt.fused.result.keys]  # L x [H_kv, head, D]
-    values = [v[:, : prompt.head] for v in prompt.fused.result.values]  # L x [H_kv, head, D]
-    row = DecodePool().admit(keys, values, room=len(prompt.tail) + len(answer), hidden=prompt.hidden(keep))
-    got = [adapter.extend_rows([prompt.tail], [row])[0]]  # [V]
-    got += [adapter.decode_rows([t], [row])[0] for t in answer[:-1]]  # T-1 x [V]
-    row.close()
-    scores = teacher_forced(ref.cpu().numpy(), torch.stack(got).float().cpu().numpy(), answer)
+    got = SharedPrompt(generator, question, chunks, fusion).forced_logits(keep, answer)  # [T, V]
+    scores = teacher_forced(ref.cpu().numpy(), got.cpu().numpy(), answer)
     return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
 
 
