@@ -57,9 +57,19 @@ class SharedPrompt:
         self.spans = [(end - len(s.ids), end) for s, end in zip(segments, ends) if s.label.startswith("chunk")]
         self.tail = segments[-1].ids  # the question: computed again when a chunk is hidden
         self.head = ends[-1] - len(self.tail)  # the prefix, the chunks and their separators
+        self._fits(ends[-1], "")
         t0 = time.perf_counter()
         self.fused = generator.fuse(segments, self.fusion)
         self.fuse_s = time.perf_counter() - t0
+
+    def _fits(self, n: int, then: str) -> None:
+        """Refuse `n` positions (`then`: what takes them past the prompt's) beyond the model's."""
+        limit = self.generator.layers.context_length
+        if n > limit:
+            raise PromptTooLongError(
+                f"the shared prompt has {self.head + len(self.tail)} tokens{then}: {n} positions, beyond the {limit} "
+                f"of model {self.generator.layers.name!r}; retrieve fewer chunks or shorten the question"
+            )
 
     def hidden(self, keep: Collection[int]) -> torch.Tensor:
         """The head's positions a prompt of the chunks `keep` (indices) alone would not have, bool [head]: the
@@ -84,6 +94,7 @@ class SharedPrompt:
         prompt: every chunk's check question computed in one batched forward, each row seeing its chunk alone."""
         fmt, adapter = self.generator.index.format, self.generator.adapter
         ids = fmt.question_ids(adapter.tokenizer, check.template.format(question=self.question))
+        self._fits(self.head + len(ids), f" and the check question {len(ids)} after its chunks")
         keys, values = self._head_kv()
         pool = DecodePool()
         rows = [pool.admit(keys, values, room=len(ids), hidden=self.hidden({i})) for i in range(len(self.chunks))]
@@ -122,12 +133,8 @@ class SharedPrompt:
         chunks, when one is hidden); the prompt's fusion was paid once, in `fuse_s`."""
         generator, result = self.generator, self.fused.result
         generation = generation or generator.index.config.query.generation
-        n_prompt, limit = self.head + len(self.tail), generator.layers.context_length
-        if n_prompt + generation.max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, "
-                f"beyond the {limit} positions of model {generator.layers.name!r}"
-            )
+        n = generation.max_new_tokens
+        self._fits(self.head + len(self.tail) + n, f" and up to {n} more may be generated")
         hidden = self.hidden(keep)
         t0 = time.perf_counter()
         decoder = Decoder(generator.adapter, generation)

@@ -10,6 +10,7 @@ import torch
 from test_faults import CFG, QUESTION, write_docs
 
 from rag_kvcache.agent import SharedPrompt
+from rag_kvcache.answers import PromptTooLongError
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.errors import RagKVCacheError
@@ -134,6 +135,10 @@ def test_bad_input_is_refused_with_the_value(generator, chunks):
         prompt.answer({0, 3}, SIX)
     with pytest.raises(RagKVCacheError, match="at least one chunk"):
         SharedPrompt(generator, QUESTION, [], FULL)
+    with pytest.raises(PromptTooLongError, match=r"beyond the 4096 of model 'tiny-llama'"):
+        SharedPrompt(generator, QUESTION, chunks[:1] * 200, FULL)  # refused before anything is fused
+    with pytest.raises(PromptTooLongError, match="and up to 5000 more may be generated"):
+        prompt.answer({0}, GenerationConfig(max_new_tokens=5000))
     keys = [torch.zeros(2, 5, 4)]
     with pytest.raises(ValueError, match="hidden must be a bool mask over the prompt's 5 positions"):
         DecodePool().admit(keys, keys, room=1, hidden=torch.zeros(4, dtype=torch.bool))

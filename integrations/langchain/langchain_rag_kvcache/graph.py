@@ -24,7 +24,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
-from rag_kvcache import Engine, FusionConfig
+from rag_kvcache import Engine, FusionConfig, RagKVCacheError
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.relevance import CHECK, RelevanceCheck
 
@@ -117,7 +117,7 @@ def create_shared_prompt_rag_graph(
         documents = state["documents"]
         missing = [d.page_content[:60] for d in documents if d.metadata.get(CHUNK_ID_KEY) is None]
         if missing:
-            raise ValueError(f"documents without a chunk id (not from RagKVCacheRetriever): {missing}")
+            raise RagKVCacheError(f"documents without a chunk id (not from RagKVCacheRetriever): {missing}")
 
         def fuse_and_check(question: str, ids: list[str]) -> tuple[SharedPrompt, list]:  # on the engine's thread
             prompt = SharedPrompt(engine.generator, question, engine.index.chunks.get(ids), fusion)

@@ -18,7 +18,7 @@ from langchain_rag_kvcache import (
     rag_message,
 )
 
-from rag_kvcache import Engine, FusionConfig
+from rag_kvcache import Engine, FusionConfig, RagKVCacheError
 
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
@@ -100,6 +100,20 @@ def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engi
     assert 0 < len(kept) < len(docs)
     assert [d.id for d in state["documents"]] == kept
     assert state["answer"].text == want
+
+
+@pytest.mark.smollm2
+def test_the_shared_prompt_graph_refuses_documents_without_a_chunk_id(demo_engine: Engine) -> None:
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
+
+    class Plain(BaseRetriever):  # documents from elsewhere: no cache to read
+        def _get_relevant_documents(self, query: str, *, run_manager) -> list[Document]:
+            return [Document("The harbour is called Saltmere.")]
+
+    with pytest.raises(RagKVCacheError, match="without a chunk id"):
+        create_shared_prompt_rag_graph(Plain(), demo_engine).invoke({"question": QUESTION})
 
 
 def test_without_langgraph_the_import_names_the_extra(monkeypatch) -> None:
