@@ -26,7 +26,7 @@ from langchain_core.runnables import Runnable
 
 from rag_kvcache import Engine, FusionConfig, RagKVCacheError
 from rag_kvcache.agent import SharedPrompt
-from rag_kvcache.relevance import CHECK, RelevanceCheck
+from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
 
 from .chains import rag_message
 from .chat_models import CHUNK_ID_KEY, answer_metadata
@@ -119,7 +119,7 @@ def create_shared_prompt_rag_graph(
         if missing:
             raise RagKVCacheError(f"documents without a chunk id (not from RagKVCacheRetriever): {missing}")
 
-        def fuse_and_check(question: str, ids: list[str]) -> tuple[SharedPrompt, list]:  # on the engine's thread
+        def fuse_and_check(question: str, ids: list[str]) -> tuple[SharedPrompt, list[Verdict]]:  # engine thread
             prompt = SharedPrompt(engine.generator, question, engine.index.chunks.get(ids), fusion)
             return prompt, prompt.check(check)
 
