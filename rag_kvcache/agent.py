@@ -149,10 +149,4 @@ class SharedPrompt:
         ttft = time.perf_counter() - t0
         stats = replace(self.fused, result=replace(result, keys=[], values=[], logits=logits))
         live = Generation(decoder, first, self.fusion.method, stats, t0, ttft, (), "")  # no ids: nothing remembered
-
-        def steps():
-            for step in decoder.run(first):
-                yield step.text
-            yield generator.finish(live)
-
-        return collect_answer(steps(), on_text)
+        return collect_answer(generator.run(live), on_text)

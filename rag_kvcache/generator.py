@@ -241,7 +241,10 @@ class FusedGenerator:
     ) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are generated, then the `Answer` with its numbers
         (its `answer` field empty: the text is what was streamed)."""
-        live = self.start(segments, fusion, generation)
+        yield from self.run(self.start(segments, fusion, generation))
+
+    def run(self, live: Generation) -> Iterator[str | Answer]:
+        """Decode a started generation alone: its text pieces, then its `Answer` (`finish`)."""
         for step in live.decoder.run(live.first_token):
             yield step.text
         yield self.finish(live)

@@ -27,6 +27,7 @@ from functools import partial
 from importlib.resources import files
 from pathlib import Path
 
+import torch
 from langchain_core.messages import HumanMessage
 from langchain_rag_kvcache import (
     ChatModelGrader,
@@ -43,6 +44,8 @@ from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
 from rag_kvcache.engine.generation import teacher_forced_logits
+from rag_kvcache.engine.prompt import Segment
+from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.request import Options
 
 QUESTIONS = (
@@ -129,41 +132,44 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
 
 
+def full_reference(generator: FusedGenerator, segments: list[Segment]) -> tuple[list[int], torch.Tensor | None]:
+    """`full`'s greedy answer over the prompt (at most `MAX_TOKENS`) and its teacher-forced logits there [T, V]
+    (no answer: `[]`, None)."""
+    reference = generator.fuse(segments, FULL)
+    answer = greedy_answer_ids(generator.adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
+    if not answer:
+        return [], None
+    r = reference.result
+    return answer, teacher_forced_logits(generator.adapter, r.keys, r.values, r.logits, answer)
+
+
+def scored(reference: torch.Tensor, got: torch.Tensor, answer: list[int]) -> dict:
+    scores = teacher_forced(reference.cpu().numpy(), got.cpu().numpy(), answer)
+    return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
+
+
 def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill, greedy) forced through the cached run's fused prompt."""
-    generator, adapter = engine.generator, engine.generator.adapter
+    generator = engine.generator
     segments = _prompt(generator, messages, Options(fusion=fusion)).segments
-    reference = generator.fuse(segments, FULL)
-    answer = greedy_answer_ids(adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
-    if not answer:
+    answer, ref = full_reference(generator, segments)
+    if ref is None:
         return {}
     fused = generator.fuse(segments, fusion).result
-    ref, got = (
-        teacher_forced_logits(adapter, r.keys, r.values, r.logits, answer).cpu().numpy()
-        for r in (reference.result, fused)
-    )  # [T, V] x 2
-    scores = teacher_forced(ref, got, answer)
-    return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
+    return scored(ref, teacher_forced_logits(generator.adapter, fused.keys, fused.values, fused.logits, answer), answer)
 
 
 def shared_fidelity(engine: Engine, question: str, ids: list[str], keep: list[int], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill of the kept documents, greedy) forced through the shared prompt with
     the others hidden: the question computed again over the kept chunks, then the answer a token at a time (on
     the engine's thread)."""
-    generator, adapter = engine.generator, engine.generator.adapter
+    generator, fmt = engine.generator, engine.generator.index.format
     chunks = generator.index.chunks.get(ids)
-    fmt = generator.index.format
-    kept = fmt.segments([chunks[i].token_ids for i in keep], fmt.question_ids(adapter.tokenizer, question))
-    reference = generator.fuse(kept, FULL)
-    answer = greedy_answer_ids(adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
-    if not answer:
+    kept = fmt.segments([chunks[i].token_ids for i in keep], fmt.question_ids(generator.adapter.tokenizer, question))
+    answer, ref = full_reference(generator, kept)
+    if ref is None:
         return {}
-    ref = teacher_forced_logits(
-        adapter, reference.result.keys, reference.result.values, reference.result.logits, answer
-    )  # [T, V]
-    got = SharedPrompt(generator, question, chunks, fusion).forced_logits(keep, answer)  # [T, V]
-    scores = teacher_forced(ref.cpu().numpy(), got.cpu().numpy(), answer)
-    return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
+    return scored(ref, SharedPrompt(generator, question, chunks, fusion).forced_logits(keep, answer), answer)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ INDEX: the index `agentic.py` builds (the demo documents, 128-token chunks, the 
 of `agentic.py`'s 8 questions, its top-4 chunks are fused once into a shared prompt (`SharedPrompt`, the index's
 default fusion); for every set of 2 or 3 of them kept (10 a question, 80 in all):
 
-- the reference: `full` over the kept chunks' own prompt, and its greedy answer (32 tokens at most);
+- the reference: `full` over the kept chunks' own prompt, and its greedy answer (`agentic.MAX_TOKENS`, 32, at most);
 - *rebuilt*: the kept chunks' prompt fused again by the default method (what the graph's generate step does today);
 - *masked*: the shared prompt with the other chunks hidden, only the question computed again.
 
@@ -25,17 +25,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from agentic import QUESTIONS
+from agentic import QUESTIONS, full_reference, scored
 
-from rag_kvcache import FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache import GenerationConfig, KVIndex
 from rag_kvcache.agent import SharedPrompt
-from rag_kvcache.bench.fidelity import greedy_answer_ids
-from rag_kvcache.bench.metrics import bootstrap_ci, teacher_forced
+from rag_kvcache.bench.metrics import bootstrap_ci
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.generator import FusedGenerator, collect_answer
 
-FULL = FusionConfig(method="full")
-ANSWER, FIRST = GenerationConfig(max_new_tokens=32), GenerationConfig(max_new_tokens=1)
+FIRST = GenerationConfig(max_new_tokens=1)
 TOP_K = 4
 
 
@@ -50,11 +48,9 @@ def main() -> None:
         prompt = SharedPrompt(generator, question, chunks, fusion)
         for keep in (k for n in (2, 3) for k in itertools.combinations(range(TOP_K), n)):
             segments = fmt.segments([chunks[i].token_ids for i in keep], fmt.question_ids(tokenizer, question))
-            reference = generator.fuse(segments, FULL).result
-            answer = greedy_answer_ids(index.adapter, generator.fuse(segments, FULL), ANSWER)
-            if not answer:
+            answer, ref = full_reference(generator, segments)
+            if ref is None:
                 continue
-            ref = teacher_forced_logits(index.adapter, reference.keys, reference.values, reference.logits, answer)
             rebuilt = generator.fuse(segments, fusion).result
             forced = {
                 "rebuilt": teacher_forced_logits(index.adapter, rebuilt.keys, rebuilt.values, rebuilt.logits, answer),
@@ -62,8 +58,7 @@ def main() -> None:
             }  # [T, V] each
             row = {"question": question, "keep": keep, "answer_tokens": len(answer), "fuse_all_s": prompt.fuse_s}
             for name, logits in forced.items():
-                scores = teacher_forced(ref.cpu().numpy(), logits.cpu().numpy(), answer)
-                row |= {f"{name}_tf_kl": scores["tf_kl"], f"{name}_tf_top1": scores["tf_top1"]}
+                row |= {f"{name}_{k}": v for k, v in scored(ref, logits, answer).items()}
             row["rebuilt_ttft_s"] = collect_answer(generator.stream(segments, fusion, FIRST), None).ttft_s
             row["masked_ttft_s"] = prompt.answer(keep, FIRST).ttft_s
             rows.append(row)
