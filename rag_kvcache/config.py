@@ -26,7 +26,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 Deviation = Literal["k", "v"]
-ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours", "grouped", "chained"]
+ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours", "grouped"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
 DType = Literal["float32", "float16", "bfloat16"]

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from rich.filesize import decimal
 from tqdm.auto import tqdm
 
@@ -56,22 +55,14 @@ from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
 from ..engine.model import ModelSpec
 from ..engine.prompt import PromptFormat
-from ..errors import ConfigError, StorageFullError
+from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
 from ..store.addressing import CacheAddressing
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
-from .grouping import earlier_neighbours, similar_groups
-from .precompute import (
-    WriteBehind,
-    compute_behind_cached,
-    compute_caches,
-    compute_grouped,
-    cut_group,
-    group_sequence,
-    pack_tokens,
-)
+from .grouping import similar_groups
+from .precompute import WriteBehind, compute_behind_cached, compute_caches, compute_grouped, pack_tokens
 
 if TYPE_CHECKING:
     from .cluster import RayWorkers
@@ -118,14 +109,8 @@ class CacheMaker:
 
     @property
     def grouped(self) -> bool:
-        """Whether each chunk's one cache is computed behind the chunks before it in its group of similar chunks
-        (`grouped`; `chained`: and behind the cached K/V of similar chunks computed before the group)."""
-        return self.config.index.chunk_prefill in ("grouped", "chained")
-
-    @property
-    def separator_cached(self) -> bool:
-        """Whether the separator's cache behind the prefix is stored, to lay cached contexts out with."""
-        return self.config.index.chunk_prefill in ("cached_neighbours", "chained") and bool(self.format.separator_ids)
+        """Whether each chunk's one cache is computed behind the chunks before it in its group of similar chunks."""
+        return self.config.index.chunk_prefill == "grouped"
 
     def live_keys(self) -> Table:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
@@ -133,7 +118,7 @@ class CacheMaker:
         number of its recorded neighbours."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         live: Table = {self.addressing.key(prefix, ()): (prefix, ())}
-        if self.separator_cached:
+        if self.config.index.chunk_prefill == "cached_neighbours" and sep:
             live[self.addressing.key(sep, prefix)] = (sep, prefix)
         for ids in self.chunks.token_ids():
             own = self.addressing.own_context(ids)
@@ -190,12 +175,6 @@ class CacheMaker:
         document, or one a killed run computed) is not computed again; a recorded one whose cache is missing
         is grouped again. With Ray `workers`, the groups are computed on the cluster, in the packs this process
         would prefill, and each cache is checked to be in this index's store before this returns."""
-        chained = self.config.index.chunk_prefill == "chained"
-        if chained and workers is not None:
-            raise ConfigError(
-                "chunk_prefill='chained' computes each group behind the caches of groups computed before it, in "
-                "order, so it cannot be dealt to Ray workers; index with chunk_prefill='grouped' on a cluster"
-            )
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         key, own_key = self.addressing.key, self.addressing.own_key
         table, todo, rows, seen = self._neighbours, [], [], set()
@@ -214,15 +193,10 @@ class CacheMaker:
             self.store.put(key(prefix, ()), ChunkKV(*past, 0))
         if not todo:
             return 0
-        found = similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)
-        groups = [[todo[i] for i in g] for g in found]
-        before = [  # chained: each group's context, similar chunks of the groups before it, most similar first
-            [todo[i] for i in near]
-            for near in earlier_neighbours(embeddings[rows], found, self.config.index.context_chunks if chained else 0)
-        ]
-        for group, context in zip(groups, before):
-            for k, ids in enumerate(group):  # nearest first: the group's chunks before it, then its context
-                table[self.addressing.neighbour_key(ids)] = [list(n) for n in (*reversed(group[:k]), *context)]
+        groups = [[todo[i] for i in g] for g in similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)]
+        for group in groups:
+            for k, ids in enumerate(group):
+                table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
         contexts = {ids: self.addressing.own_context(ids) for ids in todo}  # behind its group, now recorded
         keys = {ids: key(ids, context) for ids, context in contexts.items()}
         self._record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
@@ -234,40 +208,11 @@ class CacheMaker:
         self._announce(todo, f" in {len(groups)} groups of similar chunks")
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute, grouped", disable=not progress)
         with WriteBehind(self.store) as writer:
-            made = (
-                self._chained(groups, before, past, writer)
-                if chained
-                else compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config))
-            )
-            for ids, kv in made:
+            for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
                 writer.put(keys[ids], kv)
                 bar.update(len(ids))
         bar.close()
         return len(todo)
-
-    def _chained(
-        self,
-        groups: Sequence[Sequence[tuple[int, ...]]],
-        contexts: Sequence[Sequence[tuple[int, ...]]],
-        past: tuple[list[torch.Tensor], list[torch.Tensor]],
-        writer: WriteBehind,
-    ) -> Iterator[tuple[tuple[int, ...], ChunkKV]]:
-        """`chunk_prefill="chained"`: each group prefilled as one sequence behind the prefix and its context's
-        stored caches (`cached_context`: what a prompt reads for them, re-rotated into place), each chunk's cache
-        cut from it; a group without a context behind the prefix (`past`) alone. Yields each chunk's ids and
-        cache, a group at a time: the caller stores them, and a later group's context is read back from the
-        store once written (`writer.written`)."""
-        sep = self.format.separator_ids
-        self._store_separator()
-        for group, context in zip(groups, contexts):
-            if not context:
-                yield from compute_grouped(self.adapter, [group], past, sep, pack_tokens(self.config))
-                continue
-            writer.written({self.addressing.own_key(ids) for ids in context})
-            sequence = group_sequence(group, sep)
-            yield from cut_group(
-                group, sep, compute_behind_cached(self.adapter, sequence, self.cached_context(context), sep)
-            )
 
     def _check_stored(self, keys: Mapping[tuple[int, ...], str]) -> None:
         """Every chunk cache the Ray workers were given (chunk ids -> store key) is in this index's store, or
@@ -316,8 +261,14 @@ class CacheMaker:
         whole cache entries and the old table: the next run finds the same neighbours and skips the
         caches already stored."""
         table, key = self._neighbours, self.addressing.key
-        if chunks:
-            self._store_separator()
+        sep, prefix = self.format.separator_ids, self.format.prefix_ids
+        if (
+            chunks
+            and self.config.index.chunk_prefill == "cached_neighbours"
+            and sep
+            and key(sep, prefix) not in self.store
+        ):
+            self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
         done = 0
         for chunk in chunks:
@@ -333,13 +284,6 @@ class CacheMaker:
         bar.close()
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         return done
-
-    def _store_separator(self) -> None:
-        """Store the separator's cache behind the prefix, read between the chunks of a cached context, if this
-        index lays cached contexts out and it is not stored yet."""
-        prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        if self.separator_cached and self.addressing.key(sep, prefix) not in self.store:
-            self.store.put(self.addressing.key(sep, prefix), next(self.compute([sep], prefix))[1])
 
     # ---- making one cache -----------------------------------------------------------------------------
     def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
@@ -359,20 +303,14 @@ class CacheMaker:
         computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
         cache, the separator's behind-prefix cache between them; the last separator computed with the
         chunk), else behind the context's recomputed text."""
-        if self.config.index.chunk_prefill not in ("cached_neighbours", "chained"):
+        if self.config.index.chunk_prefill != "cached_neighbours":
             return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
-        return compute_behind_cached(self.adapter, ids, self.cached_context(near), self.format.separator_ids)
-
-    def cached_context(self, near: Sequence[Sequence[int]]) -> list[LayerSource]:
-        """The stored caches a context of chunks `near` (most similar first, laid out most similar last, as
-        `addressing.neighbour_context` lays them) is read from: the prefix's, each chunk's own cache, the
-        separator's behind the prefix between two (the separator after the last is computed with what follows)."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         between = [self.cached(sep, prefix)] if sep else []
         sources = [self.cached(prefix, ())]
         for i, n in enumerate(reversed(near)):
-            sources += [*(between if i else []), self.cached(tuple(n), self.addressing.own_context(n))]
-        return sources
+            sources += [*(between if i else []), self.cached(tuple(n), prefix)]
+        return compute_behind_cached(self.adapter, ids, sources, sep)
 
     def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
         """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
@@ -86,26 +86,19 @@ def compute_grouped(
     sequences = [group_sequence(g, separator) for g in groups]
     for pack in token_packs(sequences, max_tokens):
         for g, (keys, values) in zip(pack, adapter.prefill_packed([sequences[g] for g in pack], past)):
-            yield from cut_group(groups[g], separator, ChunkKV(keys, values, p))
-
-
-def cut_group(
-    group: Sequence[tuple[int, ...]], separator: tuple[int, ...], kv: ChunkKV
-) -> Iterator[tuple[tuple[int, ...], ChunkKV]]:
-    """Each chunk of `group` and its cache, cut from `kv`: the K/V of the group's sequence (`group_sequence`)."""
-    start = 0  # where the chunk starts in its group's sequence
-    for k, ids in enumerate(group):
-        start += len(separator) if k else 0
-        cut = slice(start, start + len(ids))
-        yield (
-            ids,
-            ChunkKV(
-                [x[:, cut].contiguous() for x in kv.keys],  # L x [H_kv, T, D]
-                [x[:, cut].contiguous() for x in kv.values],  # L x [H_kv, T, D]
-                kv.position + start,
-            ),
-        )
-        start += len(ids)
+            start = 0  # where the chunk starts in its group's sequence
+            for k, ids in enumerate(groups[g]):
+                start += len(separator) if k else 0
+                cut = slice(start, start + len(ids))
+                yield (
+                    ids,
+                    ChunkKV(
+                        [x[:, cut].contiguous() for x in keys],  # L x [H_kv, T, D]
+                        [x[:, cut].contiguous() for x in values],  # L x [H_kv, T, D]
+                        p + start,
+                    ),
+                )
+                start += len(ids)
 
 
 def cached_context(
@@ -188,21 +181,16 @@ class WriteBehind:
         self.store = store
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
-        self._pending: deque[tuple[str, Future[None]]] = deque()
+        self._pending: deque[Future[None]] = deque()
 
     def put(self, key: str, kv: ChunkKV) -> None:
         while len(self._pending) >= self.depth:
-            self._pending.popleft()[1].result()
-        self._pending.append((key, self._pool.submit(self.store.put, key, kv)))
-
-    def written(self, keys: Collection[str]) -> None:
-        """Wait until every pending write of one of `keys` is done (and those queued before it)."""
-        while any(key in keys for key, _ in self._pending):
-            self._pending.popleft()[1].result()
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self.store.put, key, kv))
 
     def flush(self) -> None:
         while self._pending:
-            self._pending.popleft()[1].result()
+            self._pending.popleft().result()
 
     def close(self) -> None:
         try:
