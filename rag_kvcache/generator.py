@@ -19,8 +19,9 @@ from dataclasses import replace
 from .answers import Answer, Fused, Generation, PromptTooLongError, RetrievedChunk
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
+from .engine.cache import resident
 from .engine.decoding import DecodePool
-from .engine.fusion import DirectReader, FusionInput
+from .engine.fusion import DirectReader, FusionInput, LayerReader, WholeReader
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
 from .engine.model import ModelAdapter
@@ -387,7 +388,10 @@ class FusedGenerator:
         with clock.stage("layout"):
             placement = inp.placement(self.layers)
         if caches is None or depth == 0 or self.layers.graphs is not None:  # graphs: read at once, not ahead
-            reader = DirectReader(inp.sources, placement, self.buffers)
+            reader: LayerReader = DirectReader(inp.sources, placement, self.buffers)
+            result = method(self.layers, inp, fusion, clock, reader)
+        elif all(map(resident, inp.sources)):  # in memory: nothing to read ahead of the compute
+            reader = WholeReader(inp.sources, placement, self.layers.layout.n_layers, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
         else:
             with LayerFeed(inp.sources, placement, self.layers.layout.n_layers, depth, self.buffers) as feed:

@@ -167,7 +167,7 @@ class _Slow:
 def _layout(kv: ChunkKV, after: int) -> KVPlacement:
     """Where a prompt of `kv`'s tokens (at their cached positions) and `after` uncached ones puts the cache."""
     h_kv, n, d = kv.keys[0].shape
-    return KVPlacement((2, h_kv, n + after, d), kv.keys[0].dtype, torch.arange(n), ((0, 0, n),))
+    return KVPlacement((2, h_kv, n + after, d), kv.keys[0].dtype, torch.arange(n), ((0, 0, n),), (0,))
 
 
 def test_feed_reads_ahead_in_order_and_stops_when_closed():
@@ -244,3 +244,61 @@ def test_counters_taken_while_a_reader_counts_lose_nothing(tmp_path):
 def test_a_memory_tier_is_pinned_only_in_host_memory():
     with pytest.raises(ValueError, match="pinned memory tier holds host memory, not meta"):
         MemoryTier(1 << 20, "lru", "meta", pinned=True)
+
+
+@pytest.mark.parametrize("method", ["reuse", "cacheblend"])
+def test_assembling_every_layer_at_once_fuses_like_reading_each_layer(tiny, method):
+    """`WholeReader` (caches in memory: every layer placed at once, the moved keys rotated per run of
+    segments) gives the fusion the K/V `DirectReader` gives it layer by layer, bit for bit: over a stacked
+    cache, a slice of one and a cache of separate layers, each moved from where it was computed."""
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.engine.cache import SliceKV, all_layers, resident
+    from rag_kvcache.engine.fusion import DirectReader, WholeReader
+    from rag_kvcache.engine.methods import get_method
+    from rag_kvcache.engine.prompt import Segment
+
+    g = torch.Generator().manual_seed(2)
+    chunks = [tuple(torch.randint(1000, 2000, (n,), generator=g).tolist()) for n in (12, 9, 15)]
+    caches = []
+    for c in chunks:
+        keys, values, _ = tiny.prefill(torch.tensor([c]))
+        caches.append(ChunkKV.stack([k[0] for k in keys], [v[0] for v in values], 0))
+    plain = ChunkKV([k.clone() for k in caches[1].keys], [v.clone() for v in caches[1].values], 0)
+    part = SliceKV(caches[2], 3, 11)  # a run of the third chunk's tokens
+    sources = [caches[0], plain, part, None]
+    segments = [
+        Segment(chunks[0], cacheable=True, label="c0"),
+        Segment(chunks[1], cacheable=True, label="c1"),
+        Segment(chunks[2][3:11], cacheable=True, label="c2", whole=chunks[2], offset=3),
+        Segment((2054, 2003, 1029), cacheable=False, label="question"),
+    ]
+    assert all(map(resident, sources))
+    assert all_layers(caches[0]).data_ptr() == caches[0].keys[0].data_ptr()  # a view, not a copy
+    torch.testing.assert_close(all_layers(part)[:, 0], torch.stack([k[:, 3:11] for k in caches[2].keys]))
+    inp = FusionInput.build(segments, sources, [()] * 4)
+    placement = inp.placement(tiny)
+    assert placement.cos is not None  # the segments after the first are moved
+    cfg = FusionConfig(ratio=0.3)
+    direct = get_method(method)(tiny, inp, cfg, reader=DirectReader(inp.sources, placement))
+    whole = get_method(method)(tiny, inp, cfg, reader=WholeReader(inp.sources, placement, tiny.layout.n_layers))
+    torch.testing.assert_close(direct.logits, whole.logits, atol=0, rtol=0)
+    for a, b in zip(direct.keys + direct.values, whole.keys + whole.values):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_cache_read_whole_is_held_in_memory_stacked(tmp_path):
+    """An entry read whole enters the memory tier as one stacked tensor, so a prompt over it is assembled
+    with one copy a cache (`cache.all_layers` is a view); its layers are the stored ones."""
+    from rag_kvcache.engine.cache import all_layers
+
+    store = KVStore(tmp_path, "none", StorageConfig())
+    kv = make_kv()
+    store.put(KEYS[0], kv)
+    entry = store.open(KEYS[0])
+    assert isinstance(entry, Entry)
+    for i in range(entry.n_layers):
+        entry.layer(i)
+    held = store.open(KEYS[0])
+    assert isinstance(held, ChunkKV) and held.stacked is not None
+    assert all_layers(held).data_ptr() == held.keys[0].data_ptr()
+    torch.testing.assert_close(all_layers(held), all_layers(kv), atol=0, rtol=0)

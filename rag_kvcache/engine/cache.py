@@ -8,7 +8,7 @@ mean of one chunk's caches computed behind different contexts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
@@ -21,11 +21,20 @@ LayerKV = list[tuple[torch.Tensor, torch.Tensor] | None]  # per segment: keys, v
 
 @dataclass(frozen=True)
 class ChunkKV:
-    """One chunk's cache: per-layer keys/values [H_kv, T, D], computed at positions position..position+T-1."""
+    """One chunk's cache: per-layer keys/values [H_kv, T, D], computed at positions position..position+T-1;
+    `stacked`, when they are views of one [L, 2, H_kv, T, D] tensor (`ChunkKV.stack`), that tensor."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     position: int
+    stacked: torch.Tensor | None = field(default=None, compare=False)
+
+    @classmethod
+    def stack(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], position: int) -> ChunkKV:
+        """The cache of these layers held as one tensor (copied once), its layers views of it: read whole
+        by `all_layers` without a copy, as a memory tier's entries are."""
+        whole = torch.stack([torch.stack(kv) for kv in zip(keys, values)])  # [L, 2, H_kv, T, D]
+        return cls(list(whole[:, 0].unbind(0)), list(whole[:, 1].unbind(0)), position, whole)
 
     @property
     def n_tokens(self) -> int:
@@ -104,6 +113,25 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
         return packed[views[id(t)] : views[id(t)] + t.numel()].view(t.shape)  # [H_kv, T, D]
 
     return [None if kv is None else (placed(kv[0]), placed(kv[1])) for kv in layers]
+
+
+def all_layers(source: LayerSource) -> torch.Tensor:
+    """Every layer of `source` as one tensor [L, 2, H_kv, T, D]: a view of a stacked `ChunkKV` (a slice's
+    tokens of one), else its layers stacked (one copy)."""
+    if isinstance(source, ChunkKV) and source.stacked is not None:
+        return source.stacked
+    if isinstance(source, SliceKV) and isinstance(source.source, ChunkKV) and source.source.stacked is not None:
+        return source.source.stacked[..., source.start : source.stop, :]  # [L, 2, H_kv, T', D]
+    return torch.stack([torch.stack(source.layer(i)) for i in range(source.n_layers)])  # [L, 2, H_kv, T, D]
+
+
+def resident(source: LayerSource | None) -> bool:
+    """Whether reading `source` is copying memory (a `ChunkKV`, or a slice of one): nothing to read ahead."""
+    return (
+        source is None
+        or isinstance(source, ChunkKV)
+        or (isinstance(source, SliceKV) and isinstance(source.source, ChunkKV))
+    )
 
 
 def pack_layers(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .buffers import KVBufferPool
-from .cache import LayerSource, pack_layer, pack_layers
+from .cache import LayerSource, all_layers, pack_layer, pack_layers
 from .graphs import LayerGraphs, Pick, StepInput, settled_layers
 from .model import KVLayout
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
@@ -167,15 +167,16 @@ class FusionInput:
             else:
                 runs.append((p.start, offsets[-1], len(p.segment.ids)))
             offsets.append(offsets[-1] + len(p.segment.ids))
+        starts = tuple(p.start for p in cached)
         moved = [i for i, p in enumerate(cached) if p.start != p.kv.position]
         if not moved:
-            return KVPlacement(shape, adapter.dtype, positions, tuple(runs))
+            return KVPlacement(shape, adapter.dtype, positions, tuple(runs), starts)
         start, end = offsets[moved[0]], offsets[moved[-1] + 1]
         delta = np.zeros(end - start, np.int64)  # [M], zero for the segments in the span that stay
         for i in moved:
             delta[offsets[i] - start : offsets[i + 1] - start] = cached[i].start - cached[i].kv.position
         turn = rotation(torch.from_numpy(delta), adapter.inv_freq.to(device))  # cos, sin [M, D]
-        return KVPlacement(shape, adapter.dtype, positions, tuple(runs), start, end, *turn)
+        return KVPlacement(shape, adapter.dtype, positions, tuple(runs), starts, start, end, *turn)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class KVPlacement:
     dtype: torch.dtype
     positions: torch.Tensor  # [C], prompt position of each packed token
     runs: tuple[tuple[int, int, int], ...]  # (prompt start, pack start, length) of each run of cached tokens
+    starts: tuple[int, ...]  # prompt start of each cached segment, in pack order
     turn_start: int = 0
     turn_end: int = 0
     cos: torch.Tensor | None = None  # [M, D], M = turn_end - turn_start
@@ -215,6 +217,24 @@ class KVPlacement:
             return kv.index_copy_(-2, self.positions, packed.to(kv.dtype))  # [..., 2, H_kv, N, D]
         for start, at, n in self.runs:
             kv[..., start : start + n, :] = packed[..., at : at + n, :]  # [..., 2, H_kv, n, D]
+        return kv
+
+    def place_whole(self, sources: Sequence[torch.Tensor], kv: torch.Tensor) -> torch.Tensor:
+        """`place` for every layer at once, without a pack: each cached segment's layers `sources` [L, 2, H_kv,
+        T_i, D] (in pack order, `cache.all_layers`) copied straight to its prompt positions in kv [L, 2, H_kv, N,
+        D], then the moved keys rotated there, one call a run of adjacent segments; returns kv. A copy and a
+        rotation a segment per prompt, whatever the number of layers."""
+        for start, layers in zip(self.starts, sources):
+            kv[..., start : start + layers.shape[-2], :] = layers  # [L, 2, H_kv, T_i, D]
+        cos, sin = self.cos, self.sin  # [M, D] each
+        if cos is None or sin is None:
+            return kv
+        for start, at, n in self.runs:
+            lo, hi = max(at, self.turn_start), min(at + n, self.turn_end)  # the run's moved part, pack coordinates
+            if lo < hi:
+                span = kv[:, 0, :, start + lo - at : start + hi - at]  # [L, H_kv, hi - lo, D]
+                turn = slice(lo - self.turn_start, hi - self.turn_start)
+                rotate_keys(span, cos[turn], sin[turn], out=span)
         return kv
 
 
@@ -242,6 +262,35 @@ class DirectReader:
 
     def fill(self, layers: range, out: torch.Tensor) -> None:
         self.placement.place(pack_layers(self.sources, layers, self.placement.positions.device), out)
+
+
+@dataclass
+class WholeReader:
+    """Assembles every layer of the prompt at once, at the first `get`, in the caller's thread
+    (`KVPlacement.place_whole`): for caches already in memory (`cache.resident`), where a read is a copy and
+    a reader thread would only contend with the fusion for the cores. One [L, 2, H_kv, N, D] buffer from
+    `pool`; `get(layer)` is a view of it."""
+
+    sources: Sequence[LayerSource | None]
+    placement: KVPlacement
+    n_layers: int
+    pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
+    _kv: torch.Tensor | None = None
+
+    def get(self, layer: int) -> torch.Tensor:
+        return self.whole()[layer]  # [2, H_kv, N, D]
+
+    def fill(self, layers: range, out: torch.Tensor) -> None:
+        out.copy_(self.whole()[layers.start : layers.stop])  # [L', 2, H_kv, N, D]
+
+    def whole(self) -> torch.Tensor:
+        """Every layer's K/V [L, 2, H_kv, N, D], assembled at the first call."""
+        if self._kv is None:
+            device = self.placement.positions.device
+            kv = self.pool.take((self.n_layers, *self.placement.shape), self.placement.dtype, device)
+            cached = [all_layers(s).to(device) for s in self.sources if s is not None]  # [L, 2, H_kv, T_i, D]
+            self._kv = self.placement.place_whole(cached, kv)  # [L, 2, H_kv, N, D]
+        return self._kv
 
 
 @dataclass

@@ -310,7 +310,7 @@ class Entry:
         self._loaded[i] = kv
         if len(self._loaded) == self.n_layers:
             keys, values = zip(*(self._loaded[j] for j in range(self.n_layers)))
-            self._tier.on_loaded(self.key, ChunkKV(list(keys), list(values), self.position))
+            self._tier.on_loaded(self.key, ChunkKV.stack(keys, values, self.position))
         return kv
 
 
