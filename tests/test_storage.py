@@ -262,7 +262,8 @@ def test_assembling_every_layer_at_once_fuses_like_reading_each_layer(tiny, meth
     caches = []
     for c in chunks:
         keys, values, _ = tiny.prefill(torch.tensor([c]))
-        caches.append(ChunkKV.stack([k[0] for k in keys], [v[0] for v in values], 0))
+        whole = torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(keys, values)])  # [L, 2, H_kv, T, D]
+        caches.append(ChunkKV.viewing(whole, 0))
     plain = ChunkKV([k.clone() for k in caches[1].keys], [v.clone() for v in caches[1].values], 0)
     part = SliceKV(caches[2], 3, 11)  # a run of the third chunk's tokens
     sources = [caches[0], plain, part, None]
@@ -286,19 +287,22 @@ def test_assembling_every_layer_at_once_fuses_like_reading_each_layer(tiny, meth
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_a_cache_read_whole_is_held_in_memory_stacked(tmp_path):
-    """An entry read whole enters the memory tier as one stacked tensor, so a prompt over it is assembled
-    with one copy a cache (`cache.all_layers` is a view); its layers are the stored ones."""
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_a_cache_read_whole_is_held_in_memory_stacked(tmp_path, codec):
+    """An entry read whole enters the memory tier as one stacked tensor, decoded into it layer by layer (no
+    copy when the last layer is read), so a prompt over it is assembled with one copy a cache
+    (`cache.all_layers` is a view); its layers are what reading the entry without a memory tier decodes."""
     from rag_kvcache.engine.cache import all_layers
 
-    store = KVStore(tmp_path, "none", StorageConfig())
-    kv = make_kv()
-    store.put(KEYS[0], kv)
+    store = KVStore(tmp_path, codec, StorageConfig())
+    store.put(KEYS[0], make_kv())
     entry = store.open(KEYS[0])
     assert isinstance(entry, Entry)
-    for i in range(entry.n_layers):
-        entry.layer(i)
+    read = [entry.layer(i) for i in range(entry.n_layers)]
     held = store.open(KEYS[0])
     assert isinstance(held, ChunkKV) and held.stacked is not None
-    assert all_layers(held).data_ptr() == held.keys[0].data_ptr()
-    torch.testing.assert_close(all_layers(held), all_layers(kv), atol=0, rtol=0)
+    assert all_layers(held).data_ptr() == held.keys[0].data_ptr() == read[0][0].data_ptr()
+    plain = KVStore(tmp_path, codec, StorageConfig(memory_bytes=0)).open(KEYS[0])  # no tier to promote to
+    assert isinstance(plain, Entry)
+    for i, (k, v) in enumerate(read):
+        torch.testing.assert_close(torch.stack([k, v]), torch.stack(plain.layer(i)), atol=0, rtol=0)

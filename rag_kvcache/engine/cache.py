@@ -22,7 +22,7 @@ LayerKV = list[tuple[torch.Tensor, torch.Tensor] | None]  # per segment: keys, v
 @dataclass(frozen=True)
 class ChunkKV:
     """One chunk's cache: per-layer keys/values [H_kv, T, D], computed at positions position..position+T-1;
-    `stacked`, when they are views of one [L, 2, H_kv, T, D] tensor (`ChunkKV.stack`), that tensor."""
+    `stacked`, when they are views of one [L, 2, H_kv, T, D] tensor (`ChunkKV.viewing`), that tensor."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -30,10 +30,9 @@ class ChunkKV:
     stacked: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
-    def stack(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], position: int) -> ChunkKV:
-        """The cache of these layers held as one tensor (copied once), its layers views of it: read whole
-        by `all_layers` without a copy, as a memory tier's entries are."""
-        whole = torch.stack([torch.stack(kv) for kv in zip(keys, values)])  # [L, 2, H_kv, T, D]
+    def viewing(cls, whole: torch.Tensor, position: int) -> ChunkKV:
+        """The cache held as one tensor `whole` [L, 2, H_kv, T, D], its layers views of it: read whole by
+        `all_layers` without a copy, as the memory tier's entries are."""
         return cls(list(whole[:, 0].unbind(0)), list(whole[:, 1].unbind(0)), position, whole)
 
     @property

@@ -3,7 +3,8 @@ tokens; every other token's K/V comes from its chunk cache, re-rotated to its pl
 
 `FusionInput` lays the prompt out (token ids, segments, their caches, which caches are exact);
 `selective_prefill` runs the forward over it. Cached layers arrive through a `LayerReader` (the
-store's pipelined feed, or a plain read in the caller's thread) already assembled: one [2, H_kv, N, D]
+store's pipelined feed, a plain read in the caller's thread, or every layer at once for caches held in
+memory: `WholeReader`) already assembled: one [2, H_kv, N, D]
 buffer per layer (from the query path's `KVBufferPool`, kept across prompts) holding every cached
 token at its prompt position, keys re-rotated. Where they go is laid out once per prompt
 (`KVPlacement`); per layer the caches are packed in two concatenations (in the reader's thread), then

@@ -236,7 +236,8 @@ class Entry:
     def __init__(self, tier: Backend, key: str, blob: Blob) -> None:
         self._tier, self.key, self._blob = tier, key, blob
         self._parse_header()
-        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._loaded: set[int] = set()  # the layers read, with a tier to hand the whole entry to (`on_loaded`)
+        self._whole: torch.Tensor | None = None  # [L, 2, H_kv, T, D], those layers decoded
 
     def _parse_header(self) -> None:
         """Read and verify the header: its own checksum first (so no field of it, position, dtype or a
@@ -304,14 +305,18 @@ class Entry:
         except CorruptEntryError as err:
             self._tier.drop(self.key, err)
             raise
-        kv = tuple(self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv")
         if self._tier.on_loaded is None:
-            return kv
-        self._loaded[i] = kv
+            k, v = (self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv")
+            return k, v
+        if self._whole is None:  # decoded in place, layer by layer: held whole once every layer is read
+            h_kv, t, d = self._tensors["k.0"]["shape"]
+            self._whole = torch.empty(self.n_layers, 2, h_kv, t, d, dtype=self.dtype)  # [L, 2, H_kv, T, D]
+        for j, kind in enumerate("kv"):
+            self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
+        self._loaded.add(i)
         if len(self._loaded) == self.n_layers:
-            keys, values = zip(*(self._loaded[j] for j in range(self.n_layers)))
-            self._tier.on_loaded(self.key, ChunkKV.stack(keys, values, self.position))
-        return kv
+            self._tier.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))
+        return self._whole[i, 0], self._whole[i, 1]
 
 
 def _checksum(t: torch.Tensor) -> str:

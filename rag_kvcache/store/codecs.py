@@ -29,7 +29,11 @@ class Codec(Protocol):
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
-    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+    def decode(
+        self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tensor `parts` encode, in `dtype` (into `out`, of that dtype and shape, when given)."""
+        ...
 
     def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
         """Bytes stored for one tensor [H_kv, T, D] of `dtype` (payload and side data)."""
@@ -43,8 +47,10 @@ class Raw:
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"": t}
 
-    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return parts[""].to(dtype)
+    def decode(
+        self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return parts[""].to(dtype) if out is None else out.copy_(parts[""])
 
     def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
         return h_kv * t * d * dtype.itemsize
@@ -69,10 +75,15 @@ class Scaled:
         q = q.round().clamp(-self.qmax, self.qmax) if not qdtype.is_floating_point else q
         return {"": q.to(qdtype), "scale": scale}
 
-    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q = parts[""]  # [H_kv, T, D]
         q = q.float() if q.dtype.is_floating_point else q  # float8 does not promote; int8 does, in the product
-        return torch.mul(q, parts["scale"]).to(dtype)  # [H_kv, T, D], float32 before the cast
+        if out is not None and out.dtype == torch.float32:
+            return torch.mul(q, parts["scale"], out=out)  # [H_kv, T, D]
+        decoded = torch.mul(q, parts["scale"]).to(dtype)  # [H_kv, T, D], float32 before the cast
+        return decoded if out is None else out.copy_(decoded)
 
     def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
         scales = h_kv * d if self.reduce_dim == 1 else h_kv * t  # float32 each
