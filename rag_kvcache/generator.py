@@ -387,10 +387,11 @@ class FusedGenerator:
         depth = self.index.config.runtime.storage.prefetch_layers
         with clock.stage("layout"):
             placement = inp.placement(self.layers)
-        if caches is None or depth == 0 or self.layers.graphs is not None:  # graphs: read at once, not ahead
+        whole = self.layers.device.type == "cpu" and all(map(resident, inp.sources))  # (a GPU's DMA: the feed)
+        if caches is None or self.layers.graphs is not None or (depth == 0 and not whole):  # graphs: read at once
             reader: LayerReader = DirectReader(inp.sources, placement, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
-        elif all(map(resident, inp.sources)):  # in memory: nothing to read ahead of the compute
+        elif whole:  # every cache in memory: nothing to read ahead of the compute
             reader = WholeReader(inp.sources, placement, self.layers.layout.n_layers, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
         else:

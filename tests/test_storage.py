@@ -306,3 +306,36 @@ def test_a_cache_read_whole_is_held_in_memory_stacked(tmp_path, codec):
     assert isinstance(plain, Entry)
     for i, (k, v) in enumerate(read):
         torch.testing.assert_close(torch.stack([k, v]), torch.stack(plain.layer(i)), atol=0, rtol=0)
+
+
+def test_a_prompt_whose_caches_are_in_memory_is_assembled_at_once_and_fuses_as_when_read(tiny, tmp_path, monkeypatch):
+    """The first ask of a prompt reads its caches from disk through the feed; the second finds them in the
+    memory tier and assembles every layer at once (`WholeReader`): the same fused prompt, bit for bit."""
+    from test_cached_neighbours import write_docs
+
+    import rag_kvcache.generator as generator
+    from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
+    from rag_kvcache.index import KVIndex
+
+    write_docs(tmp_path / "docs")
+    config = Config(index=IndexSettings(chunk_tokens=24), query=QueryConfig(top_k=3))
+    index = KVIndex.build(tmp_path / "docs", tmp_path / "idx", config, adapter=tiny, progress=False)
+    question = "Who kept the diary?"
+    segments = index.format.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], index.format.question_ids(tiny.tokenizer, question)
+    )
+    made = []
+    real = generator.WholeReader
+    monkeypatch.setattr(generator, "WholeReader", lambda *args: made.append(args) or real(*args))
+    gen = generator.FusedGenerator(index)
+    for method in ("reuse", "epic"):
+        for key in index.maker.live_keys():
+            index.store.memory.remove(key)
+        made.clear()
+        cold = gen.fuse(segments, FusionConfig(method=method)).result
+        assert made == []  # read from disk, layer by layer
+        warm = gen.fuse(segments, FusionConfig(method=method)).result
+        assert len(made) == 1
+        torch.testing.assert_close(cold.logits, warm.logits, atol=0, rtol=0)
+        for a, b in zip(cold.keys + cold.values, warm.keys + warm.values):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
