@@ -186,7 +186,7 @@ class StorageConfig:
     limit); both evict by `eviction` (least recently or least frequently used) when over budget.
     How entries are encoded is the index's (`IndexSettings.codec`). `prefetch_layers` is how many layers the
     background reader may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap;
-    a prompt whose caches are all in the memory tier is assembled at once, without a reader).
+    on a CPU, a prompt whose caches are all in the memory tier is assembled at once, without a reader).
     `quality_floor` is the smallest recompute ratio the loading controller will pick.
     `remote` adds a tier shared by every process and machine that opens the index, below memory and
     disk: a Redis or Valkey server (`store.redis_tier`). A request to it that takes longer than

@@ -276,7 +276,7 @@ class WholeReader:
     placement: KVPlacement
     n_layers: int
     pool: KVBufferPool = field(default_factory=lambda: KVBufferPool(0))
-    _kv: torch.Tensor | None = None
+    _kv: torch.Tensor | None = field(default=None, init=False, repr=False)  # [L, 2, H_kv, N, D], once assembled
 
     def get(self, layer: int) -> torch.Tensor:
         return self.whole()[layer]  # [2, H_kv, N, D]
