@@ -387,12 +387,16 @@ class FusedGenerator:
         depth = self.index.config.runtime.storage.prefetch_layers
         with clock.stage("layout"):
             placement = inp.placement(self.layers)
-        whole = self.layers.device.type == "cpu" and all(map(resident, inp.sources))  # (a GPU's DMA: the feed)
-        if caches is None or self.layers.graphs is not None or (depth == 0 and not whole):  # graphs: read at once
-            reader: LayerReader = DirectReader(inp.sources, placement, self.buffers)
+        if (
+            caches is not None
+            and self.layers.graphs is None
+            and self.layers.device.type == "cpu"
+            and all(map(resident, inp.sources))
+        ):  # every cache in memory: nothing to read ahead of the compute (beside a GPU: DMA, through the feed)
+            reader: LayerReader = WholeReader(inp.sources, placement, self.layers.layout.n_layers, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
-        elif whole:  # every cache in memory: nothing to read ahead of the compute
-            reader = WholeReader(inp.sources, placement, self.layers.layout.n_layers, self.buffers)
+        elif caches is None or depth == 0 or self.layers.graphs is not None:  # graphs: read at once, not ahead
+            reader = DirectReader(inp.sources, placement, self.buffers)
             result = method(self.layers, inp, fusion, clock, reader)
         else:
             with LayerFeed(inp.sources, placement, self.layers.layout.n_layers, depth, self.buffers) as feed:

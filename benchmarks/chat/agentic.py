@@ -43,6 +43,7 @@ from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSet
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
+from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.generator import FusedGenerator
@@ -139,8 +140,12 @@ def full_reference(generator: FusedGenerator, segments: list[Segment]) -> tuple[
     answer = greedy_answer_ids(generator.adapter, reference, GenerationConfig(max_new_tokens=MAX_TOKENS))
     if not answer:
         return [], None
-    r = reference.result
-    return answer, teacher_forced_logits(generator.adapter, r.keys, r.values, r.logits, answer)
+    return answer, forced(generator, reference.result, answer)
+
+
+def forced(generator: FusedGenerator, result: FusionResult, answer: list[int]) -> torch.Tensor:
+    """`answer` teacher-forced through a fused prompt: the next-token logits at each of its positions [T, V]."""
+    return teacher_forced_logits(generator.adapter, result.keys, result.values, result.logits, answer)
 
 
 def scored(reference: torch.Tensor, got: torch.Tensor, answer: list[int]) -> dict:
@@ -156,7 +161,7 @@ def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig)
     if ref is None:
         return {}
     fused = generator.fuse(segments, fusion).result
-    return scored(ref, teacher_forced_logits(generator.adapter, fused.keys, fused.values, fused.logits, answer), answer)
+    return scored(ref, forced(generator, fused, answer), answer)
 
 
 def shared_fidelity(engine: Engine, question: str, ids: list[str], keep: list[int], fusion: FusionConfig) -> dict:

@@ -25,12 +25,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from agentic import QUESTIONS, full_reference, scored
+from agentic import QUESTIONS, forced, full_reference, scored
 
 from rag_kvcache import GenerationConfig, KVIndex
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.metrics import bootstrap_ci
-from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.generator import FusedGenerator, collect_answer
 
 FIRST = GenerationConfig(max_new_tokens=1)
@@ -52,13 +51,13 @@ def main() -> None:
             if ref is None:
                 continue
             rebuilt = generator.fuse(segments, fusion).result
-            forced = {
-                "rebuilt": teacher_forced_logits(index.adapter, rebuilt.keys, rebuilt.values, rebuilt.logits, answer),
+            logits = {
+                "rebuilt": forced(generator, rebuilt, answer),
                 "masked": prompt.forced_logits(keep, answer),
             }  # [T, V] each
             row = {"question": question, "keep": keep, "answer_tokens": len(answer), "fuse_all_s": prompt.fuse_s}
-            for name, logits in forced.items():
-                row |= {f"{name}_{k}": v for k, v in scored(ref, logits, answer).items()}
+            for name, got in logits.items():
+                row |= {f"{name}_{k}": v for k, v in scored(ref, got, answer).items()}
             row["rebuilt_ttft_s"] = collect_answer(generator.stream(segments, fusion, FIRST), None).ttft_s
             row["masked_ttft_s"] = prompt.answer(keep, FIRST).ttft_s
             rows.append(row)

@@ -114,23 +114,28 @@ def read_layer(sources: Sequence[LayerSource | None], layer: int, device: torch.
     return [None if kv is None else (placed(kv[0]), placed(kv[1])) for kv in layers]
 
 
-def all_layers(source: LayerSource) -> torch.Tensor:
-    """Every layer of `source` as one tensor [L, 2, H_kv, T, D]: a view of a stacked `ChunkKV` (a slice's
-    tokens of one), else its layers stacked (one copy)."""
-    if isinstance(source, ChunkKV) and source.stacked is not None:
-        return source.stacked
-    if isinstance(source, SliceKV) and isinstance(source.source, ChunkKV) and source.source.stacked is not None:
-        return source.source.stacked[..., source.start : source.stop, :]  # [L, 2, H_kv, T', D]
-    return torch.stack([torch.stack(source.layer(i)) for i in range(source.n_layers)])  # [L, 2, H_kv, T, D]
+def held(source: LayerSource) -> tuple[ChunkKV, slice] | None:
+    """The in-memory cache `source` reads and the run of its tokens (a `ChunkKV` itself, all of it; a slice of
+    one, its run), or None: a stored entry, read from its tier."""
+    if isinstance(source, ChunkKV):
+        return source, slice(None)
+    if isinstance(source, SliceKV) and isinstance(source.source, ChunkKV):
+        return source.source, slice(source.start, source.stop)
+    return None
 
 
 def resident(source: LayerSource | None) -> bool:
-    """Whether reading `source` is copying memory (a `ChunkKV`, or a slice of one): nothing to read ahead."""
-    return (
-        source is None
-        or isinstance(source, ChunkKV)
-        or (isinstance(source, SliceKV) and isinstance(source.source, ChunkKV))
-    )
+    """Whether reading `source` is copying memory (`held`): nothing to read ahead."""
+    return source is None or held(source) is not None
+
+
+def all_layers(source: LayerSource) -> torch.Tensor:
+    """Every layer of `source` as one tensor [L, 2, H_kv, T, D]: a view of a stacked `ChunkKV` (a slice's
+    tokens of one), else its layers stacked (one copy)."""
+    memory = held(source)
+    if memory is not None and memory[0].stacked is not None:
+        return memory[0].stacked[..., memory[1], :]  # [L, 2, H_kv, T, D]
+    return torch.stack([torch.stack(source.layer(i)) for i in range(source.n_layers)])  # [L, 2, H_kv, T, D]
 
 
 def pack_layers(
