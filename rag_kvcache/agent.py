@@ -140,8 +140,8 @@ class SharedPrompt:
         decoder = Decoder(generator.adapter, generation)
         if hidden.any():
             keys, values = self._head_kv()
-            cache = decoder.start(keys, values, hidden=hidden, ahead=len(self.tail))
-            logits = generator.adapter.extend_rows([self.tail], [cache])[0]  # [V]
+            cache = decoder.start(keys, values, hidden=hidden, tail=self.tail)
+            logits = generator.adapter.extend_rows([decoder.feed()], [cache])[0]  # [V]
         else:
             decoder.start(result.keys, result.values)
             logits = result.logits  # [V]

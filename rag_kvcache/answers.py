@@ -98,7 +98,7 @@ class Generation:
     yet taken by its decoder; `fused` keeps the fusion's numbers (not its K/V: the decoder holds them)."""
 
     decoder: Decoder
-    first_token: int
+    first_token: int | None  # None: the decoder's first batched step samples and takes it (`FusedGenerator.enter`)
     method: str
     fused: Fused
     started: float  # time.perf_counter() when the fusion began

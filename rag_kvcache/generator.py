@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+import torch
+
 from .answers import Answer, Fused, Generation, PromptTooLongError, RetrievedChunk
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
 from .engine.cache import resident
 from .engine.decoding import DecodePool
-from .engine.fusion import DirectReader, FusionInput, LayerReader, WholeReader
+from .engine.fusion import DirectReader, FusionInput, FusionResult, LayerReader, WholeReader
 from .engine.generation import Decoder
 from .engine.methods import Method, get_method
 from .engine.model import ModelAdapter
@@ -265,12 +267,7 @@ class FusedGenerator:
         this prompt may read and write (`KVIndex.caches.open`)."""
         fusion = fusion or self.index.config.query.fusion
         generation = generation or self.index.config.query.generation
-        n_prompt, limit = sum(len(s.ids) for s in segments), self.layers.context_length
-        if n_prompt + generation.max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, beyond "
-                f"the {limit} positions of model {self.layers.name!r}: retrieve fewer chunks or shorten the question"
-            )
+        self._fits(segments, generation)
         t0 = time.perf_counter()
         fused = self.fuse(segments, fusion, salt)
         result = fused.result
@@ -281,6 +278,67 @@ class FusedGenerator:
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         ids = () if self.conversations is None else tuple(t for s in segments for t in s.ids)  # for `_remember`
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
+
+    def enter(
+        self,
+        segments: Sequence[Segment],
+        fusion: FusionConfig | None = None,
+        generation: GenerationConfig | None = None,
+        salt: str = "",
+        pool: DecodePool | None = None,
+        most: int = 0,
+    ) -> Generation | None:
+        """Start a prompt without a fusion of its own, when it needs none: the conversation cache holds all of
+        it but a tail of at most `most` tokens, and nothing after the held head is read from a chunk cache.
+        The held head is then one exact cached segment at position 0, so every method computes the tail alone
+        (what `start` would fuse); here its K/V are taken into a slot of `pool` and the tail is left to the
+        decoder's first batched step (`decode_together`, beside other rows), which samples the first token.
+        Returns a `Generation` without one (`first_token` None; `entered` once that step is done), or None
+        for any other prompt, without reading the cache (`start` fuses it)."""
+        fusion = fusion or self.index.config.query.fusion
+        generation = generation or self.index.config.query.generation
+        if self.conversations is None:
+            return None
+        method = get_method(fusion.method)
+        ids = tuple(t for s in segments for t in s.ids)
+        held = self.conversations.held(salt, ids, method.name if method.exact else None)
+        if held <= self._stored(segments) or len(ids) - held > most:
+            return None
+        if method.reads_cache and any(s.cacheable for s in segments_after(segments, ids, held, True)):
+            return None  # a chunk after the held head would be read from its cache: fused by `start`
+        self._fits(segments, generation)
+        t0 = time.perf_counter()
+        hit = self.conversations.match(salt, ids, method.name if method.exact else None)
+        if hit is None or hit.n_tokens != held:
+            raise RuntimeError(f"the conversation cache held {held} tokens of the prompt and then read {hit}")
+        layers = [hit.kv.layer(i) for i in range(hit.kv.n_layers)]  # L x ([H_kv, n, D], [H_kv, n, D])
+        decoder = Decoder(self.adapter, generation)
+        decoder.start([k for k, _ in layers], [v for _, v in layers], pool, tail=ids[held:])
+        n_layers, tail = hit.kv.n_layers, len(ids) - held
+        result = FusionResult([], [], torch.empty(0), tail, tail / len(ids), [tail] * n_layers)
+        return Generation(decoder, None, fusion.method, Fused(result, len(ids), 0, 0, held), t0, 0.0, ids, salt)
+
+    def entered(self, live: Generation) -> Generation:
+        """A generation from `enter` after the batched step that fed its tail: its time to the first token
+        (now) and the logits it was sampled from."""
+        if live.first_token is not None or live.decoder.first_logits is None:
+            raise RuntimeError("entered() takes a generation from enter() whose first step is done")
+        result = replace(live.fused.result, logits=live.decoder.first_logits)
+        return replace(live, fused=replace(live.fused, result=result), ttft_s=time.perf_counter() - live.started)
+
+    def _fits(self, segments: Sequence[Segment], generation: GenerationConfig) -> None:
+        """Refuse a prompt that, with the tokens it may generate, does not fit the model's positions."""
+        n_prompt, limit = sum(len(s.ids) for s in segments), self.layers.context_length
+        if n_prompt + generation.max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, beyond "
+                f"the {limit} positions of model {self.layers.name!r}: retrieve fewer chunks or shorten the question"
+            )
+
+    def _stored(self, segments: Sequence[Segment]) -> int:
+        """The prompt's head whose cache is always stored (the system prefix): a conversation hit no longer
+        than it saves nothing."""
+        return min(len(segments[0].ids), len(self.index.format.prefix_ids)) if segments[0].cacheable else 0
 
     def finish(self, live: Generation) -> Answer:
         """The `Answer` of a generation whose decoder is done (its `answer` field empty: the text is
@@ -332,8 +390,7 @@ class FusedGenerator:
         hit = self.conversations.match(salt, ids, method.name if method.exact else None)
         # the system prefix's cache is always stored; a longer head of request text (a chat's turns before the
         # chunks of its last one) is new text every turn, so a hit that reaches past the prefix saves computing it
-        stored = min(len(segments[0].ids), len(self.index.format.prefix_ids)) if segments[0].cacheable else 0
-        if hit is None or hit.n_tokens <= stored:
+        if hit is None or hit.n_tokens <= self._stored(segments):
             return segments, None
         return [
             Segment(ids[: hit.n_tokens], True, "conversation"),

@@ -102,10 +102,61 @@ def test_rows_extended_by_several_tokens_equal_a_prefill_of_the_whole(tiny, shar
         torch.testing.assert_close(
             after, tiny.prefill(torch.cat([ids, torch.tensor([[2000]])], 1))[2][0], atol=1e-5, rtol=0
         )
-    with pytest.raises(ValueError, match=r"same number \(>= 1\) of tokens in every row, got \[2, 1\]"):
-        tiny.extend_rows([[1, 2], [3]], caches[:2])
+    with pytest.raises(ValueError, match=r"at least 1 token in every row, got \[2, 0\]"):
+        tiny.extend_rows([[1, 2], []], caches[:2])
     with pytest.raises(ValueError, match=r"decode caches \[0\] are full \(13 positions\): no room for 2 more"):
         tiny.extend_rows([[1, 2]], [caches[0]])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-pool", "two-pools"])
+def test_a_step_of_rows_fed_different_numbers_of_tokens_equals_each_prefill(tiny, shared):
+    """One step feeds four cached prompts 1, 9, 1 and 4 tokens (decoding rows beside prompt tails, in two pools
+    or one): each row's last logits and new K/V are those a prefill of its prompt and its tokens gives."""
+    rows = prompts(tiny)
+    pools = [DecodePool(), DecodePool() if not shared else None]
+    caches = [(pools[r % 2] or pools[0]).admit(k, v, room=10) for r, (k, v, _) in enumerate(rows)]
+    fed = [[1500], [1600 + i for i in range(9)], [1700], [1800, 1801, 1802, 1803]]
+    got = tiny.extend_rows(fed, caches)  # [4, V]
+    assert [c.length for c in caches] == [n + len(f) for n, f in zip(LENGTHS, fed)]
+    for r, n in enumerate(LENGTHS):
+        ids = torch.cat(
+            [torch.randint(1000, 20000, (1, n), generator=torch.Generator().manual_seed(r)), torch.tensor([fed[r]])], 1
+        )  # the prompt `prompts` made, then what was fed
+        keys, values, want = tiny.prefill(ids)
+        torch.testing.assert_close(got[r], want[0], atol=1e-5, rtol=0, msg=f"row {r}")
+        for layer in range(tiny.layout.n_layers):
+            m = n + len(fed[r])
+            torch.testing.assert_close(caches[r].keys[layer][:, :m], keys[layer][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(caches[r].values[layer][:, :m], values[layer][0], atol=1e-5, rtol=0)
+
+
+def test_a_decoder_started_with_a_prompt_tail_samples_its_first_token_in_a_batched_step(tiny):
+    """A decoder whose prompt's last 7 tokens are not in its cache (`Decoder.start(tail=...)`) gets them fed by
+    its first `decode_together` step, beside a decoding row: its first logits and greedy answer are those of a
+    decoder started over the whole prompt's cache; a decoder with neither a first token nor a tail is refused."""
+    ids = torch.randint(1000, 20000, (1, 40), generator=torch.Generator().manual_seed(1))
+    cfg = GenerationConfig(max_new_tokens=6)
+    keys, values, logits = tiny.prefill(ids)
+    whole = Decoder(tiny, cfg)
+    list(whole.steps([k[0] for k in keys], [v[0] for v in values], logits[0], whole.sample(logits[0])))
+    ((k0, v0, first0),) = prompts(tiny, (23,))
+    pool = DecodePool()
+    other = Decoder(tiny, cfg)
+    other.start([k[0] for k in k0], [v[0] for v in v0], pool)
+    other.take(other.sample(first0))
+    head_k, head_v, _ = tiny.prefill(ids[:, :33])
+    tailed = Decoder(tiny, cfg)
+    tailed.start([k[0] for k in head_k], [v[0] for v in head_v], pool, tail=ids[0, 33:].tolist())
+    decode_together([other, tailed])
+    torch.testing.assert_close(tailed.first_logits, logits[0], atol=1e-5, rtol=0)
+    assert other.first_logits is None and tailed.tail == []
+    while not tailed.done:
+        decode_together([tailed])
+    assert tailed.ids == whole.ids
+    idle = Decoder(tiny, cfg)
+    idle.start([k[0] for k in k0], [v[0] for v in v0], pool)
+    with pytest.raises(ValueError, match=r"decoders \[0\] cannot step"):
+        decode_together([idle])
 
 
 def alone_logits(adapter: ModelAdapter, row, steps: int) -> list[torch.Tensor]:

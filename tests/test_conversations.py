@@ -10,6 +10,8 @@ import torch
 from test_pipeline import docs, index  # noqa: F401
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
+from rag_kvcache.engine.decoding import DecodePool
+from rag_kvcache.engine.generation import decode_together
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.generator import FusedGenerator, collect_answer
 from rag_kvcache.store.conversations import ConversationCache
@@ -157,6 +159,62 @@ def test_a_conversation_is_its_tenants_alone(index):
     )
 
 
+def follow_up(index, gen: FusedGenerator, method: str, question: str = "and in which year was it lit?"):
+    """Turn 1 answered through `gen`, then turn 2's segments: turn 1's prompt and answer, a new question."""
+    _, before = turn(gen, chat(index, "Who kept the lighthouse diary?"), method)
+    follow = tuple(index.adapter.tokenizer(question, add_special_tokens=False)["input_ids"])
+    return [Segment(tuple(before), False, "text"), Segment(follow, False, "question")]
+
+
+@pytest.mark.parametrize("method", ["full", "cacheblend"])
+def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, method):
+    """A prompt the conversation cache holds all of but its new question enters without a fusion
+    (`FusedGenerator.enter`): a decoding step beside another row feeds its tail, and its first logits, K/V and
+    answer equal `start`'s fusion of the same prompt over the same cache (which computes the tail alone too)."""
+    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    second = follow_up(index, gen, method)
+    fusion, generation = FusionConfig(method=method), GenerationConfig(max_new_tokens=6)
+    fused = gen.start(second, fusion, generation)
+    list(fused.decoder.run(fused.first_token))
+    pool = DecodePool()
+    other = gen.start(chat(index, "What does the bakery in Saltmere sell?"), fusion, generation, pool=pool)
+    other.decoder.take(other.first_token)
+    live = gen.enter(second, fusion, generation, pool=pool, most=len(second[1].ids) + 1)
+    n = sum(len(s.ids) for s in second)
+    assert live is not None and live.first_token is None
+    assert live.fused.conversation_tokens == fused.fused.conversation_tokens == n - len(live.decoder.tail)
+    decode_together([other.decoder, live.decoder])
+    live = gen.entered(live)
+    torch.testing.assert_close(live.fused.result.logits, fused.fused.result.logits, atol=1e-4, rtol=1e-4)
+    for layer in range(index.adapter.layout.n_layers):
+        torch.testing.assert_close(
+            live.decoder.cache.keys[layer][:, :n], fused.decoder.cache.keys[layer][:, :n], atol=1e-4, rtol=1e-4
+        )
+    while not live.decoder.done:
+        decode_together([live.decoder])
+    answer = gen.finish(live)
+    assert live.decoder.ids == fused.decoder.ids
+    assert answer.recomputed_tokens == n - answer.conversation_tokens == fused.fused.result.recomputed_tokens
+    assert answer.ttft_s > 0 and answer.first_token_logits.shape == fused.fused.result.logits.shape
+
+
+def test_a_prompt_that_needs_a_fusion_does_not_enter_and_reads_nothing(index):
+    """`enter` refuses, without counting a lookup, a prompt with no conversation cache, one whose uncached tail
+    is longer than `most`, and one with a chunk after the held head that its method reads from a cache."""
+    conversations = ConversationCache(1 << 30)
+    gen = FusedGenerator(index, conversations)
+    second = follow_up(index, gen, "cacheblend")
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=2)
+    lookups = conversations.stats.lookups
+    assert FusedGenerator(index).enter(second, fusion, generation, most=64) is None
+    assert gen.enter(second, fusion, generation, most=len(second[1].ids) - 1) is None
+    chunked = [*second[:1], *chat(index, "Who founded the observatory?")[1:]]  # its chunks after the held head
+    assert gen.enter(chunked, fusion, generation, most=10_000) is None
+    assert gen.enter(chunked, FusionConfig(method="full"), generation, most=10_000) is None  # full's nodes: none
+    assert conversations.stats.lookups == lookups
+    assert gen.enter(second, fusion, generation, most=64) is not None
+
+
 def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(index):
     """Among waiting requests the scheduler prefills first the one with the fewest tokens left to compute once
     the conversation cache and the chunk caches are read (oldest first among equals; `fcfs` keeps arrival
@@ -195,6 +253,46 @@ def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(i
         scheduler.pending.append(job(Segment(chat + (i,), False, "text")))  # a cheap request arrives each time
         served.append(scheduler._next())
     assert served.index(old) == MAX_SKIPS  # passed over MAX_SKIPS times, then next
+
+
+@pytest.mark.parametrize("method", ["full", "cacheblend"])
+def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_fcfs(index, method):
+    """Served with `cache_aware`, a chat's next turn (held by the conversation cache but its new question) joins
+    the decoding batch beside a cold request without a prefill of its own (counted), and both answers equal
+    what `fcfs`, which prefills each, streams for them."""
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    fusion, generation = FusionConfig(method=method), GenerationConfig(max_new_tokens=6)
+    cold = chat(index, "What does the bakery in Saltmere sell?")
+
+    def serve(order: str) -> tuple[list[tuple[str, object]], ServerMetrics]:
+        gen = FusedGenerator(index, ConversationCache(1 << 30))
+        second = follow_up(index, gen, method)
+        metrics = ServerMetrics(index.store.stats)
+        scheduler = Scheduler(gen, on_engine, 4, metrics, order)
+
+        async def answer(segments) -> tuple[str, object]:
+            items = [item async for item in scheduler.stream(segments, fusion, generation)]
+            return "".join(items[:-1]), items[-1]
+
+        async def main():
+            try:
+                return await asyncio.gather(answer(cold), answer(second))
+            finally:
+                await scheduler.close()
+
+        return asyncio.run(main()), metrics
+
+    (fifo, fifo_metrics), (aware, aware_metrics) = serve("fcfs"), serve("cache_aware")
+    assert [text for text, _ in aware] == [text for text, _ in fifo]
+    joined = aware[1][1]
+    assert joined.recomputed_tokens == joined.prompt_tokens - joined.conversation_tokens < 20
+    assert aware_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 1
+    assert fifo_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 0
 
 
 def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(index, caplog):

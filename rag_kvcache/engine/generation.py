@@ -157,6 +157,8 @@ class Decoder:
             else:
                 self.rng.seed()
         self.cache: DecodeCache | None = None
+        self.tail: list[int] = []  # prompt tokens after the cache, fed by the first step (`start`)
+        self.first_logits: torch.Tensor | None = None  # [V]: a step that fed the tail sampled the first token from them
         self.ids: list[int] = []  # the answer's tokens so far (end of sequence not included)
         self.done = False
         self._text = self._emitted = ""
@@ -173,18 +175,25 @@ class Decoder:
         values: list[torch.Tensor],
         pool: DecodePool | None = None,
         hidden: torch.Tensor | None = None,
-        ahead: int = 0,
+        tail: Sequence[int] = (),
     ) -> DecodeCache:
         """Take the prompt's cache (per layer [H_kv, N, D]) into a slot of `pool` (the decoders it is
         stepped with share one, so their rows attend in one call; by default a pool of its own), with
-        room for the tokens to come: `ahead` prompt tokens still to be fed (`ModelAdapter.extend_rows`)
-        and the answer's. `hidden` (bool [N]): prompt positions no later token attends to
-        (`DecodePool.admit`). Returns the cache; `close` gives its slot back."""
+        room for the tokens to come: the prompt's `tail`, tokens after the cache not yet computed, which
+        its first step feeds (`feed`), and the answer's. `hidden` (bool [N]): prompt positions no later
+        token attends to (`DecodePool.admit`). Returns the cache; `close` gives its slot back."""
         if self.cache is not None:
             raise RuntimeError("this decoder has already started: one Decoder decodes one answer")
-        room = ahead + self.cfg.max_new_tokens
+        room = len(tail) + self.cfg.max_new_tokens
         self.cache = (pool or DecodePool()).admit(keys, values, room=room, hidden=hidden)
+        self.tail = list(tail)
         return self.cache
+
+    def feed(self) -> list[int]:
+        """The tokens this decoder's next step feeds, taken: the prompt's tail (its first step: the logits
+        after it give the first token), else the last token taken (none before the first)."""
+        tail, self.tail = self.tail, []
+        return tail or self.ids[-1:]
 
     def close(self) -> None:
         """Give the cache's slot back to its pool (a shared pool's next decoder takes it); idempotent."""
@@ -232,9 +241,10 @@ class Decoder:
         self.start(keys, values)
         yield from self.run(first_token)
 
-    def run(self, first_token: int) -> Iterator[Step]:
-        """Take `first_token`, then decode alone (batches of one) until the answer is complete."""
-        released = self.take(first_token)
+    def run(self, first_token: int | None) -> Iterator[Step]:
+        """Take `first_token` (None: started with a prompt tail, the first step samples it), then decode alone
+        (batches of one) until the answer is complete."""
+        released = [] if first_token is None else self.take(first_token)
         while True:
             yield from released
             if self.done:
@@ -245,18 +255,24 @@ class Decoder:
 
 
 def decode_together(decoders: Sequence[Decoder]) -> list[list[Step] | Exception]:
-    """Advance started, unfinished decoders of one model by one token with one batched step
-    (`ModelAdapter.decode_rows`): each feeds its last token, samples the next from its own row of
-    logits by its own rule (generator, constraint) and takes it. Returns the steps each released, or
-    in its place the error a decoder's own sampling raised: that decoder is done, and the others'
-    rows are untouched by it (one request's failure stays its own)."""
+    """Advance started, unfinished decoders of one model with one batched step (`ModelAdapter.extend_rows`):
+    each feeds its last token, or its prompt's tail when it started with one (`Decoder.start`: its first
+    token is sampled here, from logits it keeps as `first_logits`), samples the next from its own row of
+    logits by its own rule (generator, constraint) and takes it. Returns the steps each released, or in
+    its place the error a decoder's own sampling raised: that decoder is done, and the others' rows are
+    untouched by it (one request's failure stays its own)."""
     if not decoders:
         raise ValueError("decode_together needs at least one decoder")
-    idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not d.ids or not d.cache.open]
+    idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not (d.ids or d.tail) or not d.cache.open]
     if idle:
-        raise ValueError(f"decoders {idle} cannot step: not started, complete, closed, or without a first token")
-    adapter = decoders[0].adapter
-    logits = adapter.decode_rows([d.ids[-1] for d in decoders], [d.cache for d in decoders])  # [B, V]
+        raise ValueError(
+            f"decoders {idle} cannot step: not started, complete, closed, or without a first token or a prompt tail"
+        )
+    firsts = [bool(d.tail) for d in decoders]
+    logits = decoders[0].adapter.extend_rows([d.feed() for d in decoders], [d.cache for d in decoders])  # [B, V]
+    for d, row, first in zip(decoders, logits, firsts):
+        if first:
+            d.first_logits = row
     return [_advance(d, row) for d, row in zip(decoders, logits)]
 
 

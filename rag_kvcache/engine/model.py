@@ -531,54 +531,55 @@ class ModelAdapter(ModelSpec):
 
     @torch.inference_mode()
     def extend_rows(self, tokens: Sequence[Sequence[int]], caches: Sequence[DecodeCache]) -> torch.Tensor:
-        """Feed M tokens to each of B sequences at once (the same M for every row): `tokens[b]` at
-        positions `caches[b].length` onwards over cache b, which they extend. Embedding, projections,
-        MLPs and LM head run once for the batch (the weights are read once for all rows); the rows of one
-        `DecodePool` attend in one call a layer, each over its own positions alone (`attend_rows`), so a
-        row's logits do not depend on the other rows. Returns the logits after each row's last token [B, V]."""
+        """Feed `tokens[b]` (>= 1 of them; rows may differ in length) to each of B sequences at once, at
+        positions `caches[b].length` onwards over cache b, which they extend. Embedding, projections, MLPs
+        and LM head run once over every row's tokens (the weights are read once for all rows); the rows of
+        one `DecodePool` fed as many tokens attend in one call a layer, each over its own positions alone
+        (`attend_rows`), so a row's logits do not depend on the other rows: a decoding step's one-token rows
+        and a prompt's uncached tail share the step. Returns the logits after each row's last token [B, V]."""
         if not tokens or len(tokens) != len(caches):
             raise ValueError(
                 f"extend_rows needs one row of tokens per cache, got {len(tokens)} rows for {len(caches)} caches"
             )
-        width = len(tokens[0])
-        if width == 0 or any(len(row) != width for row in tokens):
-            raise ValueError(
-                f"extend_rows needs the same number (>= 1) of tokens in every row, got {[len(r) for r in tokens]}"
-            )
+        widths = [len(row) for row in tokens]
+        if min(widths) == 0:
+            raise ValueError(f"extend_rows needs at least 1 token in every row, got {widths}")
         closed = [b for b, c in enumerate(caches) if not c.open]
         if closed:
             raise ValueError(f"decode caches {closed} are closed: their slots were given back")
-        full = [b for b, c in enumerate(caches) if c.length + width > c.capacity]
+        full = [b for b, (c, m) in enumerate(zip(caches, widths)) if c.length + m > c.capacity]
         if full:
+            b = full[0]
             raise ValueError(
-                f"decode caches {full} are full ({caches[full[0]].capacity} positions): no room for {width} more"
+                f"decode caches {full} are full ({caches[b].capacity} positions): no room for {widths[b]} more"
             )
         if len({id(c) for c in caches}) < len(caches):
             raise ValueError("extend_rows got one cache twice: a sequence is extended once a step")
         group = self.model.config.num_attention_heads // self.layout.n_kv_heads  # query heads per KV head
-        pools: dict[int, list[int]] = {}  # rows by pool: one attention call a layer for each
-        for b, c in enumerate(caches):
-            pools.setdefault(id(c.pool), []).append(b)
-        at = torch.arange(len(caches) * width, device=self.device).view(len(caches), width)  # [B, M]: a row's tokens
+        classes: dict[tuple[int, int], list[int]] = {}  # rows by pool and width: one attention call a layer each
+        for b, (c, m) in enumerate(zip(caches, widths)):
+            classes.setdefault((id(c.pool), m), []).append(b)
+        ends = list(accumulate(widths))
+        at = [torch.arange(e - m, e, device=self.device) for e, m in zip(ends, widths)]  # per row: its tokens' rows
         parts = [
             (
                 caches[rows[0]].pool,
-                at[rows].flatten(),
-                RowStep.of(caches[rows[0]].pool, [caches[b] for b in rows], width, group),
+                torch.cat([at[b] for b in rows]),  # [sum M]: the class's tokens, row-major
+                RowStep.of(caches[rows[0]].pool, [caches[b] for b in rows], m, group),
             )
-            for rows in pools.values()
+            for (_, m), rows in classes.items()
         ]
-        order = torch.cat([picks for _, picks, _ in parts]).argsort()  # [B * M]: the tokens back in the callers' order
-        positions = torch.tensor([c.length for c in caches], device=self.device)[:, None] + torch.arange(
-            width, device=self.device
-        )  # [B, M]
-        cos, sin = rope_cos_sin(positions.flatten(), self.inv_freq, self.dtype)  # [B * M, D]
-        h = self.embed(torch.tensor(list(tokens), device=self.device).flatten())  # [B * M, E]
+        order = torch.cat([picks for _, picks, _ in parts]).argsort()  # [sum M]: the tokens back in the callers' order
+        positions = torch.cat(
+            [torch.arange(c.length, c.length + m, device=self.device) for c, m in zip(caches, widths)]
+        )  # [sum M]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [sum M, D]
+        h = self.embed(torch.tensor([t for row in tokens for t in row], device=self.device))  # [sum M, E]
         for layer in range(self.layout.n_layers):
-            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, B*M, D], [H_kv, B*M, D] x 2
+            q, k, v = self.qkv(layer, self.attention_input(layer, h), cos, sin)  # [H_q, sum M, D], [H_kv, sum M, D] x 2
             if len(parts) == 1:
                 pool, _, step = parts[0]
-                out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [B * M, H_q * D]
+                out = attend_rows(pool.keys[layer], pool.values[layer], step, q, k, v, self.scale)  # [sum M, H_q * D]
             else:
                 out = torch.cat(
                     [
@@ -593,8 +594,8 @@ class ModelAdapter(ModelSpec):
                         )
                         for pool, picks, step in parts
                     ]
-                )[order]  # [B * M, H_q * D]
-            h = self.finish(layer, h, out)  # [B * M, E]
-        for c in caches:
-            c.length += width
-        return self.logits(h.view(len(caches), width, -1)[:, -1])  # [B, V]
+                )[order]  # [sum M, H_q * D]
+            h = self.finish(layer, h, out)  # [sum M, E]
+        for c, m in zip(caches, widths):
+            c.length += m
+        return self.logits(h[torch.tensor(ends, device=self.device) - 1])  # [B, V]

@@ -142,6 +142,12 @@ class ServerMetrics:
             registry=r,
         )
         self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
+        self.joined = Counter(
+            "rag_kvcache_joined_requests",
+            "Requests that joined the decoding batch without a prefill of their own: the conversation cache held "
+            "all of their prompt but a short tail, fed by a batched step (--order cache_aware).",
+            registry=r,
+        )
         self.decode_bytes = Gauge(
             "rag_kvcache_decode_cache_bytes",
             "Bytes of the decoding requests' K/V buffers "

@@ -11,11 +11,16 @@ its answer is complete (end of sequence, stop string, `max_tokens`) or its clien
 new one joins after its prefill, between two steps; at most `max_batch` decode together. With
 `max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
 
-Which waiting request is prefilled next (`order`): `fcfs`, the oldest; or `cache_aware`, the one with
-the fewest tokens left to compute once the conversation cache and the chunk caches are read (a chat's
-next turn, whose earlier turns are in memory, goes before a cold RAG question that computes hundreds),
-the oldest among equals, and never one passed over `MAX_SKIPS` times: every request's wait stays bounded
-(benchmarks/chat/trace.py: at 16 clients it lowers the median time to the first token and lengthens the tail).
+Which waiting request is prefilled next (`order`): `fcfs`, the oldest, one a tick; or `cache_aware`, which
+first lets every waiting request whose prompt the conversation cache holds all of but a tail of at most
+`RIDE_TOKENS` (a chat's next turn, a question asked again) join the batch at once, without a prefill of its
+own: its held K/V go into its slot and its tail is fed by the next batched step, beside the decoding rows
+(`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
+all free places of the batch but one, kept for a prefill (else a stream of cheap turns could fill the batch
+and hold a cold request back for as long as it lasts); then
+prefills the one with the fewest tokens left to compute once the conversation cache and the chunk caches are
+read, the oldest among equals, and never one passed over `MAX_SKIPS` times: every request's wait stays bounded
+(benchmarks/chat/trace.py and benchmarks/RESULTS.md: the trace's times to the first token against `fcfs`).
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
@@ -50,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _END = object()  # a job's last item: its stream ends
 MAX_SKIPS = 16  # cache_aware: a waiting request passed over this many times is prefilled next
+RIDE_TOKENS = 64  # cache_aware: prompt tokens, all tails together, that held prompts feed with a decoding step
 MAX_IDLE = 8  # background tasks queued for an idle moment (`later`); more drop the oldest
 Order = Literal["fcfs", "cache_aware"]
 
@@ -157,6 +163,8 @@ class Scheduler:
                         continue
                     self._wake.clear()
                     await self._wake.wait()
+                if self.order == "cache_aware" and self.pending and len(self.decoding) < self.max_batch - 1:
+                    await self._board()
                 if self.pending and len(self.decoding) < self.max_batch:
                     await self._prefill(self._next())
                 self._keep(lambda job: not job.cancelled)
@@ -217,6 +225,43 @@ class Scheduler:
             self.decoding.append(job)
             self._count()
 
+    async def _board(self) -> None:
+        """`cache_aware`: the waiting requests that need no prefill of their own join the batch, all of its free
+        places but one, kept for this tick's prefill: joining requests never hold back one that needs a prefill."""
+        room = self.max_batch - len(self.decoding) - 1
+        jobs = [job for job in self.pending if not job.cancelled]
+        entered = await self.on_engine(self._enter, jobs, room)
+        for job, live in zip(jobs, entered):
+            if live is None:
+                continue
+            self.pending.remove(job)
+            self.metrics.queue_wait.observe(time.perf_counter() - job.submitted)
+            if isinstance(live, Exception):  # the request's own failure (e.g. a prompt too long): it gets the error
+                job.fail(live)
+                continue
+            job.live = live
+            self.decoding.append(job)
+            self.metrics.joined.inc()
+        self._count()
+
+    def _enter(self, jobs: list[Job], room: int) -> list[Generation | Exception | None]:
+        """On the engine's thread: each of `jobs` in order started without a prefill where it can be
+        (`FusedGenerator.enter`), while the batch has `room` and the tails fit in `RIDE_TOKENS`; None for the others."""
+        out: list[Generation | Exception | None] = []
+        left = RIDE_TOKENS
+        for job in jobs:
+            live: Generation | Exception | None = None
+            if room > 0 and left > 0:
+                try:
+                    live = self.generator.enter(job.segments, job.fusion, job.generation, job.salt, self.pool, left)
+                except Exception as e:
+                    live = e
+            if isinstance(live, Generation):
+                room -= 1
+                left -= len(live.decoder.tail)
+            out.append(live)
+        return out
+
     def _start(self, job: Job) -> tuple[Generation, list[Step], Answer | None]:
         """On the engine's thread: the prefill and the first token."""
         live = self.generator.start(job.segments, job.fusion, job.generation, job.salt, self.pool)
@@ -267,6 +312,9 @@ class Scheduler:
         """On the engine's thread: one batched decoding step, and the answers of those it completed (a
         request's own failure in place of its result)."""
         released = decode_together([job.live.decoder for job in jobs])
+        for job in jobs:
+            if job.live.first_token is None and job.live.decoder.first_logits is not None:  # its tail was fed
+                job.live = self.generator.entered(job.live)
         return [
             r if isinstance(r, Exception) else (r, self.generator.finish(job.live) if job.live.decoder.done else None)
             for job, r in zip(jobs, released)

@@ -118,10 +118,10 @@ class ConversationCache:
             )  # per layer: [H_kv, k, D] per run, keys then values
             return ConversationHit(n, PathKV(layers, n))
 
-    def held(self, salt: str, ids: Sequence[int]) -> int:
-        """How many of `ids` `match` would read (any method's nodes), without counting or using them."""
+    def held(self, salt: str, ids: Sequence[int], method: str | None = None) -> int:
+        """How many of `ids` `match` would read (`method`'s nodes only if given), without counting or using them."""
         with self._lock:
-            return sum(k for _, k in self._walk(salt, ids, None))
+            return sum(k for _, k in self._walk(salt, ids, method))
 
     def insert(
         self,
