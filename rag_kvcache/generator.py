@@ -264,7 +264,8 @@ class FusedGenerator:
         token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`:
         those started into one `pool` attend in one call); `finish` gives its `Answer` once the decoder
         is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt head)
-        this prompt may read and write (`KVIndex.caches.open`)."""
+        this prompt may read and write (`KVIndex.caches.open`). The fused prompt's K/V go into the
+        conversation cache at once (its answer's once `finish`ed)."""
         fusion = fusion or self.index.config.query.fusion
         generation = generation or self.index.config.query.generation
         self._fits(segments, generation)
@@ -275,8 +276,11 @@ class FusedGenerator:
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go
-        stats = replace(fused, result=replace(result, keys=[], values=[]))
         ids = () if self.conversations is None else tuple(t for s in segments for t in s.ids)  # for `_remember`
+        if self.conversations is not None:  # kept now: the same prompt sent again while this one decodes reads it
+            method = get_method(fusion.method)
+            self.conversations.insert(salt, ids, result.keys, result.values, method.name, method.exact)
+        stats = replace(fused, result=replace(result, keys=[], values=[]))
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
 
     def enter(

@@ -149,6 +149,20 @@ def test_an_inexact_methods_next_turn_reads_the_fused_kv_as_it_was_used(index):
         torch.testing.assert_close(live.decoder.cache.values[layer][:, : stored.n_tokens], v, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["full", "cacheblend"])
+def test_the_same_prompt_sent_while_the_first_decodes_reads_its_kv(index, method):
+    """A prompt's fused K/V are kept as soon as it is fused: the same prompt started again before the first is
+    answered reads all of it but its last token, and samples from the same logits."""
+    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    segments, fusion = chat(index, "Who kept the lighthouse diary?"), FusionConfig(method=method)
+    first = gen.start(segments, fusion, GenerationConfig(max_new_tokens=4))
+    again = gen.start(segments, fusion, GenerationConfig(max_new_tokens=4))
+    n = sum(len(s.ids) for s in segments)
+    assert (first.fused.conversation_tokens, again.fused.conversation_tokens) == (0, n - 1)
+    assert again.fused.result.recomputed_tokens == 1
+    torch.testing.assert_close(again.fused.result.logits, first.fused.result.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_conversation_is_its_tenants_alone(index):
     gen = FusedGenerator(index, ConversationCache(1 << 30))
     first, before = turn(gen, chat(index, "Who kept the lighthouse diary?"), "reuse", salt="a")
@@ -171,10 +185,11 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     """A prompt the conversation cache holds all of but its new question enters without a fusion
     (`FusedGenerator.enter`): a decoding step beside another row feeds its tail, and its first logits, K/V and
     answer equal `start`'s fusion of the same prompt over the same cache (which computes the tail alone too)."""
-    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    gen, ref = FusedGenerator(index, ConversationCache(1 << 30)), FusedGenerator(index, ConversationCache(1 << 30))
     second = follow_up(index, gen, method)
+    assert follow_up(index, ref, method) == second  # the same turn 1 in both caches
     fusion, generation = FusionConfig(method=method), GenerationConfig(max_new_tokens=6)
-    fused = gen.start(second, fusion, generation)
+    fused = ref.start(second, fusion, generation)
     list(fused.decoder.run(fused.first_token))
     pool = DecodePool()
     other = gen.start(chat(index, "What does the bakery in Saltmere sell?"), fusion, generation, pool=pool)
@@ -293,6 +308,33 @@ def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_
     assert joined.recomputed_tokens == joined.prompt_tokens - joined.conversation_tokens < 20
     assert aware_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 1
     assert fifo_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 0
+
+
+def test_requests_joining_the_batch_leave_a_place_for_a_prefill(index):
+    """Held requests join the batch within its free places but one, so that a request that needs a prefill is
+    never held back by a stream of cheap ones; the rest of them wait, and a prompt that is too long fails alone."""
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Job, Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    second = follow_up(index, gen, "cacheblend")
+    fusion = FusionConfig(method="cacheblend")
+    jobs = [Job(second, fusion, GenerationConfig(max_new_tokens=4), "") for _ in range(4)]
+    too_long = Job(second, fusion, GenerationConfig(max_new_tokens=index.model.context_length), "")
+    scheduler = Scheduler(gen, on_engine, 3, ServerMetrics(index.store.stats), "cache_aware")
+    scheduler.pending.extend([too_long, *jobs])
+
+    async def main() -> None:
+        await scheduler._board()
+
+    asyncio.run(main())
+    assert scheduler.decoding == jobs[:2] and list(scheduler.pending) == jobs[2:]
+    assert "positions" in str(too_long.out.get_nowait())
+    for job in scheduler.decoding:
+        job.live.decoder.close()
 
 
 def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(index, caplog):

@@ -1,6 +1,7 @@
-"""`ConversationCache`: the K/V of prompts already answered, with their answers, kept in memory and
-found by token ids, so that a chat's next turn (the same prompt, the answer, a new message) computes
-only what is new.
+"""`ConversationCache`: the K/V of prompts already fused (kept as soon as they are, so that the same
+prompt sent again while the first is still decoding reads them) and, once answered, of their answers,
+kept in memory and found by token ids, so that a chat's next turn (the same prompt, the answer, a new
+message) computes only what is new.
 
 A radix tree over token ids per tenant (SGLang's RadixAttention): each node holds the K/V of its run
 of tokens, computed behind every token on the path to it, so a prompt reads the longest path its
