@@ -230,46 +230,6 @@ def test_a_prompt_that_needs_a_fusion_does_not_enter_and_reads_nothing(index):
     assert gen.enter(second, fusion, generation, most=64) is not None
 
 
-def test_cache_aware_order_prefills_the_least_work_first_and_bounds_every_wait(index):
-    """Among waiting requests the scheduler prefills first the one with the fewest tokens left to compute once
-    the conversation cache and the chunk caches are read (oldest first among equals; `fcfs` keeps arrival
-    order), and a request passed over MAX_SKIPS times goes next whatever arrives."""
-    from rag_kvcache.serving.metrics import ServerMetrics
-    from rag_kvcache.serving.scheduler import MAX_SKIPS, Job, Scheduler
-
-    conversations = ConversationCache(1 << 20)
-    chat = tuple(range(1000, 1100))
-    conversations.insert("tenant", chat, *kv(100), "cacheblend", exact=False)
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig()
-
-    def job(*segments: Segment, salt: str = "tenant") -> Job:
-        return Job(list(segments), fusion, generation, salt)
-
-    cold = job(Segment(tuple(range(200)), False, "text"))  # 200 tokens to compute
-    rag = job(
-        Segment(tuple(range(300, 320)), False, "text"),
-        Segment(tuple(range(400, 600)), True, "chunk"),
-        Segment((1, 2, 3), False, "question"),
-    )  # 23 to compute, the chunk read from its cache
-    warm = job(Segment(chat + (5, 6, 7), False, "text"))  # the chat's next turn: 3 to compute
-    stranger = job(Segment(chat + (5, 6, 7), False, "text"), salt="other")  # the same tokens, another tenant: 103
-    metrics = ServerMetrics(index.store.stats)
-    scheduler = Scheduler(FusedGenerator(index, conversations), None, 1, metrics, "cache_aware")
-    scheduler.pending.extend([cold, stranger, rag, warm])
-    assert [scheduler._next() for _ in range(4)] == [warm, rag, stranger, cold]
-    fifo = Scheduler(FusedGenerator(index, conversations), None, 1, metrics, "fcfs")
-    fifo.pending.extend([cold, rag, warm])
-    assert [fifo._next() for _ in range(3)] == [cold, rag, warm]
-
-    old = job(Segment(tuple(range(200)), False, "text"))
-    scheduler.pending.append(old)
-    served = []
-    for i in range(MAX_SKIPS + 2):
-        scheduler.pending.append(job(Segment(chat + (i,), False, "text")))  # a cheap request arrives each time
-        served.append(scheduler._next())
-    assert served.index(old) == MAX_SKIPS  # passed over MAX_SKIPS times, then next
-
-
 @pytest.mark.parametrize("method", ["full", "cacheblend"])
 def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_fcfs(index, method):
     """Served with `cache_aware`, a chat's next turn (held by the conversation cache but its new question) joins
@@ -349,7 +309,7 @@ def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(
         raise RuntimeError("planted failure")
 
     metrics, ran = ServerMetrics(index.store.stats), []
-    scheduler = Scheduler(FusedGenerator(index), on_engine, 1, metrics)
+    scheduler = Scheduler(FusedGenerator(index), on_engine, 1, metrics, "fcfs")
 
     async def main() -> None:
         scheduler.later(planted)

@@ -776,7 +776,13 @@ def three_in_one_scheduler(running: Running, jobs: list[tuple[list[Segment], Gen
     metrics = ServerMetrics(engine.index.store.stats)
 
     async def serve() -> list[object]:
-        scheduler = Scheduler(engine.generator, lambda fn, *args: asyncio.to_thread(engine.run, fn, *args), 3, metrics)
+        scheduler = Scheduler(
+            engine.generator,
+            lambda fn, *args: asyncio.to_thread(engine.run, fn, *args),
+            3,
+            metrics,
+            ServerConfig().order,
+        )
 
         async def collect(segments: list[Segment], generation: GenerationConfig) -> list[object]:
             return [step async for step in scheduler.stream(segments, fusion, generation)]

@@ -11,16 +11,16 @@ its answer is complete (end of sequence, stop string, `max_tokens`) or its clien
 new one joins after its prefill, between two steps; at most `max_batch` decode together. With
 `max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
 
-Which waiting request is prefilled next (`order`): `fcfs`, the oldest, one a tick; or `cache_aware`, which
+Which waiting requests go first (`order`): `fcfs`, the oldest, one prefill a tick; or `cache_aware`, which
 first lets every waiting request whose prompt the conversation cache holds all of but a tail of at most
-`RIDE_TOKENS` (a chat's next turn, a question asked again) join the batch at once, without a prefill of its
-own: its held K/V go into its slot and its tail is fed by the next batched step, beside the decoding rows
+`RIDE_TOKENS` (a chat's next turn, a question asked again, even while its first asking still decodes: a
+prompt's K/V are kept as soon as it is fused) join the batch at once, without a prefill of its own: its held
+K/V go into its slot and its tail is fed by the next batched step, beside the decoding rows
 (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
 all free places of the batch but one, kept for a prefill (else a stream of cheap turns could fill the batch
-and hold a cold request back for as long as it lasts); then
-prefills the one with the fewest tokens left to compute once the conversation cache and the chunk caches are
-read, the oldest among equals, and never one passed over `MAX_SKIPS` times: every request's wait stays bounded
-(benchmarks/chat/trace.py and benchmarks/RESULTS.md: the trace's times to the first token against `fcfs`).
+and hold a cold request back for as long as it lasts); the others are then prefilled oldest first
+(benchmarks/chat/trace.py and benchmarks/RESULTS.md: at 16 clients both the median and the p99 time to the
+first token fall under `fcfs`'s; least work first, tried, halves the median and lengthens the tail).
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
@@ -46,7 +46,6 @@ from ..answers import Answer, Generation
 from ..config import FusionConfig, GenerationConfig
 from ..engine.decoding import DecodePool
 from ..engine.generation import Step, decode_together
-from ..engine.methods import get_method
 from ..engine.prompt import Segment
 from ..generator import FusedGenerator
 from .metrics import ServerMetrics
@@ -54,7 +53,6 @@ from .metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 _END = object()  # a job's last item: its stream ends
-MAX_SKIPS = 16  # cache_aware: a waiting request passed over this many times is prefilled next
 RIDE_TOKENS = 64  # cache_aware: prompt tokens, all tails together, that held prompts feed with a decoding step
 MAX_IDLE = 8  # background tasks queued for an idle moment (`later`); more drop the oldest
 Order = Literal["fcfs", "cache_aware"]
@@ -72,7 +70,6 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
-    skipped: int = 0  # times another waiting request was prefilled before it (`cache_aware`)
     submitted: float = field(default_factory=time.perf_counter)
 
     def deliver(self, released: list[Step], answer: Answer | None) -> None:
@@ -95,7 +92,7 @@ class Scheduler:
         on_engine: Callable[..., Awaitable[Any]],
         max_batch: int,
         metrics: ServerMetrics,
-        order: Order = "fcfs",
+        order: Order,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
@@ -166,7 +163,7 @@ class Scheduler:
                 if self.order == "cache_aware" and self.pending and len(self.decoding) < self.max_batch - 1:
                     await self._board()
                 if self.pending and len(self.decoding) < self.max_batch:
-                    await self._prefill(self._next())
+                    await self._prefill(self.pending.popleft())
                 self._keep(lambda job: not job.cancelled)
                 if self.decoding:
                     await self._step(self.decoding)
@@ -185,31 +182,6 @@ class Scheduler:
             self.metrics.background.labels("failed").inc()
         else:
             self.metrics.background.labels("done").inc()
-
-    def _next(self) -> Job:
-        """The waiting request to prefill now, taken out of `pending` (see the module: `order`)."""
-        if self.order == "fcfs" or len(self.pending) == 1:
-            return self.pending.popleft()
-        overdue = next((job for job in self.pending if job.skipped >= MAX_SKIPS), None)
-        job = overdue or min(self.pending, key=self._work)  # min keeps the first, the oldest, among equals
-        self.pending.remove(job)
-        for other in self.pending:
-            other.skipped += 1
-        return job
-
-    def _work(self, job: Job) -> int:
-        """Tokens `job`'s prefill will compute, about: those after what the conversation cache holds of its
-        prompt, but for the chunk caches it reads (a method that reads none computes them all)."""
-        conversations = self.generator.conversations
-        ids = [t for seg in job.segments for t in seg.ids]
-        held = 0 if conversations is None else conversations.held(job.salt, ids)
-        reads = get_method(job.fusion.method).reads_cache
-        work, start = 0, 0
-        for seg in job.segments:
-            end = start + len(seg.ids)
-            work += max(0, end - max(start, held)) if not (seg.cacheable and reads) else 0
-            start = end
-        return work
 
     async def _prefill(self, job: Job) -> None:
         if job.cancelled:

@@ -47,10 +47,10 @@ class ServerConfig:
         16 << 20, "Largest request body, in bytes (larger: 413, refused before it is parsed)."
     )
     order: Literal["fcfs", "cache_aware"] = setting(
-        "fcfs",
-        "Which waiting request is prefilled next: the oldest (fcfs), or the one with the fewest tokens left to "
-        "compute once cached conversations and chunks are read (cache_aware: lower median time to first token, a "
-        "longer tail; a request passed over 16 times goes next).",
+        "cache_aware",
+        "Which waiting requests go first: the oldest, one prefill at a time (fcfs); or (cache_aware) first every "
+        "request whose prompt the conversation cache holds but a short tail (a chat's next turn, a question asked "
+        "again), which joins the decoding batch without a prefill of its own, then the others oldest first.",
     )
     history: Literal["halve", "refuse"] = setting(
         "halve",
