@@ -226,7 +226,7 @@ class StorageConfig:
     )
     conversation_bytes: int = setting(
         512 << 20,
-        "Memory for the K/V of answered prompts and their answers, so that a chat's next turn computes only its "
+        "Memory for the K/V of fused prompts and their answers, so that a chat's next turn computes only its "
         "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
     )
 

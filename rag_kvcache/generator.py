@@ -5,8 +5,8 @@ One question flows downhill: `ask` retrieves (or takes the given hits) and lays 
 chunks in it by their token ids (`layout`'s `PromptLayout`), so pipelines that build their own prompts are
 fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last. With a
-`ConversationCache`, every answered prompt's K/V and its answer's are kept, and a prompt that continues
-one (a chat's next turn) reads them and computes only its new tokens.
+`ConversationCache`, every fused prompt's K/V (at once) and its answer's are kept, and a prompt that continues
+one (a chat's next turn, the same question again) reads them and computes only its new tokens.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class FusedGenerator:
         index: KVIndex,
         conversations: ConversationCache | None = None,
     ) -> None:
-        """`conversations`: where answered prompts' K/V are kept for the turns that continue them (None:
+        """`conversations`: where fused prompts' K/V are kept for the turns that continue them (None:
         nothing is kept, every prompt is fused from the chunk caches alone). The fusion methods run on the
         index's model (`index.model`: transformers' weights, or vLLM's in the connector's worker); answering
         decodes on transformers' (`index.adapter`)."""
@@ -283,6 +283,23 @@ class FusedGenerator:
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
 
+    def joinable(self, segments: Sequence[Segment], fusion: FusionConfig | None = None, salt: str = "") -> int | None:
+        """The tokens a prompt leaves to compute when it needs no fusion of its own: the conversation cache
+        holds a head of it longer than the system prefix, and nothing after that head is read from a chunk
+        cache. The head is then one exact cached segment at position 0, so every method computes the rest, the
+        tail, alone (what `start` would fuse), and `enter` can leave it to a batched step. None for any other
+        prompt. Reads nothing from the cache (no lookup counted)."""
+        method = get_method((fusion or self.index.config.query.fusion).method)
+        if self.conversations is None:
+            return None
+        ids = tuple(t for s in segments for t in s.ids)
+        held = self.conversations.held(salt, ids, method.name if method.exact else None)
+        if held <= self._stored(segments):
+            return None
+        if method.reads_cache and any(s.cacheable for s in segments_after(segments, ids, held, True)):
+            return None  # a chunk after the held head would be read from its cache: fused by `start`
+        return len(ids) - held
+
     def enter(
         self,
         segments: Sequence[Segment],
@@ -290,37 +307,30 @@ class FusedGenerator:
         generation: GenerationConfig | None = None,
         salt: str = "",
         pool: DecodePool | None = None,
-        most: int = 0,
-    ) -> Generation | None:
-        """Start a prompt without a fusion of its own, when it needs none: the conversation cache holds all of
-        it but a tail of at most `most` tokens, and nothing after the held head is read from a chunk cache.
-        The held head is then one exact cached segment at position 0, so every method computes the tail alone
-        (what `start` would fuse); here its K/V are taken into a slot of `pool` and the tail is left to the
-        decoder's first batched step (`decode_together`, beside other rows), which samples the first token.
-        Returns a `Generation` without one (`first_token` None; `entered` once that step is done), or None
-        for any other prompt, without reading the cache (`start` fuses it)."""
+    ) -> Generation:
+        """Start a prompt that needs no fusion of its own (`joinable`) without one: the K/V of the head the
+        conversation cache holds go into a slot of `pool`, and the tail is left to the decoder's first batched
+        step (`decode_together`, beside other rows), which samples the first token. Returns a `Generation`
+        without one (`first_token` None; `entered` once that step is done); a prompt that is not joinable is
+        refused (`ValueError`)."""
         fusion = fusion or self.index.config.query.fusion
         generation = generation or self.index.config.query.generation
-        if self.conversations is None:
-            return None
-        method = get_method(fusion.method)
-        ids = tuple(t for s in segments for t in s.ids)
-        held = self.conversations.held(salt, ids, method.name if method.exact else None)
-        if held <= self._stored(segments) or len(ids) - held > most:
-            return None
-        if method.reads_cache and any(s.cacheable for s in segments_after(segments, ids, held, True)):
-            return None  # a chunk after the held head would be read from its cache: fused by `start`
+        tail = self.joinable(segments, fusion, salt)
+        if tail is None or self.conversations is None:
+            raise ValueError("enter() takes a prompt the conversation cache holds but its tail: use start()")
         self._fits(segments, generation)
         t0 = time.perf_counter()
+        method = get_method(fusion.method)
+        ids = tuple(t for s in segments for t in s.ids)
         hit = self.conversations.match(salt, ids, method.name if method.exact else None)
-        if hit is None or hit.n_tokens != held:
-            raise RuntimeError(f"the conversation cache held {held} tokens of the prompt and then read {hit}")
+        if hit is None or hit.n_tokens != len(ids) - tail:
+            raise RuntimeError(f"the conversation cache held {len(ids) - tail} tokens of the prompt and read {hit}")
         layers = [hit.kv.layer(i) for i in range(hit.kv.n_layers)]  # L x ([H_kv, n, D], [H_kv, n, D])
         decoder = Decoder(self.adapter, generation)
-        decoder.start([k for k, _ in layers], [v for _, v in layers], pool, tail=ids[held:])
-        n_layers, tail = hit.kv.n_layers, len(ids) - held
-        result = FusionResult([], [], torch.empty(0), tail, tail / len(ids), [tail] * n_layers)
-        return Generation(decoder, None, fusion.method, Fused(result, len(ids), 0, 0, held), t0, 0.0, ids, salt)
+        decoder.start([k for k, _ in layers], [v for _, v in layers], pool, tail=ids[hit.n_tokens :])
+        result = FusionResult([], [], torch.empty(0), tail, tail / len(ids), [tail] * hit.kv.n_layers)
+        stats = Fused(result, len(ids), 0, 0, hit.n_tokens)
+        return Generation(decoder, None, fusion.method, stats, t0, 0.0, ids, salt)
 
     def entered(self, live: Generation) -> Generation:
         """A generation from `enter` after the batched step that fed its tail: its time to the first token

@@ -194,7 +194,7 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     pool = DecodePool()
     other = gen.start(chat(index, "What does the bakery in Saltmere sell?"), fusion, generation, pool=pool)
     other.decoder.take(other.first_token)
-    live = gen.enter(second, fusion, generation, pool=pool, most=len(second[1].ids) + 1)
+    live = gen.enter(second, fusion, generation, pool=pool)
     n = sum(len(s.ids) for s in second)
     assert live is not None and live.first_token is None
     assert live.fused.conversation_tokens == fused.fused.conversation_tokens == n - len(live.decoder.tail)
@@ -213,21 +213,24 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     assert answer.ttft_s > 0 and answer.first_token_logits.shape == fused.fused.result.logits.shape
 
 
-def test_a_prompt_that_needs_a_fusion_does_not_enter_and_reads_nothing(index):
-    """`enter` refuses, without counting a lookup, a prompt with no conversation cache, one whose uncached tail
-    is longer than `most`, and one with a chunk after the held head that its method reads from a cache."""
+def test_a_prompt_that_needs_a_fusion_is_not_joinable_and_reads_nothing(index):
+    """`joinable` gives the tail of a prompt the conversation cache holds (what its fusion computes), and None, without
+    counting a lookup, for a prompt with no conversation cache and one with a chunk after the held head that its
+    method reads from a cache (or that an exact method never computed); `enter` refuses what is not joinable."""
     conversations = ConversationCache(1 << 30)
     gen = FusedGenerator(index, conversations)
     second = follow_up(index, gen, "cacheblend")
-    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=2)
+    fusion = FusionConfig(method="cacheblend")
     lookups = conversations.stats.lookups
-    assert FusedGenerator(index).enter(second, fusion, generation, most=64) is None
-    assert gen.enter(second, fusion, generation, most=len(second[1].ids) - 1) is None
+    tail = gen.joinable(second, fusion)
+    assert FusedGenerator(index).joinable(second, fusion) is None
     chunked = [*second[:1], *chat(index, "Who founded the observatory?")[1:]]  # its chunks after the held head
-    assert gen.enter(chunked, fusion, generation, most=10_000) is None
-    assert gen.enter(chunked, FusionConfig(method="full"), generation, most=10_000) is None  # full's nodes: none
+    assert gen.joinable(chunked, fusion) is None
+    assert gen.joinable(chunked, FusionConfig(method="full")) is None  # full's nodes: none
     assert conversations.stats.lookups == lookups
-    assert gen.enter(second, fusion, generation, most=64) is not None
+    with pytest.raises(ValueError, match="use start"):
+        gen.enter(chunked, fusion, GenerationConfig(max_new_tokens=2))
+    assert tail == gen.start(second, fusion, GenerationConfig(max_new_tokens=2)).fused.result.recomputed_tokens
 
 
 @pytest.mark.parametrize("method", ["full", "cacheblend"])
@@ -270,9 +273,10 @@ def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_
     assert fifo_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 0
 
 
-def test_requests_joining_the_batch_leave_a_place_for_a_prefill(index):
-    """Held requests join the batch within its free places but one, so that a request that needs a prefill is
-    never held back by a stream of cheap ones; the rest of them wait, and a prompt that is too long fails alone."""
+def test_requests_joining_the_batch_leave_a_place_to_the_oldest_that_needs_a_prefill(index):
+    """Held requests join the batch in arrival order while it has places, but the oldest request that needs a
+    prefill keeps one (only older requests go before it), and it is the one prefilled next; a prompt that is too
+    long fails alone."""
     from rag_kvcache.serving.metrics import ServerMetrics
     from rag_kvcache.serving.scheduler import Job, Scheduler
 
@@ -281,18 +285,20 @@ def test_requests_joining_the_batch_leave_a_place_for_a_prefill(index):
 
     gen = FusedGenerator(index, ConversationCache(1 << 30))
     second = follow_up(index, gen, "cacheblend")
-    fusion = FusionConfig(method="cacheblend")
-    jobs = [Job(second, fusion, GenerationConfig(max_new_tokens=4), "") for _ in range(4)]
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=4)
+    held = [Job(second, fusion, generation, "") for _ in range(4)]
+    cold = Job(chat(index, "Who founded the observatory?"), fusion, generation, "")
     too_long = Job(second, fusion, GenerationConfig(max_new_tokens=index.model.context_length), "")
     scheduler = Scheduler(gen, on_engine, 3, ServerMetrics(index.store.stats), "cache_aware")
-    scheduler.pending.extend([too_long, *jobs])
+    scheduler.pending.extend([held[0], too_long, cold, *held[1:]])
 
     async def main() -> None:
         await scheduler._board()
 
     asyncio.run(main())
-    assert scheduler.decoding == jobs[:2] and list(scheduler.pending) == jobs[2:]
+    assert scheduler.decoding == held[:2] and list(scheduler.pending) == [cold, *held[2:]]
     assert "positions" in str(too_long.out.get_nowait())
+    assert scheduler._next() is cold
     for job in scheduler.decoding:
         job.live.decoder.close()
 

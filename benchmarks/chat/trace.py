@@ -1,12 +1,14 @@
 """Replayed trace of mixed chats and RAG questions at 16 clients through `rag-kvcache serve`: the
-cache-aware prefill order against first-come-first-served (issue 36).
+cache-aware order against first-come-first-served (issue 36).
 
 Half the clients chat (a first message quoting the documents, then follow-up questions; each turn after
 the first reads the chat so far from the conversation cache and computes a few dozen tokens); the other
-half send RAG questions with `full` (the chunks retrieved by the server, every token computed: the heavy
-requests of the trace). Each policy gets its own server (`--order fcfs` or `cache_aware`), the same trace,
-one after the other. Per request the client measures the time to the first streamed token (queueing
-included); reported: p50, p90, p99 and mean over all requests and per kind.
+half send RAG questions with `full` (the chunks retrieved by the server, every token computed the first
+time a question is asked: the heavy requests of the trace; six questions, so the others are asked again and
+read the first asking's K/V). Each policy gets its own server (`--order fcfs`, every request prefilled oldest
+first, or `cache_aware`, requests held by the conversation cache joining the decoding batch at once), the
+same trace, one after the other. Per request the client measures the time to the first streamed token
+(queueing included); reported: p50, p90, p99 and mean over all requests and per kind.
 
     python benchmarks/chat/trace.py --index /tmp/chat-idx --out benchmarks/chat/trace-results.json
 """
@@ -21,6 +23,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversation import QUESTIONS, Server, build_index  # noqa: E402
@@ -48,6 +53,12 @@ def summary(ttfts: list[float]) -> dict[str, float]:
         "p99_s": percentile(ttfts, 0.99),
         "mean_s": statistics.fmean(ttfts),
     }
+
+
+def joined_requests(server: Server) -> int:
+    """The server's count of requests that joined the decoding batch without a prefill of their own."""
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)
+    return int(next(s.value for f in families for s in f.samples if s.name == "rag_kvcache_joined_requests_total"))
 
 
 def run_trace(server: Server, documents: str, clients: int, turns: int, max_tokens: int) -> list[dict]:
@@ -115,6 +126,7 @@ def main() -> None:
             t0 = time.perf_counter()
             rows = run_trace(server, "\n\n".join(h["text"] for h in hits), args.clients, args.turns, args.max_tokens)
             wall = time.perf_counter() - t0
+            joined = joined_requests(server)
             if server.proc.poll() is not None:
                 raise RuntimeError(
                     f"the {order} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
@@ -124,6 +136,7 @@ def main() -> None:
         answered = [r for r in rows if "error" not in r]
         results[order] = {
             "wall_s": wall,
+            "joined": joined,  # requests that joined the decoding batch without a prefill (`cache_aware`)
             "failed": [r for r in rows if "error" in r],
             "all": summary([r["ttft_s"] for r in answered]),
             **{kind: summary([r["ttft_s"] for r in answered if r["kind"] == kind]) for kind in ("chat", "rag")},

@@ -1,6 +1,6 @@
 """`Engine`: an opened index and its generator, confined to one worker thread.
 
-A chat's turns share work through the engine: its generator keeps answered prompts' K/V
+A chat's turns share work through the engine: its generator keeps fused prompts' K/V
 (`ConversationCache`, `StorageConfig.conversation_bytes`), read by the turns that continue them.
 
 An index owns a SQLite connection (bound to the thread that opened it) and one model that serves

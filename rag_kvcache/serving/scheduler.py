@@ -17,8 +17,9 @@ first lets every waiting request whose prompt the conversation cache holds all o
 prompt's K/V are kept as soon as it is fused) join the batch at once, without a prefill of its own: its held
 K/V go into its slot and its tail is fed by the next batched step, beside the decoding rows
 (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
-all free places of the batch but one, kept for a prefill (else a stream of cheap turns could fill the batch
-and hold a cold request back for as long as it lasts); the others are then prefilled oldest first
+the batch's free places, of which the oldest request that needs a prefill keeps one (else a stream of cheap
+turns could fill the batch and hold a cold request back for as long as it lasts: only requests older than it
+go before it); the others are then prefilled oldest first
 (benchmarks/chat/trace.py and benchmarks/RESULTS.md: at 16 clients both the median and the p99 time to the
 first token fall under `fcfs`'s; least work first, tried, halves the median and lengthens the tail).
 
@@ -70,6 +71,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
+    tail: int | None = None  # `cache_aware`: tokens it would compute joining the batch; None: it needs a prefill
     submitted: float = field(default_factory=time.perf_counter)
 
     def deliver(self, released: list[Step], answer: Answer | None) -> None:
@@ -160,10 +162,10 @@ class Scheduler:
                         continue
                     self._wake.clear()
                     await self._wake.wait()
-                if self.order == "cache_aware" and self.pending and len(self.decoding) < self.max_batch - 1:
+                if self.order == "cache_aware" and self.pending and len(self.decoding) < self.max_batch:
                     await self._board()
                 if self.pending and len(self.decoding) < self.max_batch:
-                    await self._prefill(self.pending.popleft())
+                    await self._prefill(self._next())
                 self._keep(lambda job: not job.cancelled)
                 if self.decoding:
                     await self._step(self.decoding)
@@ -198,11 +200,9 @@ class Scheduler:
             self._count()
 
     async def _board(self) -> None:
-        """`cache_aware`: the waiting requests that need no prefill of their own join the batch, all of its free
-        places but one, kept for this tick's prefill: joining requests never hold back one that needs a prefill."""
-        room = self.max_batch - len(self.decoding) - 1
+        """`cache_aware`: the waiting requests that need no prefill of their own join the batch (see the module)."""
         jobs = [job for job in self.pending if not job.cancelled]
-        entered = await self.on_engine(self._enter, jobs, room)
+        entered = await self.on_engine(self._enter, jobs, self.max_batch - len(self.decoding))
         for job, live in zip(jobs, entered):
             if live is None:
                 continue
@@ -216,23 +216,35 @@ class Scheduler:
             self.metrics.joined.inc()
         self._count()
 
-    def _enter(self, jobs: list[Job], room: int) -> list[Generation | Exception | None]:
-        """On the engine's thread: each of `jobs` in order started without a prefill where it can be
-        (`FusedGenerator.enter`), while the batch has `room` and the tails fit in `RIDE_TOKENS`; None for the others."""
-        out: list[Generation | Exception | None] = []
-        left = RIDE_TOKENS
+    def _enter(self, jobs: list[Job], free: int) -> list[Generation | Exception | None]:
+        """On the engine's thread: in order, each of `jobs` started without a prefill where it can join the batch
+        (`FusedGenerator.joinable`, a tail within what is left of `RIDE_TOKENS`: `FusedGenerator.enter`) while
+        places are `free`, the oldest that needs a prefill (`tail` None) keeping one for it, so that only
+        requests older than it go before it; None for the others."""
+        room, left, kept, out = free, RIDE_TOKENS, False, []
         for job in jobs:
+            tail = self.generator.joinable(job.segments, job.fusion, job.salt)
+            job.tail = tail if tail is not None and tail <= RIDE_TOKENS else None
             live: Generation | Exception | None = None
-            if room > 0 and left > 0:
+            if job.tail is None:
+                room, kept = room - (not kept), True  # the oldest that needs a prefill keeps a place
+            elif room > 0 and job.tail <= left:
                 try:
-                    live = self.generator.enter(job.segments, job.fusion, job.generation, job.salt, self.pool, left)
+                    live = self.generator.enter(job.segments, job.fusion, job.generation, job.salt, self.pool)
                 except Exception as e:
                     live = e
-            if isinstance(live, Generation):
-                room -= 1
-                left -= len(live.decoder.tail)
+                else:
+                    room, left = room - 1, left - job.tail
             out.append(live)
         return out
+
+    def _next(self) -> Job:
+        """The waiting request to prefill now, taken out of `pending`: the oldest; with `cache_aware`, the oldest
+        that cannot join the batch without a prefill when one waits (the others join as places free up)."""
+        job = next((job for job in self.pending if job.tail is None), None) if self.order == "cache_aware" else None
+        job = job or self.pending[0]
+        self.pending.remove(job)
+        return job
 
     def _start(self, job: Job) -> tuple[Generation, list[Step], Answer | None]:
         """On the engine's thread: the prefill and the first token."""

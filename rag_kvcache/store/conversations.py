@@ -87,7 +87,7 @@ class ConversationStats:
 
 
 class ConversationCache:
-    """The K/V of answered prompts and their answers, per tenant (`salt`), within `max_bytes` (see the module)."""
+    """The K/V of fused prompts and their answers, per tenant (`salt`), within `max_bytes` (see the module)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
