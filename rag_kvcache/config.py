@@ -35,6 +35,7 @@ CodecName = Literal["none", "int8-channel", "int8-token", "fp8"]  # implemented 
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_MAX_FILE_BYTES = 8 << 20
 DEFAULT_MAX_DOCUMENTS = 100_000
+EPIC_SHARE = 8  # an unset epic_k recomputes this share (1/EPIC_SHARE) of a chunk's size: 16 of 128 tokens, 64 of 512
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, epic_evidence, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
@@ -50,7 +51,8 @@ class FusionConfig:
     `ratio`, `check_layer`, `deviation` are CacheBlend's knobs (paper defaults: 15%, layer 1, K);
     `filter_steps` > 1 enables the paper's gradual filtering (§4.3): the kept fraction shrinks
     linearly from `min(1, 2 * ratio)` at the check layer to `ratio` over that many layers.
-    `epic_k` is EPIC LegoLink's number of recomputed leading tokens per chunk (paper default 16).
+    `epic_k` is EPIC LegoLink's number of recomputed leading tokens per chunk (paper default 16); unset, an
+    `EPIC_SHARE`-th of the index's chunk size (`for_chunks`, before fusing): 16 at 128-token chunks, 64 at 512.
     `ratio="auto"` asks the loading controller; `store.controller.resolve_ratio` turns it into a
     number before fusing.
     """
@@ -68,7 +70,11 @@ class FusionConfig:
         1, "CacheBlend gradual filtering: narrow the selection to the ratio over this many layers."
     )
     deviation: Deviation = setting("k", "CacheBlend: select the tokens whose K (or V) deviates most from the cache.")
-    epic_k: int = setting(16, "EPIC: recomputed leading tokens per chunk.")
+    epic_k: int | None = setting(
+        None,
+        "EPIC: recomputed leading tokens per chunk; unset: an eighth of the index's chunk size (16 at 128-token "
+        "chunks, 64 at 512), the same share of every chunk at any chunk size.",
+    )
     match_words: int = setting(
         3, "epic_match: a sentence echoes the question when it shares this many distinct words with it."
     )
@@ -112,7 +118,7 @@ class FusionConfig:
             raise ConfigError(f"filter_steps must be >= 1, got {self.filter_steps!r}")
         if self.deviation not in ("k", "v"):
             raise ConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
-        if self.epic_k < 0:
+        if self.epic_k is not None and self.epic_k < 0:
             raise ConfigError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if self.match_words < 1:
             raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
@@ -124,6 +130,11 @@ class FusionConfig:
             raise ConfigError(f"drift_limit must be >= 0 or None, got {self.drift_limit!r}")
         if self.drift_layers < 1:
             raise ConfigError(f"drift_layers must be >= 1, got {self.drift_layers!r}")
+
+    def for_chunks(self, chunk_tokens: int) -> FusionConfig:
+        """This config with `epic_k` set for an index of `chunk_tokens`-token chunks: as given, else an
+        `EPIC_SHARE`-th of the chunk size (EPIC's 16 heads are that share of a 128-token chunk)."""
+        return self if self.epic_k is not None else replace(self, epic_k=max(1, chunk_tokens // EPIC_SHARE))
 
 
 @dataclass(frozen=True)

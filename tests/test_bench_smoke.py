@@ -62,7 +62,7 @@ def bench_out(tiny, tmp_path_factory):
 
 def test_bench_writes_every_record_summary_and_plot(bench_out):
     results = json.loads((bench_out / "results.json").read_text())
-    variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig(), Config())]
+    variants = [v.label for v in plan(BenchSettings(sweep=True), FusionConfig().for_chunks(128), Config())]
     *entries, floor = results["summary"]
     assert [Variant(e["method"], tuple(e["params"].items())).label for e in entries] == variants
     assert (floor["method"], floor["params"], floor["noise_floor"], floor["n"]) == ("full", NOISE_FLOOR, True, 3)

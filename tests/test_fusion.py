@@ -54,7 +54,7 @@ def rag_prompt(adapter, seed: int = 0, n_chunks: int = 3, chunk_len: int = 24, i
 
 
 def run(adapter, inp, method, **cfg):
-    return get_method(method)(adapter, inp, FusionConfig(method=method, **cfg))
+    return get_method(method)(adapter, inp, FusionConfig(method=method, **{"epic_k": 16, **cfg}))
 
 
 def test_rerotation_equals_computing_at_offset(tiny):
@@ -351,3 +351,12 @@ def test_cacheblend_over_its_drift_limit_equals_full(tiny):
     under = run(tiny, inp, "cacheblend", ratio=0.15, drift_limit=plain.drift * 2)
     assert not under.bounded and under.active_per_layer == plain.active_per_layer
     assert torch.equal(under.logits, plain.logits)
+
+
+def test_an_unset_epic_k_is_an_eighth_of_the_chunk_size_and_a_method_refuses_it_unset(tiny):
+    """`epic_k` unset recomputes the same share of a chunk at any chunk size (16 of 128 tokens, 64 of 512); one
+    given is kept; a method handed it unset refuses it rather than guessing."""
+    assert FusionConfig().for_chunks(128).epic_k == 16 and FusionConfig().for_chunks(512).epic_k == 64
+    assert FusionConfig(epic_k=5).for_chunks(512).epic_k == 5
+    with pytest.raises(ValueError, match="epic_k is unset"):
+        get_method("epic")(tiny, rag_prompt(tiny), FusionConfig(method="epic"))

@@ -154,3 +154,18 @@ def test_engine_serves_on_its_thread_and_closes(index):
     with pytest.raises(RuntimeError, match="shutdown"):
         engine.search("diary", 1)
     engine.close()  # closing twice is harmless
+
+
+def test_epic_unset_recomputes_an_eighth_of_the_index_chunk_size(index):
+    """A fusion config without `epic_k` fuses with an eighth of the index's chunk size (24 // 8 = 3 heads here):
+    the same K/V and logits as `epic_k=3` given, not those of another k."""
+    gen, question = FusedGenerator(index), "Who founded the observatory?"
+    fmt = index.format
+    segments = fmt.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
+    )
+    unset = gen.fuse(segments, FusionConfig(method="epic")).result
+    given = gen.fuse(segments, FusionConfig(method="epic", epic_k=3)).result
+    other = gen.fuse(segments, FusionConfig(method="epic", epic_k=1)).result
+    assert unset.active_per_layer == given.active_per_layer != other.active_per_layer
+    torch.testing.assert_close(unset.logits, given.logits, atol=0, rtol=0)

@@ -98,7 +98,8 @@ def main() -> None:
                         caches.append(None)
                         contexts.append(())
                 inp = FusionInput.build(segments, caches, contexts)
-                result = get_method(method)(adapter, inp, replace(config.query.fusion, method=method, **changes))
+                fusion = replace(config.query.fusion, method=method, **changes).for_chunks(config.index.chunk_tokens)
+                result = get_method(method)(adapter, inp, fusion)
                 return Fused(result, inp.n_tokens, 0)
 
             ref = fuse("prefix", "full", {})

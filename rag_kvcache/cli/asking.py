@@ -42,7 +42,7 @@ def ask(
     deviation: Annotated[DeviationName, option(FusionConfig, "deviation")] = DeviationName(
         default(FusionConfig, "deviation")
     ),
-    epic_k: Annotated[int, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
+    epic_k: Annotated[int | None, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
     match_words: Annotated[int, option(FusionConfig, "match_words", min=1)] = default(FusionConfig, "match_words"),
     evidence_sentences: Annotated[int, option(FusionConfig, "evidence_sentences", min=1)] = default(
         FusionConfig, "evidence_sentences"

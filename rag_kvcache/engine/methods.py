@@ -113,8 +113,10 @@ def reuse(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None,
     return selective_prefill(adapter, inp, inp.fresh.nonzero()[:, 0], clock=clock, reader=reader)
 
 
-def chunk_heads(inp: FusionInput, k: int) -> torch.Tensor:
+def chunk_heads(inp: FusionInput, k: int | None) -> torch.Tensor:
     """The first k tokens of every inexact chunk [N] (EPIC's LegoLink heads)."""
+    if k is None:
+        raise ValueError("epic_k is unset: set it for the index's chunk size first (FusionConfig.for_chunks)")
     heads = inp.token_mask(lambda p: False)  # [N]
     for p in inp.parts:
         if p.kv is not None and not p.exact:
