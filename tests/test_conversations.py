@@ -273,6 +273,49 @@ def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_
     assert fifo_metrics.registry.get_sample_value("rag_kvcache_joined_requests_total") == 0
 
 
+def test_a_step_that_fails_with_a_joined_request_fails_its_rows_and_gives_their_slots_back(index, monkeypatch):
+    # fault injection: the batched forward that would feed a joined request's tail raises; both requests in that
+    # step get the error, their slots are given back, and the next request is served as if nothing had happened
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    gen = FusedGenerator(index, ConversationCache(1 << 30))
+    second = follow_up(index, gen, "cacheblend")
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=4)
+    scheduler = Scheduler(gen, on_engine, 4, ServerMetrics(index.store.stats), "cache_aware")
+    real = type(index.adapter).extend_rows
+
+    def planted(self, tokens, caches):
+        if any(len(row) > 1 for row in tokens):
+            raise RuntimeError("planted step failure")
+        return real(self, tokens, caches)
+
+    async def answer(segments) -> object:
+        try:
+            return [item async for item in scheduler.stream(segments, fusion, generation)][-1]
+        except RuntimeError as e:
+            return e
+
+    async def main():
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(type(index.adapter), "extend_rows", planted)
+                failed = await asyncio.gather(
+                    answer(chat(index, "What does the bakery in Saltmere sell?")), answer(second)
+                )
+            assert scheduler.pool.size == 0
+            return failed, await answer(second)
+        finally:
+            await scheduler.close()
+
+    failed, again = asyncio.run(main())
+    assert [str(e) for e in failed] == ["planted step failure"] * 2
+    assert again.conversation_tokens > 0 and again.recomputed_tokens < 20
+
+
 def test_requests_joining_the_batch_leave_a_place_to_the_oldest_that_needs_a_prefill(index):
     """Held requests join the batch in arrival order while it has places, but the oldest request that needs a
     prefill keeps one (only older requests go before it), and it is the one prefilled next; a prompt that is too
