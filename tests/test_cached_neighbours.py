@@ -258,7 +258,9 @@ def test_bench_and_cli_name_it():
     from rag_kvcache.cli import app
 
     variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config())
-    assert variant.caches == "cached_neighbours" and variant.label == "epic_match@cached_neighbours k=16"
+    assert (
+        variant.caches == "cached_neighbours" and variant.label == "epic_match@cached_neighbours k=64"
+    )  # 512-token chunks
     assert made_with(Config(), "cached_neighbours").index.chunk_prefill == "cached_neighbours"
     assert parse_variant("reuse@cached_neighbours", FusionConfig(), replace(CACHED)).caches is None  # the run's own
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)

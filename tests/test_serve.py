@@ -204,10 +204,14 @@ def test_chat_with_history_equals_engine_stream(running):
         ChatTurn("system", ("Be brief.",)),
         ChatTurn("user", ("Hello there.",)),
         ChatTurn("assistant", ("Hello.",)),
-        ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?")),
+        ChatTurn("user", ("What does the bakery sell?",)),
     ]
-    segments = chat_segments(running.engine.index.adapter.tokenizer, CFG.index.system_prompt, turns)
-    steps = list(running.engine.stream(segments, FusionConfig(method="epic"), GenerationConfig(max_new_tokens=5)))
+    fusion = FusionConfig(method="epic")
+    segments = running.engine.run(running.engine.generator.layout.chat_segments, turns, records, fusion)
+    asked = ChatTurn("user", (*(ChunkPart(r.token_ids) for r in records), "What does the bakery sell?"))
+    by_hand = chat_segments(running.engine.index.adapter.tokenizer, CFG.index.system_prompt, [*turns[:-1], asked])
+    assert [t for s in segments for t in s.ids] == [t for s in by_hand for t in s.ids]  # laid out as the server does
+    steps = list(running.engine.stream(segments, fusion, GenerationConfig(max_new_tokens=5)))
     got = running.client().chat.completions.create(
         model=running.model,
         messages=messages,

@@ -104,6 +104,7 @@ def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | 
     an index built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
     spec, _, caches = spec.partition("@")
     method, _, setting = spec.partition(":")
+    base = base.for_chunks(config.index.chunk_tokens)  # the EPIC heads it runs with, shown in its label
     caches = None if caches in ("", config.index.chunk_prefill, config.index.codec) else caches
     keys = METHOD_PARAMS.get(method, ())
     given: dict[str, float | int] = {}
