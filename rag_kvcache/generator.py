@@ -334,9 +334,9 @@ class FusedGenerator:
 
     def entered(self, live: Generation) -> Generation:
         """A generation from `enter` after the batched step that fed its tail: its time to the first token
-        (now) and the logits it was sampled from."""
-        if live.first_token is not None or live.decoder.first_logits is None:
-            raise RuntimeError("entered() takes a generation from enter() whose first step is done")
+        (now) and the logits it was sampled from. Once: a later call would move its time to the first token."""
+        if live.first_token is not None or live.decoder.first_logits is None or live.fused.result.logits.numel():
+            raise RuntimeError("entered() takes a generation from enter() once, after the step that fed its tail")
         result = replace(live.fused.result, logits=live.decoder.first_logits)
         return replace(live, fused=replace(live.fused, result=result), ttft_s=time.perf_counter() - live.started)
 

@@ -200,6 +200,8 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     assert live.fused.conversation_tokens == fused.fused.conversation_tokens == n - len(live.decoder.tail)
     decode_together([other.decoder, live.decoder])
     live = gen.entered(live)
+    with pytest.raises(RuntimeError, match="once"):  # a second call would move its time to the first token
+        gen.entered(live)
     torch.testing.assert_close(live.fused.result.logits, fused.fused.result.logits, atol=1e-4, rtol=1e-4)
     for layer in range(index.adapter.layout.n_layers):
         torch.testing.assert_close(

@@ -295,9 +295,10 @@ class Scheduler:
     def _advance(self, jobs: list[Job]) -> list[tuple[list[Step], Answer | None] | Exception]:
         """On the engine's thread: one batched decoding step, and the answers of those it completed (a
         request's own failure in place of its result)."""
+        joining = [bool(job.live.decoder.tail) for job in jobs]  # joined requests whose tail this step feeds
         released = decode_together([job.live.decoder for job in jobs])
-        for job in jobs:
-            if job.live.first_token is None and job.live.decoder.first_logits is not None:  # its tail was fed
+        for job, fed in zip(jobs, joining):
+            if fed:
                 job.live = self.generator.entered(job.live)
         return [
             r if isinstance(r, Exception) else (r, self.generator.finish(job.live) if job.live.decoder.done else None)
