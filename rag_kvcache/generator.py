@@ -31,7 +31,7 @@ from .engine.profiling import StageClock
 from .engine.prompt import ChatTurn, Segment
 from .engine.sentences import sentence_relevance
 from .index import KVIndex
-from .layout import PromptLayout, n_tokens, system_turns, warn_unquoted
+from .layout import PromptLayout, n_tokens, prompt_ids, system_turns, warn_unquoted
 from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
 from .store.controller import resolve_ratio
 from .store.conversations import ConversationCache, ConversationHit
@@ -69,6 +69,12 @@ def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, re
             out.append(Segment(seg.ids[n - start :], False, seg.label))
         start = end
     return out
+
+
+def _nodes(method: Method) -> str | None:
+    """Whose conversation-cache nodes `method` reads: an exact method its own only (their K/V are what it
+    computes), any other every node (None)."""
+    return method.name if method.exact else None
 
 
 class FusedGenerator:
@@ -179,7 +185,7 @@ class FusedGenerator:
             )
 
         def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the history
-            ids = [t for seg in candidate[1] for t in seg.ids]
+            ids = prompt_ids(candidate[1])
             n = 0 if self.conversations is None else self.conversations.held(salt, ids)
             return n if 2 * n >= len(ids) - last else 0  # the last turn is new: never held
 
@@ -276,9 +282,9 @@ class FusedGenerator:
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
         decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go
-        ids = () if self.conversations is None else tuple(t for s in segments for t in s.ids)  # for `_remember`
+        ids: tuple[int, ...] = ()  # for `_remember`
         if self.conversations is not None:  # kept now: the same prompt sent again while this one decodes reads it
-            method = get_method(fusion.method)
+            ids, method = prompt_ids(segments), get_method(fusion.method)
             self.conversations.insert(salt, ids, result.keys, result.values, method.name, method.exact)
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
@@ -289,11 +295,11 @@ class FusedGenerator:
         cache. The head is then one exact cached segment at position 0, so every method computes the rest, the
         tail, alone (what `start` would fuse), and `enter` can leave it to a batched step. None for any other
         prompt. Reads nothing from the cache (no lookup counted)."""
-        method = get_method((fusion or self.index.config.query.fusion).method)
         if self.conversations is None:
             return None
-        ids = tuple(t for s in segments for t in s.ids)
-        held = self.conversations.held(salt, ids, method.name if method.exact else None)
+        method = get_method((fusion or self.index.config.query.fusion).method)
+        ids = prompt_ids(segments)
+        held = self.conversations.held(salt, ids, _nodes(method))
         if held <= self._stored(segments):
             return None
         if method.reads_cache and any(s.cacheable for s in segments_after(segments, ids, held, True)):
@@ -320,9 +326,8 @@ class FusedGenerator:
             raise ValueError("enter() takes a prompt the conversation cache holds but its tail: use start()")
         self._fits(segments, generation)
         t0 = time.perf_counter()
-        method = get_method(fusion.method)
-        ids = tuple(t for s in segments for t in s.ids)
-        hit = self.conversations.match(salt, ids, method.name if method.exact else None)
+        ids = prompt_ids(segments)
+        hit = self.conversations.match(salt, ids, _nodes(get_method(fusion.method)))
         if hit is None or hit.n_tokens != len(ids) - tail:
             raise RuntimeError(f"the conversation cache held {len(ids) - tail} tokens of the prompt and read {hit}")
         layers = [hit.kv.layer(i) for i in range(hit.kv.n_layers)]  # L x ([H_kv, n, D], [H_kv, n, D])
@@ -342,7 +347,7 @@ class FusedGenerator:
 
     def _fits(self, segments: Sequence[Segment], generation: GenerationConfig) -> None:
         """Refuse a prompt that, with the tokens it may generate, does not fit the model's positions."""
-        n_prompt, limit = sum(len(s.ids) for s in segments), self.layers.context_length
+        n_prompt, limit = n_tokens(segments), self.layers.context_length
         if n_prompt + generation.max_new_tokens > limit:
             raise PromptTooLongError(
                 f"the prompt has {n_prompt} tokens and up to {generation.max_new_tokens} more may be generated, beyond "
@@ -400,8 +405,8 @@ class FusedGenerator:
         segments as they are (and None) when the cache holds no more of them than the prompt's own head."""
         if self.conversations is None:
             return segments, None
-        ids = tuple(t for seg in segments for t in seg.ids)
-        hit = self.conversations.match(salt, ids, method.name if method.exact else None)
+        ids = prompt_ids(segments)
+        hit = self.conversations.match(salt, ids, _nodes(method))
         # the system prefix's cache is always stored; a longer head of request text (a chat's turns before the
         # chunks of its last one) is new text every turn, so a hit that reaches past the prefix saves computing it
         if hit is None or hit.n_tokens <= self._stored(segments):

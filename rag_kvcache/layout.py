@@ -76,6 +76,11 @@ def n_tokens(segments: Sequence[Segment]) -> int:
     return sum(len(seg.ids) for seg in segments)
 
 
+def prompt_ids(segments: Sequence[Segment]) -> tuple[int, ...]:
+    """The prompt's token ids: its segments' end to end."""
+    return tuple(t for seg in segments for t in seg.ids)
+
+
 def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
     """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
     `unmatched` ids before its first run, as far as the head's text ends with it (character for
@@ -150,8 +155,7 @@ class PromptLayout:
         prompts are laid out more often than they are answered (a chat's candidate cuts, a background
         preparation, every request vLLM sees)."""
         fusion = fusion or self.index.config.query.fusion
-        ids = [t for seg in segments for t in seg.ids]
-        matches = self.index.chunks.match(ids)
+        matches = self.index.chunks.match(prompt_ids(segments))
         runs = [StoredRun(s.start, c.token_ids, s.offset, s.length, f"chunk:{c.id}") for s, c in matches]
         out = cached_head(with_runs(segments, runs), self.tokenizer)
         if fusion.template_text and _quotes_chunks(out):

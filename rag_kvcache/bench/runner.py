@@ -252,7 +252,7 @@ def run_benchmark(
     adapter = adapter or ModelAdapter.load(config)
     controller = None
     config, decision = resolve_ratio(config, adapter)  # before indexing, so a missing calibration fails at once
-    config = config.with_query(fusion=config.query.fusion.for_chunks(config.index.chunk_tokens))  # labels show k
+    config = config.with_query(fusion=config.query.fusion.for_chunks(config.index.chunk_tokens))  # the plan records k
     if decision is not None:
         log.info("loading controller: %s", decision.explain())
         controller = {**asdict(decision), "explain": decision.explain()}
