@@ -211,7 +211,11 @@ class StorageConfig:
     prompts' K/V for the turns that continue them (`store.conversations`).
     """
 
-    memory_bytes: int = 256 << 20
+    memory_bytes: int = setting(
+        256 << 20,
+        "Memory for the chunk caches read most recently, decoded: a prompt whose caches are all there reads no "
+        "disk (0: none kept).",
+    )
     memory_on_device: bool = setting(
         False,
         "Keep the memory tier's caches on the model's device (a GPU's memory; memory_bytes is then spent there): "

@@ -289,6 +289,13 @@ class FusedGenerator:
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
 
+    def load(self, segments: Sequence[Segment], fusion: FusionConfig | None = None, salt: str = "") -> int:
+        """Read the chunk caches `fuse` would read for this prompt into the memory tier ahead of its prefill
+        (`CacheOpener.load`); returns how many were read now. Touches neither the model, nor the conversation
+        cache, nor the index's SQLite connection: it may run on another thread while the engine's computes."""
+        method = get_method((fusion or self.index.config.query.fusion).method)
+        return self.index.caches.load(segments, salt) if method.reads_cache else 0
+
     def joinable(self, segments: Sequence[Segment], fusion: FusionConfig | None = None, salt: str = "") -> int | None:
         """The tokens a prompt leaves to compute when it needs no fusion of its own: the conversation cache
         holds a head of it longer than the system prefix, and nothing after that head is read from a chunk

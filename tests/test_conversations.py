@@ -253,7 +253,7 @@ def test_cache_aware_lets_a_held_request_join_the_batch_and_it_answers_as_under_
         gen = FusedGenerator(index, ConversationCache(1 << 30))
         second = follow_up(index, gen, method)
         metrics = ServerMetrics(index.store.stats)
-        scheduler = Scheduler(gen, on_engine, 4, metrics, order)
+        scheduler = Scheduler(gen, on_engine, 4, metrics, order, prefetch=False)
 
         async def answer(segments) -> tuple[str, object]:
             items = [item async for item in scheduler.stream(segments, fusion, generation)]
@@ -287,7 +287,7 @@ def test_a_step_that_fails_with_a_joined_request_fails_its_rows_and_gives_their_
     gen = FusedGenerator(index, ConversationCache(1 << 30))
     second = follow_up(index, gen, "cacheblend")
     fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=4)
-    scheduler = Scheduler(gen, on_engine, 4, ServerMetrics(index.store.stats), "cache_aware")
+    scheduler = Scheduler(gen, on_engine, 4, ServerMetrics(index.store.stats), "cache_aware", prefetch=False)
     real = type(index.adapter).extend_rows
 
     def planted(self, tokens, caches):
@@ -334,7 +334,7 @@ def test_requests_joining_the_batch_leave_a_place_to_the_oldest_that_needs_a_pre
     held = [Job(second, fusion, generation, "") for _ in range(4)]
     cold = Job(chat(index, "Who founded the observatory?"), fusion, generation, "")
     too_long = Job(second, fusion, GenerationConfig(max_new_tokens=index.model.context_length), "")
-    scheduler = Scheduler(gen, on_engine, 3, ServerMetrics(index.store.stats), "cache_aware")
+    scheduler = Scheduler(gen, on_engine, 3, ServerMetrics(index.store.stats), "cache_aware", prefetch=False)
     scheduler.pending.extend([held[0], too_long, cold, *held[1:]])
 
     async def main() -> None:
@@ -360,7 +360,7 @@ def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(
         raise RuntimeError("planted failure")
 
     metrics, ran = ServerMetrics(index.store.stats), []
-    scheduler = Scheduler(FusedGenerator(index), on_engine, 1, metrics, "fcfs")
+    scheduler = Scheduler(FusedGenerator(index), on_engine, 1, metrics, "fcfs", prefetch=False)
 
     async def main() -> None:
         scheduler.later(planted)
@@ -376,3 +376,79 @@ def test_background_tasks_run_while_idle_and_a_failed_one_is_logged_and_counted(
     count = metrics.registry.get_sample_value
     assert count("rag_kvcache_background_tasks_total", {"outcome": "failed"}) == 1
     assert count("rag_kvcache_background_tasks_total", {"outcome": "done"}) == 1
+
+
+# ---- reading waiting requests' caches ahead (`serve --prefetch`) --------------------------------
+def chunk_keys(index, segments: list[Segment]) -> set[str]:
+    from rag_kvcache.store.addressing import address
+
+    return {key for at in address(index.addressing, segments) if not at.request_text for key in at.keys}
+
+
+def test_the_loader_reads_the_next_waiting_requests_caches_so_that_its_prefill_reads_no_disk(index):
+    """With `prefetch`, the next request to be prefilled has every chunk cache it reads put in the memory tier
+    on the loader's thread; its prefill then opens nothing on disk and answers as when it read the disk."""
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Job, Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    gen = FusedGenerator(index)
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=4)
+    segments = chat(index, "Who founded the observatory?")
+    keys = chunk_keys(index, segments)
+    assert keys and not any(key in index.store.memory for key in keys)  # indexing fills no memory
+    from_disk = collect_answer(gen.stream(segments, fusion, generation), None)
+    for key in keys:  # the memory tier cold again
+        index.store.memory.remove(key)
+    metrics = ServerMetrics(index.store.stats)
+    scheduler = Scheduler(gen, on_engine, 1, metrics, "fcfs", prefetch=True)
+    done = Job(segments, fusion, generation, "", loaded=True)
+    job = Job(segments, FusionConfig(method="full"), generation, "")  # reads no cache: nothing to load
+    scheduler.pending.extend([done, job])
+    scheduler._load_ahead()
+    scheduler._loading.result()
+    assert job.loaded and metrics.registry.get_sample_value("rag_kvcache_prefetched_caches_total") == 0
+    scheduler.pending.append(waiting := Job(segments, fusion, generation, ""))
+    scheduler._load_ahead()
+    scheduler._loading.result()
+    scheduler.loader.shutdown()
+    assert waiting.loaded and all(key in index.store.memory for key in keys)
+    assert metrics.registry.get_sample_value("rag_kvcache_prefetched_caches_total") == len(keys)
+    disk_hits = index.store.stats()["disk"].hits  # this process's and those flushed
+    answer = collect_answer(gen.stream(segments, fusion, generation), None)
+    assert index.store.stats()["disk"].hits == disk_hits  # every cache read from memory
+    assert answer.answer == from_disk.answer
+    torch.testing.assert_close(answer.first_token_logits, from_disk.first_token_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_load_is_logged_and_the_request_reads_its_caches_itself(index, monkeypatch, caplog):
+    # fault injection: the loader's read raises; it is logged, and the request it was for is answered as without
+    from rag_kvcache.serving.metrics import ServerMetrics
+    from rag_kvcache.serving.scheduler import Scheduler
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    def planted(*args) -> int:
+        raise OSError("planted read failure")
+
+    gen = FusedGenerator(index)
+    fusion, generation = FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=4)
+    prompts = [chat(index, "Who founded the observatory?"), chat(index, "What does the bakery in Saltmere sell?")]
+    expected = [collect_answer(gen.stream(p, fusion, generation), None).answer for p in prompts]
+    monkeypatch.setattr(gen, "load", planted)
+    scheduler = Scheduler(gen, on_engine, 2, ServerMetrics(index.store.stats), "fcfs", prefetch=True)
+
+    async def answer(segments) -> str:
+        return "".join([item async for item in scheduler.stream(segments, fusion, generation)][:-1])
+
+    async def main() -> list[str]:
+        try:
+            return await asyncio.gather(*map(answer, prompts))
+        finally:
+            await scheduler.close()  # waits for the loader
+
+    assert asyncio.run(main()) == expected
+    assert "planted read failure" in caplog.text and "ahead of its prefill failed" in caplog.text

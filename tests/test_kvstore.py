@@ -76,3 +76,32 @@ def test_truncated_file_is_a_miss(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert store.get("cd" * 16) is None
     assert "corrupt" in caplog.text
+
+
+def test_load_reads_an_entry_into_the_memory_tier_once(tmp_path):
+    key = cache_key("ns", (), (3, 4, 5))
+    store = KVStore(tmp_path, LOSSLESS)
+    store.put(key, make_kv())
+    assert key not in store.memory  # indexing does not fill the memory tier
+    assert store.load(key) and key in store.memory
+    assert not store.load(key)  # there already: nothing read
+    held = store.open(key)
+    assert isinstance(held, ChunkKV) and all(torch.equal(a, b) for a, b in zip(held.keys, make_kv().keys))
+    assert not store.load("ef" * 16)  # missing: left to its reader, which makes it
+    off = KVStore(tmp_path / "off", LOSSLESS, StorageConfig(memory_bytes=0))
+    off.put(key, make_kv())
+    assert not off.load(key) and len(off.memory) == 0
+
+
+def test_a_corrupt_entry_is_not_loaded_and_is_dropped(tmp_path, caplog):
+    # fault injection: a bit flipped on disk; loading it ahead reads nothing into memory and drops the entry, so
+    # the prompt that needs it recomputes it (as when it reads it itself)
+    store = KVStore(tmp_path, LOSSLESS)
+    store.put("ab" * 16, make_kv())
+    path = store.path("ab" * 16)
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        assert not store.load("ab" * 16)
+    assert "ab" * 16 not in store.memory and not path.exists() and "checksum mismatch" in caplog.text

@@ -11,6 +11,12 @@ same trace, one after the other. Per request the client measures the time to the
 (queueing included); reported: p50, p90, p99 and mean over all requests and per kind.
 
     python benchmarks/chat/trace.py --index /tmp/chat-idx --out benchmarks/chat/trace-results.json
+
+`--rag-questions FILE` replaces the six questions with the file's lines, each client asking its own in turn.
+`--variants` names the servers, each `ORDER` or `ORDER:no-prefetch` (the loader that reads waiting requests'
+caches into the memory tier off). With `--rag-method epic_match` (any method that reads chunk caches) and a
+`--memory-bytes` smaller than the chunks the trace reads, most RAG questions find their caches on disk only: the
+cold trace, where reading caches ahead of a prefill can pay.
 """
 
 from __future__ import annotations
@@ -55,13 +61,21 @@ def summary(ttfts: list[float]) -> dict[str, float]:
     }
 
 
-def joined_requests(server: Server) -> int:
-    """The server's count of requests that joined the decoding batch without a prefill of their own."""
+def counter(server: Server, name: str) -> int:
+    """The server's counter `name` (`/metrics`)."""
     families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)
-    return int(next(s.value for f in families for s in f.samples if s.name == "rag_kvcache_joined_requests_total"))
+    return int(next(s.value for f in families for s in f.samples if s.name == f"{name}_total"))
 
 
-def run_trace(server: Server, documents: str, clients: int, turns: int, max_tokens: int) -> list[dict]:
+def run_trace(
+    server: Server,
+    documents: str,
+    clients: int,
+    turns: int,
+    max_tokens: int,
+    rag_method: str,
+    rag_question: Callable[[int, int], str],
+) -> list[dict]:
     rows: list[dict] = []
     lock = threading.Lock()
     start = threading.Barrier(clients)
@@ -96,8 +110,8 @@ def run_trace(server: Server, documents: str, clients: int, turns: int, max_toke
     def rag(c: int) -> None:
         start.wait()
         for i in range(turns):
-            messages = [{"role": "user", "content": RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]}]
-            if record("rag", c, i, lambda: server.ask(messages, "full", max_tokens, extra={"top_k": 3})) is None:
+            messages = [{"role": "user", "content": rag_question(c, i)}]
+            if record("rag", c, i, lambda: server.ask(messages, rag_method, max_tokens, extra={"top_k": 3})) is None:
                 return
 
     threads = [threading.Thread(target=chat if c % 2 == 0 else rag, args=(c,)) for c in range(clients)]
@@ -115,34 +129,61 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rag-method", default="full", help="the RAG questions' method")
+    parser.add_argument("--rag-questions", type=Path, help="a file of RAG questions, one a line")
+    parser.add_argument("--memory-bytes", type=int, help="the servers' memory tier for chunk caches")
+    parser.add_argument("--variants", nargs="+", default=["fcfs", "cache_aware"], help="ORDER or ORDER:no-prefetch")
     args = parser.parse_args()
     if not args.index.exists():
         build_index(args.index)
+    if args.rag_questions is None:  # six questions, asked again and again
+
+        def rag_question(c: int, i: int) -> str:
+            return RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]
+
+    else:  # each RAG client its own questions, in turn
+        lines = args.rag_questions.read_text().splitlines()
+
+        def rag_question(c: int, i: int) -> str:
+            return lines[(c // 2 * args.turns + i) % len(lines)]
+
     results = {}
-    for order in ("fcfs", "cache_aware"):
-        server = Server(args.index, "--order", order, "--max-queue", str(args.clients), "--max-per-key", "0")
+    for variant in args.variants:
+        order, _, prefetch = variant.partition(":")
+        server = Server(
+            args.index,
+            *("--order", order, "--max-queue", str(args.clients), "--max-per-key", "0"),
+            *(("--no-prefetch",) if prefetch == "no-prefetch" else ()),
+            *(("--memory-bytes", str(args.memory_bytes)) if args.memory_bytes is not None else ()),
+        )
         try:
             hits = server.retrieve(QUESTIONS[0], 3)
             t0 = time.perf_counter()
-            rows = run_trace(server, "\n\n".join(h["text"] for h in hits), args.clients, args.turns, args.max_tokens)
+            documents = "\n\n".join(h["text"] for h in hits)
+            rows = run_trace(
+                server, documents, args.clients, args.turns, args.max_tokens, args.rag_method, rag_question
+            )
             wall = time.perf_counter() - t0
-            joined = joined_requests(server)
+            joined, prefetched = (
+                counter(server, name) for name in ("rag_kvcache_joined_requests", "rag_kvcache_prefetched_caches")
+            )
             if server.proc.poll() is not None:
                 raise RuntimeError(
-                    f"the {order} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
+                    f"the {variant} server exited ({server.proc.returncode}) during the trace: {server.stderr()[-4000:]}"
                 )
         finally:
             server.close()
         answered = [r for r in rows if "error" not in r]
-        results[order] = {
+        results[variant] = {
             "wall_s": wall,
             "joined": joined,  # requests that joined the decoding batch without a prefill (`cache_aware`)
+            "prefetched": prefetched,  # chunk caches read into memory for waiting requests
             "failed": [r for r in rows if "error" in r],
             "all": summary([r["ttft_s"] for r in answered]),
             **{kind: summary([r["ttft_s"] for r in answered if r["kind"] == kind]) for kind in ("chat", "rag")},
             "requests": answered,
         }
-        print(order, json.dumps({k: v for k, v in results[order].items() if k != "requests"}), flush=True)
+        print(variant, json.dumps({k: v for k, v in results[variant].items() if k != "requests"}), flush=True)
     args.out.write_text(json.dumps({"results": results, "command": sys.argv}, indent=1) + "\n")
 
 

@@ -62,6 +62,10 @@ def serve(
     request_bytes: Annotated[int, option(StorageConfig, "request_bytes", min=0)] = default(
         StorageConfig, "request_bytes"
     ),
+    memory_bytes: Annotated[int, option(StorageConfig, "memory_bytes", min=0)] = default(StorageConfig, "memory_bytes"),
+    prefetch: Annotated[bool, option(ServerConfig, "prefetch", "--prefetch/--no-prefetch")] = default(
+        ServerConfig, "prefetch"
+    ),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -87,6 +91,7 @@ def serve(
             max_per_key=max_per_key,
             order=order.value,
             history=history.value,
+            prefetch=prefetch,
         )
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(
             template_text=template_text
@@ -98,6 +103,7 @@ def serve(
                 memory_on_device=kv_on_device,
                 conversation_bytes=conversation_bytes,
                 request_bytes=request_bytes,
+                memory_bytes=memory_bytes,
             ),
         )
     except (FileNotFoundError, ValueError) as e:

@@ -148,6 +148,11 @@ class ServerMetrics:
             "all of their prompt but a short tail, fed by a batched step (--order cache_aware).",
             registry=r,
         )
+        self.prefetched = Counter(
+            "rag_kvcache_prefetched_caches",
+            "Chunk caches read into the memory tier for a waiting request while others computed (--prefetch).",
+            registry=r,
+        )
         self.decode_bytes = Gauge(
             "rag_kvcache_decode_cache_bytes",
             "Bytes of the decoding requests' K/V buffers "

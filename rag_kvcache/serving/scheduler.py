@@ -23,6 +23,11 @@ go before it); the others are then prefilled oldest first
 (benchmarks/chat/trace.py and benchmarks/RESULTS.md: at 16 clients both the median and the p99 time to the
 first token fall under `fcfs`'s; least work first, tried, halves the median and lengthens the tail).
 
+With `prefetch`, a loader thread beside the engine's reads the chunk caches of the next waiting request to
+be prefilled from disk (or the remote tier) into the memory tier while the engine computes a prefill or a
+step (`FusedGenerator.load`, one request at a time, each once), so that its prefill reads them from memory; a
+load that fails is logged, and the prefill reads or recomputes the caches itself.
+
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
 needs it, `FusedGenerator.prepare_fit`) runs only when no request is waiting or decoding, one task at a
@@ -40,6 +45,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -72,6 +78,7 @@ class Job:
     live: Generation | None = None
     cancelled: bool = False  # its client has gone: dropped before the next step
     tail: int | None = None  # `cache_aware`: tokens it would compute joining the batch; None: it needs a prefill
+    loaded: bool = False  # `prefetch`: its caches were handed to the loader
     submitted: float = field(default_factory=time.perf_counter)
 
     def deliver(self, released: list[Step], answer: Answer | None) -> None:
@@ -95,6 +102,7 @@ class Scheduler:
         max_batch: int,
         metrics: ServerMetrics,
         order: Order,
+        prefetch: bool,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
@@ -111,6 +119,9 @@ class Scheduler:
         self.idle: deque[Callable[[], object]] = deque(maxlen=MAX_IDLE)  # work for when no request waits
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # reads waiting requests' caches into the memory tier while the engine's thread computes
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="rag-kvcache-prefetch") if prefetch else None
+        self._loading: Future | None = None
 
     async def stream(
         self,
@@ -148,10 +159,12 @@ class Scheduler:
             raise RuntimeError(f"the scheduler has stopped: {self._task}")
 
     async def close(self) -> None:
-        """Stop the loop (the engine's step in flight completes on its thread)."""
+        """Stop the loop (the engine's step in flight completes on its thread, and the loader's load)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.loader is not None:
+            await asyncio.to_thread(self.loader.shutdown, wait=True, cancel_futures=True)
 
     async def _loop(self) -> None:
         try:
@@ -165,9 +178,12 @@ class Scheduler:
                 if self.order == "cache_aware" and self.pending and len(self.decoding) < self.max_batch:
                     await self._board()
                 if self.pending and len(self.decoding) < self.max_batch:
-                    await self._prefill(self._next())
+                    job = self._next()
+                    self._load_ahead()
+                    await self._prefill(job)
                 self._keep(lambda job: not job.cancelled)
                 if self.decoding:
+                    self._load_ahead()
                     await self._step(self.decoding)
         except BaseException as e:  # stopped (shutdown) or broken: no request is left waiting for it
             error = e if isinstance(e, Exception) else RuntimeError("the server is shutting down")
@@ -184,6 +200,23 @@ class Scheduler:
             self.metrics.background.labels("failed").inc()
         else:
             self.metrics.background.labels("done").inc()
+
+    def _load_ahead(self) -> None:
+        """With `prefetch`, once the loader is free: the next waiting request to be prefilled has its caches read
+        into the memory tier on the loader's thread while the engine computes (see the module)."""
+        if self.loader is None or (self._loading is not None and not self._loading.done()):
+            return
+        job = next((job for job in self.pending if job.tail is None and not job.loaded and not job.cancelled), None)
+        if job is not None:
+            job.loaded = True
+            self._loading = self.loader.submit(self._load, job)
+
+    def _load(self, job: Job) -> None:
+        """On the loader's thread: `job`'s chunk caches into the memory tier."""
+        try:
+            self.metrics.prefetched.inc(self.generator.load(job.segments, job.fusion, job.salt))
+        except Exception:  # no answer depends on it: the prefill reads (or recomputes) the caches itself
+            log.warning("reading a waiting request's caches ahead of its prefill failed", exc_info=True)
 
     async def _prefill(self, job: Job) -> None:
         if job.cancelled:

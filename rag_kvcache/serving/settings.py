@@ -52,6 +52,11 @@ class ServerConfig:
         "request whose prompt the conversation cache holds but a short tail (a chat's next turn, a question asked "
         "again), which joins the decoding batch without a prefill of its own, then the others oldest first.",
     )
+    prefetch: bool = setting(
+        True,
+        "While the engine computes, read the chunk caches of the next waiting request from disk (or the remote "
+        "tier) into the memory tier on a thread of their own, so that its prefill reads them from memory.",
+    )
     history: Literal["halve", "refuse"] = setting(
         "halve",
         "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "

@@ -98,6 +98,12 @@ class KVStore:
             return None
         return ChunkKV([k.to(device) for k, _ in layers], [v.to(device) for _, v in layers], source.position)
 
+    def load(self, key: str) -> bool:
+        """Read the entry whole into the memory tier from the first backend holding it, unless it is there
+        already or there is no memory tier; True when it was read now. A missing or corrupt entry is left as
+        it is (its reader recomputes it)."""
+        return self.config.memory_bytes > 0 and key not in self.memory and self.get(key) is not None
+
     def discard(self, key: str) -> None:
         """Forget an entry in every tier."""
         self.memory.remove(key)

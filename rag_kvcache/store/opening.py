@@ -154,6 +154,14 @@ class CacheOpener:
             )
         return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
 
+    def load(self, segments: Sequence[Segment], salt: str = "") -> int:
+        """Read the stored chunk caches the prompt's segments will read into the store's memory tier ahead of
+        `open` (`KVStore.load`: a missing or corrupt entry is left to `open` to make); returns how many were
+        read now. Caches of request text live in their tenant's memory already. Touches no SQLite connection,
+        so it may run beside the thread that owns the index."""
+        keys = {key for at in address(self.maker.addressing, segments, salt) if not at.request_text for key in at.keys}
+        return sum(self.store.load(key) for key in sorted(keys))
+
     def request_tier(self, salt: str) -> MemoryTier:
         """The memory that holds the caches of request text (prompt heads, a chunk behind one) of the API key
         that `salt` names (the part before its first ':'; a request's `cache_salt` splits keys within it),
