@@ -26,7 +26,8 @@ first token fall under `fcfs`'s; least work first, tried, halves the median and 
 With `prefetch`, a loader thread beside the engine's reads the chunk caches of the next waiting request to
 be prefilled from disk (or the remote tier) into the memory tier while the engine computes a prefill or a
 step (`FusedGenerator.load`, one request at a time, each once), so that its prefill reads them from memory; a
-load that fails is logged, and the prefill reads or recomputes the caches itself.
+load that fails is logged, and the prefill reads or recomputes the caches itself. Off by default: on a 2-core CPU
+the loader's reading competes with the engine's compute (benchmarks/RESULTS.md, session 33).
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 Work that no request waits for (`later`: a chat's shortened history prepared before its next turn

@@ -53,9 +53,11 @@ class ServerConfig:
         "again), which joins the decoding batch without a prefill of its own, then the others oldest first.",
     )
     prefetch: bool = setting(
-        True,
+        False,
         "While the engine computes, read the chunk caches of the next waiting request from disk (or the remote "
-        "tier) into the memory tier on a thread of their own, so that its prefill reads them from memory.",
+        "tier) into the memory tier on a thread of their own, so that its prefill reads them from memory. Off by "
+        "default: on a 2-core CPU the reading competes with the engine's compute and the trace ran slower "
+        "(benchmarks/RESULTS.md, session 33); meant for loads that wait on I/O (a remote tier, a GPU's host).",
     )
     history: Literal["halve", "refuse"] = setting(
         "halve",
