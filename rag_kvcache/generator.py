@@ -281,10 +281,10 @@ class FusedGenerator:
         decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
-        decoder.start(result.keys, result.values, pool)  # the decoder holds its own copy: the fused K/V are let go
-        ids: tuple[int, ...] = ()  # for `_remember`
+        ids = prompt_ids(segments)
+        decoder.start(result.keys, result.values, pool, prompt=ids)  # a copy of its own: the fused K/V are let go
         if self.conversations is not None:  # kept now: the same prompt sent again while this one decodes reads it
-            ids, method = prompt_ids(segments), get_method(fusion.method)
+            method = get_method(fusion.method)
             self.conversations.insert(salt, ids, result.keys, result.values, method.name, method.exact)
         stats = replace(fused, result=replace(result, keys=[], values=[]))
         return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
@@ -339,7 +339,7 @@ class FusedGenerator:
             raise RuntimeError(f"the conversation cache held {len(ids) - tail} tokens of the prompt and read {hit}")
         layers = [hit.kv.layer(i) for i in range(hit.kv.n_layers)]  # L x ([H_kv, n, D], [H_kv, n, D])
         decoder = Decoder(self.adapter, generation)
-        decoder.start([k for k, _ in layers], [v for _, v in layers], pool, tail=ids[hit.n_tokens :])
+        decoder.start([k for k, _ in layers], [v for _, v in layers], pool, tail=ids[hit.n_tokens :], prompt=ids)
         result = FusionResult([], [], torch.empty(0), tail, tail / len(ids), [tail] * hit.kv.n_layers)
         stats = Fused(result, len(ids), 0, 0, hit.n_tokens)
         return Generation(decoder, None, fusion.method, stats, t0, 0.0, ids, salt)

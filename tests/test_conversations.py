@@ -290,10 +290,10 @@ def test_a_step_that_fails_with_a_joined_request_fails_its_rows_and_gives_their_
     scheduler = Scheduler(gen, on_engine, 4, ServerMetrics(index.store.stats), "cache_aware", prefetch=False)
     real = type(index.adapter).extend_rows
 
-    def planted(self, tokens, caches):
+    def planted(self, tokens, caches, keep=None):
         if any(len(row) > 1 for row in tokens):
             raise RuntimeError("planted step failure")
-        return real(self, tokens, caches)
+        return real(self, tokens, caches, keep)
 
     async def answer(segments) -> object:
         try:

@@ -141,6 +141,11 @@ class Decoder:
     releases, until `done` (end of sequence, a stop string, or `max_new_tokens`). `steps` runs that
     loop alone; `decode_together` advances several decoders by one batched model step, each with its
     own sampling rule, generator and constraint, so a decoder's tokens do not depend on its company.
+
+    With `cfg.draft_tokens` (greedy and unconstrained decoding), a step feeds after the last token a draft
+    (`draft`: what followed the answer's last tokens where they occur earlier in the prompt or the answer,
+    prompt lookup) and takes the drafted tokens that the logits before them choose, then the token the logits
+    after the last of them choose: one step, several tokens, the same answer (to float error in the logits).
     """
 
     def __init__(self, adapter: ModelAdapter, cfg: GenerationConfig) -> None:
@@ -160,6 +165,9 @@ class Decoder:
         self.tail: list[int] = []  # prompt tokens after the cache, fed by the first step (`start`)
         self.first_logits: torch.Tensor | None = None  # [V]: a step that fed the tail sampled the first token from them
         self.ids: list[int] = []  # the answer's tokens so far (end of sequence not included)
+        self.prompt: list[int] = []  # the prompt's tokens, where drafts are looked up (`start`)
+        self.drafted: list[int] = []  # the draft the last `feed` took
+        self.drafts = cfg.draft_tokens if cfg.greedy and self.constraint is None else 0  # most tokens a draft
         self.done = False
         self._text = self._emitted = ""
         self._hold = max((len(s) - 1 for s in cfg.stop), default=0)  # chars that may start a stop string
@@ -176,24 +184,44 @@ class Decoder:
         pool: DecodePool | None = None,
         hidden: torch.Tensor | None = None,
         tail: Sequence[int] = (),
+        prompt: Sequence[int] = (),
     ) -> DecodeCache:
         """Take the prompt's cache (per layer [H_kv, N, D]) into a slot of `pool` (the decoders it is
         stepped with share one, so their rows attend in one call; by default a pool of its own), with
         room for the tokens to come: the prompt's `tail`, tokens after the cache not yet computed, which
         its first step feeds (`feed`), and the answer's. `hidden` (bool [N]): prompt positions no later
-        token attends to (`DecodePool.admit`). Returns the cache; `close` gives its slot back."""
+        token attends to (`DecodePool.admit`). `prompt`: the prompt's tokens, where drafts are looked up
+        (`cfg.draft_tokens`). Returns the cache; `close` gives its slot back."""
         if self.cache is not None:
             raise RuntimeError("this decoder has already started: one Decoder decodes one answer")
         room = len(tail) + self.cfg.max_new_tokens
         self.cache = (pool or DecodePool()).admit(keys, values, room=room, hidden=hidden)
         self.tail = list(tail)
+        self.prompt = list(prompt)
         return self.cache
 
-    def feed(self) -> list[int]:
+    def feed(self, draft: bool = False) -> list[int]:
         """The tokens this decoder's next step feeds, taken: the prompt's tail (its first step: the logits
-        after it give the first token), else the last token taken (none before the first)."""
+        after it give the first token), else the last token taken (none before the first), and with `draft`
+        its `draft` after it."""
         tail, self.tail = self.tail, []
-        return tail or self.ids[-1:]
+        self.drafted = self.draft() if draft and not tail else []
+        return tail or self.ids[-1:] + self.drafted
+
+    def draft(self) -> list[int]:
+        """At most `drafts` tokens, and no more than the answer has room for after the next: those that
+        followed the latest earlier occurrence of the answer's last 3 tokens (else 2, else 1) in the prompt and
+        the answer so far; none when they occur nowhere before."""
+        room = min(self.drafts, self.cfg.max_new_tokens - len(self.ids) - 1)
+        if room < 1 or not self.ids:
+            return []
+        seq = self.prompt + self.ids
+        for n in (3, 2, 1):
+            last = seq[-n:]
+            at = next((i for i in range(len(seq) - n - 1, -1, -1) if seq[i : i + n] == last), None)
+            if at is not None:
+                return seq[at + n : at + n + room]
+        return []
 
     def close(self) -> None:
         """Give the cache's slot back to its pool (a shared pool's next decoder takes it); idempotent."""
@@ -260,7 +288,11 @@ def decode_together(decoders: Sequence[Decoder]) -> list[list[Step] | Exception]
     token is sampled here, from logits it keeps as `first_logits`), samples the next from its own row of
     logits by its own rule (generator, constraint) and takes it. Returns the steps each released, or in
     its place the error a decoder's own sampling raised: that decoder is done, and the others' rows are
-    untouched by it (one request's failure stays its own)."""
+    untouched by it (one request's failure stays its own).
+
+    A step of one decoder feeds its draft too (`GenerationConfig.draft_tokens`): one row reads every weight for a
+    token or three alike, so the drafted tokens it keeps are nearly free. A batched step's rows already share the
+    weights' reads, and drafts there would add compute for every row, so none is fed (benchmarks/RESULTS.md)."""
     if not decoders:
         raise ValueError("decode_together needs at least one decoder")
     idle = [i for i, d in enumerate(decoders) if d.cache is None or d.done or not (d.ids or d.tail) or not d.cache.open]
@@ -269,17 +301,30 @@ def decode_together(decoders: Sequence[Decoder]) -> list[list[Step] | Exception]
             f"decoders {idle} cannot step: not started, complete, closed, or without a first token or a prompt tail"
         )
     firsts = [bool(d.tail) for d in decoders]
-    logits = decoders[0].adapter.extend_rows([d.feed() for d in decoders], [d.cache for d in decoders])  # [B, V]
-    for d, row, first in zip(decoders, logits, firsts):
+    fed = [d.feed(draft=len(decoders) == 1) for d in decoders]  # drafts in a step of one row (see the docstring)
+    keep = [1 + len(d.drafted) for d in decoders]  # a drafting row: the logits after its last token and each draft
+    logits = decoders[0].adapter.extend_rows(fed, [d.cache for d in decoders], keep).split(keep)  # B x [n, V]
+    for d, rows, first in zip(decoders, logits, firsts):
         if first:
-            d.first_logits = row
-    return [_advance(d, row) for d, row in zip(decoders, logits)]
+            d.first_logits = rows[0]
+    return [_advance(d, rows) for d, rows in zip(decoders, logits)]
 
 
 def _advance(decoder: Decoder, logits: torch.Tensor) -> list[Step] | Exception:
-    """`decoder` samples from its row of logits [V] and takes the token; its error, if any, returned."""
+    """`decoder` samples from its rows of logits [1 + drafted, V] and takes the tokens: the first, then while the
+    token taken is the draft's next, the one after it; the positions of the draft tokens not taken are given back.
+    Its error, if any, returned."""
     try:
-        return decoder.take(decoder.sample(logits))
+        steps: list[Step] = []
+        drafted, taken = decoder.drafted, 0
+        for row in logits:  # the logits after the last token and `taken` drafted ones [V]
+            token = decoder.sample(row)
+            steps += decoder.take(token)
+            if decoder.done or taken == len(drafted) or token != drafted[taken]:
+                break
+            taken += 1
+        decoder.cache.length -= len(drafted) - taken  # the positions of the drafts not taken: not the answer's
+        return steps
     except Exception as err:  # its own rule failed on its own row (a constraint, a sampler): it alone ends
         decoder.done = True
         return err

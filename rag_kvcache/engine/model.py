@@ -530,13 +530,16 @@ class ModelAdapter(ModelSpec):
         return self.extend_rows([[t] for t in tokens], caches)
 
     @torch.inference_mode()
-    def extend_rows(self, tokens: Sequence[Sequence[int]], caches: Sequence[DecodeCache]) -> torch.Tensor:
+    def extend_rows(
+        self, tokens: Sequence[Sequence[int]], caches: Sequence[DecodeCache], keep: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Feed `tokens[b]` (>= 1 of them; rows may differ in length) to each of B sequences at once, at
         positions `caches[b].length` onwards over cache b, which they extend. Embedding, projections, MLPs
         and LM head run once over every row's tokens (the weights are read once for all rows); the rows of
         one `DecodePool` fed as many tokens attend in one call a layer, each over its own positions alone
         (`attend_rows`), so a row's logits do not depend on the other rows: a decoding step's one-token rows
-        and a prompt's uncached tail share the step. Returns the logits after each row's last token [B, V]."""
+        and a prompt's uncached tail share the step. Returns the logits after each row's last token [B, V];
+        with `keep`, after each of row b's last `keep[b]` tokens, row after row [sum keep, V] (a draft verified)."""
         if not tokens or len(tokens) != len(caches):
             raise ValueError(
                 f"extend_rows needs one row of tokens per cache, got {len(tokens)} rows for {len(caches)} caches"
@@ -544,6 +547,9 @@ class ModelAdapter(ModelSpec):
         widths = [len(row) for row in tokens]
         if min(widths) == 0:
             raise ValueError(f"extend_rows needs at least 1 token in every row, got {widths}")
+        keep = [1] * len(widths) if keep is None else list(keep)
+        if len(keep) != len(widths) or any(not 1 <= n <= m for n, m in zip(keep, widths)):
+            raise ValueError(f"keep must name 1 to a row's width of logits per row: widths {widths}, keep {keep}")
         closed = [b for b, c in enumerate(caches) if not c.open]
         if closed:
             raise ValueError(f"decode caches {closed} are closed: their slots were given back")
@@ -598,4 +604,5 @@ class ModelAdapter(ModelSpec):
             h = self.finish(layer, h, out)  # [sum M, E]
         for c, m in zip(caches, widths):
             c.length += m
-        return self.logits(h[torch.tensor(ends, device=self.device) - 1])  # [B, V]
+        kept = [t for e, n in zip(ends, keep) for t in range(e - n, e)]  # the rows of h whose logits are returned
+        return self.logits(h[torch.tensor(kept, device=self.device)])  # [sum keep, V]
