@@ -57,6 +57,9 @@ def ask(
     seed: Annotated[Optional[int], option(GenerationConfig, "seed")] = default(GenerationConfig, "seed"),
     stop: Annotated[Optional[list[str]], option(GenerationConfig, "stop")] = None,
     json_schema: Annotated[Optional[str], option(GenerationConfig, "json_schema", metavar="FILE_OR_JSON")] = None,
+    draft_tokens: Annotated[int, option(GenerationConfig, "draft_tokens", min=0)] = default(
+        GenerationConfig, "draft_tokens"
+    ),
     model: Annotated[
         Optional[str],
         typer.Option(
@@ -107,6 +110,7 @@ def ask(
             seed=seed,
             stop=tuple(stop or ()),
             json_schema=schema,
+            draft_tokens=draft_tokens,
         )
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))
         cfg, decision = resolve_ratio(cfg, idx.adapter)

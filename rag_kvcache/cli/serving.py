@@ -10,6 +10,7 @@ import typer
 
 from ..config import (
     FusionConfig,
+    GenerationConfig,
     StorageConfig,
 )
 from ..serving.settings import ServerConfig
@@ -66,6 +67,9 @@ def serve(
     prefetch: Annotated[bool, option(ServerConfig, "prefetch", "--prefetch/--no-prefetch")] = default(
         ServerConfig, "prefetch"
     ),
+    draft_tokens: Annotated[int, option(GenerationConfig, "draft_tokens", min=0)] = default(
+        GenerationConfig, "draft_tokens"
+    ),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -93,8 +97,10 @@ def serve(
             history=history.value,
             prefetch=prefetch,
         )
-        cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(
-            template_text=template_text
+        cfg = (
+            placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
+            .with_fusion(template_text=template_text)
+            .with_generation(draft_tokens=draft_tokens)
         )
         engine = Engine(
             index_dir,
