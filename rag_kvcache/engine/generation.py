@@ -323,7 +323,8 @@ def _advance(decoder: Decoder, logits: torch.Tensor) -> list[Step] | Exception:
             if decoder.done or taken == len(drafted) or token != drafted[taken]:
                 break
             taken += 1
-        decoder.cache.length -= len(drafted) - taken  # the positions of the drafts not taken: not the answer's
+        if drafted and (cache := decoder.cache) is not None:  # (a decoder drafts once started)
+            cache.length -= len(drafted) - taken  # the positions of the drafts not taken: not the answer's
         return steps
     except Exception as err:  # its own rule failed on its own row (a constraint, a sampler): it alone ends
         decoder.done = True
