@@ -32,6 +32,7 @@ from .engine.decoding import DecodePool
 from .engine.generation import Decoder
 from .errors import RagKVCacheError
 from .generator import FusedGenerator, collect_answer
+from .layout import prompt_ids
 from .relevance import RelevanceCheck, Verdict
 from .retrieval.chunk_index import ChunkRecord
 
@@ -56,6 +57,7 @@ class SharedPrompt:
         ends = torch.tensor([len(s.ids) for s in segments]).cumsum(0).tolist()
         self.spans = [(end - len(s.ids), end) for s, end in zip(segments, ends) if s.label.startswith("chunk")]
         self.tail = segments[-1].ids  # the question: computed again when a chunk is hidden
+        self.ids = prompt_ids(segments)  # where the answer's drafts are looked up (`GenerationConfig.draft_tokens`)
         self.head = ends[-1] - len(self.tail)  # the prefix, the chunks and their separators
         self._fits(ends[-1], "")
         t0 = time.perf_counter()
@@ -140,10 +142,10 @@ class SharedPrompt:
         decoder = Decoder(generator.adapter, generation)
         if hidden.any():
             keys, values = self._head_kv()
-            cache = decoder.start(keys, values, hidden=hidden, tail=self.tail)
+            cache = decoder.start(keys, values, hidden=hidden, tail=self.tail, prompt=self.ids)
             logits = generator.adapter.extend_rows([decoder.feed()], [cache])[0]  # [V]
         else:
-            decoder.start(result.keys, result.values)
+            decoder.start(result.keys, result.values, prompt=self.ids)
             logits = result.logits  # [V]
         first = decoder.sample(logits)
         ttft = time.perf_counter() - t0
