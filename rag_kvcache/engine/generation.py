@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..config import GenerationConfig
@@ -165,7 +166,7 @@ class Decoder:
         self.tail: list[int] = []  # prompt tokens after the cache, fed by the first step (`start`)
         self.first_logits: torch.Tensor | None = None  # [V]: a step that fed the tail sampled the first token from them
         self.ids: list[int] = []  # the answer's tokens so far (end of sequence not included)
-        self.prompt: list[int] = []  # the prompt's tokens, where drafts are looked up (`start`)
+        self.prompt = np.empty(0, dtype=np.int64)  # [N]: the prompt's tokens, where drafts are looked up (`start`)
         self.drafted: list[int] = []  # the draft the last `feed` took
         self.drafts = cfg.draft_tokens if cfg.greedy and self.constraint is None else 0  # most tokens a draft
         self.done = False
@@ -197,7 +198,7 @@ class Decoder:
         room = len(tail) + self.cfg.max_new_tokens
         self.cache = (pool or DecodePool()).admit(keys, values, room=room, hidden=hidden)
         self.tail = list(tail)
-        self.prompt = list(prompt)
+        self.prompt = np.asarray(prompt, dtype=np.int64)  # [N]
         return self.cache
 
     def feed(self, draft: bool = False) -> list[int]:
@@ -215,12 +216,16 @@ class Decoder:
         room = min(self.drafts, self.cfg.max_new_tokens - len(self.ids) - 1)
         if room < 1 or not self.ids:
             return []
-        seq = self.prompt + self.ids
+        seq = np.concatenate([np.asarray(self.prompt, dtype=np.int64), np.asarray(self.ids, dtype=np.int64)])  # [T]
+        t = len(seq)
         for n in (3, 2, 1):
-            last = seq[-n:]
-            at = next((i for i in range(len(seq) - n - 1, -1, -1) if seq[i : i + n] == last), None)
-            if at is not None:
-                return seq[at + n : at + n + room]
+            if t <= n:
+                continue
+            starts = seq[: t - n] == seq[t - n]  # [T - n]: where an earlier run of n could start
+            for j in range(1, n):
+                starts &= seq[j : t - n + j] == seq[t - n + j]
+            if (at := np.flatnonzero(starts)).size:
+                return seq[at[-1] + n : at[-1] + n + room].tolist()
         return []
 
     def close(self) -> None:
