@@ -216,7 +216,7 @@ class Decoder:
         room = min(self.drafts, self.cfg.max_new_tokens - len(self.ids) - 1)
         if room < 1 or not self.ids:
             return []
-        seq = np.concatenate([np.asarray(self.prompt, dtype=np.int64), np.asarray(self.ids, dtype=np.int64)])  # [T]
+        seq = np.concatenate([self.prompt, np.asarray(self.ids, dtype=np.int64)])  # [T]
         t = len(seq)
         for n in (3, 2, 1):
             if t <= n:

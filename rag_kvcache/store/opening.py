@@ -159,8 +159,9 @@ class CacheOpener:
         `open` (`KVStore.load`: a missing or corrupt entry is left to `open` to make); returns how many were
         read now. Caches of request text live in their tenant's memory already. Touches no SQLite connection,
         so it may run beside the thread that owns the index."""
-        keys = {key for at in address(self.maker.addressing, segments, salt) if not at.request_text for key in at.keys}
-        return sum(self.store.load(key) for key in sorted(keys))
+        addresses = address(self.maker.addressing, segments, salt)
+        keys = dict.fromkeys(key for at in addresses if not at.request_text for key in at.keys)  # in prompt order, once
+        return sum(map(self.store.load, keys))
 
     def request_tier(self, salt: str) -> MemoryTier:
         """The memory that holds the caches of request text (prompt heads, a chunk behind one) of the API key
