@@ -102,7 +102,7 @@ def test_read_layer_on_cuda_equals_copying_each_segment():
 @pytest.mark.parametrize("method", ["prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"])
 def test_every_method_on_cuda_equals_the_cpu_path(tokenizer, method):
     # the same weights and prompt in float32: the device's answer is the CPU path's, method for method
-    cfg = FusionConfig(method=method, repick_layers=(2, 3))  # re-picks inside the tiny model's 4 layers
+    cfg = FusionConfig(method=method, repick_layers=(2, 3), epic_k=4)  # re-picks inside the tiny model's 4 layers
     cpu = ModelAdapter(tiny_llama(), tokenizer, name="tiny")
     ref = get_method(method)(cpu, rag_prompt(cpu), cfg)
     cuda = ModelAdapter(tiny_llama().to("cuda"), tokenizer, name="tiny-cuda")
@@ -135,7 +135,9 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
     captured = cuda.graphs
     assert captured is not None and captured.capture
     for method in ("prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"):
-        cfg = FusionConfig(method=method, repick_layers=(2,))  # the tiny model's layer 3 settled after the re-pick
+        cfg = FusionConfig(
+            method=method, repick_layers=(2,), epic_k=4
+        )  # the tiny model's layer 3 settled after the re-pick
         for seed, n_chunks, chunk_len in ((0, 3, 24), (1, 2, 24), (2, 3, 24), (3, 3, 64)):  # the last: one causal pass
             inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks, chunk_len=chunk_len)
             cuda.graphs = None

@@ -11,7 +11,9 @@ over all 2,246 positions (benchmarks/RESULTS.md, issue 30, session 27). The form
 - `split-N`: the keys cut into N parts attended side by side and merged (`ops.attend_split`);
 - `scatter`: the rows placed at their positions in an all-zero query, one causal pass over every position;
 - `flex`: FlexAttention (compiled by Triton) under a block mask made from the rows' positions, which skips the
-  key blocks that a block of rows sees none of.
+  key blocks that a block of rows sees none of;
+- `flex-rows`: the same kernel under a block mask made inside the call from each block of rows' lowest and highest
+  position (`rows_block_mask`: what a captured step would make per prompt, with no host sync).
 
     python benchmarks/gpu/narrow_attention.py --device cuda --rows 400 --pad 512 --keys 2304
 
@@ -74,7 +76,40 @@ def forms(
             return o[0].transpose(0, 1).reshape(at.numel(), -1)  # [P, H_q * D]
 
         calls["flex"] = flexed
+
+        def flexed_sorted() -> torch.Tensor:  # the block mask made inside the call, as a captured step would
+            mask = rows_block_mask(at, keys + 1)
+            o = flex(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=True)  # [1, H_q, P, D]
+            return o[0].transpose(0, 1).reshape(at.numel(), -1)  # [P, H_q * D]
+
+        calls["flex-rows"] = flexed_sorted
     return calls
+
+
+def rows_block_mask(at: torch.Tensor, kv_len: int, block: int = 128):
+    """FlexAttention's block mask of rows at positions `at` [P] (P a multiple of `block`) each seeing the keys at or
+    before its position, from each block of rows' lowest and highest position alone (no host sync, no mask
+    evaluated over every pair): the key blocks below every row's position are full, those up to the highest
+    row's are partial (the mask decides inside them), the rest skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_kv = -(-kv_len // block)
+    rows = at.view(-1, block)  # [P / block, block]
+    full = (rows.amin(1) + 1) // block  # [Q_blocks] key blocks every row of the block sees whole
+    seen = rows.amax(1) // block + 1  # [Q_blocks] key blocks some row of the block sees
+    blocks = torch.arange(n_kv, device=at.device, dtype=torch.int32)  # [KV_blocks]
+    partial_at = (full[:, None] + blocks).clamp(max=n_kv - 1).to(torch.int32)  # [Q_blocks, KV_blocks]
+    every = blocks.expand(rows.shape[0], n_kv).contiguous()  # [Q_blocks, KV_blocks]: the kernel reads them contiguous
+    return BlockMask.from_kv_blocks(
+        (seen - full).to(torch.int32)[None, None],  # [1, 1, Q_blocks]
+        partial_at[None, None],  # [1, 1, Q_blocks, KV_blocks]
+        full.to(torch.int32)[None, None],  # [1, 1, Q_blocks]
+        every[None, None],  # [1, 1, Q_blocks, KV_blocks]
+        BLOCK_SIZE=block,
+        mask_mod=lambda b, h, qi, ki: ki <= at[qi],
+        seq_lengths=(at.numel(), kv_len),
+        compute_q_blocks=False,
+    )
 
 
 def device_us(call: Callable[[], torch.Tensor], repeats: int) -> tuple[float, bool]:

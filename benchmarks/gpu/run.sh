@@ -2,7 +2,8 @@
 # Issue 30's GPU table in one device run: the fused path's CUDA tests, then benchmarks/musique/profile_stages.py
 # on random-weight Llamas of Llama-3.2-1B's shape and of an 8B shape (bf16, MuSiQue top-6 x 512), with the
 # memory tier on the device and in host memory (each layer staged through pinned memory), reported apart;
-# every fused method both with its settled layers as captured CUDA graphs and op by op, side by side.
+# every fused method both with its settled layers as captured CUDA graphs and op by op, side by side; EPIC also
+# with the paper's 16 recomputed tokens a chunk (the default at 512-token chunks is 64).
 #
 #   bash benchmarks/gpu/run.sh MUSIQUE_JSON LLM_TOKENIZER_DIR EMBEDDER_TOKENIZER_DIR OUT_DIR
 #
@@ -28,12 +29,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step narrow 120 python3 benchmarks/gpu/narrow_attention.py --device cuda  # CacheBlend's narrowed rows' attention forms
+# the narrowed rows' attention forms: CacheBlend's and EPIC's (64 heads a chunk) ~400 rows, the paper's EPIC's (16) ~123
+step narrow 120 bash -c 'for r in "400 --pad 512" "123 --pad 128"; do python3 benchmarks/gpu/narrow_attention.py --device cuda --rows $r; done'
 step llama-1b 90 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda
 step embedder 60 python3 benchmarks/gpu/bow_embedder.py --tokenizer "$embed_tok" --out "$work/bow"
 common=(--data "$data" --questions 3 --repeats 5 --top-k 6 --embedder "$work/bow" --device cuda --dtype bfloat16
         --threads 8 --memory-mib 8192)
 step 1b-device 120 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device --profile
+step 1b-epic16 100 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b" --memory-on-device --methods full,epic --epic-k 16
 step 1b-host 100 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-1b" --model "$work/llama-1b"
 rm -rf "$work/llama-1b"
 step llama-8b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-8b" --device cuda \

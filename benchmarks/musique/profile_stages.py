@@ -70,6 +70,12 @@ def main() -> None:
     )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, full first")
     parser.add_argument(
+        "--epic-k",
+        type=int,
+        default=FusionConfig.epic_k,
+        help="EPIC's recomputed leading tokens per chunk (default: an eighth of the chunk size, 64; the paper's: 16)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also run each method once more under torch.profiler and print its top operators "
@@ -118,7 +124,7 @@ def main() -> None:
 
     def fuse(method: str, graphs) -> object:
         adapter.graphs = graphs
-        return generator.fuse(segments, FusionConfig(method=method))
+        return generator.fuse(segments, FusionConfig(method=method, epic_k=args.epic_k))
 
     runs: dict[str, list] = {row: [] for row, _, _ in variants}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
