@@ -5,6 +5,7 @@ killed mid-query leaving the answer as it is without the remote tier."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import shutil
@@ -28,6 +29,7 @@ from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
 from rag_kvcache.serving.openai_api import create_app
+from rag_kvcache.serving.settings import ServerConfig
 from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.redis_tier import RedisTier
@@ -244,6 +246,19 @@ def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
             assert metric("errors") >= 1 and metric("hits") == 4 and metric("corrupt") == 0
         finally:
             stop_server(http, thread)
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_the_server_prefetches_by_default_when_it_reads_a_remote_tier(tiny, corpus, shared, setting):
+    """`serve --prefetch` unset is on over a remote tier (the caches wait on the network; benchmarks/RESULTS.md,
+    session 34) and off over the local disk alone; given, it is as given."""
+    for index_dir, cfg, remote in ((shared.path, shared.config, True), (corpus[0], CFG, False)):
+        with Engine(index_dir, cfg, tiny) as engine:
+            server = create_app(engine, ServerConfig(prefetch=setting)).state.server
+            try:
+                assert (server.scheduler.loader is not None) == (remote if setting is None else setting)
+            finally:
+                asyncio.run(server.close())
 
 
 def test_a_remote_that_is_not_a_redis_url_is_refused():

@@ -786,7 +786,7 @@ def three_in_one_scheduler(running: Running, jobs: list[tuple[list[Segment], Gen
             3,
             metrics,
             ServerConfig().order,
-            ServerConfig().prefetch,
+            False,  # no remote tier: the server would not prefetch
         )
 
         async def collect(segments: list[Segment], generation: GenerationConfig) -> list[object]:

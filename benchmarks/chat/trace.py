@@ -13,8 +13,10 @@ same trace, one after the other. Per request the client measures the time to the
     python benchmarks/chat/trace.py --index /tmp/chat-idx --out benchmarks/chat/trace-results.json
 
 `--rag-questions FILE` replaces the six questions with the file's lines, each client asking its own in turn.
-`--variants` names the servers, each `ORDER` or `ORDER:no-prefetch` (the loader that reads waiting requests'
-caches into the memory tier off). With `--rag-method epic_match` (any method that reads chunk caches) and a
+`--variants` names the servers, each `ORDER` or `ORDER:prefetch` (with the loader that reads waiting requests'
+caches into the memory tier, `serve --prefetch`; each variant passes `--prefetch` or `--no-prefetch`, whatever the
+server's default). `--kv-remote URL` gives the servers a shared Redis tier (an index whose disk holds no caches then
+reads them all from there). With `--rag-method epic_match` (any method that reads chunk caches) and a
 `--memory-bytes` smaller than the chunks the trace reads, most RAG questions find their caches on disk only: the
 cold trace, where reading caches ahead of a prefill can pay.
 """
@@ -132,7 +134,8 @@ def main() -> None:
     parser.add_argument("--rag-method", default="full", help="the RAG questions' method")
     parser.add_argument("--rag-questions", type=Path, help="a file of RAG questions, one a line")
     parser.add_argument("--memory-bytes", type=int, help="the servers' memory tier for chunk caches")
-    parser.add_argument("--variants", nargs="+", default=["fcfs", "cache_aware"], help="ORDER or ORDER:no-prefetch")
+    parser.add_argument("--variants", nargs="+", default=["fcfs", "cache_aware"], help="ORDER or ORDER:prefetch")
+    parser.add_argument("--kv-remote", help="the servers' shared Redis tier (redis://host:port/db)")
     args = parser.parse_args()
     if not args.index.exists():
         build_index(args.index)
@@ -150,11 +153,14 @@ def main() -> None:
     results = {}
     for variant in args.variants:
         order, _, prefetch = variant.partition(":")
+        if prefetch not in ("", "prefetch"):
+            parser.error(f"--variants {variant!r}: ORDER or ORDER:prefetch")
         server = Server(
             args.index,
             *("--order", order, "--max-queue", str(args.clients), "--max-per-key", "0"),
-            *(("--no-prefetch",) if prefetch == "no-prefetch" else ()),
+            "--prefetch" if prefetch == "prefetch" else "--no-prefetch",
             *(("--memory-bytes", str(args.memory_bytes)) if args.memory_bytes is not None else ()),
+            *(("--kv-remote", args.kv_remote) if args.kv_remote else ()),
         )
         try:
             hits = server.retrieve(QUESTIONS[0], 3)

@@ -64,7 +64,7 @@ def serve(
         StorageConfig, "request_bytes"
     ),
     memory_bytes: Annotated[int, option(StorageConfig, "memory_bytes", min=0)] = default(StorageConfig, "memory_bytes"),
-    prefetch: Annotated[bool, option(ServerConfig, "prefetch", "--prefetch/--no-prefetch")] = default(
+    prefetch: Annotated[Optional[bool], option(ServerConfig, "prefetch", "--prefetch/--no-prefetch")] = default(
         ServerConfig, "prefetch"
     ),
     draft_tokens: Annotated[int, option(GenerationConfig, "draft_tokens", min=0)] = default(

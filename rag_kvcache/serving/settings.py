@@ -52,12 +52,12 @@ class ServerConfig:
         "request whose prompt the conversation cache holds but a short tail (a chat's next turn, a question asked "
         "again), which joins the decoding batch without a prefill of its own, then the others oldest first.",
     )
-    prefetch: bool = setting(
-        False,
-        "While the engine computes, read the chunk caches of the next waiting request from disk (or the remote "
-        "tier) into the memory tier on a thread of their own, so that its prefill reads them from memory. Off by "
-        "default: on a 2-core CPU the reading competes with the engine's compute and the trace ran slower "
-        "(benchmarks/RESULTS.md, session 33); meant for loads that wait on I/O (a remote tier, a GPU's host).",
+    prefetch: bool | None = setting(
+        None,
+        "While the engine computes, read the chunk caches of the next waiting request from disk or the remote "
+        "tier into the memory tier on a thread of their own, so that its prefill reads them from memory. Unset: "
+        "on when the index reads a remote tier (a trace over a Redis 2.4 ms away ran 18-19% faster with it), off "
+        "otherwise (from the local disk on 2 cores it ran 2-8% slower; benchmarks/RESULTS.md, sessions 33-34).",
     )
     history: Literal["halve", "refuse"] = setting(
         "halve",
