@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .engine.decoding import DecodePool
 from .engine.fusion import FusionResult
 from .engine.generation import Decoder
 from .errors import RagKVCacheError
@@ -92,10 +93,22 @@ class Fused:
     conversation_tokens: int = 0  # prompt tokens read from the conversation cache
 
 
+@dataclass
+class PendingKV:
+    """A fused prompt's K/V (per layer [H_kv, N, D]) that `FusedGenerator.start` has not yet given to its decoder
+    (a slot of `pool`) and to the conversation cache: that waits until the first token is out
+    (`FusedGenerator.settle`, which then lets them go)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    pool: DecodePool | None
+
+
 @dataclass(frozen=True)
 class Generation:
     """An answer under way (`FusedGenerator.start`): its prompt fused, its first token sampled and not
-    yet taken by its decoder; `fused` keeps the fusion's numbers (not its K/V: the decoder holds them)."""
+    yet taken by its decoder; `fused` keeps the fusion's numbers (not its K/V: the decoder holds them, or
+    `pending` until `FusedGenerator.settle`)."""
 
     decoder: Decoder
     first_token: int | None  # None: the decoder's first batched step samples and takes it (`FusedGenerator.enter`)
@@ -105,3 +118,4 @@ class Generation:
     ttft_s: float
     ids: tuple[int, ...]  # the prompt's tokens (empty when nothing keeps them: no conversation cache, hidden chunks)
     salt: str  # the tenant (`FusedGenerator.start`)
+    pending: PendingKV | None = None  # the decoder not yet started (`FusedGenerator.settle`)

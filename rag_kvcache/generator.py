@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .answers import Answer, Fused, Generation, PromptTooLongError, RetrievedChunk
+from .answers import Answer, Fused, Generation, PendingKV, PromptTooLongError, RetrievedChunk
 from .config import FusionConfig, GenerationConfig
 from .engine.buffers import KVBufferPool
 from .engine.cache import resident
@@ -253,8 +253,13 @@ class FusedGenerator:
         yield from self.run(self.start(segments, fusion, generation))
 
     def run(self, live: Generation) -> Iterator[str | Answer]:
-        """Decode a started generation alone: its text pieces, then its `Answer` (`finish`)."""
-        for step in live.decoder.run(live.first_token):
+        """Decode a started generation alone: its text pieces, then its `Answer` (`finish`). The first token's
+        text comes out before the prompt's K/V are given to the decoder (`settle`)."""
+        first = [] if live.first_token is None else live.decoder.take(live.first_token)
+        for step in first:
+            yield step.text
+        self.settle(live)
+        for step in () if live.decoder.done else live.decoder.run(None):
             yield step.text
         yield self.finish(live)
 
@@ -267,11 +272,12 @@ class FusedGenerator:
         pool: DecodePool | None = None,
     ) -> Generation:
         """Fuse the prompt's caches and sample the first token: a `Generation` whose decoder takes that
-        token and the ones after it, alone (`Decoder.run`) or batched with others' (`decode_together`:
-        those started into one `pool` attend in one call); `finish` gives its `Answer` once the decoder
-        is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt head)
-        this prompt may read and write (`KVIndex.caches.open`). The fused prompt's K/V go into the
-        conversation cache at once (its answer's once `finish`ed)."""
+        token and, once `settle`d, the ones after it, alone (`Decoder.run`) or batched with others'
+        (`decode_together`: those started into one `pool` attend in one call); `finish` gives its `Answer` once
+        the decoder is done and gives its slot back. `salt`: the tenant whose caches of request text (a prompt
+        head) this prompt may read and write (`KVIndex.caches.open`). The fused K/V wait in `pending` for
+        `settle`, which copies them into the pool and the conversation cache (the answer's go there once
+        `finish`ed), so that the first token can go out before those copies are made."""
         fusion = fusion or self.index.config.query.fusion
         generation = generation or self.index.config.query.generation
         self._fits(segments, generation)
@@ -281,13 +287,23 @@ class FusedGenerator:
         decoder = Decoder(self.adapter, generation)
         first = decoder.sample(result.logits)
         ttft = time.perf_counter() - t0
-        ids = prompt_ids(segments)
-        decoder.start(result.keys, result.values, pool, prompt=ids)  # a copy of its own: the fused K/V are let go
-        if self.conversations is not None:  # kept now: the same prompt sent again while this one decodes reads it
-            method = get_method(fusion.method)
-            self.conversations.insert(salt, ids, result.keys, result.values, method.name, method.exact)
         stats = replace(fused, result=replace(result, keys=[], values=[]))
-        return Generation(decoder, first, fusion.method, stats, t0, ttft, ids, salt)
+        pending = PendingKV(result.keys, result.values, pool)
+        return Generation(decoder, first, fusion.method, stats, t0, ttft, prompt_ids(segments), salt, pending)
+
+    def settle(self, live: Generation) -> None:
+        """Give a started generation's fused K/V (`start`'s `pending`) to its decoder, a slot of the pool `start`
+        was given, and to the conversation cache, so that the same prompt sent again while this one decodes reads
+        them; then let them go. What `start` leaves until its first token is out: the copies take milliseconds
+        a thousand tokens. Once; nothing to do for a generation settled or made otherwise (`enter`)."""
+        pending = live.pending
+        if pending is None or live.decoder.cache is not None:
+            return
+        live.decoder.start(pending.keys, pending.values, pending.pool, prompt=live.ids)  # a copy of its own
+        if self.conversations is not None:
+            method = get_method(live.method)
+            self.conversations.insert(live.salt, live.ids, pending.keys, pending.values, method.name, method.exact)
+        pending.keys, pending.values = [], []
 
     def load(self, segments: Sequence[Segment], fusion: FusionConfig | None = None, salt: str = "") -> int:
         """Read the chunk caches `fuse` would read for this prompt into the memory tier ahead of its prefill
@@ -371,6 +387,7 @@ class FusedGenerator:
         what was streamed); the index's counters are flushed."""
         if not live.decoder.done:
             raise RuntimeError(f"the generation is not complete ({len(live.decoder.ids)} tokens so far)")
+        self.settle(live)  # an answer complete at its first token: its prompt is kept all the same
         generation_s = time.perf_counter() - live.started - live.ttft_s
         self.index.flush_stats()  # a failure is logged: the answer is never lost for its counters
         if self.conversations is not None and live.ids:

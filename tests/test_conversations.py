@@ -96,9 +96,7 @@ def test_a_budget_below_one_byte_is_refused():
 def turn(gen: FusedGenerator, segments: list[Segment], method: str, salt: str = ""):
     """Answer `segments`; returns the answer and the prompt's and answer's tokens (the next turn's start)."""
     live = gen.start(segments, FusionConfig(method=method), GenerationConfig(max_new_tokens=6), salt)
-    for _ in live.decoder.run(live.first_token):
-        pass
-    answer = gen.finish(live)
+    answer = collect_answer(gen.run(live), None)
     return answer, [t for s in segments for t in s.ids] + live.decoder.ids
 
 
@@ -141,6 +139,7 @@ def test_an_inexact_methods_next_turn_reads_the_fused_kv_as_it_was_used(index):
     follow = tuple(tok("on which day?", add_special_tokens=False)["input_ids"])
     segments = [Segment(tuple(before), False, "text"), Segment(follow, False, "question")]
     live = gen.start(segments, FusionConfig(method="cacheblend"), GenerationConfig(max_new_tokens=1))
+    gen.settle(live)
     assert live.fused.conversation_tokens == stored.n_tokens
     assert live.fused.result.recomputed_tokens <= len(follow) + 1
     for layer in range(index.adapter.layout.n_layers):
@@ -151,16 +150,43 @@ def test_an_inexact_methods_next_turn_reads_the_fused_kv_as_it_was_used(index):
 
 @pytest.mark.parametrize("method", ["full", "cacheblend"])
 def test_the_same_prompt_sent_while_the_first_decodes_reads_its_kv(index, method):
-    """A prompt's fused K/V are kept as soon as it is fused: the same prompt started again before the first is
-    answered reads all of it but its last token, and samples from the same logits."""
+    """A prompt's fused K/V are kept as soon as its first token is out (`settle`): the same prompt started again
+    before the first is answered reads all of it but its last token, and samples from the same logits."""
     gen = FusedGenerator(index, ConversationCache(1 << 30))
     segments, fusion = chat(index, "Who kept the lighthouse diary?"), FusionConfig(method=method)
     first = gen.start(segments, fusion, GenerationConfig(max_new_tokens=4))
+    gen.settle(first)
     again = gen.start(segments, fusion, GenerationConfig(max_new_tokens=4))
     n = sum(len(s.ids) for s in segments)
     assert (first.fused.conversation_tokens, again.fused.conversation_tokens) == (0, n - 1)
     assert again.fused.result.recomputed_tokens == 1
     torch.testing.assert_close(again.fused.result.logits, first.fused.result.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_first_token_goes_out_before_the_prompts_kv_are_copied(index):
+    """`start` samples the first token and leaves the fused K/V pending: no pool slot taken, nothing in the
+    conversation cache. `settle` makes both copies, once; `run` yields the first token's text before it, and
+    answers as decoding after a settled start does."""
+    conversations = ConversationCache(1 << 30)
+    gen, pool = FusedGenerator(index, conversations), DecodePool()
+    segments, fusion = chat(index, "Who kept the lighthouse diary?"), FusionConfig(method="cacheblend")
+    generation = GenerationConfig(max_new_tokens=6)
+    ids = [t for s in segments for t in s.ids]
+    live = gen.start(segments, fusion, generation, pool=pool)
+    assert live.decoder.cache is None and pool.rows == [] and conversations.match("", [*ids, 0]) is None
+    gen.settle(live)
+    assert pool.rows == [live.decoder.cache] and conversations.match("", [*ids, 0]).n_tokens == len(ids)
+    gen.settle(live)  # once: no second slot, no second copy
+    assert pool.rows == [live.decoder.cache] and live.pending.keys == []
+    settled = collect_answer(gen.run(live), None)
+
+    other = FusedGenerator(index, ConversationCache(1 << 30))
+    streamed = other.run(other.start(segments, fusion, generation))
+    first = next(streamed)  # the first token's text, its K/V not yet copied anywhere
+    assert other.conversations.match("", [*ids, 0]) is None
+    rest = list(streamed)
+    assert first + "".join(rest[:-1]) == settled.answer and rest[-1].generated_tokens == settled.generated_tokens
+    assert other.conversations.match("", [*ids, 0]).n_tokens >= len(ids)  # the prompt, then the answer, kept
 
 
 def test_a_conversation_is_its_tenants_alone(index):
@@ -190,10 +216,12 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     assert follow_up(index, ref, method) == second  # the same turn 1 in both caches
     fusion, generation = FusionConfig(method=method), GenerationConfig(max_new_tokens=6)
     fused = ref.start(second, fusion, generation)
+    ref.settle(fused)
     list(fused.decoder.run(fused.first_token))
     pool = DecodePool()
     other = gen.start(chat(index, "What does the bakery in Saltmere sell?"), fusion, generation, pool=pool)
     other.decoder.take(other.first_token)
+    gen.settle(other)
     live = gen.enter(second, fusion, generation, pool=pool)
     n = sum(len(s.ids) for s in second)
     assert live is not None and live.first_token is None

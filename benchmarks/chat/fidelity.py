@@ -68,6 +68,7 @@ def main() -> None:
             )
             segments = cold.layout.prompt_segments(messages, fusion)
             live = cold.start(segments, FusionConfig(method="full"), generation)
+            cold.settle(live)
             for _ in live.decoder.run(live.first_token):
                 pass
             answer = live.decoder.ids or [live.first_token]  # full's greedy answer (its end of sequence if empty)

@@ -1,5 +1,5 @@
-"""`ConversationCache`: the K/V of prompts already fused (kept as soon as they are, so that the same
-prompt sent again while the first is still decoding reads them) and, once answered, of their answers,
+"""`ConversationCache`: the K/V of prompts already fused (kept once their first token is out, before their
+second, so that the same prompt sent again while the first is still decoding reads them) and, once answered, of their answers,
 kept in memory and found by token ids, so that a chat's next turn (the same prompt, the answer, a new
 message) computes only what is new.
 
