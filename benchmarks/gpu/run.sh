@@ -7,6 +7,8 @@
 #
 #   bash benchmarks/gpu/run.sh MUSIQUE_JSON LLM_TOKENIZER_DIR EMBEDDER_TOKENIZER_DIR OUT_DIR
 #
+# `benchmarks/gpu/prepare.sh` gathers the first three, and the wheels the machine lacks, into one folder to carry.
+#
 # The tokenizer folders are saved Hugging Face tokenizers (SmolLM2's for the Llamas; MiniLM's WordPiece for the
 # bag-of-words embedder, with which retrieval gives ~2,500-3,000-token prompts); nothing is downloaded. Each step has its own
 # time limit and the next runs whatever the last did, so a run cut short still leaves what it measured in OUT_DIR.
