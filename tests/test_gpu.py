@@ -135,9 +135,8 @@ def test_captured_settled_layers_equal_op_by_op(tokenizer, dtype, atol):
     captured = cuda.graphs
     assert captured is not None and captured.capture
     for method in ("prefix", "reuse", "epic", "cacheblend", "cacheblend_repick"):
-        cfg = FusionConfig(
-            method=method, repick_layers=(2,), epic_k=4
-        )  # the tiny model's layer 3 settled after the re-pick
+        # the tiny model's layer 3 settled after the re-pick; EPIC's heads set for its 24-token chunks
+        cfg = FusionConfig(method=method, repick_layers=(2,), epic_k=4)
         for seed, n_chunks, chunk_len in ((0, 3, 24), (1, 2, 24), (2, 3, 24), (3, 3, 64)):  # the last: one causal pass
             inp = rag_prompt(cuda, seed=seed, n_chunks=n_chunks, chunk_len=chunk_len)
             cuda.graphs = None

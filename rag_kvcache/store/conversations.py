@@ -1,7 +1,7 @@
 """`ConversationCache`: the K/V of prompts already fused (kept once their first token is out, before their
-second, so that the same prompt sent again while the first is still decoding reads them) and, once answered, of their answers,
-kept in memory and found by token ids, so that a chat's next turn (the same prompt, the answer, a new
-message) computes only what is new.
+second, so that the same prompt sent again while the first is still decoding reads them) and, once answered,
+of their answers, kept in memory and found by token ids, so that a chat's next turn (the same prompt, the
+answer, a new message) computes only what is new.
 
 A radix tree over token ids per tenant (SGLang's RadixAttention): each node holds the K/V of its run
 of tokens, computed behind every token on the path to it, so a prompt reads the longest path its
