@@ -15,8 +15,8 @@ Which waiting requests go first (`order`): `fcfs`, the oldest, one prefill a tic
 first lets every waiting request whose prompt the conversation cache holds all of but a tail of at most
 `RIDE_TOKENS` (a chat's next turn, a question asked again, even while its first asking still decodes: a
 prompt's K/V are kept once its first token is out, `FusedGenerator.settle`) join the batch at once, without a
-prefill of its own: its held K/V go into its slot and its tail is fed by the next batched step, beside the decoding rows
-(`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
+prefill of its own: its held K/V go into its slot and its tail is fed by the next batched step, beside the
+decoding rows (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
 the batch's free places, of which the oldest request that needs a prefill keeps one (else a stream of cheap
 turns could fill the batch and hold a cold request back for as long as it lasts: only requests older than it
 go before it); the others are then prefilled oldest first
