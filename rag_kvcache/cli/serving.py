@@ -119,6 +119,11 @@ def serve(
             f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
             highlight=False,
         )
+    storage = engine.index.config.runtime.storage
     err.print(f"serving {index_dir} ({cfg.index.model}) on http://{host}:{port}/v1", highlight=False)
+    ahead = "on" if server_cfg.prefetches(storage) else "off"
+    err.print(
+        f"order {server_cfg.order}; prefetch {ahead} (remote tier: {storage.remote_address or 'none'})", highlight=False
+    )
     with engine:
         run_server(engine, server_cfg)

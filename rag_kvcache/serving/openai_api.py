@@ -88,9 +88,7 @@ class Server:
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
-        prefetch = (
-            engine.index.config.runtime.storage.remote is not None if config.prefetch is None else config.prefetch
-        )
+        prefetch = config.prefetches(engine.index.config.runtime.storage)
         self.scheduler = Scheduler(
             engine.generator, self.on_engine, config.max_batch, self.metrics, config.order, prefetch
         )

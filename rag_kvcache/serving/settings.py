@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..config import setting
+from ..config import StorageConfig, setting
 from ..errors import ConfigError
 
 
@@ -78,3 +78,8 @@ class ServerConfig:
             least = 0 if name in ("max_queue", "max_per_key") else 1
             if getattr(self, name) < least:
                 raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
+
+    def prefetches(self, storage: StorageConfig) -> bool:
+        """Whether the server reads waiting requests' caches ahead: `prefetch` as given, else when `storage` has a
+        remote tier."""
+        return storage.remote is not None if self.prefetch is None else self.prefetch
