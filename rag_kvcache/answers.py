@@ -116,6 +116,6 @@ class Generation:
     fused: Fused
     started: float  # time.perf_counter() when the fusion began
     ttft_s: float
-    ids: tuple[int, ...]  # the prompt's tokens (empty when nothing keeps them: no conversation cache, hidden chunks)
+    ids: tuple[int, ...]  # the prompt's tokens (empty where nothing keeps them: a shared prompt's answer)
     salt: str  # the tenant (`FusedGenerator.start`)
     pending: PendingKV | None = None  # the decoder not yet started (`FusedGenerator.settle`)

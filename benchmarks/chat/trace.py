@@ -139,16 +139,13 @@ def main() -> None:
     args = parser.parse_args()
     if not args.index.exists():
         build_index(args.index)
-    if args.rag_questions is None:  # six questions, asked again and again
+    if args.rag_questions is None:  # six questions asked again and again, client c starting at the c-th
+        questions, first = RAG_QUESTIONS, lambda c: c
+    else:  # each RAG client (every other client) its own `turns` questions of the file, in turn
+        questions, first = tuple(args.rag_questions.read_text().splitlines()), lambda c: c // 2 * args.turns
 
-        def rag_question(c: int, i: int) -> str:
-            return RAG_QUESTIONS[(c + i) % len(RAG_QUESTIONS)]
-
-    else:  # each RAG client its own questions, in turn
-        lines = args.rag_questions.read_text().splitlines()
-
-        def rag_question(c: int, i: int) -> str:
-            return lines[(c // 2 * args.turns + i) % len(lines)]
+    def rag_question(c: int, i: int) -> str:
+        return questions[(first(c) + i) % len(questions)]
 
     results = {}
     for variant in args.variants:

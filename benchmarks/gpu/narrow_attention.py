@@ -71,18 +71,12 @@ def forms(
         )
         flex = torch.compile(flex_attention)
 
-        def flexed() -> torch.Tensor:
-            o = flex(q[None], k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=True)  # [1, H_q, P, D]
-            return o[0].transpose(0, 1).reshape(at.numel(), -1)  # [P, H_q * D]
-
-        calls["flex"] = flexed
-
-        def flexed_sorted() -> torch.Tensor:  # the block mask made inside the call, as a captured step would
-            mask = rows_block_mask(at, keys + 1)
+        def flexed(mask) -> torch.Tensor:
             o = flex(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=True)  # [1, H_q, P, D]
             return o[0].transpose(0, 1).reshape(at.numel(), -1)  # [P, H_q * D]
 
-        calls["flex-rows"] = flexed_sorted
+        calls["flex"] = lambda: flexed(block_mask)
+        calls["flex-rows"] = lambda: flexed(rows_block_mask(at, keys + 1))  # made in the call, as a step would
     return calls
 
 

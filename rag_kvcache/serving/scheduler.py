@@ -16,8 +16,8 @@ first lets every waiting request whose prompt the conversation cache holds all o
 `RIDE_TOKENS` (a chat's next turn, a question asked again, even while its first asking still decodes: a
 prompt's K/V are kept once its first token is out, `FusedGenerator.settle`) join the batch at once, without a
 prefill of its own: its held K/V go into its slot and its tail is fed by the next batched step, beside the
-decoding rows (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails a step and
-the batch's free places, of which the oldest request that needs a prefill keeps one (else a stream of cheap
+decoding rows (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails
+a step and the batch's free places, of which the oldest request that needs a prefill keeps one (else a stream of cheap
 turns could fill the batch and hold a cold request back for as long as it lasts: only requests older than it
 go before it); the others are then prefilled oldest first
 (benchmarks/chat/trace.py and benchmarks/RESULTS.md: at 16 clients both the median and the p99 time to the
@@ -26,8 +26,9 @@ first token fall under `fcfs`'s; least work first, tried, halves the median and 
 With `prefetch`, a loader thread beside the engine's reads the chunk caches of the next waiting request to
 be prefilled from disk (or the remote tier) into the memory tier while the engine computes a prefill or a
 step (`FusedGenerator.load`, one request at a time, each once), so that its prefill reads them from memory; a
-load that fails is logged, and the prefill reads or recomputes the caches itself. Off by default: on a 2-core CPU
-the loader's reading competes with the engine's compute (benchmarks/RESULTS.md, session 33).
+load that fails is logged, and the prefill reads or recomputes the caches itself. The server turns it on where
+the caches wait on a network (`ServerConfig.prefetches`: a remote tier); from the local disk of a 2-core CPU the
+loader's reading competes with the engine's compute (benchmarks/RESULTS.md, sessions 33-34).
 
 Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
 Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
