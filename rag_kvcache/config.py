@@ -378,6 +378,12 @@ class RuntimeConfig:
     one index with different ones)."""
 
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
+    embedder_dtype: DType = setting(
+        "float32",
+        "The dtype the embedder runs in. bfloat16 embeds about 2.7x faster on a CPU with AMX or AVX512-BF16 (slower on "
+        "one without) and keeps MuSiQue's answer recall; its vectors differ from float32's by ~1e-4 of cosine, which "
+        "can reorder near ties among the retrieved chunks.",
+    )
     cuda_graphs: int = setting(
         16,
         "On CUDA, the fused prefill's layers with a fixed active set (CacheBlend's: every layer, its selection "
@@ -404,6 +410,8 @@ class RuntimeConfig:
             raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
             raise ConfigError(f"max_documents must be >= 1, got {self.max_documents!r}")
+        if self.embedder_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"embedder_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.embedder_dtype!r}")
         if self.cuda_graphs < 0:
             raise ConfigError(f"cuda_graphs must be >= 0 (0: none), got {self.cuda_graphs!r}")
         if self.ray_workers < 0:

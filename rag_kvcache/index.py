@@ -140,7 +140,7 @@ class KVIndex:
         """An index at `path` for `config`: a new empty one, or the one already there."""
         path = Path(path)
         adapter = adapter or ModelAdapter.load(config)
-        embedder = load_embedder(config.index.embedder, device=config.runtime.device)
+        embedder = load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
         path.mkdir(parents=True, exist_ok=True)
         with _writer_lock(path):
             if exists(path):
@@ -188,7 +188,11 @@ class KVIndex:
         path = Path(path)
         config = config or cls.config_of(path)
         adapter = adapter or ModelAdapter.load(config)
-        embedder = load_embedder(config.index.embedder, config.runtime.device) if embeds else None
+        embedder = (
+            load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
+            if embeds
+            else None
+        )
         return cls(path, config, ChunkIndex.open(path, embedder, rewrite), adapter)
 
     def update(

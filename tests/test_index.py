@@ -9,10 +9,13 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from sentence_transformers import SentenceTransformer
 from transformers import PreTrainedTokenizerBase
 
+from rag_kvcache.config import ConfigError, RuntimeConfig
 from rag_kvcache.indexing import staging
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
@@ -388,3 +391,25 @@ def test_match_finds_chunks_added_and_forgets_removed_ones(
     with ChunkIndex.open(tmp_path / "index", embedder) as reopened:  # rebuilt from the chunks on open
         chess = max((c for c in reopened.all_chunks() if c.source == "chess.txt"), key=lambda c: len(c.token_ids))
         assert [r.id for _, r in reopened.match((7,) + chess.token_ids + (8,))] == [chess.id]
+
+
+def test_the_embedder_in_bfloat16_embeds_and_ranks_as_in_float32(embedder: SentenceTransformer) -> None:
+    """`RuntimeConfig.embedder_dtype="bfloat16"`: the embedder's weights in bfloat16, its vectors still float32,
+    pointing where float32's do and ranking this folder's texts for each question as they do."""
+    half = load_embedder(dtype="bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    texts = list(DOCS.values())
+    exact, low = (m.encode(texts, normalize_embeddings=True) for m in (embedder, half))
+    assert low.dtype == np.float32
+    assert float((exact * low).sum(axis=1).min()) > 0.999
+    questions = ["Which planet is the largest?", "How is spaghetti cooked?", "How does a knight move?"]
+    ranked = [
+        np.argsort(-(m.encode(questions, normalize_embeddings=True) @ v.T), axis=1).tolist()
+        for m, v in ((embedder, exact), (half, low))
+    ]
+    assert ranked[0] == ranked[1]
+
+
+def test_embedder_dtype_is_checked() -> None:
+    with pytest.raises(ConfigError, match="embedder_dtype must be one of .*'int4'"):
+        RuntimeConfig(embedder_dtype="int4")

@@ -51,3 +51,15 @@ def test_an_index_that_recorded_each_setting_as_a_string_opens_as_it_was_built(t
     after = FusedGenerator(reopened).ask(QUESTION)
     assert after.cache_misses == 0 and after.answer == before.answer
     assert torch.equal(after.first_token_logits, before.first_token_logits)
+
+
+def test_the_index_embeds_in_the_runtimes_embedder_dtype_and_records_nothing_of_it(tiny, tmp_path):
+    cfg = Config(index=BUILT, runtime=RuntimeConfig(embedder_dtype="bfloat16", cache_dir=tmp_path / "cache"))
+    built = KVIndex.build(write_docs(tmp_path / "docs"), tmp_path / "idx", cfg, adapter=tiny, progress=False)
+    assert {p.dtype for p in built.chunks._embedder.parameters()} == {torch.bfloat16}
+    built.close()
+    assert KVIndex.config_of(tmp_path / "idx").runtime.embedder_dtype == "float32"  # the reader's own
+    reopened = KVIndex.open(tmp_path / "idx", Config(index=BUILT), adapter=tiny)
+    assert {p.dtype for p in reopened.chunks._embedder.parameters()} == {torch.float32}
+    assert reopened.search(QUESTION, 1)  # float32 queries find the chunks bfloat16 embedded
+    reopened.close()

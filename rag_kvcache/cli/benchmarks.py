@@ -142,6 +142,9 @@ def bench(
     embedder: Annotated[str, option(IndexSettings, "embedder")] = default(IndexSettings, "embedder"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
     dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
+    embedder_dtype: Annotated[DType, option(RuntimeConfig, "embedder_dtype")] = DType(
+        default(RuntimeConfig, "embedder_dtype")
+    ),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     kv_codec: Annotated[KVCodec, option(IndexSettings, "codec")] = KVCodec(default(IndexSettings, "codec")),
     kv_remote: KVRemote = None,
@@ -198,7 +201,7 @@ def bench(
             dtype=dtype.value,
             codec=kv_codec.value,
         )
-        cfg = cfg.with_query(top_k=top_k).with_runtime(device=device)
+        cfg = cfg.with_query(top_k=top_k).with_runtime(device=device, embedder_dtype=embedder_dtype.value)
         cfg = cfg.with_fusion(
             ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
         )

@@ -61,6 +61,9 @@ def index(
     ray_workers: Annotated[int, option(RuntimeConfig, "ray_workers", min=0)] = default(RuntimeConfig, "ray_workers"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
     dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
+    embedder_dtype: Annotated[DType, option(RuntimeConfig, "embedder_dtype")] = DType(
+        default(RuntimeConfig, "embedder_dtype")
+    ),
 ) -> None:
     """Chunk, embed and precompute KV caches for every file in DOCS_DIR, adding them to the index.
 
@@ -102,7 +105,12 @@ def index(
         else:
             cfg = base_config().with_index(**given)  # --kv-codec's default is IndexSettings.codec's
         cfg = cfg.with_runtime(
-            max_file_bytes=max_file_bytes, max_documents=max_documents, device=device, ray=ray, ray_workers=ray_workers
+            max_file_bytes=max_file_bytes,
+            max_documents=max_documents,
+            device=device,
+            embedder_dtype=embedder_dtype.value,
+            ray=ray,
+            ray_workers=ray_workers,
         )
         idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote))
         if ray is None:
