@@ -31,6 +31,8 @@ CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
 DType = Literal["float32", "float16", "bfloat16"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DType)
+EmbedderDType = Literal["auto", "float32", "float16", "bfloat16"]  # auto: retrieval.embedder.embedder_dtype
+EMBEDDER_DTYPES: tuple[str, ...] = get_args(EmbedderDType)
 CodecName = Literal["none", "int8-channel", "int8-token", "fp8"]  # implemented by store.codecs.CODECS
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_MAX_FILE_BYTES = 8 << 20
@@ -378,11 +380,12 @@ class RuntimeConfig:
     one index with different ones)."""
 
     device: str = setting("cpu", "Torch device of the model and the embedder: cpu, cuda, cuda:1, mps.")
-    embedder_dtype: DType = setting(
-        "float32",
-        "The dtype the embedder runs in. bfloat16 embeds about 2.7x faster on a CPU with AMX or AVX512-BF16 (slower on "
-        "one without) and keeps MuSiQue's answer recall; its vectors differ from float32's by ~1e-4 of cosine, which "
-        "can reorder near ties among the retrieved chunks.",
+    embedder_dtype: EmbedderDType = setting(
+        "auto",
+        "The dtype the embedder runs in; auto: bfloat16 on a CPU that computes it natively (AMX or AVX512-BF16: about "
+        "2.7x faster, the same answer recall on MuSiQue; its vectors differ from float32's, and with the batch a text "
+        "is embedded in, by up to ~4e-4 of cosine, which can swap near ties among the retrieved chunks), float32 on "
+        "other CPUs (where bfloat16 is slower) and devices.",
     )
     cuda_graphs: int = setting(
         16,
@@ -410,8 +413,10 @@ class RuntimeConfig:
             raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
         if self.max_documents < 1:
             raise ConfigError(f"max_documents must be >= 1, got {self.max_documents!r}")
-        if self.embedder_dtype not in DTYPE_NAMES:
-            raise ConfigError(f"embedder_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.embedder_dtype!r}")
+        if self.embedder_dtype not in EMBEDDER_DTYPES:
+            raise ConfigError(
+                f"embedder_dtype must be one of {', '.join(EMBEDDER_DTYPES)}, got {self.embedder_dtype!r}"
+            )
         if self.cuda_graphs < 0:
             raise ConfigError(f"cuda_graphs must be >= 0 (0: none), got {self.cuda_graphs!r}")
         if self.ray_workers < 0:

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rag_kvcache.config import ConfigError, RuntimeConfig
 from rag_kvcache.indexing import staging
+from rag_kvcache.retrieval import embedder as embedding
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
@@ -393,23 +394,47 @@ def test_match_finds_chunks_added_and_forgets_removed_ones(
         assert [r.id for _, r in reopened.match((7,) + chess.token_ids + (8,))] == [chess.id]
 
 
-def test_the_embedder_in_bfloat16_embeds_and_ranks_as_in_float32(embedder: SentenceTransformer) -> None:
+def test_the_embedder_in_bfloat16_embeds_and_ranks_as_in_float32() -> None:
     """`RuntimeConfig.embedder_dtype="bfloat16"`: the embedder's weights in bfloat16, its vectors still float32,
     pointing where float32's do and ranking this folder's texts for each question as they do."""
-    half = load_embedder(dtype="bfloat16")
+    exact_model, half = load_embedder(dtype="float32"), load_embedder(dtype="bfloat16")
+    assert {p.dtype for p in exact_model.parameters()} == {torch.float32}
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     texts = list(DOCS.values())
-    exact, low = (m.encode(texts, normalize_embeddings=True) for m in (embedder, half))
+    exact, low = (m.encode(texts, normalize_embeddings=True) for m in (exact_model, half))
     assert low.dtype == np.float32
     assert float((exact * low).sum(axis=1).min()) > 0.999
     questions = ["Which planet is the largest?", "How is spaghetti cooked?", "How does a knight move?"]
     ranked = [
         np.argsort(-(m.encode(questions, normalize_embeddings=True) @ v.T), axis=1).tolist()
-        for m, v in ((embedder, exact), (half, low))
+        for m, v in ((exact_model, exact), (half, low))
     ]
     assert ranked[0] == ranked[1]
 
 
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("fpu sse2 avx512f avx512_bf16 avx512_vnni", True), ("fpu amx_bf16 amx_tile", True), ("fpu sse2 avx2", False)],
+)
+def test_native_bfloat16_reads_the_cpus_flags(tmp_path: Path, flags: str, native: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert embedding.native_bfloat16(cpuinfo) is native
+    assert embedding.native_bfloat16(tmp_path / "missing") is False  # another system: no such file
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_runs_the_embedder_in_bfloat16_only_on_a_cpu_that_computes_it(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    monkeypatch.setattr(embedding, "native_bfloat16", lambda: native)
+    assert embedding.embedder_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert embedding.embedder_dtype("auto", "cuda:0") == "float32"
+    assert embedding.embedder_dtype("float32", "cpu") == "float32"
+    assert embedding.embedder_dtype("bfloat16", "cpu") == "bfloat16"
+    assert RuntimeConfig().embedder_dtype == "auto"
+
+
 def test_embedder_dtype_is_checked() -> None:
-    with pytest.raises(ConfigError, match="embedder_dtype must be one of .*'int4'"):
+    with pytest.raises(ConfigError, match="embedder_dtype must be one of auto, .*'int4'"):
         RuntimeConfig(embedder_dtype="int4")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
 from test_codec_default import QUESTION, write_docs
@@ -57,9 +58,12 @@ def test_the_index_embeds_in_the_runtimes_embedder_dtype_and_records_nothing_of_
     cfg = Config(index=BUILT, runtime=RuntimeConfig(embedder_dtype="bfloat16", cache_dir=tmp_path / "cache"))
     built = KVIndex.build(write_docs(tmp_path / "docs"), tmp_path / "idx", cfg, adapter=tiny, progress=False)
     assert {p.dtype for p in built.chunks._embedder.parameters()} == {torch.bfloat16}
+    vectors = built.embed([QUESTION, "another text"])  # [2, E]: unit vectors in float32, as `check` requires
+    assert vectors.dtype == np.float32 and np.abs(np.linalg.norm(vectors, axis=1) - 1.0).max() < 1e-6
     built.close()
-    assert KVIndex.config_of(tmp_path / "idx").runtime.embedder_dtype == "float32"  # the reader's own
-    reopened = KVIndex.open(tmp_path / "idx", Config(index=BUILT), adapter=tiny)
+    assert KVIndex.config_of(tmp_path / "idx").runtime.embedder_dtype == "auto"  # the reader's own
+    reader = Config(index=BUILT, runtime=RuntimeConfig(embedder_dtype="float32"))
+    reopened = KVIndex.open(tmp_path / "idx", reader, adapter=tiny)
     assert {p.dtype for p in reopened.chunks._embedder.parameters()} == {torch.float32}
     assert reopened.search(QUESTION, 1)  # float32 queries find the chunks bfloat16 embedded
     reopened.close()

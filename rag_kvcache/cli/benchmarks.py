@@ -19,6 +19,7 @@ from .common import (
     DatasetFormat,
     DeviationName,
     DType,
+    EmbedderDType,
     KVCodec,
     KVOnDevice,
     KVRemote,
@@ -142,7 +143,7 @@ def bench(
     embedder: Annotated[str, option(IndexSettings, "embedder")] = default(IndexSettings, "embedder"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
     dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
-    embedder_dtype: Annotated[DType, option(RuntimeConfig, "embedder_dtype")] = DType(
+    embedder_dtype: Annotated[EmbedderDType, option(RuntimeConfig, "embedder_dtype")] = EmbedderDType(
         default(RuntimeConfig, "embedder_dtype")
     ),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,

@@ -19,6 +19,7 @@ from ..config import (
     CHUNK_PREFILLS,
     CODEC_NAMES,
     DTYPE_NAMES,
+    EMBEDDER_DTYPES,
     Config,
     Deviation,
     IndexSettings,
@@ -44,6 +45,7 @@ DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
+EmbedderDType = Enum("EmbedderDType", {name: name for name in EMBEDDER_DTYPES}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
 Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
 History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)

@@ -12,6 +12,7 @@ from ..config import IndexSettings, RuntimeConfig
 from .common import (
     ChunkPrefillName,
     DType,
+    EmbedderDType,
     KVCodec,
     KVRemote,
     base_config,
@@ -61,7 +62,7 @@ def index(
     ray_workers: Annotated[int, option(RuntimeConfig, "ray_workers", min=0)] = default(RuntimeConfig, "ray_workers"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
     dtype: Annotated[DType, option(IndexSettings, "dtype")] = DType(default(IndexSettings, "dtype")),
-    embedder_dtype: Annotated[DType, option(RuntimeConfig, "embedder_dtype")] = DType(
+    embedder_dtype: Annotated[EmbedderDType, option(RuntimeConfig, "embedder_dtype")] = EmbedderDType(
         default(RuntimeConfig, "embedder_dtype")
     ),
 ) -> None:

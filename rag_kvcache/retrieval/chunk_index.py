@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+import torch
 from sentence_transformers import SentenceTransformer
 
 from ..errors import RagKVCacheError
@@ -376,13 +377,10 @@ class ChunkIndex:
                 f"their tokens, and embeds nothing ({len(texts)} texts asked)"
             )
         embeddings = self._embedder.encode(
-            texts,
-            batch_size=batch_size,
-            show_progress_bar=progress,
-            convert_to_numpy=True,
-            normalize_embeddings=True,
-        )
-        return np.ascontiguousarray(embeddings, dtype=np.float32)
+            texts, batch_size=batch_size, show_progress_bar=progress, convert_to_tensor=True
+        )  # [T, E], in the embedder's dtype
+        # normalised in float32, not in a bfloat16 embedder's own dtype (whose unit vectors are 1e-3 off unit)
+        return torch.nn.functional.normalize(embeddings.float(), dim=-1).cpu().numpy()  # [T, E]
 
     def write(
         self,
