@@ -395,20 +395,20 @@ def test_match_finds_chunks_added_and_forgets_removed_ones(
 
 
 def test_the_embedder_in_bfloat16_embeds_and_ranks_as_in_float32() -> None:
-    """`RuntimeConfig.embedder_dtype="bfloat16"`: the embedder's weights in bfloat16, its vectors still float32,
-    pointing where float32's do and ranking this folder's texts for each question as they do."""
+    """`RuntimeConfig.embedder_dtype="bfloat16"`: the embedder's weights in bfloat16, its vectors pointing where
+    float32's do and ranking this folder's texts for each question as they do."""
     exact_model, half = load_embedder(dtype="float32"), load_embedder(dtype="bfloat16")
     assert {p.dtype for p in exact_model.parameters()} == {torch.float32}
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+    def unit(model: SentenceTransformer, texts: list[str]) -> np.ndarray:  # [T, E], as `ChunkIndex.embed` makes them
+        return torch.nn.functional.normalize(model.encode(texts, convert_to_tensor=True).float(), dim=-1).numpy()
+
     texts = list(DOCS.values())
-    exact, low = (m.encode(texts, normalize_embeddings=True) for m in (exact_model, half))
-    assert low.dtype == np.float32
+    exact, low = unit(exact_model, texts), unit(half, texts)
     assert float((exact * low).sum(axis=1).min()) > 0.999
     questions = ["Which planet is the largest?", "How is spaghetti cooked?", "How does a knight move?"]
-    ranked = [
-        np.argsort(-(m.encode(questions, normalize_embeddings=True) @ v.T), axis=1).tolist()
-        for m, v in ((exact_model, exact), (half, low))
-    ]
+    ranked = [np.argsort(-(unit(m, questions) @ v.T), axis=1).tolist() for m, v in ((exact_model, exact), (half, low))]
     assert ranked[0] == ranked[1]
 
 

@@ -62,7 +62,8 @@ def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store
     above only fills its `embed_model` slot (the store embeds texts and queries itself). The ranking
     equals cosine similarity computed here with the real model over every stored chunk."""
     chunks = store_engine.run(lambda: list(store_engine.index.chunks.all_chunks()))
-    dtype = embedder_dtype(store_engine.index.config.runtime.embedder_dtype, "cpu")
+    runtime = store_engine.index.config.runtime
+    dtype = embedder_dtype(runtime.embedder_dtype, runtime.device)
     embedder = load_embedder(dtype=dtype)  # in the dtype the index runs it
     embedded = embedder.encode([QUESTION, *(c.text for c in chunks)], convert_to_tensor=True)  # [1 + C, E]
     vectors = torch.nn.functional.normalize(embedded.float(), dim=-1).numpy()  # unit in float32, as the index's
