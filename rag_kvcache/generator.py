@@ -259,7 +259,7 @@ class FusedGenerator:
         for step in first:
             yield step.text
         self.settle(live)
-        for step in () if live.decoder.done else live.decoder.run(None):
+        for step in live.decoder.run(None):  # none when the first token ended the answer
             yield step.text
         yield self.finish(live)
 

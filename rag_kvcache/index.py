@@ -48,6 +48,8 @@ from .store.kvstore import KVStore
 from .store.opening import CacheOpener
 
 if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
     from .indexing.cluster import RayWorkers
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,7 @@ class KVIndex:
         """An index at `path` for `config`: a new empty one, or the one already there."""
         path = Path(path)
         adapter = adapter or ModelAdapter.load(config)
-        embedder = load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
+        embedder = _embedder(config)
         path.mkdir(parents=True, exist_ok=True)
         with _writer_lock(path):
             if exists(path):
@@ -188,11 +190,7 @@ class KVIndex:
         path = Path(path)
         config = config or cls.config_of(path)
         adapter = adapter or ModelAdapter.load(config)
-        embedder = (
-            load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
-            if embeds
-            else None
-        )
+        embedder = _embedder(config) if embeds else None
         return cls(path, config, ChunkIndex.open(path, embedder, rewrite), adapter)
 
     def update(
@@ -329,6 +327,11 @@ class KVIndex:
     def kv_bytes_per_token(self) -> float:
         """Disk bytes a token of a full-size chunk takes (`kv_bytes`)."""
         return self.kv_bytes([self.config.index.chunk_tokens]) / self.config.index.chunk_tokens
+
+
+def _embedder(config: Config) -> SentenceTransformer:
+    """The index's embedder, on the runtime's device in the runtime's dtype."""
+    return load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
 
 
 @contextmanager
