@@ -4,6 +4,7 @@ embedder, and what recomputing them buys; found where the question shares no wor
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.sentences import Lexicon, closest_sentences, sentence_ids, sentence_relevance
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.retrieval.embedder import load_embedder
+from rag_kvcache.retrieval.embedder import load_embedder, unit_vectors
 
 FACT = "the society devoted to alpha was founded by maro dent. the weather was fine that year."
 OTHER = "the registry lists beta under the catalogue number 77."
@@ -34,11 +35,7 @@ PARAPHRASE = "who started the association dedicated to alpha?"  # no word of FAC
 
 @pytest.fixture(scope="module")
 def embed():
-    return _normalised(load_embedder())
-
-
-def _normalised(model):
-    return lambda texts: model.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
+    return partial(unit_vectors, load_embedder())  # unit vectors, as `ChunkIndex.embed` makes them
 
 
 def test_closest_sentences_are_the_highest_scored_never_an_unscored_one():

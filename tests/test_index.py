@@ -22,7 +22,7 @@ from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
 from rag_kvcache.retrieval.documents import read_documents
-from rag_kvcache.retrieval.embedder import load_embedder
+from rag_kvcache.retrieval.embedder import load_embedder, unit_vectors
 from rag_kvcache.retrieval.vectors import IndexType
 
 DOCS = {
@@ -400,15 +400,13 @@ def test_the_embedder_in_bfloat16_embeds_and_ranks_as_in_float32() -> None:
     exact_model, half = load_embedder(dtype="float32"), load_embedder(dtype="bfloat16")
     assert {p.dtype for p in exact_model.parameters()} == {torch.float32}
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
-
-    def unit(model: SentenceTransformer, texts: list[str]) -> np.ndarray:  # [T, E], as `ChunkIndex.embed` makes them
-        return torch.nn.functional.normalize(model.encode(texts, convert_to_tensor=True).float(), dim=-1).numpy()
-
     texts = list(DOCS.values())
-    exact, low = unit(exact_model, texts), unit(half, texts)
+    exact, low = unit_vectors(exact_model, texts), unit_vectors(half, texts)  # [T, E] each, as `ChunkIndex.embed`'s
     assert float((exact * low).sum(axis=1).min()) > 0.999
     questions = ["Which planet is the largest?", "How is spaghetti cooked?", "How does a knight move?"]
-    ranked = [np.argsort(-(unit(m, questions) @ v.T), axis=1).tolist() for m, v in ((exact_model, exact), (half, low))]
+    ranked = [
+        np.argsort(-(unit_vectors(m, questions) @ v.T), axis=1).tolist() for m, v in ((exact_model, exact), (half, low))
+    ]
     assert ranked[0] == ranked[1]
 
 

@@ -51,7 +51,7 @@ for ex in load_dataset(f"{kind}:/work/shared/data/musique_dev.json", top_k=plan[
         inexact,
         part == len(runs) - 1,
         tok,
-        lambda t: embedder.encode(t, convert_to_numpy=True, normalize_embeddings=True),
+        chunks.embed,  # as the generator scores them (`KVIndex.embed`)
     )
     sentence = sentence_ids(lexicon.sentence_end[ids], part)
     picked = sentence[closest_sentences(relevance, sentence, n_sentences)].unique()

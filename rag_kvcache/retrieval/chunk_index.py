@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
 from sentence_transformers import SentenceTransformer
 
 from ..errors import RagKVCacheError
@@ -43,6 +42,7 @@ from . import integrity
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .database import chunk_id
+from .embedder import unit_vectors
 from .integrity import Verified
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
@@ -376,11 +376,7 @@ class ChunkIndex:
                 f"index {self._dir} was opened without its embedder {self._meta['embedder']!r}: it finds chunks by "
                 f"their tokens, and embeds nothing ({len(texts)} texts asked)"
             )
-        embeddings = self._embedder.encode(
-            texts, batch_size=batch_size, show_progress_bar=progress, convert_to_tensor=True
-        )  # [T, E], in the embedder's dtype
-        # normalised in float32, not in a bfloat16 embedder's own dtype (whose unit vectors are 1e-3 off unit)
-        return torch.nn.functional.normalize(embeddings.float(), dim=-1).cpu().numpy()  # [T, E]
+        return unit_vectors(self._embedder, texts, batch_size, progress)  # [T, E]
 
     def write(
         self,

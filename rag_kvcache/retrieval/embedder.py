@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
 
@@ -54,3 +55,14 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, device: str = "cpu", dtype: str 
     run_in = embedder_dtype(dtype, device)
     log.debug("embedder %s on %s in %s", name, device, run_in)
     return SentenceTransformer(name, device=device).to(getattr(torch, run_in))
+
+
+def unit_vectors(
+    embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False
+) -> np.ndarray:
+    """`texts` embedded by `embedder` as L2-normalised float32 vectors [T, E] (a tqdm bar over batches if
+    `progress`): normalised in float32, not in a bfloat16 embedder's own dtype, whose unit vectors are 1e-3 off unit."""
+    embeddings = embedder.encode(
+        texts, batch_size=batch_size, show_progress_bar=progress, convert_to_tensor=True
+    )  # [T, E], in the embedder's dtype
+    return torch.nn.functional.normalize(embeddings.float(), dim=-1).cpu().numpy()  # [T, E]

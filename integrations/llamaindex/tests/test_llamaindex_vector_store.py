@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.vector_stores.types import VectorStoreQuery
@@ -14,7 +13,7 @@ from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 
 from rag_kvcache import Engine
-from rag_kvcache.retrieval.embedder import embedder_dtype, load_embedder
+from rag_kvcache.retrieval.embedder import embedder_dtype, load_embedder, unit_vectors
 
 from ...testing import empty_engine
 from .support import DEMO_DOCS, QUESTION, Prompts, matched_tokens
@@ -65,8 +64,7 @@ def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store
     runtime = store_engine.index.config.runtime
     dtype = embedder_dtype(runtime.embedder_dtype, runtime.device)
     embedder = load_embedder(dtype=dtype)  # in the dtype the index runs it
-    embedded = embedder.encode([QUESTION, *(c.text for c in chunks)], convert_to_tensor=True)  # [1 + C, E]
-    vectors = torch.nn.functional.normalize(embedded.float(), dim=-1).numpy()  # unit in float32, as the index's
+    vectors = unit_vectors(embedder, [QUESTION, *(c.text for c in chunks)])  # [1 + C, E], as the index's
     similarities = vectors[1:] @ vectors[0]
     top = sorted(range(len(chunks)), key=lambda i: -similarities[i])[:3]
     store = vector_index.vector_store
