@@ -117,7 +117,7 @@ class FusedGenerator:
         retrieval_s = 0.0
         if hits is None:
             t0 = time.perf_counter()
-            hits = self.index.retrieve(question, top_k or self.index.config.query.top_k)
+            hits = self.index.search(question, top_k or self.index.config.query.top_k)
             retrieval_s = time.perf_counter() - t0
         if not hits:  # an answer from no chunks is the model's guess presented as retrieved
             raise EmptyIndexError(

@@ -313,13 +313,10 @@ class KVIndex:
         self.chunks.close()
 
     def search(self, query: str, k: int) -> list[Hit]:
-        """The `k` chunks most similar to `query`, most similar first (a vector store's order)."""
-        return self.chunks.search(query, k)
-
-    def retrieve(self, query: str, k: int) -> list[Hit]:
-        """The `k` chunks most similar to `query`, in the order a prompt lays them out (`QueryConfig.chunk_order`):
-        with "cache", the chunks of one group of a grouped index together, as their caches were computed
-        (`CacheAddressing.prompt_order`); with "rank", most similar first. Each hit keeps its similarity."""
+        """The `k` chunks most similar to `query`, in the order a prompt lays them out
+        (`QueryConfig.chunk_order`): with "cache", the chunks of one group of a grouped index together, as their
+        caches were computed (`CacheAddressing.prompt_order`); with "rank", most similar first. Each hit keeps
+        its similarity."""
         hits = self.chunks.search(query, k)
         if self.config.query.chunk_order == "rank":
             return hits

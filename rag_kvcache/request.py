@@ -139,7 +139,7 @@ def chunks_of(index: KVIndex, options: Options, query: str) -> list[tuple[ChunkR
     if options.top_k is not None:
         if not query.strip():
             raise RequestError("top_k retrieves for the last user message, which is empty", "top_k")
-        return [(hit.chunk, float(hit.score)) for hit in index.retrieve(query, options.top_k)]
+        return [(hit.chunk, float(hit.score)) for hit in index.search(query, options.top_k)]
     return []
 
 

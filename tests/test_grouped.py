@@ -127,16 +127,15 @@ def test_prompt_order_lays_each_retrieved_group_out_as_indexed_at_its_best_rank(
     assert CacheAddressing("ns", (1,), (1,), (), {}).prompt_order(ranked) == [0, 1, 2, 3, 4]
 
 
-def test_retrieve_lays_the_groups_out_as_indexed_and_search_ranks_by_similarity(model, index):
-    """`KVIndex.search` ranks the chunks most similar first (a vector store's order), as `retrieve` does with
-    `chunk_order="rank"`; by default ("cache") `retrieve` returns the same chunks with each retrieved group's
-    chunks in one run, in indexed order (a group read so from its first chunk is exact), the runs in the order of
-    their best-ranked chunks."""
+def test_search_lays_the_groups_out_as_indexed_and_rank_order_by_similarity(model, index):
+    """`KVIndex.search` returns the chunks `chunk_order="rank"` returns, most similar first there; by default
+    ("cache") each retrieved group's chunks form one run, in indexed order (a group read so from its first chunk
+    is exact), the runs in the order of their best-ranked chunks."""
     question = "Who kept the diary of the voyage?"
-    ranked = index.search(question, 6)
-    rank_index = KVIndex.open(index.path, GROUPED.with_query(chunk_order="rank"), adapter=model)
-    assert [h.chunk.id for h in rank_index.retrieve(question, 6)] == [h.chunk.id for h in ranked]
-    hits = index.retrieve(question, 6)
+    ranked = KVIndex.open(index.path, GROUPED.with_query(chunk_order="rank", top_k=6), adapter=model).search(
+        question, 6
+    )
+    hits = KVIndex.open(index.path, GROUPED.with_query(top_k=6), adapter=model).search(question, 6)
     assert [h.score for h in ranked] == sorted((h.score for h in ranked), reverse=True)
     assert sorted(h.chunk.id for h in hits) == sorted(h.chunk.id for h in ranked)
     group = {ids: g[0] for g in groups_of(index) for ids in g}  # chunk -> its group's first chunk

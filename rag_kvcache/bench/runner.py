@@ -127,7 +127,7 @@ def run_question(
     generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
-    hits: list[Hit] = generator.index.retrieve(example.question, config.query.top_k)
+    hits: list[Hit] = generator.index.search(example.question, config.query.top_k)
     retrieval_s = time.perf_counter() - t0
     hits, evidence = place_evidence(hits, example)
     distractors = distractors_in(hits, example, facts)

@@ -198,7 +198,7 @@ def chat(
             continue
         try:
             held = {part.label for turn in turns for part in turn.parts if isinstance(part, ChunkPart)}
-            hits = [h for h in idx.retrieve(message, top_k) if f"chunk:{h.chunk.id}" not in held]
+            hits = [h for h in idx.search(message, top_k) if f"chunk:{h.chunk.id}" not in held]
             chunks = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
             turns.append(ChatTurn("user", (*chunks, message)))
             segments, dropped = generator.fitted_chat(turns, (), cfg.query.fusion, limit)

@@ -58,7 +58,7 @@ def demo(
         idx = KVIndex.build(docs, index_dir, cfg)
     gen = FusedGenerator(idx)
     methods, repeats = ("full", cfg.query.fusion.method, "epic"), 3
-    hits = idx.retrieve(question, cfg.query.top_k)
+    hits = idx.search(question, cfg.query.top_k)
     gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
     runs: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(repeats):  # alternate methods so machine drift hits all alike

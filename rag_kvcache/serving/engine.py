@@ -60,9 +60,6 @@ class Engine:
     def search(self, query: str, k: int) -> list[Hit]:
         return self.run(self.index.search, query, k)
 
-    def retrieve(self, query: str, k: int) -> list[Hit]:
-        return self.run(self.index.retrieve, query, k)
-
     def stream(
         self,
         segments: Sequence[Segment],

@@ -23,7 +23,7 @@ class RagKVCacheRetriever(BaseRetriever, EngineBacked):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
     ) -> list[Document]:
-        hits = self._handle.get().retrieve(query, self.k if k is None else k)
+        hits = self._handle.get().search(query, self.k if k is None else k)
         return [_document(hit) for hit in hits]
 
 

@@ -35,13 +35,13 @@ def test_query_engine_answers_with_source_nodes(llm: RagKVCacheLLM) -> None:
 
 def test_retrieved_node_ids_are_chunk_ids(demo_engine: Engine, chunk_ids: list[str]) -> None:
     engine = demo_engine
-    hits = engine.retrieve(QUESTION, 3)
+    hits = engine.search(QUESTION, 3)
     assert chunk_ids == [hit.chunk.id for hit in hits]
 
 
 def test_complete_fuses_the_chunks_like_the_core(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
     engine = demo_engine
-    hits = engine.retrieve(QUESTION, 3)
+    hits = engine.search(QUESTION, 3)
     core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
     response = llm.complete(QUESTION, chunk_ids=chunk_ids)
     assert response.text == core.answer

@@ -39,7 +39,7 @@ class RagKVCacheRetriever(BaseRetriever):
         self._handle.close()
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        hits = self._handle.get().retrieve(query_bundle.query_str, self.similarity_top_k)
+        hits = self._handle.get().search(query_bundle.query_str, self.similarity_top_k)
         return [
             NodeWithScore(
                 node=TextNode(
