@@ -26,8 +26,6 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 Deviation = Literal["k", "v"]
-ChunkOrder = Literal["cache", "rank"]
-CHUNK_ORDERS: tuple[str, ...] = get_args(ChunkOrder)
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours", "grouped"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
 Eviction = Literal["lru", "lfu"]
@@ -368,21 +366,12 @@ class QueryConfig:
     """How a question is answered unless its request says otherwise: never recorded by an index."""
 
     top_k: int = setting(6, "Chunks retrieved per question.")
-    chunk_order: ChunkOrder = setting(
-        "cache",
-        "How the retrieved chunks are laid out in the prompt: 'cache' keeps the chunks of one group of a grouped "
-        "index together, in the order their caches were computed, at the place of the group's best-ranked chunk "
-        "(the groups in rank order; other indexes: rank order); 'rank' lays every chunk out by its similarity to "
-        "the question, most similar first.",
-    )
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.chunk_order not in CHUNK_ORDERS:
-            raise ConfigError(f"chunk_order must be one of {', '.join(CHUNK_ORDERS)}, got {self.chunk_order!r}")
 
 
 @dataclass(frozen=True)

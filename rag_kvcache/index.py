@@ -313,14 +313,7 @@ class KVIndex:
         self.chunks.close()
 
     def search(self, query: str, k: int) -> list[Hit]:
-        """The `k` chunks most similar to `query`, in the order a prompt lays them out
-        (`QueryConfig.chunk_order`): with "cache", the chunks of one group of a grouped index together, as their
-        caches were computed (`CacheAddressing.prompt_order`); with "rank", most similar first. Each hit keeps
-        its similarity."""
-        hits = self.chunks.search(query, k)
-        if self.config.query.chunk_order == "rank":
-            return hits
-        return [hits[i] for i in self.addressing.prompt_order([h.chunk.token_ids for h in hits])]
+        return self.chunks.search(query, k)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """The index's embedder's L2-normalised embeddings of `texts` [T, E], as it embeds chunks and queries."""

@@ -15,11 +15,9 @@ from test_fusion import ATOL
 
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.errors import ConfigError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.grouping import similar_groups
-from rag_kvcache.store.addressing import CacheAddressing, cache_key
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance; groups of three
 GROUPED = Config(
@@ -97,7 +95,6 @@ def test_a_prompt_laying_a_group_out_reads_it_exactly(model, index):
     group = max(groups_of(index), key=len)
     fmt, question = index.format, "Who kept the diary?"
     gen = FusedGenerator(index)
-    assert [group[::-1][i] for i in index.addressing.prompt_order(group[::-1])] == group  # how `search` lays it out
     for chunks, exact in ((group, True), (group[::-1], False)):
         segments = fmt.segments(chunks, fmt.question_ids(model.tokenizer, question))
         caches = index.caches.open(segments)
@@ -111,45 +108,6 @@ def test_a_prompt_laying_a_group_out_reads_it_exactly(model, index):
         atol=ATOL,
         rtol=0,
     )
-
-
-def test_prompt_order_lays_each_retrieved_group_out_as_indexed_at_its_best_rank():
-    """Chunks ranked C, E, A, F, D, of the groups (A, B, C) and (D, E) and F alone, are laid out A C D E F: a
-    group's retrieved chunks together, in the order the group was prefilled, at the place of its best-ranked
-    chunk, the groups in rank order. An index without groups keeps rank order."""
-    a, b, c, d, e, f = ((i, 100 + i) for i in range(6))  # token ids
-    before = {b: [a], c: [b, a], e: [d]}  # a chunk's group's chunks before it, nearest first
-    neighbours = {cache_key("ns", (), ids): [list(n) for n in near] for ids, near in before.items()}
-    ranked = [c, e, a, f, d]
-    grouped = CacheAddressing("ns", (1,), (1,), (), neighbours, grouped=True)
-    assert [ranked[i] for i in grouped.prompt_order(ranked)] == [a, c, d, e, f]
-    assert grouped.prompt_order([]) == []
-    assert CacheAddressing("ns", (1,), (1,), (), {}).prompt_order(ranked) == [0, 1, 2, 3, 4]
-
-
-def test_search_lays_the_groups_out_as_indexed_and_rank_order_by_similarity(model, index):
-    """`KVIndex.search` returns the chunks `chunk_order="rank"` returns, most similar first there; by default
-    ("cache") each retrieved group's chunks form one run, in indexed order (a group read so from its first chunk
-    is exact), the runs in the order of their best-ranked chunks."""
-    question = "Who kept the diary of the voyage?"
-    ranked = KVIndex.open(index.path, GROUPED.with_query(chunk_order="rank", top_k=6), adapter=model).search(
-        question, 6
-    )
-    hits = KVIndex.open(index.path, GROUPED.with_query(top_k=6), adapter=model).search(question, 6)
-    assert [h.score for h in ranked] == sorted((h.score for h in ranked), reverse=True)
-    assert sorted(h.chunk.id for h in hits) == sorted(h.chunk.id for h in ranked)
-    group = {ids: g[0] for g in groups_of(index) for ids in g}  # chunk -> its group's first chunk
-    place = {ids: k for g in groups_of(index) for k, ids in enumerate(g)}  # chunk -> its place in its group
-    runs = [group[h.chunk.token_ids] for h in hits]
-    assert len({g: 0 for g in runs}) == len([g for k, g in enumerate(runs) if not k or runs[k - 1] != g])  # contiguous
-    assert all(
-        place[x.chunk.token_ids] < place[y.chunk.token_ids]
-        for x, y in zip(hits, hits[1:])
-        if group[x.chunk.token_ids] == group[y.chunk.token_ids]
-    )
-    best = [min(i for i, h in enumerate(ranked) if group[h.chunk.token_ids] == g) for g in dict.fromkeys(runs)]
-    assert best == sorted(best)
-    assert [h.chunk.id for h in hits] != [h.chunk.id for h in ranked]  # this question's groups are laid out anew
 
 
 def test_a_missing_cache_is_recomputed_behind_its_group_and_the_answer_unchanged(model, index, caplog):
@@ -242,13 +200,3 @@ def test_bench_and_cli_name_it():
     assert made_with(Config(), "behind_prefix").index.chunk_prefill == "behind_prefix"
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "grouped" in result.output
-    for command in (
-        "ask",
-        "chat",
-        "bench",
-        "serve",
-    ):  # the layout of the retrieved chunks, on every command that retrieves
-        result = CliRunner().invoke(app, [command, "--help"], terminal_width=200)
-        assert result.exit_code == 0 and "--chunk-order" in result.output, command
-    with pytest.raises(ConfigError, match="chunk_order must be one of cache, rank, got 'score'"):
-        QueryConfig(chunk_order="score")

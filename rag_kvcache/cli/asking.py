@@ -13,9 +13,7 @@ import typer
 
 from ..config import FusionConfig, GenerationConfig, QueryConfig, StorageConfig
 from .common import (
-    CHUNK_ORDER,
     INDEX_HELP,
-    ChunkOrder,
     DeviationName,
     KVRemote,
     PlacedDevice,
@@ -38,7 +36,6 @@ def ask(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
-    chunk_order: ChunkOrder = CHUNK_ORDER,
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
@@ -95,13 +92,7 @@ def ask(
     try:
         check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, base_config())
-        cfg = placed(
-            meta_cfg.with_index(model=model or meta_cfg.index.model).with_query(
-                top_k=top_k, chunk_order=chunk_order.value
-            ),
-            device,
-            dtype,
-        )
+        cfg = placed(meta_cfg.with_index(model=model or meta_cfg.index.model).with_query(top_k=top_k), device, dtype)
         cfg = cfg.with_fusion(
             method=method,
             ratio=parse_ratio(ratio),
@@ -157,7 +148,6 @@ def chat(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
-    chunk_order: ChunkOrder = CHUNK_ORDER,
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
         GenerationConfig, "max_new_tokens"
     ),
@@ -182,11 +172,7 @@ def chat(
     try:
         check_method(method)
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(method=method)
-        cfg = (
-            cfg.with_query(chunk_order=chunk_order.value)
-            .with_generation(max_new_tokens=max_new_tokens)
-            .with_storage(remote=kv_remote)
-        )
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens).with_storage(remote=kv_remote)
         idx = KVIndex.open(index_dir, cfg)
     except (OSError, ValueError) as e:
         fail(str(e))

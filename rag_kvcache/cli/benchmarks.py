@@ -15,8 +15,6 @@ from rich.table import Table
 
 from ..config import FusionConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from .common import (
-    CHUNK_ORDER,
-    ChunkOrder,
     ChunkPrefillName,
     DatasetFormat,
     DeviationName,
@@ -121,7 +119,6 @@ def bench(
         IndexSettings, "chunk_tokens"
     ),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
-    chunk_order: ChunkOrder = CHUNK_ORDER,
     chunk_prefill: Annotated[ChunkPrefillName, option(IndexSettings, "chunk_prefill")] = ChunkPrefillName(
         default(IndexSettings, "chunk_prefill")
     ),
@@ -205,9 +202,7 @@ def bench(
             dtype=dtype.value,
             codec=kv_codec.value,
         )
-        cfg = cfg.with_query(top_k=top_k, chunk_order=chunk_order.value).with_runtime(
-            device=device, embedder_dtype=embedder_dtype.value
-        )
+        cfg = cfg.with_query(top_k=top_k).with_runtime(device=device, embedder_dtype=embedder_dtype.value)
         cfg = cfg.with_fusion(
             ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
         )

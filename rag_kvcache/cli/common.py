@@ -16,7 +16,6 @@ from rich.markup import escape
 from ..bench.datasets import FORMATS
 from ..bench.prompts import PROMPT_STYLES
 from ..config import (
-    CHUNK_ORDERS,
     CHUNK_PREFILLS,
     CODEC_NAMES,
     DTYPE_NAMES,
@@ -24,7 +23,6 @@ from ..config import (
     Config,
     Deviation,
     IndexSettings,
-    QueryConfig,
     RuntimeConfig,
     StorageConfig,
 )
@@ -49,7 +47,6 @@ PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=s
 DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
 EmbedderDType = Enum("EmbedderDType", {name: name for name in EMBEDDER_DTYPES}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
-ChunkOrderName = Enum("ChunkOrderName", {name: name for name in CHUNK_ORDERS}, type=str)
 Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
 History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)
 
@@ -65,8 +62,6 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
 
 
 KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
-ChunkOrder = Annotated[ChunkOrderName, option(QueryConfig, "chunk_order")]
-CHUNK_ORDER = ChunkOrderName(default(QueryConfig, "chunk_order"))
 KVOnDevice = Annotated[bool, option(StorageConfig, "memory_on_device", "--kv-on-device/--kv-in-host")]
 # --device and --dtype of a command that opens an index: not given, the index's own setting stands
 PlacedDevice = Annotated[Optional[str], option(RuntimeConfig, "device")]

@@ -15,9 +15,7 @@ from ..config import (
 )
 from ..serving.settings import ServerConfig
 from .common import (
-    CHUNK_ORDER,
     INDEX_HELP,
-    ChunkOrder,
     History,
     KVOnDevice,
     KVRemote,
@@ -72,7 +70,6 @@ def serve(
     draft_tokens: Annotated[int, option(GenerationConfig, "draft_tokens", min=0)] = default(
         GenerationConfig, "draft_tokens"
     ),
-    chunk_order: ChunkOrder = CHUNK_ORDER,
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -104,7 +101,6 @@ def serve(
             placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
             .with_fusion(template_text=template_text)
             .with_generation(draft_tokens=draft_tokens)
-            .with_query(chunk_order=chunk_order.value)
         )
         engine = Engine(
             index_dir,

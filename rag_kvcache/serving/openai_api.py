@@ -1,7 +1,7 @@
 """`rag-kvcache serve`: an OpenAI-compatible HTTP server over one `Engine` (model loaded once).
 
 Routes: `POST /v1/chat/completions` and `POST /v1/completions` (server-sent events when `stream`,
-with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top-k chunks, in prompt order),
+with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top-k chunks),
 `POST /v1/documents` (write documents into the folder the index mirrors and sync it), `GET
 /metrics` (Prometheus) and `GET /health`. With an API key every route but `/health` needs
 `Authorization: Bearer KEY`.

@@ -92,20 +92,6 @@ class CacheAddressing:
             return (self.chunk_context,)
         return self.neighbour_context(near[:depth]), self.chunk_context
 
-    def prompt_order(self, chunks: Sequence[Sequence[int]]) -> list[int]:
-        """The order (indices into `chunks`, ranked most similar first) in which a prompt lays them out to meet
-        their caches as computed: with `grouped`, the retrieved chunks of one group together, in the order the
-        group was prefilled, at the place of the group's best-ranked chunk (the groups keep their rank order), so a
-        chunk sits right behind those of its group's chunks before it that were retrieved; otherwise rank order."""
-        if not self.grouped:
-            return list(range(len(chunks)))
-        before = [self.near(ids) for ids in chunks]  # per chunk: its group's chunks before it, nearest first
-        group = [tuple(near[-1]) if near else tuple(ids) for ids, near in zip(chunks, before)]  # its group's first
-        place: dict[tuple[int, ...], int] = {}  # group -> rank of its best-ranked retrieved chunk
-        for rank, first in enumerate(group):
-            place.setdefault(first, rank)
-        return sorted(range(len(chunks)), key=lambda i: (place[group[i]], len(before[i])))
-
 
 @dataclass(frozen=True)
 class SegmentAddress:

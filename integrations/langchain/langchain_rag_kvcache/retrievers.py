@@ -15,8 +15,7 @@ from .engines import EngineBacked
 
 class RagKVCacheRetriever(BaseRetriever, EngineBacked):
     """Retrieves indexed chunks as `Document`s: `id` and `metadata["chunk_id"]` are the chunk id,
-    `metadata` also has its `source` file, `ordinal` in that file, and cosine `score`; in the order a prompt
-    should lay them out (`KVIndex.search`)."""
+    `metadata` also has its `source` file, `ordinal` in that file, and cosine `score`."""
 
     k: int = Field(default=4, ge=1, description="How many chunks to return.")
 

@@ -34,9 +34,7 @@ class RagKVCacheVectorStore(VectorStore):
     the index holds replaces it. A document longer than one chunk is split into the index's chunks:
     a search returns the matching chunks, each as a `Document` with its document's id and metadata.
     Documents of a folder indexed with `rag-kvcache index` are found too, with metadata `{"source":
-    path}`. Scores are cosine similarities. The chunks come in the order a prompt should lay them out
-    (`KVIndex.search`: by default the chunks of one group of a grouped index together, as their caches were
-    computed), not always by score.
+    path}`. Scores are cosine similarities.
     """
 
     def __init__(

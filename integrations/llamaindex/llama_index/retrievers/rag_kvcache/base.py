@@ -13,8 +13,7 @@ from rag_kvcache import Engine, EngineHandle
 
 class RagKVCacheRetriever(BaseRetriever):
     """Retrieves indexed chunks as `NodeWithScore`s: each node's id is the chunk id, its metadata
-    the chunk's `source` file and `ordinal` in it, and its score the cosine similarity; in the order a prompt
-    should lay them out (`KVIndex.search`)."""
+    the chunk's `source` file and `ordinal` in it, and its score the cosine similarity."""
 
     def __init__(
         self,

@@ -47,8 +47,7 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
     A node's id is its source in the index; adding a node with an id the index holds replaces it. A
     node longer than one chunk is split into the index's chunks: a query returns the matching chunks,
     each as a node with its node's metadata and relationships (so `ref_doc_id`), and the node's id for
-    its first chunk, `'{id}#{k}'` for chunk k > 0. Similarities are cosine; the chunks come in the order a
-    prompt should lay them out (`KVIndex.search`), not always by similarity.
+    its first chunk, `'{id}#{k}'` for chunk k > 0. Similarities are cosine.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
