@@ -109,6 +109,38 @@ def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):
         WriteBehind(store, depth=0)
 
 
+def test_write_behind_encodes_on_the_callers_thread_and_writes_on_its_own(tiny, tmp_path, monkeypatch):
+    """The encoding is CPU work that must not preempt the compute's threads; the writes wait on the disk,
+    which the compute must not. The stored entries are what `KVStore.put` stores."""
+    import threading
+
+    import rag_kvcache.indexing.precompute as precompute
+
+    store = KVStore(tmp_path / "kv", CFG.index.codec, CFG.runtime.storage)
+    encoded_on, written_on = set(), set()
+    encode = precompute.encode_entry
+
+    def recording_encode(kv, codec):
+        encoded_on.add(threading.get_ident())
+        return encode(kv, codec)
+
+    def recording_write(key, data, write=store.write):
+        written_on.add(threading.get_ident())
+        write(key, data)
+
+    monkeypatch.setattr(precompute, "encode_entry", recording_encode)
+    monkeypatch.setattr(store, "write", recording_write)
+    kvs = [kv for _, kv in compute_caches(tiny, _chunks(3, (8,)), (), 20)]
+    with WriteBehind(store) as writer:
+        for i, kv in enumerate(kvs):
+            writer.put(f"{i:032x}", kv)
+    assert encoded_on == {threading.get_ident()} and len(written_on) == 1 and written_on != encoded_on
+    reference = KVStore(tmp_path / "ref", CFG.index.codec, CFG.runtime.storage)
+    for i, kv in enumerate(kvs):
+        reference.put(f"{i:032x}", kv)
+        assert store.path(f"{i:032x}").read_bytes() == reference.path(f"{i:032x}").read_bytes()
+
+
 def test_a_failed_background_write_fails_the_update_and_commits_nothing(tiny, docs, tmp_path):
     """Fault injection: the store's folder for one chunk's cache is a file, so that write fails on the
     writer thread; the update raises it and the index keeps no chunk without its cache."""

@@ -4,7 +4,8 @@ remote tier shared by every process and machine (`StorageConfig.remote`: Redis o
 An entry's key hashes everything that decides its contents: the model fingerprint, how chunks are
 prefilled (the cache namespace), the tokens before the chunk when it was computed (its context),
 and the chunk's own token ids. A different model or setting is therefore a miss, never a wrong
-hit. `put` encodes an entry once and writes it to disk and to the remote tier; `open` returns a
+hit. `put` encodes an entry once and writes it to disk and to the remote tier (`write` takes one
+encoded already); `open` returns a
 `LayerSource` whose layers are read one at a time (from memory, or from the first backend holding
 it, verified); an entry read whole from a backend is promoted to the memory tier.
 
@@ -72,7 +73,10 @@ class KVStore:
         """Write `kv` to every backend, atomically in each (the remote tier keeps an entry another process
         stored first, and skips the write when its server does not answer). Raises `StorageFullError`.
         The memory tier is a read cache: entries enter it when read whole, so indexing does not churn it."""
-        data = encode_entry(kv, self.codec)
+        self.write(key, encode_entry(kv, self.codec))
+
+    def write(self, key: str, data: bytearray) -> None:
+        """Write an entry `encode_entry` made with this store's codec to every backend, as `put` does."""
         for backend in self.backends:
             backend.write(key, data)
 
