@@ -79,6 +79,8 @@ def test_bench_writes_every_record_summary_and_plot(bench_out):
     meta = results["meta"]
     assert meta["questions_done"] == 3 and meta["indexing"]["tokens"] > 0
     assert 0 < meta["indexing"]["fraction_of_forward"]
+    before, after = meta["indexing"]["forward_tokens_per_s_before_after"]  # the yardstick brackets the indexing
+    assert before > 0 and after > 0 and meta["indexing"]["forward_tokens_per_s"] == pytest.approx((before + after) / 2)
     assert (bench_out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![pareto](pareto.png)" in (bench_out / "results.md").read_text()
 

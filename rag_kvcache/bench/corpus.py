@@ -33,11 +33,16 @@ class IndexingStats:
     chunks: int
     tokens: int  # chunk tokens prefilled by this run (0 when the index was already complete)
     seconds: float  # chunking + embedding + KV precompute
-    forward_tokens_per_s: float  # the model's plain forward over one 512-token input
+    forward_before: float  # tok/s of the model's plain forward over one 512-token input, before indexing
+    forward_after: float  # the same, after: the two bracket the machine's drift during indexing
 
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.tokens else None
+
+    @property
+    def forward_tokens_per_s(self) -> float:
+        return (self.forward_before + self.forward_after) / 2
 
     def to_dict(self) -> dict[str, Any]:
         rate = self.tokens_per_s
@@ -48,6 +53,7 @@ class IndexingStats:
             "seconds": self.seconds,
             "tokens_per_s": rate,
             "forward_tokens_per_s": self.forward_tokens_per_s,
+            "forward_tokens_per_s_before_after": [self.forward_before, self.forward_after],
             "fraction_of_forward": None if rate is None else rate / self.forward_tokens_per_s,
         }
 
@@ -103,6 +109,7 @@ def build_index(
     """Index every passage of `examples` into `work_dir / name` (incremental if already there) and time it."""
     n_passages = write_corpus(examples, work_dir / "docs")
     index = KVIndex.create(work_dir / name, config, adapter)
+    forward_before = forward_throughput(adapter)
     t0 = time.perf_counter()
     report = index.update(work_dir / "docs", progress=progress)
     seconds = time.perf_counter() - t0
@@ -116,7 +123,8 @@ def build_index(
         chunks=len(index.chunks),
         tokens=sum(len(c.token_ids) for c in report.new_chunks),
         seconds=seconds,
-        forward_tokens_per_s=forward_throughput(adapter),
+        forward_before=forward_before,
+        forward_after=forward_throughput(adapter),
     )
     if not stats.tokens:
         log.info("index %s was already complete: indexing throughput not measured", work_dir / "index")

@@ -216,8 +216,10 @@ def bench(
         out.print(f"loading controller: {result.meta['controller']['explain']}")
     indexing = result.meta["indexing"]
     if indexing["tokens_per_s"] is not None:
+        before, after = indexing["forward_tokens_per_s_before_after"]
         out.print(
             f"indexing: {indexing['tokens']} tokens in {indexing['seconds']:.0f} s = {indexing['tokens_per_s']:.0f} tok/s, "
-            f"{indexing['fraction_of_forward']:.2f} of the plain forward ({indexing['forward_tokens_per_s']:.0f} tok/s)"
+            f"{indexing['fraction_of_forward']:.2f} of the plain forward ({indexing['forward_tokens_per_s']:.0f} tok/s, "
+            f"the mean of {before:.0f} before and {after:.0f} after indexing)"
         )
     out.print((result.out_dir / "results.md").read_text(encoding="utf-8"), markup=False, highlight=False)

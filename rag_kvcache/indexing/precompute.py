@@ -1,5 +1,5 @@
-"""Computing chunk caches at indexing time: forward passes over packs of chunks, each cache handed to
-a writer thread so the next pack's compute does not wait for the disk.
+"""Computing chunk caches at indexing time: forward passes over packs of chunks, each cache encoded and
+handed to a writer thread so the next pack's compute does not wait for the disk.
 
 A pack is several chunks end to end in one forward (`ModelSpec.prefill_packed`): projections and
 MLPs run once over all their tokens, each chunk attends over the context and itself alone, at its
