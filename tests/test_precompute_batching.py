@@ -6,6 +6,7 @@ failed write still fails the update."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import WriteBehind, compute_caches, token_packs
+from rag_kvcache.store.backend import encode_entry
 from rag_kvcache.store.kvstore import KVStore
 
 WORDS = (
@@ -112,23 +114,18 @@ def test_write_behind_keeps_at_most_depth_pending_and_flushes(tiny, tmp_path):
 def test_write_behind_encodes_on_the_callers_thread_and_writes_on_its_own(tiny, tmp_path, monkeypatch):
     """The encoding is CPU work that must not preempt the compute's threads; the writes wait on the disk,
     which the compute must not. The stored entries are what `KVStore.put` stores."""
-    import threading
-
-    import rag_kvcache.indexing.precompute as precompute
-
     store = KVStore(tmp_path / "kv", CFG.index.codec, CFG.runtime.storage)
     encoded_on, written_on = set(), set()
-    encode = precompute.encode_entry
 
     def recording_encode(kv, codec):
         encoded_on.add(threading.get_ident())
-        return encode(kv, codec)
+        return encode_entry(kv, codec)
 
     def recording_write(key, data, write=store.write):
         written_on.add(threading.get_ident())
         write(key, data)
 
-    monkeypatch.setattr(precompute, "encode_entry", recording_encode)
+    monkeypatch.setattr("rag_kvcache.indexing.precompute.encode_entry", recording_encode)
     monkeypatch.setattr(store, "write", recording_write)
     kvs = [kv for _, kv in compute_caches(tiny, _chunks(3, (8,)), (), 20)]
     with WriteBehind(store) as writer:

@@ -172,9 +172,9 @@ class WriteBehind:
     `fsync`s, a remote tier's round trip) on one background thread, at most `depth` waiting.
 
     The encoding is CPU work: on a background thread it preempted one of the compute's OpenMP threads,
-    stalling both at the next barrier (on 2 cores, 300 chunks of 128 tokens: 712-729 tok/s against
-    800-823 with everything on the caller's thread and 848-853 without writes). The writes wait on the
-    disk or the network, which the compute should not.
+    and both waited at the next barrier (on 2 cores it cost several times its own CPU time;
+    `benchmarks/RESULTS.md`, session 38). The writes wait on the disk or the network, which the compute
+    should not.
 
     `put` returns at once unless `depth` writes are pending (then it waits for the oldest); `flush`
     waits for all of them. Either raises the first error a write raised. Leaving a `with` block

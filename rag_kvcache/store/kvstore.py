@@ -5,9 +5,9 @@ An entry's key hashes everything that decides its contents: the model fingerprin
 prefilled (the cache namespace), the tokens before the chunk when it was computed (its context),
 and the chunk's own token ids. A different model or setting is therefore a miss, never a wrong
 hit. `put` encodes an entry once and writes it to disk and to the remote tier (`write` takes one
-encoded already); `open` returns a
-`LayerSource` whose layers are read one at a time (from memory, or from the first backend holding
-it, verified); an entry read whole from a backend is promoted to the memory tier.
+encoded already); `open` returns a `LayerSource` whose layers are read one at a time (from memory,
+or from the first backend holding it, verified); an entry read whole from a backend is promoted to
+the memory tier.
 
 Counters (hits, misses, bytes read and written, evictions, corrupt entries) are kept per tier in
 process and added to `stats.json` in the store folder by `flush_stats` (under a file lock, so
