@@ -307,8 +307,8 @@ class IndexSettings:
         "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
         "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
         "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
-        "cached_neighbours: the same, but behind the neighbours' cached K/V instead of their recomputed text, so only "
-        "the chunk's own tokens are computed for each context; grouped, the default: similar chunks prefilled together "
+        "cached_neighbours: one cache behind all context_chunks neighbours' cached K/V instead of their recomputed "
+        "text, so only the chunk's own tokens are computed, about 2x the indexing work of behind_prefix; grouped, the default: similar chunks prefilled together "
         "as one sequence of 1 + context_chunks, each chunk's one cache computed behind those before it in its group, "
         "about one forward over the corpus: 1.04-1.35x behind_prefix's indexing time; epic_match keeps more planted "
         "facts on these caches than on behind_prefix's, at half the teacher-forced KL on MuSiQue, "
@@ -316,9 +316,9 @@ class IndexSettings:
     )
     context_chunks: int = setting(
         3,
-        "chunk_prefill=neighbours or cached_neighbours: a chunk's caches are computed behind its 1, 2, ... this many "
-        "most similar chunks; "
-        "a chunk with r chunks before it in a prompt reads the one behind min(r, this). "
+        "chunk_prefill=neighbours: a chunk's caches are computed behind its 1, 2, ... this many most similar "
+        "chunks; a chunk with r chunks before it in a prompt reads the one behind min(r, this). "
+        "chunk_prefill=cached_neighbours: its one neighbour cache is behind this many. "
         "chunk_prefill=grouped: a group holds a chunk and up to this many of its most similar chunks.",
     )
     dtype: DType = setting(

@@ -1,7 +1,7 @@
-"""`chunk_prefill="cached_neighbours"` (issue 33): a chunk's caches behind its 1..N most similar chunks,
-computed behind the neighbours' *cached* K/V (re-rotated to where they sit in the context) instead of
-their recomputed text. Exact where the cached context is exact (one neighbour: its behind-prefix cache is
-its own, right after the prefix); inexact in general, so stored under keys of its own."""
+"""`chunk_prefill="cached_neighbours"` (issue 33): a chunk's cache behind its N most similar chunks, computed
+behind the neighbours' *cached* K/V (re-rotated to where they sit in the context) instead of their recomputed
+text. Exact where the cached context is exact (one neighbour: its behind-prefix cache is its own, right after
+the prefix); inexact in general, so stored under keys of its own."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from rag_kvcache.engine.ops import rerotate_keys
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
+from rag_kvcache.store.addressing import CacheAddressing
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance
 CACHED = Config(
@@ -54,6 +55,15 @@ def any_index(model, tmp_path) -> KVIndex:
     return KVIndex.build(tmp_path / "docs", tmp_path / "idx", CACHED, adapter=model, progress=False)
 
 
+@pytest.fixture()
+def one_index(model, tmp_path) -> KVIndex:
+    """The same documents, each chunk's cache behind its one most similar chunk: an exact context."""
+    write_docs(tmp_path / "docs")
+    return KVIndex.build(
+        tmp_path / "docs", tmp_path / "one", CACHED.with_index(context_chunks=1), adapter=model, progress=False
+    )
+
+
 def recorded(index: KVIndex, ids) -> list[tuple[int, ...]]:
     table = json.loads((index.path / "neighbours.json").read_text())
     return [tuple(n) for n in table[index.addressing.neighbour_key(ids)]]
@@ -70,14 +80,14 @@ def assert_same(a: ChunkKV, b: ChunkKV) -> None:
         torch.testing.assert_close(a.values[layer], b.values[layer], atol=ATOL, rtol=0)
 
 
-def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, any_index):
+def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, one_index):
     """The invariant: a cached context whose caches hold what a prefill of its tokens gives (the prefix,
     then the first chunk behind it) yields the chunk's cache a prefill behind that text yields."""
-    tiny, index = model, any_index
+    tiny, index = model, one_index
     fmt = index.format
     assert bool(fmt.separator_ids) == (tiny.name == "tiny-llama-bpe")  # BPE: the separator is tokens
     chunk = next(index.chunks.all_chunks())
-    near = recorded(index, chunk.token_ids)[0]
+    (near,) = recorded(index, chunk.token_ids)
     prefix, first = text_cache(tiny, fmt.prefix_ids, ()), text_cache(tiny, near, fmt.prefix_ids)
     past = cached_context([prefix, first], tiny.inv_freq, tiny.device, tiny.dtype)
     whole = tiny.prefill_packed([fmt.prefix_ids + near])[0]
@@ -117,10 +127,11 @@ def test_a_cache_moved_into_the_context_is_re_rotated(tiny, index):
         compute_behind_cached(tiny, (), [prefix])
 
 
-def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_index, tmp_path):
+def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_index, one_index, tmp_path):
     """Behind one neighbour the cached context is exact, so the cache equals the recomputed-text index's;
     behind two the second neighbour's cache has not seen the first, so the chunk's K/V differ; the
-    recomputed-text index addresses neither of these caches (another namespace)."""
+    recomputed-text index addresses neither of these caches (another namespace). A chunk has one neighbour
+    cache, behind all its neighbours, read (with its behind-prefix one) wherever chunks come before it."""
     tiny, index = model, any_index
     text = KVIndex.build(
         tmp_path / "docs",
@@ -132,12 +143,15 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
     assert near == recorded(text, chunk.token_ids) and len(near) == 2
-    one, two = index.addressing.neighbour_contexts(near)
-    assert index.addressing.contexts_at(1, chunk.token_ids) == (one, index.format.prefix_ids)
+    one, two = text.addressing.neighbour_contexts(near)  # the recomputed-text index: a cache at each depth
+    assert index.addressing.neighbour_contexts(near) == [two] and recorded(one_index, chunk.token_ids) == near[:1]
+    for depth in (1, 2, 5):
+        assert index.addressing.contexts_at(depth, chunk.token_ids) == (two, index.format.prefix_ids)
     assert_same(
-        index.store.get(index.addressing.key(chunk.token_ids, one)),
+        one_index.store.get(one_index.addressing.key(chunk.token_ids, one)),
         text.store.get(text.addressing.key(chunk.token_ids, one)),
     )
+    assert index.addressing.key(chunk.token_ids, one) not in index.store  # no cache at depth 1
     mine, theirs = (
         index.store.get(index.addressing.key(chunk.token_ids, two)),
         text.store.get(text.addressing.key(chunk.token_ids, two)),
@@ -227,6 +241,32 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
     assert all(index.addressing.key(ids, fmt.prefix_ids) in index.store for ids in gone)
     assert all(index.addressing.key(ids, fmt.prefix_ids) in index.maker.live_keys() for ids in gone)  # never collected
     assert_same(after, before)
+
+
+def test_an_index_with_a_cache_at_each_depth_still_reads_and_gc_collects_the_shallow_ones(tiny, tmp_path, monkeypatch):
+    """An index built when cached_neighbours stored a cache behind each number of neighbours (sessions 17-38)
+    reads its deepest one, none missing; its shallower ones are orphans, and `collect` (`rag-kvcache gc`)
+    removes them without a chunk missing a cache."""
+    write_docs(tmp_path / "docs")
+    with monkeypatch.context() as patch:
+        patch.setattr(CacheAddressing, "neighbour_sets", lambda self, near: [near[:j] for j in range(1, len(near) + 1)])
+        old = KVIndex.build(tmp_path / "docs", tmp_path / "old", CACHED, adapter=tiny, progress=False)
+    reopened = KVIndex.open(old.path, adapter=tiny)
+    chunks = list(reopened.chunks.all_chunks())
+    shallow = {
+        reopened.addressing.key(c.token_ids, reopened.addressing.neighbour_context(recorded(reopened, c.token_ids)[:1]))
+        for c in chunks
+    }
+    assert {path.stem for path in reopened.orphans()} == shallow and len(shallow) == len(chunks)
+    question = "Who kept the lighthouse diary of ships?"
+    segments = reopened.format.segments(
+        [h.chunk.token_ids for h in reopened.search(question, 3)],
+        reopened.format.question_ids(tiny.tokenizer, question),
+    )
+    assert reopened.caches.open(segments).missing == 0
+    reopened.collect()
+    assert reopened.orphans() == [] and not any(key in reopened.store.disk for key in shallow)
+    assert KVIndex.open(old.path, adapter=tiny).caches.open(segments).missing == 0
 
 
 def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path):

@@ -1,5 +1,5 @@
 """How close cached-neighbour caches come to the recomputed-text neighbour caches (issue 33 item 1): per chunk,
-per context j, per layer, relative L2 of K and V against the neighbours index's cache, for the cached_neighbours
+per context j (the cached-neighbour index stores one, behind all j), per layer, relative L2 of K and V against the neighbours index's cache, for the cached_neighbours
 cache and for the chunk's behind-prefix cache moved to the same position (what plain reuse reads)."""
 
 import json
@@ -44,7 +44,8 @@ for chunk in nb.chunks.all_chunks():
         continue
     same += 1
     bp = cn.store.get(cn.addressing.key(ids))
-    for j, ctx in enumerate(nb.addressing.neighbour_contexts(near_nb), 1):
+    for nearest in cn.addressing.neighbour_sets(near_cn):  # the cached-neighbour caches the index stores
+        j, ctx = len(nearest), cn.addressing.neighbour_context(nearest)
         ref, mine = nb.store.get(nb.addressing.key(ids, ctx)), cn.store.get(cn.addressing.key(ids, ctx))
         assert ref.position == mine.position == len(ctx)
         stats = []

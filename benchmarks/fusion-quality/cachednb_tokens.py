@@ -17,13 +17,10 @@ a = ModelAdapter.load(cfg("neighbours"))
 nb = KVIndex.open(out / "index-neighbours", cfg("neighbours"), a)
 uniq = {c.token_ids for c in nb.chunks.all_chunks()}
 base = sum(map(len, uniq))
-ctxs = [
-    (ids, ctx)
-    for ids in uniq
-    for ctx in nb.addressing.neighbour_contexts(nb.addressing.neighbours[nb.addressing.neighbour_key(ids)])
-]
+near = {ids: nb.addressing.neighbours[nb.addressing.neighbour_key(ids)] for ids in uniq}
+ctxs = [(ids, ctx) for ids in uniq for ctx in nb.addressing.neighbour_contexts(near[ids])]
 text = sum(len(ctx) + len(ids) for ids, ctx in ctxs)
-cached = sum(len(ids) + len(nb.format.separator_ids) for ids, _ in ctxs)
+cached = sum(len(ids) + len(nb.format.separator_ids) for ids in uniq if near[ids])  # one context a chunk
 r = {
     "unique_chunk_tokens": base,
     "contexts": len(ctxs),

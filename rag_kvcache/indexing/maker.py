@@ -14,16 +14,17 @@ cache and its behind-prefix one (`BlendKV`): the deviations particular to each c
 (measured in `benchmarks/fusion-quality/RESULTS.md`, "Session 8"). The chosen neighbours are recorded in
 `neighbours.json`. The first chunk, or one without recorded neighbours (indexed by a run killed before it
 recorded them), uses its behind-prefix cache, which every index stores.
-`chunk_prefill="cached_neighbours"` stores the same caches (same contexts, same neighbours, read the same
-way), each computed behind the neighbours' *cached* K/V instead of their recomputed text: the prefix's
-cache, then each neighbour's behind-prefix cache re-rotated to the position it takes in the context, with
-the separator between two of them read from the separator's own cache behind the prefix, and the separator
-just before the chunk computed with the chunk (`compute_behind_cached`). Only the chunk's own tokens are
-computed for each context, so a context costs about a plain forward over the chunk (the recomputed text
-costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's cached tokens have
-not seen the neighbours before it), so they live under their own keys (the namespace holds
-`chunk_prefill`). With one neighbour the context is exact (the neighbour's cache is its own, right after
-the prefix), and so is the chunk's cache behind it.
+`chunk_prefill="cached_neighbours"` computes a chunk's cache behind its neighbours' *cached* K/V instead of
+their recomputed text: the prefix's cache, then each neighbour's behind-prefix cache re-rotated to the position
+it takes in the context, with the separator between two of them read from the separator's own cache behind
+the prefix, and the separator just before the chunk computed with the chunk (`compute_behind_cached`). Only
+the chunk's own tokens are computed, so the context costs about a plain forward over the chunk (the recomputed
+text costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's cached tokens have
+not seen the neighbours before it), so they live under their own keys (the namespace holds `chunk_prefill`).
+It stores one such cache a chunk, behind all its `context_chunks` neighbours, beside the behind-prefix one, and
+a chunk after the first in a prompt reads their mean at every depth (caches behind fewer neighbours for the
+shallower depths as well, as `neighbours` keeps, bought no planted fact for twice the indexing work:
+`benchmarks/RESULTS.md`, session 39).
 `chunk_prefill="grouped"` gives each chunk one cache with cross-chunk context at about the cost of a plain
 forward: the new chunks are split into groups of similar chunks (`grouping.similar_groups`, at most
 1 + `context_chunks` each), each group prefilled behind the prefix as one sequence laid out as a prompt lays
@@ -98,7 +99,13 @@ class CacheMaker:
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
         self.addressing = CacheAddressing(
-            namespace, chunk_context, format.prefix_ids, format.separator_ids, self._neighbours, self.grouped
+            namespace,
+            chunk_context,
+            format.prefix_ids,
+            format.separator_ids,
+            self._neighbours,
+            self.grouped,
+            by_depth=config.index.chunk_prefill != "cached_neighbours",
         )
 
     # ---- names ----------------------------------------------------------------------------------------
@@ -256,8 +263,9 @@ class CacheMaker:
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
         find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
-        its j most similar of them for each j (`CacheAddressing.neighbour_contexts`, made by `behind_neighbours`),
-        and record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
+        them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j; `cached_neighbours`,
+        all of them), made by `behind_neighbours`, and record them in `neighbours.json`; returns how many
+        caches were computed. A run killed midway leaves
         whole cache entries and the old table: the next run finds the same neighbours and skips the
         caches already stored."""
         table, key = self._neighbours, self.addressing.key
@@ -276,9 +284,10 @@ class CacheMaker:
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids]
             near = near[: self.config.index.context_chunks]
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            for j, ctx in enumerate(self.addressing.neighbour_contexts(near), 1):
+            for nearest in self.addressing.neighbour_sets(near):
+                ctx = self.addressing.neighbour_context(nearest)
                 if key(chunk.token_ids, ctx) not in self.store:
-                    self.store.put(key(chunk.token_ids, ctx), self.behind_neighbours(chunk.token_ids, near[:j]))
+                    self.store.put(key(chunk.token_ids, ctx), self.behind_neighbours(chunk.token_ids, nearest))
                     done += 1
             bar.update(1)
         bar.close()
@@ -294,9 +303,9 @@ class CacheMaker:
     def make(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
         """The cache of `ids` behind `context`, made as the index makes it: behind one of the chunk's recorded
         neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens."""
-        near = self.addressing.near(ids)
-        j = next((j for j in range(1, len(near) + 1) if self.addressing.neighbour_context(near[:j]) == context), None)
-        return next(self.compute([ids], context))[1] if j is None else self.behind_neighbours(ids, near[:j])
+        sets = self.addressing.neighbour_sets(self.addressing.near(ids))
+        nearest = next((s for s in sets if self.addressing.neighbour_context(s) == context), None)
+        return next(self.compute([ids], context))[1] if nearest is None else self.behind_neighbours(ids, nearest)
 
     def behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
         """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`

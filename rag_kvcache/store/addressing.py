@@ -35,9 +35,10 @@ def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) ->
 class CacheAddressing:
     """What names an index's caches: its `namespace`, the `chunk_context` a chunk's cache is computed behind,
     the prompt format's `prefix_ids` and `separator_ids`, and (`chunk_prefill="neighbours"` or
-    "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first; with
-    `grouped` (`chunk_prefill="grouped"`) a chunk's recorded neighbours are the chunks before it in its group,
-    nearest first, and its one cache is behind them."""
+    "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first: with
+    `by_depth` (`neighbours`) a chunk has a cache behind its j most similar for each j, else
+    (`cached_neighbours`) one behind all of them. With `grouped` (`chunk_prefill="grouped"`) a chunk's recorded
+    neighbours are the chunks before it in its group, nearest first, and its one cache is behind them."""
 
     namespace: str
     chunk_context: tuple[int, ...]
@@ -45,6 +46,7 @@ class CacheAddressing:
     separator_ids: tuple[int, ...]
     neighbours: Mapping[str, Sequence[Sequence[int]]]
     grouped: bool = False
+    by_depth: bool = True
 
     def key(self, ids: Sequence[int], context: Sequence[int] | None = None, salt: str = "") -> str:
         """The store key of the cache of `ids` computed behind `context` (default: a chunk's); a `salt`
@@ -63,10 +65,16 @@ class CacheAddressing:
         """The prefix, then the neighbours as a prompt lays chunks out (separator after each), most similar last."""
         return self.prefix_ids + tuple(t for ids in reversed(near) for t in (*ids, *self.separator_ids))
 
+    def neighbour_sets(self, near: Sequence[Sequence[int]]) -> list[Sequence[Sequence[int]]]:
+        """The sets of neighbours a chunk with neighbours `near` (most similar first) has caches behind: with
+        `by_depth` its j most similar, for j = 1..len(near); else all of them, once."""
+        if not self.by_depth:
+            return [near] if near else []
+        return [near[:j] for j in range(1, len(near) + 1)]
+
     def neighbour_contexts(self, near: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """The contexts a chunk with neighbours `near` (most similar first) has caches behind: its j most
-        similar, for j = 1..len(near)."""
-        return [self.neighbour_context(near[:j]) for j in range(1, len(near) + 1)]
+        """The contexts of the caches a chunk with neighbours `near` has behind them (`neighbour_sets`)."""
+        return [self.neighbour_context(s) for s in self.neighbour_sets(near)]
 
     def own_context(self, ids: Sequence[int]) -> tuple[int, ...]:
         """What chunk `ids`'s own cache (the one indexing makes first) is computed behind: `chunk_context`, or
@@ -80,17 +88,17 @@ class CacheAddressing:
 
     def contexts_at(self, depth: int, ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The contexts of the caches read, averaged, for chunk `ids` with `depth` chunks before it in a
-        prompt: with recorded neighbours, behind its min(depth, recorded) most similar chunks (a context of
-        as many chunks as it meets) and behind `chunk_context`, except for the first chunk (depth 0), whose
-        behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `grouped`: the
-        chunk's one cache, behind the chunks before it in its group, at every depth. `address` reads one alone
-        where the prompt reproduces it."""
+        prompt: with recorded neighbours, behind them (`by_depth`: its min(depth, recorded) most similar, a
+        context of as many chunks as it meets) and behind `chunk_context`, except for the first chunk (depth 0),
+        whose behind-prefix cache is exact right after the prefix; otherwise `chunk_context` alone. `grouped`:
+        the chunk's one cache, behind the chunks before it in its group, at every depth. `address` reads one
+        alone where the prompt reproduces it."""
         if self.grouped:
             return (self.own_context(ids),)
         near = self.neighbours.get(self.neighbour_key(ids)) if self.neighbours else None
-        if near is None or depth == 0:
+        if not near or depth == 0:
             return (self.chunk_context,)
-        return self.neighbour_context(near[:depth]), self.chunk_context
+        return self.neighbour_context(near[:depth] if self.by_depth else near), self.chunk_context
 
 
 @dataclass(frozen=True)
