@@ -304,15 +304,15 @@ class IndexSettings:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = setting(
         "grouped",
-        "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing "
-        "(isolated), or also the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks "
-        "caches per chunk, ~9x the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
+        "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing (isolated), or also "
+        "the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks caches per chunk, ~9x "
+        "the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
         "cached_neighbours: one cache behind all context_chunks neighbours' cached K/V instead of their recomputed "
-        "text, so only the chunk's own tokens are computed, about 2x the indexing work of behind_prefix; grouped, the default: similar chunks prefilled together "
-        "as one sequence of 1 + context_chunks, each chunk's one cache computed behind those before it in its group, "
-        "about one forward over the corpus: 1.04-1.35x behind_prefix's indexing time; epic_match keeps more planted "
-        "facts on these caches than on behind_prefix's, at half the teacher-forced KL on MuSiQue, "
-        "benchmarks/RESULTS.md, session 24).",
+        "text, so only the chunk's own tokens are computed, about 2x the tokens of behind_prefix; grouped, the "
+        "default: similar chunks prefilled together as one sequence of 1 + context_chunks, each chunk's one cache "
+        "computed behind those before it in its group, about one forward over the corpus: 1.04-1.35x behind_prefix's "
+        "indexing time; epic_match keeps more planted facts on these caches than on behind_prefix's, at half the "
+        "teacher-forced KL on MuSiQue, benchmarks/RESULTS.md, session 24).",
     )
     context_chunks: int = setting(
         3,

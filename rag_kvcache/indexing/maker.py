@@ -265,9 +265,8 @@ class CacheMaker:
         find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
         them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j; `cached_neighbours`,
         all of them), made by `behind_neighbours`, and record them in `neighbours.json`; returns how many
-        caches were computed. A run killed midway leaves
-        whole cache entries and the old table: the next run finds the same neighbours and skips the
-        caches already stored."""
+        caches were computed. A run killed midway leaves whole cache entries and the old table: the next run
+        finds the same neighbours and skips the caches already stored."""
         table, key = self._neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
         if (
