@@ -39,6 +39,22 @@ def test_a_chunk_reads_its_neighbour_cache_and_the_prefix_one_unless_the_prompt_
     assert first.contexts == (PREFIX,)  # depth 0: the behind-prefix cache is exact there
 
 
+def test_without_depths_a_chunk_has_one_neighbour_cache_read_at_every_depth_after_the_first():
+    """`cached_neighbours` (`by_depth=False`): one cache behind all the recorded neighbours, read with the
+    behind-prefix one wherever chunks come before the chunk; by depth (`neighbours`), behind as many as it meets."""
+    near = {addressing().neighbour_key(C): [A, B]}
+    deep = CacheAddressing("ns", PREFIX, PREFIX, SEP, near, by_depth=False)
+    both = deep.neighbour_context([A, B])  # PREFIX + B + SEP + A + SEP: the most similar last
+    assert deep.neighbour_sets([A, B]) == [[A, B]] and deep.neighbour_contexts([A, B]) == [both]
+    assert deep.neighbour_sets([]) == [] and deep.contexts_at(3, B) == (PREFIX,)  # no neighbours recorded
+    assert deep.contexts_at(0, C) == (PREFIX,)
+    assert deep.contexts_at(1, C) == deep.contexts_at(4, C) == (both, PREFIX)
+    by_depth = addressing(near)
+    assert by_depth.neighbour_sets([A, B]) == [[A], [A, B]]
+    assert by_depth.contexts_at(1, C) == (by_depth.neighbour_context([A]), PREFIX)
+    assert by_depth.contexts_at(4, C) == (both, PREFIX)
+
+
 def test_a_run_of_a_stored_sequence_reads_its_cache_behind_the_tokens_before_the_run():
     run = Segment(C[1:], True, "run", whole=C, offset=1)
     prefix, part, q = address(addressing(), [Segment(PREFIX, True), run, Q])
