@@ -1,6 +1,7 @@
 """How close cached-neighbour caches come to the recomputed-text neighbour caches (issue 33 item 1): per chunk,
-per context j (the cached-neighbour index stores one, behind all j), per layer, relative L2 of K and V against the neighbours index's cache, for the cached_neighbours
-cache and for the chunk's behind-prefix cache moved to the same position (what plain reuse reads)."""
+per context j (the cached-neighbour index stores one, behind all j), per layer, relative L2 of K and V against
+the neighbours index's cache, for the cached_neighbours cache and for the chunk's behind-prefix cache moved to
+the same position (what plain reuse reads)."""
 
 import json
 import sys
