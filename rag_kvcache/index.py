@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as JSON
+# the meta key recording that neighbour caches are stored averaged with the behind-prefix ones (`CacheMaker`):
+# every index created since session 40; those before store the neighbour cache itself
+STORED_MEANS_KEY = "stored_means"
 
 
 def recorded_settings(meta: Mapping[str, str]) -> IndexSettings:
@@ -116,7 +119,17 @@ class KVIndex:
                 f"index {path} was chunked with the tokenizer of {self.recorded.model!r}; {config.index.model!r} "
                 "tokenizes differently, so its stored token ids mean nothing to it: re-index with this model"
             )
-        self.maker = CacheMaker(path, config, adapter, self.store, chunks, self.format, self.namespace, self.foreign)
+        self.maker = CacheMaker(
+            path,
+            config,
+            adapter,
+            self.store,
+            chunks,
+            self.format,
+            self.namespace,
+            self.foreign,
+            stored_means=config.index.chunk_prefill == "cached_neighbours" and STORED_MEANS_KEY in chunks.meta,
+        )
         self.addressing = self.maker.addressing  # what names the index's caches (`store.addressing`)
         self.caches = CacheOpener(
             self.store,
@@ -151,6 +164,7 @@ class KVIndex:
                 SETTINGS_KEY: config.index.to_json(),
                 "model_fingerprint": adapter.fingerprint,
                 "tokenizer": _tokenizer_id(adapter.tokenizer),
+                STORED_MEANS_KEY: "1",
             } | ({"kv_remote": config.runtime.storage.remote_address} if config.runtime.storage.remote else {})
             chunks = ChunkIndex.create(path, embedder, config.index.embedder, meta, config.index.index_type)
         return cls(path, config, chunks, adapter)
@@ -264,7 +278,7 @@ class KVIndex:
     def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
         """The disk caches no indexed chunk uses (not in `CacheMaker.live_keys`) and no interrupted run will
         resume with (not `pending`): all of them, or those among the keys `candidates`."""
-        live = self.maker.live_keys() | self.maker.pending()
+        live = self.maker.live_keys().keys() | self.maker.pending().keys()
         if candidates is None:
             return [path for path in self.store.disk.files() if path.stem not in live]
         return [self.store.disk.path(key) for key in candidates if key not in live and key in self.store.disk]

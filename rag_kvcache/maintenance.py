@@ -14,7 +14,6 @@ cannot be repaired here: the report says to re-index.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -117,18 +116,17 @@ def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: b
     """Read every cache the index uses whole (each tensor's checksum verified); a corrupt one is removed
     by the store as it is found; with `repair`, the missing and corrupt ones are recomputed."""
     live = index.maker.live_keys()
-    bad: dict[tuple[int, ...], list[tuple[str, tuple[int, ...]]]] = defaultdict(list)  # by context
-    for key, (ids, context) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
+    bad: list[str] = []
+    for key, (ids, _) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
         if (problem := _cache_problem(index, key)) is not None:
             report.problems.append(f"KV cache {key} ({len(ids)} tokens): {problem}")
-            bad[context].append((key, ids))
+            bad.append(key)
     report.caches_checked = len(live)
     if not repair:
         return
-    for context, entries in bad.items():
-        for i, kv in index.maker.compute([ids for _, ids in entries], context):
-            index.store.put(entries[i][0], kv)
-            report.recomputed += 1
+    for key in bad:  # made as the index makes each (a neighbour cache behind cached K/V, a stored mean)
+        index.store.put(key, index.maker.make(*live[key]))
+        report.recomputed += 1
     if report.recomputed:
         report.repaired.append(f"recomputed {report.recomputed} missing or corrupt KV caches")
 

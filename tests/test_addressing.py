@@ -35,6 +35,7 @@ def test_a_chunk_reads_its_neighbour_cache_and_the_prefix_one_unless_the_prompt_
     assert exact.contexts == (one,) and exact.keys == (at.key(B, one),)  # the prompt is that context: it alone
     blended = address(at, [Segment(PREFIX, True), chunk(C), Segment(SEP, False), chunk(B), Q])[3]
     assert blended.contexts == (one, PREFIX) and blended.keys == (at.key(B, one), at.key(B, PREFIX))
+    assert exact.context == one and blended.context is None  # a mean is exact behind no prompt
     first = address(at, [Segment(PREFIX, True), chunk(B), Q])[1]
     assert first.contexts == (PREFIX,)  # depth 0: the behind-prefix cache is exact there
 
@@ -53,6 +54,32 @@ def test_without_depths_a_chunk_has_one_neighbour_cache_read_at_every_depth_afte
     assert by_depth.neighbour_sets([A, B]) == [[A], [A, B]]
     assert by_depth.contexts_at(1, C) == (by_depth.neighbour_context([A]), PREFIX)
     assert by_depth.contexts_at(4, C) == (both, PREFIX)
+
+
+def test_stored_means_are_one_read_under_a_key_of_their_own_and_cached_contexts_are_never_exact():
+    """`cached_neighbours` since session 40 (`stored_means`): a chunk after the first reads one cache, the mean
+    of its neighbour cache and behind-prefix one, under a key no cache behind one context has. Its neighbour
+    cache, computed behind cached K/V, is no prefill behind their text: a prompt laid out as that context still
+    reads the mean, inexact (an index stored before, the two averaged)."""
+    near = {addressing().neighbour_key(C): [A, B]}
+    means = CacheAddressing("ns", PREFIX, PREFIX, SEP, near, by_depth=False, stored_means=True)
+    both = means.neighbour_context([A, B])
+    assert means.neighbour_reads(C) == ((means.mean_key(C, (both, PREFIX)), (both, PREFIX)),)
+    assert means.mean_key(C, (both, PREFIX)) not in {
+        means.key(C, both),
+        means.key(C, PREFIX),
+        means.key(C, both + PREFIX),
+    }
+    assert means.mean_key(C, (both, PREFIX)) != means.mean_key(C, (both + PREFIX,))  # the contexts stay apart
+    laid_out = [Segment(PREFIX, True), chunk(B), Segment(SEP, False), chunk(A), Segment(SEP, False), chunk(C), Q]
+    assert PREFIX + B + SEP + A + SEP == both  # the prompt before C is its neighbour context
+    for stored_means in (True, False):
+        at = CacheAddressing("ns", PREFIX, PREFIX, SEP, near, by_depth=False, stored_means=stored_means)
+        c = address(at, laid_out)[5]
+        assert c.contexts == (both, PREFIX) and c.context is None and not at.prefilled(C, both)
+        assert c.keys == ((at.mean_key(C, (both, PREFIX)),) if stored_means else (at.key(C, both), at.key(C, PREFIX)))
+        assert at.prefilled(C, PREFIX) and at.prefilled(A, PREFIX)
+    assert addressing(near).prefilled(C, both)  # `neighbours`: computed behind their text
 
 
 def test_a_run_of_a_stored_sequence_reads_its_cache_behind_the_tokens_before_the_run():

@@ -1,7 +1,9 @@
 """`chunk_prefill="cached_neighbours"` (issue 33): a chunk's cache behind its N most similar chunks, computed
 behind the neighbours' *cached* K/V (re-rotated to where they sit in the context) instead of their recomputed
 text. Exact where the cached context is exact (one neighbour: its behind-prefix cache is its own, right after
-the prefix); inexact in general, so stored under keys of its own."""
+the prefix); inexact in general, so stored under keys of its own. The index stores it averaged with the chunk's
+behind-prefix cache (the mean a query reads); an index built before session 40 stores it alone, and a query
+averages the two."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from test_fusion import ATOL
 from test_methods_neighbours import DOCS
 
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
-from rag_kvcache.engine.cache import BlendKV, ChunkKV
+from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rerotate_keys
 from rag_kvcache.generator import FusedGenerator
-from rag_kvcache.index import KVIndex
+from rag_kvcache.index import STORED_MEANS_KEY, KVIndex
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
-from rag_kvcache.store.addressing import CacheAddressing
+from rag_kvcache.retrieval.chunk_index import ChunkIndex
+from rag_kvcache.store.addressing import CacheAddressing, address
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance
 CACHED = Config(
@@ -73,11 +76,41 @@ def text_cache(tiny, ids, context) -> ChunkKV:
     return next(compute_caches(tiny, [ids], context, 4096))[1]
 
 
-def assert_same(a: ChunkKV, b: ChunkKV) -> None:
+def mean(tiny, a: ChunkKV, b: ChunkKV) -> ChunkKV:
+    """The mean of two caches of one chunk at `a`'s positions, as a query reading both averages them."""
+    blend = BlendKV((a, b), tiny.inv_freq)
+    layers = [blend.layer(i) for i in range(blend.n_layers)]
+    return ChunkKV([k for k, _ in layers], [v for _, v in layers], blend.position)
+
+
+def stored_mean(index: KVIndex, ids, context) -> ChunkKV:
+    """What the index stores for chunk `ids` behind the neighbour `context`: its mean with the behind-prefix cache."""
+    return index.store.get(index.addressing.mean_key(ids, (context, index.format.prefix_ids)))
+
+
+def built_before_session_40(monkeypatch, *args, **kwargs) -> KVIndex:
+    """`KVIndex.build`, as releases before session 40 made an index: no stored means recorded (so none made)."""
+    create = ChunkIndex.create
+
+    def without(path, embedder, name, meta, index_type):
+        return create(path, embedder, name, {k: v for k, v in meta.items() if k != STORED_MEANS_KEY}, index_type)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ChunkIndex, "create", without)
+        return KVIndex.build(*args, **kwargs)
+
+
+def question_segments(index: KVIndex, question: str = "Who kept the lighthouse diary of ships?"):
+    fmt = index.format
+    return fmt.segments(
+        [h.chunk.token_ids for h in index.search(question, 3)], fmt.question_ids(index.adapter.tokenizer, question)
+    )
+
+
+def assert_same(a: LayerSource, b: LayerSource) -> None:
     assert a.position == b.position and a.n_layers == b.n_layers
     for layer in range(a.n_layers):
-        torch.testing.assert_close(a.keys[layer], b.keys[layer], atol=ATOL, rtol=0)
-        torch.testing.assert_close(a.values[layer], b.values[layer], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.layer(layer), b.layer(layer), atol=ATOL, rtol=0)
 
 
 def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, one_index):
@@ -97,8 +130,9 @@ def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, one
     context = fmt.prefix_ids + near + fmt.separator_ids
     cached = compute_behind_cached(tiny, chunk.token_ids, [prefix, first], fmt.separator_ids)
     assert_same(cached, text_cache(tiny, chunk.token_ids, context))
-    stored = index.store.get(index.addressing.key(chunk.token_ids, context))  # the index's own, read back
-    assert_same(stored, text_cache(tiny, chunk.token_ids, context))
+    behind_prefix = text_cache(tiny, chunk.token_ids, fmt.prefix_ids)
+    want = mean(tiny, text_cache(tiny, chunk.token_ids, context), behind_prefix)
+    assert_same(stored_mean(index, chunk.token_ids, context), want)  # the index's own, read back
 
 
 def test_a_cache_moved_into_the_context_is_re_rotated(tiny, index):
@@ -147,34 +181,37 @@ def test_one_neighbour_is_exact_more_are_not_and_keys_are_their_own(model, any_i
     assert index.addressing.neighbour_contexts(near) == [two] and recorded(one_index, chunk.token_ids) == near[:1]
     for depth in (1, 2, 5):
         assert index.addressing.contexts_at(depth, chunk.token_ids) == (two, index.format.prefix_ids)
+    prefix = index.format.prefix_ids
+    behind_prefix = text.store.get(text.addressing.key(chunk.token_ids, prefix))
     assert_same(
-        one_index.store.get(one_index.addressing.key(chunk.token_ids, one)),
-        text.store.get(text.addressing.key(chunk.token_ids, one)),
+        stored_mean(one_index, chunk.token_ids, one),
+        mean(tiny, text.store.get(text.addressing.key(chunk.token_ids, one)), behind_prefix),
     )
-    assert index.addressing.key(chunk.token_ids, one) not in index.store  # no cache at depth 1
+    assert stored_mean(index, chunk.token_ids, one) is None  # no cache at depth 1
     mine, theirs = (
-        index.store.get(index.addressing.key(chunk.token_ids, two)),
-        text.store.get(text.addressing.key(chunk.token_ids, two)),
+        stored_mean(index, chunk.token_ids, two),
+        mean(tiny, text.store.get(text.addressing.key(chunk.token_ids, two)), behind_prefix),
     )
     assert mine.position == theirs.position == len(two)
     assert (mine.keys[-1] - theirs.keys[-1]).abs().max() > 1e-3
-    assert index.addressing.key(chunk.token_ids, two) != text.addressing.key(chunk.token_ids, two)
-    assert index.addressing.key(chunk.token_ids, two) not in text.store
+    assert index.addressing.mean_key(chunk.token_ids, (two, prefix)) not in text.store
+    assert index.addressing.key(chunk.token_ids, two) not in index.store  # the mean alone, not the cache itself
 
 
-def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
+def test_the_index_records_it_reopens_and_reads_its_stored_means(tiny, index):
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.config.index.chunk_prefill == "cached_neighbours" and reopened.config.index.context_chunks == 2
     assert KVIndex.config_of(index.path).index.chunk_prefill == "cached_neighbours"
     assert reopened.maker.unrecorded_chunks() == []
-    question = "Who kept the lighthouse diary of ships?"
     fmt = reopened.format
-    segments = fmt.segments(
-        [h.chunk.token_ids for h in reopened.search(question, 3)],
-        fmt.question_ids(reopened.adapter.tokenizer, question),
-    )
+    segments = question_segments(reopened)
     caches = reopened.caches.open(segments)
-    assert caches.missing == 0 and isinstance(caches.sources[3], BlendKV)
+    assert caches.missing == 0 and reopened.maker.addressing.stored_means
+    assert not any(isinstance(s, BlendKV) for s in caches.sources)  # one stored cache a chunk
+    chunk = segments[3].ids
+    near, prefix = reopened.addressing.contexts_at(1, chunk)
+    assert caches.contexts[3] is None and prefix == fmt.prefix_ids
+    assert_same(caches.sources[3], stored_mean(reopened, chunk, near))
     chunks = [
         p
         for p in FusionInput.build(segments, caches.sources, caches.contexts).parts
@@ -189,6 +226,68 @@ def test_the_index_records_it_reopens_and_reads_blends(tiny, index):
         rtol=0,
     )
     assert reopened.orphans() == []
+
+
+def test_a_stored_mean_fuses_as_the_mean_an_older_index_averages_per_query(tiny, index, tmp_path, monkeypatch):
+    """Storing the mean at indexing changes nothing a query computes, only what it reads: an index built before
+    session 40 (the neighbour cache alone, averaged with the behind-prefix one per query) reads two caches a
+    chunk after the first where the new index reads one, and fuses the prompt to the same logits."""
+    old = built_before_session_40(
+        monkeypatch, tmp_path / "docs", tmp_path / "old", CACHED, adapter=tiny, progress=False
+    )
+    segments = question_segments(index)
+    assert question_segments(old) == segments
+    mine, theirs = index.caches.open(segments), old.caches.open(segments)
+    assert mine.missing == theirs.missing == 0 and mine.contexts == theirs.contexts
+    assert isinstance(theirs.sources[3], BlendKV) and not isinstance(mine.sources[3], BlendKV)
+    assert len(theirs.opened) == 2 * len(mine.opened) - 2  # the prefix's and the first chunk's are read alone
+    for method in ("epic_match", "cacheblend"):
+        fused = [FusedGenerator(i).fuse(segments, FusionConfig(method=method)).result.logits for i in (index, old)]
+        torch.testing.assert_close(*fused, atol=ATOL, rtol=0)
+    assert old.orphans() == [] and index.orphans() == []
+
+
+def test_a_prompt_laid_out_as_a_chunks_neighbour_context_reads_its_mean_inexact(index):
+    """The neighbour cache was computed behind cached K/V, not a prefill of the context's text: a prompt
+    holding just those neighbours before the chunk reads its stored mean, none missing, and repairs it."""
+    chunk = next(index.chunks.all_chunks())
+    near = recorded(index, chunk.token_ids)
+    question = index.format.question_ids(index.adapter.tokenizer, "Who kept the diary?")
+    segments = index.format.segments([*reversed(near), chunk.token_ids], question)
+    caches = index.caches.open(segments)
+    parts = [
+        p
+        for p in FusionInput.build(segments, caches.sources, caches.contexts).parts
+        if p.segment.label.startswith("chunk")
+    ]
+    assert caches.missing == 0 and len(parts) == 3 and parts[0].exact and not parts[-1].exact
+    assert_same(caches.sources[-2], stored_mean(index, chunk.token_ids, index.addressing.neighbour_context(near)))
+
+
+def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, caplog):
+    """Faults: a stored mean gone when a query reads it is remade (the neighbour cache computed again, averaged
+    with the stored behind-prefix one), stored and logged; one corrupted on disk is found by `check` and
+    remade by its repair. Either way it comes back as indexing made it."""
+    from rag_kvcache.maintenance import check
+
+    segments = question_segments(index)
+    (key,) = address(index.addressing, segments)[3].keys  # the second chunk's: its mean
+    before = index.store.get(key)
+    index.store.memory.remove(key)
+    index.store.disk.remove(key)
+    with caplog.at_level(logging.WARNING):
+        assert index.caches.open(segments).missing == 1
+    assert f"recomputed and rewrote the missing or corrupt KV cache {key}" in caplog.text
+    assert_same(index.store.disk.open(key), before)
+    index.store.memory.remove(key)
+    path = index.store.path(key)
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF  # in the last layer's data
+    path.write_bytes(bytes(raw))
+    report = check(index, repair=True, progress=False)
+    assert len(report.problems) == 1 and key in report.problems[0] and report.recomputed == 1
+    assert check(index, progress=False).ok
+    assert_same(index.store.disk.open(key), before)
 
 
 def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, monkeypatch):
@@ -229,7 +328,7 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
     index = any_index
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
-    before = index.store.get(index.addressing.key(chunk.token_ids, index.addressing.neighbour_context(near)))
+    before = index.maker.behind_neighbours(chunk.token_ids, near)
     fmt = index.format
     gone = [near[1], *([fmt.separator_ids] if fmt.separator_ids else [])]
     for ids in gone:
@@ -244,25 +343,24 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
 
 
 def test_an_index_with_a_cache_at_each_depth_still_reads_and_gc_collects_the_shallow_ones(tiny, tmp_path, monkeypatch):
-    """An index built when cached_neighbours stored a cache behind each number of neighbours (sessions 17-38)
-    reads its deepest one, none missing; its shallower ones are orphans, and `collect` (`rag-kvcache gc`)
+    """An index built when cached_neighbours stored a cache behind each number of neighbours (sessions 17-38,
+    none stored as a mean) reads its deepest one, none missing; its shallower ones are orphans, and `collect` (`rag-kvcache gc`)
     removes them without a chunk missing a cache."""
     write_docs(tmp_path / "docs")
     with monkeypatch.context() as patch:
         patch.setattr(CacheAddressing, "neighbour_sets", lambda self, near: [near[:j] for j in range(1, len(near) + 1)])
-        old = KVIndex.build(tmp_path / "docs", tmp_path / "old", CACHED, adapter=tiny, progress=False)
+        old = built_before_session_40(
+            monkeypatch, tmp_path / "docs", tmp_path / "old", CACHED, adapter=tiny, progress=False
+        )
     reopened = KVIndex.open(old.path, adapter=tiny)
+    assert not reopened.addressing.stored_means
     chunks = list(reopened.chunks.all_chunks())
     shallow = {
         reopened.addressing.key(c.token_ids, reopened.addressing.neighbour_context(recorded(reopened, c.token_ids)[:1]))
         for c in chunks
     }
     assert {path.stem for path in reopened.orphans()} == shallow and len(shallow) == len(chunks)
-    question = "Who kept the lighthouse diary of ships?"
-    segments = reopened.format.segments(
-        [h.chunk.token_ids for h in reopened.search(question, 3)],
-        reopened.format.question_ids(tiny.tokenizer, question),
-    )
+    segments = question_segments(reopened)
     assert reopened.caches.open(segments).missing == 0
     reopened.collect()
     assert reopened.orphans() == [] and not any(key in reopened.store.disk for key in shallow)
@@ -277,11 +375,7 @@ def test_an_old_recomputed_text_index_still_reads_its_own_caches(tiny, tmp_path)
     )
     reopened = KVIndex.open(old.path, adapter=tiny)
     assert reopened.config.index.chunk_prefill == "neighbours"
-    question = "Who kept the lighthouse diary of ships?"
-    segments = reopened.format.segments(
-        [h.chunk.token_ids for h in reopened.search(question, 3)],
-        reopened.format.question_ids(tiny.tokenizer, question),
-    )
+    segments = question_segments(reopened)
     assert reopened.caches.open(segments).missing == 0
 
 

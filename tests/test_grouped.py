@@ -162,7 +162,7 @@ def test_a_run_killed_midway_keeps_what_it_stored_and_the_next_completes_it(tiny
     kept = {ids for key, (ids, _) in reopened.maker.live_keys().items() if key in stored}
     assert len(computed) == len(reopened.chunks) - 2 and not kept & set(computed)
     assert stored < set(reopened.maker.live_keys()) and reopened.orphans() == []
-    for ids, context in reopened.maker.live_keys().values():
+    for ids, (context,) in reopened.maker.live_keys().values():
         if ids != reopened.format.prefix_ids:
             assert_same(reopened.store.get(reopened.addressing.key(ids, context)), text_cache(tiny, ids, context))
 

@@ -78,10 +78,11 @@ def test_first_chunk_exact_later_chunks_not_and_prefix_equals_full(index):
     inp = FusionInput.build(segments, caches.sources, caches.contexts)
     chunks = [p for p in inp.parts if p.segment.label.startswith("chunk")]
     assert chunks[0].exact and not any(p.exact for p in chunks[1:])
-    assert caches.contexts[3] != fmt.prefix_ids  # a later chunk reads its neighbour cache, blended
+    assert caches.contexts[3] is None  # a later chunk reads its neighbour cache, blended: exact behind no prompt
+    (near, prefix) = index.addressing.contexts_at(1, segments[3].ids)
     blend = caches.sources[3]
-    assert isinstance(blend, BlendKV) and blend.position == len(caches.contexts[3])
-    assert [s.position for s in blend.sources] == [len(caches.contexts[3]), len(fmt.prefix_ids)]
+    assert isinstance(blend, BlendKV) and blend.position == len(near) and prefix == fmt.prefix_ids
+    assert [s.position for s in blend.sources] == [len(near), len(fmt.prefix_ids)]
     gen = FusedGenerator(index)
     full = gen.fuse(segments, FusionConfig(method="full")).result
     torch.testing.assert_close(

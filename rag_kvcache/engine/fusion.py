@@ -99,10 +99,11 @@ class FusionInput:
         cls,
         segments: Sequence[Segment],
         caches: Sequence[LayerSource | None],
-        contexts: Sequence[tuple[int, ...]],
+        contexts: Sequence[tuple[int, ...] | None],
         device: torch.device | str = "cpu",
     ) -> FusionInput:
-        """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind."""
+        """Lay segments out in order; `contexts[i]` are the tokens segment i's cache was computed behind (None:
+        a mean of caches behind several, exact behind none)."""
         if not (len(segments) == len(caches) == len(contexts)):
             raise ValueError(f"{len(segments)} segments, {len(caches)} caches, {len(contexts)} contexts")
         ids: list[int] = []
@@ -110,7 +111,7 @@ class FusionInput:
         for seg, kv, ctx in zip(segments, caches, contexts):
             if kv is not None and kv.n_tokens != len(seg.ids):
                 raise ValueError(f"cache of segment {seg.label!r} has {kv.n_tokens} tokens, segment has {len(seg.ids)}")
-            exact = kv is not None and kv.position == len(ids) and tuple(ids) == tuple(ctx)
+            exact = kv is not None and ctx is not None and kv.position == len(ids) and tuple(ids) == tuple(ctx)
             parts.append(SegmentKV(seg, len(ids), kv, exact))
             ids.extend(seg.ids)
         if not parts or parts[-1].kv is not None:

@@ -21,10 +21,12 @@ the prefix, and the separator just before the chunk computed with the chunk (`co
 the chunk's own tokens are computed, so the context costs about a plain forward over the chunk (the recomputed
 text costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's cached tokens have
 not seen the neighbours before it), so they live under their own keys (the namespace holds `chunk_prefill`).
-It stores one such cache a chunk, behind all its `context_chunks` neighbours, beside the behind-prefix one, and
-a chunk after the first in a prompt reads their mean at every depth (caches behind fewer neighbours for the
+It computes one such cache a chunk, behind all its `context_chunks` neighbours, and a chunk after the first in
+a prompt reads its mean with the behind-prefix cache at every depth (caches behind fewer neighbours for the
 shallower depths as well, as `neighbours` keeps, bought no planted fact for twice the indexing work:
-`benchmarks/RESULTS.md`, session 39).
+`benchmarks/RESULTS.md`, session 39). The mean is stored, made once at indexing (`stored_means`), so a query
+reads one cache where it would read two and average them (an index built before session 40 stores the
+neighbour cache itself, and is read so).
 `chunk_prefill="grouped"` gives each chunk one cache with cross-chunk context at about the cost of a plain
 forward: the new chunks are split into groups of similar chunks (`grouping.similar_groups`, at most
 1 + `context_chunks` each), each group prefilled behind the prefix as one sequence laid out as a prompt lays
@@ -53,12 +55,12 @@ from rich.filesize import decimal
 from tqdm.auto import tqdm
 
 from ..config import Config
-from ..engine.cache import ChunkKV, LayerSource
+from ..engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
 from ..engine.model import ModelSpec
 from ..engine.prompt import PromptFormat
 from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
-from ..store.addressing import CacheAddressing
+from ..store.addressing import CacheAddressing, Context
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
@@ -71,12 +73,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Table = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # store key -> (token ids, context)
+Live = dict[str, tuple[tuple[int, ...], tuple[Context, ...]]]  # store key -> (token ids, contexts: several, their mean)
 
 
 class CacheMaker:
     """Computes the caches of one index's chunks (and prefix) into its `store`, names them (`addressing`),
     and recomputes one found missing or corrupt (`repair`). `foreign`: the model is not the one the index
-    was built with, so a cache it computes at query time stays in this process's memory."""
+    was built with, so a cache it computes at query time stays in this process's memory. `stored_means`: a
+    `cached_neighbours` chunk's neighbour cache is stored averaged with its behind-prefix one
+    (`CacheAddressing.stored_means`)."""
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class CacheMaker:
         format: PromptFormat,
         namespace: str,
         foreign: bool,
+        stored_means: bool,
     ) -> None:
         self.path, self.config, self.adapter, self.store = path, config, adapter, store
         self.chunks, self.format, self.foreign = chunks, format, foreign
@@ -106,6 +112,7 @@ class CacheMaker:
             self._neighbours,
             self.grouped,
             by_depth=config.index.chunk_prefill != "cached_neighbours",
+            stored_means=stored_means,
         )
 
     # ---- names ----------------------------------------------------------------------------------------
@@ -119,21 +126,19 @@ class CacheMaker:
         """Whether each chunk's one cache is computed behind the chunks before it in its group of similar chunks."""
         return self.config.index.chunk_prefill == "grouped"
 
-    def live_keys(self) -> Table:
+    def live_keys(self) -> Live:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
         before it in its group) and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each
-        number of its recorded neighbours."""
+        number of its recorded neighbours (`CacheAddressing.neighbour_reads`)."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        live: Table = {self.addressing.key(prefix, ()): (prefix, ())}
+        live: Live = {self.addressing.key(prefix, ()): (prefix, ((),))}
         if self.config.index.chunk_prefill == "cached_neighbours" and sep:
-            live[self.addressing.key(sep, prefix)] = (sep, prefix)
+            live[self.addressing.key(sep, prefix)] = (sep, (prefix,))
         for ids in self.chunks.token_ids():
             own = self.addressing.own_context(ids)
-            live[self.addressing.key(ids, own)] = (ids, own)
-            for context in (
-                self.addressing.neighbour_contexts(self.addressing.near(ids)) if self.with_neighbours else ()
-            ):
-                live[self.addressing.key(ids, context)] = (ids, context)
+            live[self.addressing.key(ids, own)] = (ids, (own,))
+            for key, contexts in self.addressing.neighbour_reads(ids) if self.with_neighbours else ():
+                live[key] = (ids, contexts)
         return live
 
     # ---- indexing -------------------------------------------------------------------------------------
@@ -264,8 +269,8 @@ class CacheMaker:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
         find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
         them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j; `cached_neighbours`,
-        all of them), made by `behind_neighbours`, and record them in `neighbours.json`; returns how many
-        caches were computed. A run killed midway leaves whole cache entries and the old table: the next run
+        all of them; with `stored_means`, each averaged with its behind-prefix cache), made by `make`, and record
+        them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves whole cache entries and the old table: the next run
         finds the same neighbours and skips the caches already stored."""
         table, key = self._neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
@@ -283,10 +288,9 @@ class CacheMaker:
             near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids]
             near = near[: self.config.index.context_chunks]
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            for nearest in self.addressing.neighbour_sets(near):
-                ctx = self.addressing.neighbour_context(nearest)
-                if key(chunk.token_ids, ctx) not in self.store:
-                    self.store.put(key(chunk.token_ids, ctx), self.behind_neighbours(chunk.token_ids, nearest))
+            for at, contexts in self.addressing.neighbour_reads(chunk.token_ids):
+                if at not in self.store:
+                    self.store.put(at, self.make(chunk.token_ids, contexts))
                     done += 1
             bar.update(1)
         bar.close()
@@ -299,12 +303,26 @@ class CacheMaker:
         `chunks`, cache)."""
         return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
 
-    def make(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
-        """The cache of `ids` behind `context`, made as the index makes it: behind one of the chunk's recorded
-        neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens."""
-        sets = self.addressing.neighbour_sets(self.addressing.near(ids))
-        nearest = next((s for s in sets if self.addressing.neighbour_context(s) == context), None)
+    def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
+        """The cache of `ids` behind `contexts`, made as the index makes it. Behind one: behind one of the chunk's
+        recorded neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens.
+        Behind several (`CacheAddressing.stored_means`): the mean, at the first's positions, of the chunk's
+        neighbour cache, made now, and its stored caches behind the others (`BlendKV`, as a query averaging
+        them would read it)."""
+        if len(contexts) > 1:
+            parts = [
+                self.cached(ids, c) if self._neighbour_set(ids, c) is None else self.make(ids, (c,)) for c in contexts
+            ]
+            mean = BlendKV(tuple(parts), self.adapter.inv_freq)
+            return ChunkKV.viewing(all_layers(mean), mean.position)  # [L, 2, H_kv, T, D]
+        (context,) = contexts
+        nearest = self._neighbour_set(ids, context)
         return next(self.compute([ids], context))[1] if nearest is None else self.behind_neighbours(ids, nearest)
+
+    def _neighbour_set(self, ids: tuple[int, ...], context: Context) -> Sequence[Sequence[int]] | None:
+        """The recorded neighbours of chunk `ids` that `context` lays out, or None: not a neighbour context."""
+        sets = self.addressing.neighbour_sets(self.addressing.near(ids))
+        return next((s for s in sets if self.addressing.neighbour_context(s) == context), None)
 
     def behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
         """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
@@ -324,13 +342,13 @@ class CacheMaker:
         """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
         recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
         key = self.addressing.key(ids, context)
-        entry = open_repairing(self.store, key, partial(self.repair, key, ids, context))
-        return entry if entry is not None else self.repair(key, ids, context)
+        entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)))
+        return entry if entry is not None else self.repair(key, ids, (context,))
 
-    def repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV:
-        """Recompute a missing or corrupt cache and store it again (a failed write is logged, not raised:
-        the recomputed cache serves the query that found the fault)."""
-        kv = self.make(ids, context)
+    def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
+        """Recompute a missing or corrupt cache (`make`) and store it again (a failed write is logged, not
+        raised: the recomputed cache serves the query that found the fault)."""
+        kv = self.make(ids, contexts)
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
             return kv

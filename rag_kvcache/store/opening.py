@@ -19,7 +19,7 @@ import torch
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from ..engine.prompt import Segment
 from ..errors import RagKVCacheError
-from .addressing import CacheAddressing, address
+from .addressing import CacheAddressing, Context, address
 from .backend import CorruptEntryError
 from .kvstore import KVStore
 from .tiers import MemoryTier
@@ -31,9 +31,9 @@ class Maker(Protocol):
     @property
     def addressing(self) -> CacheAddressing: ...
 
-    def make(self, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV: ...
+    def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
 
-    def repair(self, key: str, ids: tuple[int, ...], context: tuple[int, ...]) -> ChunkKV: ...
+    def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PromptCaches:
     """The opened caches of a prompt's segments (`CacheOpener.open`)."""
 
     sources: list[LayerSource | None]  # per segment; None: computed at query time
-    contexts: list[tuple[int, ...]]  # per segment: the tokens its cache was computed behind
+    contexts: list[Context | None]  # per segment: the tokens its cache was computed behind (None: a mean of several)
     missing: int  # chunk caches that were missing when opened (recomputed and stored)
     opened: list[LayerSource]  # each stored cache opened, once (segments may read slices of one)
     computed_tokens: int  # prompt tokens of the segments whose cache was computed now (first use or repair)
@@ -132,16 +132,16 @@ class CacheOpener:
             if not at.keys:
                 sources.append(None)
                 continue
-            for key, context in zip(at.keys, at.contexts):
+            for key, contexts in at.reads:
                 if key not in opened:
-                    entry = self._open(key, at.whole, context, salt if at.request_text else None)
+                    entry = self._open(key, at.whole, contexts, salt if at.request_text else None)
                     if entry is None and not make:
-                        entry = Unmade(len(at.whole), len(context), self.n_layers)
+                        entry = Unmade(len(at.whole), len(contexts[0]), self.n_layers)
                     elif entry is None:
                         entry = (
-                            self._first_use(key, at.whole, context, salt)
+                            self._first_use(key, at.whole, contexts, salt)
                             if at.request_text
-                            else self.maker.repair(key, at.whole, context)
+                            else self.maker.repair(key, at.whole, contexts)
                         )
                         recomputed.add(key)
                     opened[key] = entry
@@ -173,16 +173,18 @@ class CacheOpener:
             self.request_tiers[tenant] = MemoryTier(self.request_bytes, "lru")
         return self.request_tiers[tenant]
 
-    def _open(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], salt: str | None) -> LayerSource | None:
+    def _open(
+        self, key: str, ids: tuple[int, ...], contexts: Sequence[Context], salt: str | None
+    ) -> LayerSource | None:
         """The entry under `key` (request text: from the tenant's memory), repaired if a layer fails its
         check; None when missing."""
         if salt is not None:
             return self.request_tier(salt).get(key)
-        return open_repairing(self.store, key, partial(self.maker.repair, key, ids, context))
+        return open_repairing(self.store, key, partial(self.maker.repair, key, ids, contexts))
 
-    def _first_use(self, key: str, ids: tuple[int, ...], context: tuple[int, ...], salt: str) -> ChunkKV:
+    def _first_use(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context], salt: str) -> ChunkKV:
         """A cache of request text made on first use (a new prompt head, or a chunk behind it), kept in the
         tenant's `request_tier`."""
-        kv = self.maker.make(ids, context)
+        kv = self.maker.make(ids, contexts)
         self.request_tier(salt).put(key, kv)
         return kv
