@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as JSON
 # the meta key recording that neighbour caches are stored averaged with the behind-prefix ones (`CacheMaker`):
-# every index created since session 40; those before store the neighbour cache itself
+# every index this release creates; one created before stores the neighbour cache itself, averaged per query
 STORED_MEANS_KEY = "stored_means"
 
 

@@ -25,8 +25,8 @@ It computes one such cache a chunk, behind all its `context_chunks` neighbours, 
 a prompt reads its mean with the behind-prefix cache at every depth (caches behind fewer neighbours for the
 shallower depths as well, as `neighbours` keeps, bought no planted fact for twice the indexing work:
 `benchmarks/RESULTS.md`, session 39). The mean is stored, made once at indexing (`stored_means`), so a query
-reads one cache where it would read two and average them (an index built before session 40 stores the
-neighbour cache itself, and is read so).
+reads one cache where it would read two and average them (an index created before stores the neighbour
+cache itself, and is read so).
 `chunk_prefill="grouped"` gives each chunk one cache with cross-chunk context at about the cost of a plain
 forward: the new chunks are split into groups of similar chunks (`grouping.similar_groups`, at most
 1 + `context_chunks` each), each group prefilled behind the prefix as one sequence laid out as a prompt lays
@@ -269,9 +269,10 @@ class CacheMaker:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
         find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
         them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j; `cached_neighbours`,
-        all of them; with `stored_means`, each averaged with its behind-prefix cache), made by `make`, and record
-        them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves whole cache entries and the old table: the next run
-        finds the same neighbours and skips the caches already stored."""
+        all of them; with `stored_means`, each averaged with its behind-prefix cache), made by `make`, and
+        record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
+        whole cache entries and the old table: the next run finds the same neighbours and skips the caches
+        already stored."""
         table, key = self._neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
         if (

@@ -22,9 +22,8 @@ import xxhash
 from ..engine.prompt import Segment
 
 Context = tuple[int, ...]  # the tokens a cache was computed behind
-Read = tuple[
-    str, tuple[Context, ...]
-]  # a store key, and the contexts its cache was computed behind (several: their mean)
+# a store key, and the contexts its cache was computed behind (several: it holds their mean)
+Read = tuple[str, tuple[Context, ...]]
 
 
 def cache_key(namespace: str, context_ids: Sequence[int], ids: Sequence[int]) -> str:
@@ -43,8 +42,8 @@ class CacheAddressing:
     the prompt format's `prefix_ids` and `separator_ids`, and (`chunk_prefill="neighbours"` or
     "cached_neighbours") each chunk's recorded `neighbours`, by `neighbour_key`, most similar first: with
     `by_depth` (`neighbours`) a chunk has a cache behind its j most similar for each j, else
-    (`cached_neighbours`) one behind all of them; with `stored_means` (a `cached_neighbours` index built since
-    session 40) that cache is stored as its mean with the chunk's behind-prefix cache (`mean_key`), read as
+    (`cached_neighbours`) one behind all of them; with `stored_means` (a `cached_neighbours` index that records
+    them) that cache is stored as its mean with the chunk's behind-prefix cache (`mean_key`), read as
     one, instead of the two being read and averaged per query. With `grouped` (`chunk_prefill="grouped"`) a
     chunk's recorded neighbours are the chunks before it in its group, nearest first, and its one cache is
     behind them."""
