@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Table = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # store key -> (token ids, context)
+Table = dict[str, tuple[tuple[int, ...], Context]]  # store key -> (token ids, context)
 Live = dict[str, tuple[tuple[int, ...], tuple[Context, ...]]]  # store key -> (token ids, contexts: several, their mean)
 
 
@@ -311,8 +311,9 @@ class CacheMaker:
         neighbour cache, made now, and its stored caches behind the others (`BlendKV`, as a query averaging
         them would read it)."""
         if len(contexts) > 1:
+            sets = [self._neighbour_set(ids, c) for c in contexts]
             parts = [
-                self.cached(ids, c) if self._neighbour_set(ids, c) is None else self.make(ids, (c,)) for c in contexts
+                self.cached(ids, c) if s is None else self.behind_neighbours(ids, s) for c, s in zip(contexts, sets)
             ]
             mean = BlendKV(tuple(parts), self.adapter.inv_freq)
             return ChunkKV.viewing(all_layers(mean), mean.position)  # [L, 2, H_kv, T, D]
