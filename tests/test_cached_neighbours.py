@@ -7,6 +7,7 @@ averages the two."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from dataclasses import replace
@@ -20,6 +21,7 @@ from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rerotate_keys
+from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import STORED_MEANS_KEY, KVIndex
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
@@ -318,6 +320,43 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     )
     assert done == total - 3  # the three stored before the kill are kept
     assert reopened.maker.unrecorded_chunks() == [] and set(reopened.maker.live_keys()) == set(whole.maker.live_keys())
+    for key in whole.maker.live_keys():
+        assert_same(reopened.store.get(key), whole.store.get(key))
+
+
+def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_completes(tiny, tmp_path, monkeypatch):
+    """The neighbour caches are written behind the compute: a write that fails (a full disk) is raised by the
+    run, every other write it made is whole in the store, no table is recorded, and the next run computes
+    only what is missing; the caches equal an uninterrupted run's."""
+    write_docs(tmp_path / "docs")
+    whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
+    neighbour_caches = {
+        key for c in whole.chunks.all_chunks() for key, _ in whole.addressing.neighbour_reads(c.token_ids)
+    }
+    index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
+    real_pass, real_write, writes = index.maker.precompute_neighbours, index.store.write, []
+
+    def disk_full_on_the_third(key, data):
+        writes.append(key)
+        if len(writes) == 3:
+            raise StorageFullError(errno.ENOSPC, "No space left on device")
+        real_write(key, data)
+
+    def pass_on_a_filling_disk(chunks, progress=True):
+        monkeypatch.setattr(index.store, "write", disk_full_on_the_third)
+        return real_pass(chunks, progress)
+
+    monkeypatch.setattr(index.maker, "precompute_neighbours", pass_on_a_filling_disk)
+    with pytest.raises(StorageFullError):
+        index.update(tmp_path / "docs", progress=False)
+    monkeypatch.undo()
+    assert not (index.path / "neighbours.json").exists() and writes[2] not in index.store
+    written = [key for i, key in enumerate(writes) if i != 2]
+    assert all(key in index.store for key in written)
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    done = reopened.maker.precompute_neighbours(reopened.maker.unrecorded_chunks(), progress=False)
+    assert done == len(neighbour_caches - set(written)) and done < len(neighbour_caches)
+    assert set(reopened.maker.live_keys()) == set(whole.maker.live_keys())
     for key in whole.maker.live_keys():
         assert_same(reopened.store.get(key), whole.store.get(key))
 

@@ -16,9 +16,10 @@ from sentence_transformers import SentenceTransformer
 from transformers import PreTrainedTokenizerBase
 
 from rag_kvcache.config import ConfigError, RuntimeConfig
+from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.indexing import staging
 from rag_kvcache.retrieval import embedder as embedding
-from rag_kvcache.retrieval.chunk_index import ChunkIndex
+from rag_kvcache.retrieval.chunk_index import ChunkIndex, ChunkRecord
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
 from rag_kvcache.retrieval.documents import read_documents
@@ -213,6 +214,33 @@ def test_search_edge_cases(
             index.search("volcano", 0)
         with pytest.raises(ValueError, match="empty"):
             index.search("  \n", 3)
+
+
+@pytest.mark.parametrize("index_type", ["flat", "hnsw"])
+def test_nearest_reads_the_stored_vectors_and_skips_the_chunk_itself(
+    tmp_path: Path, docs: Path, embedder: SentenceTransformer, chunker: Chunker, index_type: IndexType
+) -> None:
+    """A chunk's nearest chunks are what searching its own text finds, less itself and any chunk with its
+    tokens (a copied file), found by the index's vectors: embedding nothing again."""
+    shutil.copy(docs / "chess.txt", docs / "chess-copy.txt")
+    index = ChunkIndex.create(tmp_path / "index", embedder, "all-MiniLM-L6-v2", {"chunk_tokens": "16"}, index_type)
+    staging.commit(index, staging.stage_sync(index, docs, chunker, batch_size=4, progress=False))
+    with index:
+        chunks = sorted(index.all_chunks(), key=lambda c: c.id)
+        by_text = [[h.chunk for h in index.search(c.text, 5) if h.chunk.token_ids != c.token_ids][:2] for c in chunks]
+        index.embed = None  # type: ignore[method-assign, assignment]  # nearest must not embed
+        nearest = index.nearest(chunks, 2)
+        assert [{n.id for n in row} for row in nearest] == [
+            {n.id for n in row} for row in by_text
+        ]  # near ties may swap
+        for chunk, row in zip(chunks, nearest, strict=True):
+            assert len(row) == 2 and all(n.token_ids != chunk.token_ids for n in row)
+        assert index.nearest([], 2) == []
+        with pytest.raises(ValueError, match="got 0"):
+            index.nearest(chunks, 0)
+        stranger = Chunk("elsewhere.txt", 0, (1, 2, 3), 0, 5, "hello")
+        with pytest.raises(RagKVCacheError, match="not in"):
+            index.nearest([ChunkRecord.from_chunk(stranger)], 2)
 
 
 def _deny(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:

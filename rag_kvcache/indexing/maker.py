@@ -283,20 +283,18 @@ class CacheMaker:
         ):
             self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
-        done = 0
-        for chunk in chunks:
-            hits = self.chunks.search(chunk.text, self.config.index.context_chunks + 1)
-            near = [h.chunk.token_ids for h in hits if h.chunk.token_ids != chunk.token_ids]
-            near = near[: self.config.index.context_chunks]
-            table[self.addressing.neighbour_key(chunk.token_ids)] = [list(ids) for ids in near]
-            for at, contexts in self.addressing.neighbour_reads(chunk.token_ids):
-                if at not in self.store:
-                    self.store.put(at, self.make(chunk.token_ids, contexts))
-                    done += 1
-            bar.update(1)
+        made: set[str] = set()
+        with WriteBehind(self.store) as writer:
+            for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
+                table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
+                for at, contexts in self.addressing.neighbour_reads(chunk.token_ids):
+                    if at not in made and at not in self.store:
+                        writer.put(at, self.make(chunk.token_ids, contexts))
+                        made.add(at)
+                bar.update(1)
         bar.close()
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
-        return done
+        return len(made)
 
     # ---- making one cache -----------------------------------------------------------------------------
     def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:

@@ -285,18 +285,46 @@ class ChunkIndex:
             k = len(self)
         if k == 0:
             return []
-        scores, faiss_ids = self._vectors.search(self.embed([query], batch_size=1, progress=False), k)
-        found = [(int(i), float(s)) for i, s in zip(faiss_ids[0], scores[0], strict=True) if i != -1]
-        records = self._fetch("faiss_id", [i for i, _ in found])
-        if len(records) < len(found):  # another process synced since this index was opened
+        return self._hits(self.embed([query], batch_size=1, progress=False), k)[0]
+
+    def nearest(self, chunks: Sequence[ChunkRecord], k: int) -> list[list[ChunkRecord]]:
+        """For each of `chunks` (indexed ones), the at most `k` other chunks most similar to it by its stored
+        vector, best first: one search for all of them, nothing embedded again. A chunk with the same tokens
+        (the same text in another document) is not another chunk."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k!r}")
+        if not chunks:
+            return []
+        known = self._fetch("id", [c.id for c in chunks])
+        missing = [c.id for c in chunks if c.id not in known]
+        if missing:
+            raise RagKVCacheError(f"nearest needs indexed chunks; not in {self._dir}: {missing[:3]}")
+        queries = np.stack([self._vectors.reconstruct(db.faiss_id(c.id)) for c in chunks])  # [C, E]
+        hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for the chunk itself and copies of it
+        return [
+            [h.chunk for h in found if h.chunk.token_ids != chunk.token_ids][:k]
+            for chunk, found in zip(chunks, hits, strict=True)
+        ]
+
+    def _hits(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
+        """The `k` chunks most similar to each of `queries` [Q, E] (unit vectors), best first."""
+        scores, faiss_ids = self._vectors.search(queries, k)  # [Q, k] x 2
+        found = [
+            [(int(i), float(s)) for i, s in zip(row_ids, row, strict=True) if i != -1]
+            for row_ids, row in zip(faiss_ids, scores, strict=True)
+        ]
+        ids = [i for row in found for i, _ in row]
+        records = self._fetch("faiss_id", list(set(ids)))
+        removed = sum(i not in records for i in ids)
+        if removed:  # another process synced since this index was opened
             logger.warning(
                 "%d of the %d hits were removed from %s by another process since it was opened; reopen the "
                 "index to search its current contents",
-                len(found) - len(records),
-                len(found),
+                removed,
+                len(ids),
                 self._dir,
             )
-        return [Hit(records[i], score) for i, score in found if i in records]
+        return [[Hit(records[i], score) for i, score in row if i in records] for row in found]
 
     def match(self, ids: Sequence[int], min_span: int = MIN_SPAN) -> list[tuple[Span, ChunkRecord]]:
         """Every run of at least `min_span` tokens of `ids` (a prompt's token ids) that equals a run of an
