@@ -289,8 +289,8 @@ class ChunkIndex:
 
     def nearest(self, chunks: Sequence[ChunkRecord], k: int) -> list[list[ChunkRecord]]:
         """For each of `chunks` (indexed ones), the at most `k` other chunks most similar to it by its stored
-        vector, best first: one search for all of them, nothing embedded again. A chunk with the same tokens
-        (the same text in another document) is not another chunk."""
+        vector, best first, each text once: a chunk with the same tokens as the chunk or as one taken before it
+        (the same passage in another document) is skipped. One search for all of them, nothing embedded again."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k!r}")
         if not chunks:
@@ -300,11 +300,8 @@ class ChunkIndex:
         if missing:
             raise RagKVCacheError(f"nearest needs indexed chunks; not in {self._dir}: {missing[:3]}")
         queries = np.stack([self._vectors.reconstruct(db.faiss_id(c.id)) for c in chunks])  # [C, E]
-        hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for the chunk itself and copies of it
-        return [
-            [h.chunk for h in found if h.chunk.token_ids != chunk.token_ids][:k]
-            for chunk, found in zip(chunks, hits, strict=True)
-        ]
+        hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for copies
+        return [_distinct(chunk, [h.chunk for h in found], k) for chunk, found in zip(chunks, hits, strict=True)]
 
     def _hits(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         """The `k` chunks most similar to each of `queries` [Q, E] (unit vectors), best first."""
@@ -505,6 +502,16 @@ class ChunkIndex:
             )
             records.update((row[0], _record(row[1:])) for row in rows)
         return records
+
+
+def _distinct(chunk: ChunkRecord, found: Sequence[ChunkRecord], k: int) -> list[ChunkRecord]:
+    """The first `k` of `found` whose tokens are neither `chunk`'s nor those of one taken before."""
+    seen, taken = {chunk.token_ids}, list[ChunkRecord]()
+    for other in found:
+        if other.token_ids not in seen and len(taken) < k:
+            seen.add(other.token_ids)
+            taken.append(other)
+    return taken
 
 
 def _record(row: Sequence) -> ChunkRecord:
