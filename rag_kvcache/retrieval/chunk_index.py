@@ -506,7 +506,8 @@ class ChunkIndex:
 
 def _distinct(chunk: ChunkRecord, found: Sequence[ChunkRecord], k: int) -> list[ChunkRecord]:
     """The first `k` of `found` whose tokens are neither `chunk`'s nor those of one taken before."""
-    seen, taken = {chunk.token_ids}, list[ChunkRecord]()
+    seen = {chunk.token_ids}
+    taken: list[ChunkRecord] = []
     for other in found:
         if other.token_ids not in seen and len(taken) < k:
             seen.add(other.token_ids)
