@@ -115,6 +115,13 @@ def assert_same(a: LayerSource, b: LayerSource) -> None:
         torch.testing.assert_close(a.layer(layer), b.layer(layer), atol=ATOL, rtol=0)
 
 
+def assert_same_caches(index: KVIndex, reference: KVIndex) -> None:
+    """`index` uses the caches `reference` uses, and each holds the same K/V."""
+    assert set(index.maker.live_keys()) == set(reference.maker.live_keys())
+    for key in reference.maker.live_keys():
+        assert_same(index.store.get(key), reference.store.get(key))
+
+
 def test_caches_in_place_give_the_context_a_prefill_of_its_text_gives(model, one_index):
     """The invariant: a cached context whose caches hold what a prefill of its tokens gives (the prefix,
     then the first chunk behind it) yields the chunk's cache a prefill behind that text yields."""
@@ -319,9 +326,8 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
         len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
     )
     assert done == total - 3  # the three stored before the kill are kept
-    assert reopened.maker.unrecorded_chunks() == [] and set(reopened.maker.live_keys()) == set(whole.maker.live_keys())
-    for key in whole.maker.live_keys():
-        assert_same(reopened.store.get(key), whole.store.get(key))
+    assert reopened.maker.unrecorded_chunks() == []
+    assert_same_caches(reopened, whole)
 
 
 def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_completes(tiny, tmp_path, monkeypatch):
@@ -356,9 +362,7 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     reopened = KVIndex.open(index.path, adapter=tiny)
     done = reopened.maker.precompute_neighbours(reopened.maker.unrecorded_chunks(), progress=False)
     assert done == len(neighbour_caches - set(written)) and done < len(neighbour_caches)
-    assert set(reopened.maker.live_keys()) == set(whole.maker.live_keys())
-    for key in whole.maker.live_keys():
-        assert_same(reopened.store.get(key), whole.store.get(key))
+    assert_same_caches(reopened, whole)
 
 
 def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_index, caplog):

@@ -53,10 +53,9 @@ def main() -> None:
         for qid in facts:
             example = examples[qid]
             row: dict[str, object] = {"id": qid, "planted_rank": example.evidence_rank}
+            retrieved = index.search(example.question, index.config.query.top_k)
             for position in map(int, args.positions.split(",")):
-                hits, found = place_evidence(
-                    index.search(example.question, index.config.query.top_k), replace(example, evidence_rank=position)
-                )
+                hits, found = place_evidence(retrieved, replace(example, evidence_rank=position))
                 if found is None:  # the evidence was not retrieved
                     break
                 segments = fmt.segments(

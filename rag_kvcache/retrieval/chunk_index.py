@@ -295,13 +295,16 @@ class ChunkIndex:
             raise ValueError(f"k must be >= 1, got {k!r}")
         if not chunks:
             return []
-        known = self._fetch("id", [c.id for c in chunks])
-        missing = [c.id for c in chunks if c.id not in known]
-        if missing:
-            raise RagKVCacheError(f"nearest needs indexed chunks; not in {self._dir}: {missing[:3]}")
-        queries = np.stack([self._vectors.reconstruct(db.faiss_id(c.id)) for c in chunks])  # [C, E]
+        queries = np.stack([self._stored_vector(c) for c in chunks])  # [C, E]
         hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for copies
         return [_distinct(chunk, [h.chunk for h in found], k) for chunk, found in zip(chunks, hits, strict=True)]
+
+    def _stored_vector(self, chunk: ChunkRecord) -> np.ndarray:
+        """The vector the index holds for `chunk` [E]; raises when it holds none (not an indexed chunk)."""
+        try:
+            return np.asarray(self._vectors.reconstruct(db.faiss_id(chunk.id)))  # [E]
+        except RuntimeError as err:  # FAISS: the id is not in the index
+            raise RagKVCacheError(f"nearest needs indexed chunks; {chunk.id!r} is not in {self._dir}") from err
 
     def _hits(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         """The `k` chunks most similar to each of `queries` [Q, E] (unit vectors), best first."""
@@ -509,7 +512,9 @@ def _distinct(chunk: ChunkRecord, found: Sequence[ChunkRecord], k: int) -> list[
     seen = {chunk.token_ids}
     taken: list[ChunkRecord] = []
     for other in found:
-        if other.token_ids not in seen and len(taken) < k:
+        if len(taken) == k:
+            break
+        if other.token_ids not in seen:
             seen.add(other.token_ids)
             taken.append(other)
     return taken
