@@ -303,16 +303,15 @@ class IndexSettings:
     index_type: Literal["flat", "hnsw"] = "flat"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     chunk_prefill: ChunkPrefill = setting(
-        "grouped",
+        "cached_neighbours",
         "What each chunk's cache is computed behind: the system prefix (behind_prefix), nothing (isolated), or also "
-        "the chunks most similar to it (neighbours: context-aware caches, 1 + context_chunks caches per chunk, ~9x "
-        "the indexing work at 128-token chunks with 3, better fidelity at the same query-time cost; "
-        "cached_neighbours: one cache behind all context_chunks neighbours' cached K/V instead of their recomputed "
-        "text, so only the chunk's own tokens are computed, about 2x the tokens of behind_prefix; grouped, the "
-        "default: similar chunks prefilled together as one sequence of 1 + context_chunks, each chunk's one cache "
-        "computed behind those before it in its group, about one forward over the corpus: 1.04-1.35x behind_prefix's "
-        "indexing time; epic_match keeps more planted facts on these caches than on behind_prefix's, at half the "
-        "teacher-forced KL on MuSiQue, benchmarks/RESULTS.md, session 24).",
+        "the chunks most similar to it. cached_neighbours, the default: two caches a chunk, one behind the prefix "
+        "and one behind its context_chunks most similar chunks' cached K/V (stored averaged with the first), made "
+        "by a second pass over the chunks' own tokens: about 2.3x grouped's indexing time and twice its disk, for "
+        "the most facts kept (README, Methods). grouped: similar chunks prefilled together as one sequence of "
+        "1 + context_chunks, each chunk's one cache behind those before it in its group, about one forward over the "
+        "corpus. neighbours: 1 + context_chunks caches a chunk behind the neighbours' recomputed text (~9x the "
+        "indexing work).",
     )
     context_chunks: int = setting(
         3,
@@ -347,6 +346,12 @@ class IndexSettings:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
+
+    @property
+    def caches_per_chunk(self) -> int:
+        """How many caches indexing stores for a chunk: one behind the prefix (or behind its group, or alone), and
+        with `neighbours` one behind each number of its neighbours, with `cached_neighbours` one behind all."""
+        return {"neighbours": 1 + self.context_chunks, "cached_neighbours": 2}.get(self.chunk_prefill, 1)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

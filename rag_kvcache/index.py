@@ -334,8 +334,9 @@ class KVIndex:
         return self.chunks.embed(texts)
 
     def kv_bytes(self, lengths: Iterable[int]) -> int:
-        """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them."""
-        return cache_nbytes(self.store.codec, self.model.layout, lengths)
+        """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them and
+        as many a chunk as its `chunk_prefill` makes (`IndexSettings.caches_per_chunk`)."""
+        return cache_nbytes(self.store.codec, self.model.layout, lengths) * self.config.index.caches_per_chunk
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -6,9 +6,10 @@ system prefix and the chunk are read from their caches, the chunk's keys re-rota
 method reads them, and only the check question's tokens are computed: the chunks' caches go into the slots of
 one `DecodePool` and the question is fed to all of them in one batched forward (`ModelAdapter.extend_rows`: the
 weights read once, each row attending over its own chunk alone). Where the chunk's cache was computed behind the
-prefix alone (`chunk_prefill="behind_prefix"`, or the first chunk of each group of the default grouped caches)
-the verdict is what a full prefill of the check prompt gives; a cache computed in another context (behind its
-group's earlier chunks) makes it `reuse`'s approximation. With `exact=True` such a chunk's tokens are computed
+prefix alone (`chunk_prefill="behind_prefix"`, the first of the default `cached_neighbours` index's two caches
+of every chunk, the first chunk of each group of `grouped` caches) the verdict is what a full prefill of the
+check prompt gives; a cache computed in another context (behind its group's earlier chunks) makes it `reuse`'s
+approximation. With `exact=True` such a chunk's tokens are computed
 with the question instead, as the `prefix` method would: every verdict exact, chunks of one length sharing a
 forward. The verdict is read from the first answer token's distribution: the probability of "yes" against "no",
 with no decoding.

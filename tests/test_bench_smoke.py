@@ -127,13 +127,13 @@ def test_plan_puts_defaults_first_and_dedupes_the_sweep():
 
 def test_plan_reads_the_caches_a_method_runs_on():
     """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own (the default
-    grouped caches, int8-channel) are unwritten."""
+    cached_neighbours caches, int8-channel) are unwritten."""
     settings = BenchSettings(
         methods=(
             "full",
             "cacheblend",
             "reuse@neighbours",
-            "cacheblend@grouped",
+            "cacheblend@cached_neighbours",
             "cacheblend@neighbours",
             "cacheblend@none",
             "cacheblend@int8-channel",

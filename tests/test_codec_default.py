@@ -1,5 +1,5 @@
 """Storage by default (issue 33): caches are stored int8 with per-channel scales, `index` says how much
-disk they take before computing them, and an index built under another codec is read as it records."""
+disk they take before computing them (both caches a chunk of the default neighbour index), and an index built under another codec is read as it records."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rich.filesize import decimal
 from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.store.codecs import cache_nbytes
 
 CFG = Config(
     index=IndexSettings(chunk_tokens=24),
@@ -36,12 +37,16 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
     chunks = set(index.chunks.token_ids())  # repeated text makes equal chunks, which share one cache
     said = decimal(index.kv_bytes(map(len, chunks)))
     assert f"computing the KV caches of {len(chunks)} chunks" in caplog.text and f"about {said} on disk" in caplog.text
-    files = list((tmp_path / "idx" / "kv").rglob("*.safetensors"))  # the chunks' and the system prefix's
-    expected = index.kv_bytes([*map(len, chunks), len(index.format.prefix_ids)])
-    assert len(files) == len(chunks) + 1
+    per_chunk = CFG.index.caches_per_chunk  # the default's two: behind the prefix and behind the neighbours
+    assert per_chunk == 2 and "2 caches a chunk" in caplog.text
+    files = list((tmp_path / "idx" / "kv").rglob("*.safetensors"))  # the chunks', the prefix's (and separator's)
+    sep = index.format.separator_ids
+    context = [len(index.format.prefix_ids), *([len(sep)] if sep else [])]
+    expected = index.kv_bytes(map(len, chunks)) + cache_nbytes(index.store.codec, tiny.layout, context)
+    assert len(files) == per_chunk * len(chunks) + len(context)
     assert 0 < sum(p.stat().st_size for p in files) - expected < 2048 * len(files)  # headers aside, as said
-    # a byte an element for 4 of float32, and a float32 scale per channel per chunk of 24 tokens
-    assert index.kv_bytes_per_token == tiny.layout.bytes_per_token * (1 + 4 / CFG.index.chunk_tokens) / 4
+    # a byte an element for 4 of float32, and a float32 scale per channel per chunk of 24 tokens; two caches
+    assert index.kv_bytes_per_token == per_chunk * tiny.layout.bytes_per_token * (1 + 4 / CFG.index.chunk_tokens) / 4
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):

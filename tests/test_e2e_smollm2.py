@@ -26,7 +26,7 @@ def build(smollm2, tmp_path_factory, **index) -> KVIndex:
 
 @pytest.fixture(scope="module")
 def demo_index(smollm2, tmp_path_factory) -> KVIndex:
-    return build(smollm2, tmp_path_factory)  # the default caches: grouped
+    return build(smollm2, tmp_path_factory)  # the default caches: cached_neighbours
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def behind_prefix_index(smollm2, tmp_path_factory) -> KVIndex:
         ("epic_match", "default"),
         ("epic", "default"),
         ("prefix", "default"),
-        # on the grouped caches CacheBlend 0.15 answers this one with the distractor's telescope (Hobb's Eye)
+        # on grouped caches (the default before) CacheBlend 0.15 answers this one with the distractor's telescope (Hobb's Eye)
         # while reuse, EPIC and epic_match keep it (benchmarks/RESULTS.md, session 25): its own caches here
         ("cacheblend", "behind_prefix"),
     ],

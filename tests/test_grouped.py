@@ -196,7 +196,8 @@ def test_bench_and_cli_name_it():
     from rag_kvcache.cli import app
 
     assert parse_variant("epic_match@behind_prefix", FusionConfig(), Config()).caches == "behind_prefix"
-    assert parse_variant("epic_match@grouped", FusionConfig(), Config()).caches is None  # the default: the run's own
+    assert parse_variant("epic_match@grouped", FusionConfig(), Config()).caches == "grouped"
+    assert parse_variant("epic_match@cached_neighbours", FusionConfig(), Config()).caches is None  # the run's own
     assert made_with(Config(), "behind_prefix").index.chunk_prefill == "behind_prefix"
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "grouped" in result.output

@@ -1,7 +1,7 @@
 """`CacheMaker`: how one index makes, names and stores its KV caches, at indexing time and on repair.
 
-Chunks are prefilled *behind the system prefix* by default: a chunk's cache is computed at the positions it
-would have right after the prefix, so the first retrieved chunk is exact and no chunk grows an attention
+A chunk's cache *behind the system prefix* (`chunk_prefill="behind_prefix"`, and the first of the two caches
+the default `cached_neighbours` stores) is computed at the positions it would have right after the prefix, so the first retrieved chunk is exact and no chunk grows an attention
 sink of its own (the prefix's first token is the sink). `chunk_prefill="isolated"` computes each chunk
 alone from position 0 instead. `chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk
 behind the prefix and its most similar chunks of the corpus (its likely retrieval neighbours, laid out as
@@ -237,14 +237,16 @@ class CacheMaker:
 
     def _announce(self, todo: Sequence[tuple[int, ...]], how: str = "") -> None:
         """Log, before computing them, how many chunk caches indexing computes (`how`) and about how many bytes
-        they take on disk."""
+        they and the chunks' other caches (`IndexSettings.caches_per_chunk`) take on disk."""
+        per_chunk = self.config.index.caches_per_chunk
         log.info(
-            "computing the KV caches of %d chunks%s (%d tokens): about %s on disk (codec %s)",
+            "computing the KV caches of %d chunks%s (%d tokens): about %s on disk (codec %s%s)",
             len(todo),
             how,
             sum(map(len, todo)),
-            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo))),
+            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo)) * per_chunk),
             self.store.codec.name,
+            f", {per_chunk} caches a chunk" if per_chunk > 1 else "",
         )
 
     def pending(self) -> Table:
