@@ -255,7 +255,7 @@ class KVIndex:
             report = staging.commit(self.chunks, staged)
             self.maker.committed()
             if self.maker.with_neighbours:
-                self.maker.precompute_neighbours(self.maker.unrecorded_chunks(), progress)
+                self.maker.precompute_neighbours(self.maker.chunks_without_neighbour_caches(), progress)
             self.collect(used)
         self.flush_stats()
         return report

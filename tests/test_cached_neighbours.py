@@ -211,7 +211,7 @@ def test_the_index_records_it_reopens_and_reads_its_stored_means(tiny, index):
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.config.index.chunk_prefill == "cached_neighbours" and reopened.config.index.context_chunks == 2
     assert KVIndex.config_of(index.path).index.chunk_prefill == "cached_neighbours"
-    assert reopened.maker.unrecorded_chunks() == []
+    assert reopened.maker.chunks_without_neighbour_caches() == []
     fmt = reopened.format
     segments = question_segments(reopened)
     caches = reopened.caches.open(segments)
@@ -320,14 +320,27 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     monkeypatch.undo()
     assert not (index.path / "neighbours.json").exists()
     reopened = KVIndex.open(index.path, adapter=tiny)
-    assert len(reopened.maker.unrecorded_chunks()) == len(list(reopened.chunks.all_chunks()))
-    done = reopened.maker.precompute_neighbours(reopened.maker.unrecorded_chunks(), progress=False)
+    assert len(reopened.maker.chunks_without_neighbour_caches()) == len(list(reopened.chunks.all_chunks()))
+    done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
     total = sum(
         len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
     )
     assert done == total - 3  # the three stored before the kill are kept
-    assert reopened.maker.unrecorded_chunks() == []
+    assert reopened.maker.chunks_without_neighbour_caches() == []
     assert_same_caches(reopened, whole)
+
+
+def test_a_document_deleted_and_indexed_again_gets_its_neighbour_caches_back(index, tiny, tmp_path):
+    """Deleting a document collected its chunks' caches but the table kept their texts' neighbours, so indexing it
+    again computed only the behind-prefix caches: the neighbour caches stayed missing (`check` said so, every
+    query recomputed them). Now the next run computes what is missing, to the caches a fresh build holds."""
+    whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
+    source = sorted(DOCS)[0]
+    assert index.delete([source]) == [source]
+    assert index.update(tmp_path / "docs", progress=False).added == [source]
+    assert index.maker.chunks_without_neighbour_caches() == []
+    assert all(key in index.store for key in index.maker.live_keys())
+    assert_same_caches(index, whole)
 
 
 def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_completes(tiny, tmp_path, monkeypatch):
@@ -360,7 +373,7 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     written = [key for i, key in enumerate(writes) if i != 2]
     assert all(key in index.store for key in written)
     reopened = KVIndex.open(index.path, adapter=tiny)
-    done = reopened.maker.precompute_neighbours(reopened.maker.unrecorded_chunks(), progress=False)
+    done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
     assert done == len(neighbour_caches - set(written)) and done < len(neighbour_caches)
     assert_same_caches(reopened, whole)
 
@@ -427,6 +440,9 @@ def test_config_names_the_bad_value():
         Config(index=IndexSettings(chunk_prefill="cached"))
 
 
+GROUPED = IndexSettings(chunk_prefill="grouped")
+
+
 def test_bench_and_cli_name_it():
     """`method@cached_neighbours` runs a method on an index built with it; the CLI offers it."""
     from typer.testing import CliRunner
@@ -434,11 +450,12 @@ def test_bench_and_cli_name_it():
     from rag_kvcache.bench.variants import made_with, parse_variant
     from rag_kvcache.cli import app
 
-    variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config())
+    variant = parse_variant("epic_match@cached_neighbours", FusionConfig(), Config(index=GROUPED))
     assert (
         variant.caches == "cached_neighbours" and variant.label == "epic_match@cached_neighbours k=64"
     )  # 512-token chunks
-    assert made_with(Config(), "cached_neighbours").index.chunk_prefill == "cached_neighbours"
+    assert made_with(Config(index=GROUPED), "cached_neighbours").index.chunk_prefill == "cached_neighbours"
+    assert parse_variant("epic_match@cached_neighbours", FusionConfig(), Config()).caches is None  # the default
     assert parse_variant("reuse@cached_neighbours", FusionConfig(), replace(CACHED)).caches is None  # the run's own
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "cached_neighbours" in result.output

@@ -261,11 +261,18 @@ class CacheMaker:
         """The run's chunks are committed: its caches are the index's now, no longer pending."""
         self._pending_path.unlink(missing_ok=True)
 
-    def unrecorded_chunks(self) -> list[ChunkRecord]:
-        """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours:
-        this run's new ones, and those of a run killed after it committed its chunks but before it recorded theirs."""
-        table = self._neighbours
-        return [c for c in self.chunks.all_chunks() if self.addressing.neighbour_key(c.token_ids) not in table]
+    def chunks_without_neighbour_caches(self) -> list[ChunkRecord]:
+        """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours or
+        without every cache those give them: this run's new ones, those of a run killed after it committed its
+        chunks but before it recorded theirs, and a dropped document's indexed again (the table keeps a text's
+        neighbours after its caches are collected)."""
+        table, store = self._neighbours, self.store
+        return [
+            c
+            for c in self.chunks.all_chunks()
+            if self.addressing.neighbour_key(c.token_ids) not in table
+            or any(key not in store for key, _ in self.addressing.neighbour_reads(c.token_ids))
+        ]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
