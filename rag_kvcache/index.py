@@ -76,19 +76,26 @@ class KVIndex:
     """Chunks, vectors and per-chunk KV caches of a document folder, for one model."""
 
     def __init__(self, path: Path, config: Config, chunks: ChunkIndex, model: ModelSpec) -> None:
-        """`model`: the index's model, a `ModelAdapter` (transformers' weights) for the embedded engine; the vLLM
+        """`config` with the settings the index records (`IndexSettings`: how its chunks and caches were made),
+        but for `model` and `dtype`, which a caller may read it with otherwise (another model's caches are then
+        foreign). `model`: the index's model, a `ModelAdapter` (transformers' weights) for the embedded engine; the vLLM
         connector's worker passes vLLM's (`VllmAdapter`), its scheduler a bare `ModelSpec` (no weights: it
         opens caches without making any, `CacheOpener.open(make=False)`)."""
         self.path = path
         self.recorded = recorded_settings(chunks.meta)  # what the index was built with
-        if (codec := self.recorded.codec) != config.index.codec:  # what the index records wins
+        if differs := {  # what the index records wins, but for the model and dtype a caller reads it with
+            f.name: getattr(self.recorded, f.name)
+            for f in fields(IndexSettings)
+            if f.name not in ("model", "dtype") and getattr(self.recorded, f.name) != getattr(config.index, f.name)
+        }:
             log.info(
-                "index %s stores KV caches as %r: reading and writing them so, not as %r",
+                "index %s was built with %s: reading and writing it so, not with %s",
                 path,
-                codec,
-                config.index.codec,
+                differs,
+                {name: getattr(config.index, name) for name in differs},
             )
-            config = config.with_index(codec=codec)
+            config = config.with_index(**differs)
+        codec = config.index.codec
         self.config = config
         self.chunks = chunks
         self.model = adapter = model

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 from test_cached_neighbours import assert_same, text_cache, write_docs
+from test_faults import tiny_model_dir  # noqa: F401
 from test_fusion import ATOL
 
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
+from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.grouping import similar_groups
@@ -201,3 +203,31 @@ def test_bench_and_cli_name_it():
     assert made_with(Config(), "behind_prefix").index.chunk_prefill == "behind_prefix"
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "grouped" in result.output
+
+
+def test_a_grouped_index_built_before_the_default_changed_stays_grouped(tiny_model_dir, tmp_path):  # noqa: F811
+    """The default became `cached_neighbours`: an index built with grouped caches is opened, asked and indexed
+    again (by a process whose defaults are the new ones) as what it records, reading only its own caches."""
+    from typer.testing import CliRunner
+
+    from rag_kvcache.cli import app
+
+    write_docs(tmp_path / "docs")
+    built = GROUPED.with_index(model=str(tiny_model_dir))  # the model `index` loads
+    tiny = ModelAdapter.load(built)
+    old = KVIndex.build(tmp_path / "docs", tmp_path / "idx", built, adapter=tiny, progress=False)
+    question = "What is the main telescope of the Veldmark Observatory named?"
+    before = FusedGenerator(old).ask(question)
+    stored = {p.stem for p in old.store.disk.files()}
+    assert Config().index.chunk_prefill == "cached_neighbours"
+    reopened = KVIndex.open(
+        tmp_path / "idx", Config(query=GROUPED.query).with_index(model=built.index.model), adapter=tiny
+    )
+    assert reopened.config.index.chunk_prefill == "grouped" and not reopened.maker.with_neighbours
+    after = FusedGenerator(reopened).ask(question)
+    assert after.cache_misses == 0 and after.answer == before.answer
+    assert torch.equal(after.first_token_logits, before.first_token_logits)
+    reopened.close()
+    result = CliRunner().invoke(app, ["index", str(tmp_path / "docs"), "--index", str(tmp_path / "idx")])
+    assert result.exit_code == 0, result.output  # no flags: the recorded settings, nothing to compute
+    assert {p.stem for p in KVIndex.open(tmp_path / "idx", adapter=tiny).store.disk.files()} == stored
