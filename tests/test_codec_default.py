@@ -1,5 +1,6 @@
 """Storage by default (issue 33): caches are stored int8 with per-channel scales, `index` says how much
-disk they take before computing them (both caches a chunk of the default neighbour index), and an index built under another codec is read as it records."""
+disk they take before computing them (both caches a chunk of the default neighbour index), and an index built
+under another codec is read as it records."""
 
 from __future__ import annotations
 

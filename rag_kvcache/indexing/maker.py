@@ -1,8 +1,9 @@
 """`CacheMaker`: how one index makes, names and stores its KV caches, at indexing time and on repair.
 
 A chunk's cache *behind the system prefix* (`chunk_prefill="behind_prefix"`, and the first of the two caches
-the default `cached_neighbours` stores) is computed at the positions it would have right after the prefix, so the first retrieved chunk is exact and no chunk grows an attention
-sink of its own (the prefix's first token is the sink). `chunk_prefill="isolated"` computes each chunk
+the default `cached_neighbours` stores) is computed at the positions it would have right after the prefix, so
+the first retrieved chunk is exact and no chunk grows an attention sink of its own (the prefix's first token is
+the sink). `chunk_prefill="isolated"` computes each chunk
 alone from position 0 instead. `chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk
 behind the prefix and its most similar chunks of the corpus (its likely retrieval neighbours, laid out as
 in a prompt, the most similar last), so its cache already carries cross-attention of the kind a prompt
