@@ -116,9 +116,12 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     assert not FusionInput.build(swapped, caches.sources, caches.contexts).parts[3].exact
 
 
-def test_another_setting_is_a_miss(tiny, index):
+def test_another_setting_is_a_miss(tiny, index, tmp_path):
+    """The namespace holds `chunk_prefill`: the same chunk under another setting (an index of the same documents
+    built with it) is another key, never this index's cache."""
     chunk = some_chunk(index)
-    plain = KVIndex(index.path, NEIGHBOURS.with_index(chunk_prefill="behind_prefix"), index.chunks, tiny)
+    config = NEIGHBOURS.with_index(chunk_prefill="behind_prefix")
+    plain = KVIndex.build(tmp_path / "docs", tmp_path / "plain", config, adapter=tiny, progress=False)
     others = [h.chunk.token_ids for h in index.search(chunk.text, 4) if h.chunk.id != chunk.id]
     assert (
         len(others) == 3 and index.addressing.key(chunk.token_ids, layout(index, others)) not in index.store
