@@ -330,6 +330,17 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     assert_same_caches(reopened, whole)
 
 
+def test_the_neighbour_pass_leaves_the_memory_tier_to_queries(index):
+    """The neighbour pass reads every chunk's behind-prefix cache several times (as a neighbour, and for the mean)
+    and read them through the memory tier, where a server indexing uploaded documents evicted its queries' hot
+    caches with them. Indexing writes to disk and reads without promoting: the memory tier stays empty."""
+    assert index.config.runtime.storage.memory_bytes > 0 and len(index.store.memory) == 0
+    assert index.update(index.path.parent / "docs", progress=False).unchanged  # nothing new: it read nothing
+    (index.path.parent / "docs" / "new.txt").write_text("Ada Rennick's lamp burned whale oil until 1890.")
+    index.update(index.path.parent / "docs", progress=False)
+    assert len(index.store.memory) == 0 and index.maker.chunks_without_neighbour_caches() == []
+
+
 def test_a_document_deleted_and_indexed_again_gets_its_neighbour_caches_back(index, tiny, tmp_path):
     """Deleting a document collected its chunks' caches but the table kept their texts' neighbours, so indexing it
     again computed only the behind-prefix caches: the neighbour caches stayed missing (`check` said so, every

@@ -350,9 +350,10 @@ class CacheMaker:
 
     def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
         """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
-        recomputed and stored (logged), one that fails a layer's check when read is recomputed then."""
+        recomputed and stored (logged), one that fails a layer's check when read is recomputed then. Read
+        without entering the memory tier, so indexing does not churn the caches queries read from it."""
         key = self.addressing.key(ids, context)
-        entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)))
+        entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)), promote=False)
         return entry if entry is not None else self.repair(key, ids, (context,))
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:

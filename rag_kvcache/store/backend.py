@@ -236,6 +236,7 @@ class Entry:
     def __init__(self, tier: Backend, key: str, blob: Blob) -> None:
         self._tier, self.key, self._blob = tier, key, blob
         self._parse_header()
+        self.on_loaded = tier.on_loaded  # where the whole entry goes once every layer is read; None: nowhere
         self._loaded: set[int] = set()  # the layers read, with a tier to hand the whole entry to (`on_loaded`)
         self._whole: torch.Tensor | None = None  # [L, 2, H_kv, T, D], those layers decoded
 
@@ -305,7 +306,7 @@ class Entry:
         except CorruptEntryError as err:
             self._tier.drop(self.key, err)
             raise
-        if self._tier.on_loaded is None:
+        if self.on_loaded is None:
             k, v = (self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv")
             return k, v
         if self._whole is None:  # decoded in place, layer by layer: held whole once every layer is read
@@ -315,7 +316,7 @@ class Entry:
             self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
         self._loaded.add(i)
         if len(self._loaded) == self.n_layers:
-            self._tier.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))
+            self.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))
         return self._whole[i, 0], self._whole[i, 1]
 
 

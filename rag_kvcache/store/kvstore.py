@@ -80,14 +80,16 @@ class KVStore:
         for backend in self.backends:
             backend.write(key, data)
 
-    def open(self, key: str) -> LayerSource | None:
+    def open(self, key: str, promote: bool = True) -> LayerSource | None:
         """The entry, layers read on demand, or None when missing or corrupt in every tier (a corrupt
-        entry is removed)."""
+        entry is removed). Read whole from a backend, it enters the memory tier unless `promote` is False."""
         kv = self.memory.get(key)
         if kv is not None:
             return kv
         for backend in self.backends:
             if (entry := backend.open(key)) is not None:
+                if not promote:
+                    entry.on_loaded = None
                 return entry
         return None
 

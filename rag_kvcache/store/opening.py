@@ -91,10 +91,10 @@ class Repairing:
             return self.source.layer(i)
 
 
-def open_repairing(store: KVStore, key: str, repair: Callable[[], ChunkKV]) -> LayerSource | None:
+def open_repairing(store: KVStore, key: str, repair: Callable[[], ChunkKV], promote: bool = True) -> LayerSource | None:
     """The store's entry under `key`, remade by `repair` should a layer fail its check while it is read
-    (`Repairing`); None when missing."""
-    entry = store.open(key)
+    (`Repairing`); None when missing. `promote`: as `KVStore.open`."""
+    entry = store.open(key, promote)
     return entry if entry is None or isinstance(entry, ChunkKV) else Repairing(entry, repair)
 
 
