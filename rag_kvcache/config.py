@@ -347,12 +347,6 @@ class IndexSettings:
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
 
-    @property
-    def caches_per_chunk(self) -> int:
-        """How many caches indexing stores for a chunk: one behind the prefix (or behind its group, or alone), and
-        with `neighbours` one behind each number of its neighbours, with `cached_neighbours` one behind all."""
-        return {"neighbours": 1 + self.context_chunks, "cached_neighbours": 2}.get(self.chunk_prefill, 1)
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

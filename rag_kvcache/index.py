@@ -43,7 +43,6 @@ from .retrieval.chunk_index import ChunkIndex, Hit, TextDocument
 from .retrieval.chunking import chunk_document
 from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
-from .store.codecs import cache_nbytes
 from .store.kvstore import KVStore
 from .store.opening import CacheOpener
 
@@ -95,11 +94,10 @@ class KVIndex:
                 {name: getattr(config.index, name) for name in differs},
             )
             config = config.with_index(**differs)
-        codec = config.index.codec
         self.config = config
         self.chunks = chunks
         self.model = adapter = model
-        self.store = KVStore(path / "kv", codec, config.runtime.storage, adapter.device)
+        self.store = KVStore(path / "kv", config.index.codec, config.runtime.storage, adapter.device)
         self.format = PromptFormat.build(adapter.tokenizer, config.index.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.index.chunk_prefill}".encode())
         built_with = chunks.meta.get("model_fingerprint")
@@ -341,9 +339,8 @@ class KVIndex:
         return self.chunks.embed(texts)
 
     def kv_bytes(self, lengths: Iterable[int]) -> int:
-        """Bytes the caches of chunks of these token counts take on disk, as the index's codec stores them and
-        as many a chunk as its `chunk_prefill` makes (`IndexSettings.caches_per_chunk`)."""
-        return cache_nbytes(self.store.codec, self.model.layout, lengths) * self.config.index.caches_per_chunk
+        """Bytes the caches of chunks of these token counts take on disk (`CacheMaker.disk_bytes`)."""
+        return self.maker.disk_bytes(lengths)
 
     @property
     def kv_bytes_per_token(self) -> float:

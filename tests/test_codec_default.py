@@ -38,7 +38,7 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
     chunks = set(index.chunks.token_ids())  # repeated text makes equal chunks, which share one cache
     said = decimal(index.kv_bytes(map(len, chunks)))
     assert f"computing the KV caches of {len(chunks)} chunks" in caplog.text and f"about {said} on disk" in caplog.text
-    per_chunk = CFG.index.caches_per_chunk  # the default's two: behind the prefix and behind the neighbours
+    per_chunk = index.maker.caches_per_chunk  # the default's two: behind the prefix and behind the neighbours
     assert per_chunk == 2 and "2 caches a chunk" in caplog.text
     files = list((tmp_path / "idx" / "kv").rglob("*.safetensors"))  # the chunks', the prefix's (and separator's)
     sep = index.format.separator_ids

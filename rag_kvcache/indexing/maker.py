@@ -46,7 +46,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -126,6 +126,19 @@ class CacheMaker:
     def grouped(self) -> bool:
         """Whether each chunk's one cache is computed behind the chunks before it in its group of similar chunks."""
         return self.config.index.chunk_prefill == "grouped"
+
+    @property
+    def caches_per_chunk(self) -> int:
+        """How many caches a chunk gets: its own (behind the prefix, its group, or nothing) and, with neighbours,
+        one behind each number of them (`neighbours`) or one behind all (`cached_neighbours`)."""
+        if not self.with_neighbours:
+            return 1
+        return 1 + (self.config.index.context_chunks if self.addressing.by_depth else 1)
+
+    def disk_bytes(self, lengths: Iterable[int]) -> int:
+        """Bytes on disk of all the caches (`caches_per_chunk`) of chunks of these token counts, as the store's
+        codec stores them."""
+        return cache_nbytes(self.store.codec, self.adapter.layout, lengths) * self.caches_per_chunk
 
     def live_keys(self) -> Live:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
@@ -238,14 +251,14 @@ class CacheMaker:
 
     def _announce(self, todo: Sequence[tuple[int, ...]], how: str = "") -> None:
         """Log, before computing them, how many chunk caches indexing computes (`how`) and about how many bytes
-        they and the chunks' other caches (`IndexSettings.caches_per_chunk`) take on disk."""
-        per_chunk = self.config.index.caches_per_chunk
+        they and the chunks' other caches (`caches_per_chunk`) take on disk."""
+        per_chunk = self.caches_per_chunk
         log.info(
             "computing the KV caches of %d chunks%s (%d tokens): about %s on disk (codec %s%s)",
             len(todo),
             how,
             sum(map(len, todo)),
-            decimal(cache_nbytes(self.store.codec, self.adapter.layout, map(len, todo)) * per_chunk),
+            decimal(self.disk_bytes(map(len, todo))),
             self.store.codec.name,
             f", {per_chunk} caches a chunk" if per_chunk > 1 else "",
         )
