@@ -92,7 +92,9 @@ def test_counters_persist_across_processes(tmp_path):
     assert stats["disk"].hits == 2 and stats["disk"].misses == 1 and stats["disk"].bytes_written > 0
 
 
-@pytest.mark.parametrize("codec, tol", [("int8-channel", 0.02), ("int8-token", 0.02), ("fp8", 0.08)])
+@pytest.mark.parametrize(
+    "codec, tol", [("int8-channel", 0.02), ("int8-token", 0.02), ("fp8", 0.08), ("int8k-int4v", 0.07)]
+)
 def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     kv = make_kv(layers=2, tokens=64)
     raw = KVStore(tmp_path / "raw", "none", StorageConfig(memory_bytes=0))
@@ -100,7 +102,7 @@ def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     raw.put(KEYS[0], kv)
     packed.put(KEYS[0], kv)
     for store in (raw, packed):  # what the codec says it stores is the file, but for its header
-        payload = 2 * 2 * store.codec.nbytes(2, 64, 8, torch.float32)  # K and V of 2 layers, [2, 64, 8] each
+        payload = 2 * sum(store.codec.of(kind).nbytes(2, 64, 8, torch.float32) for kind in "kv")  # 2 layers
         assert 0 < store.path(KEYS[0]).stat().st_size - payload < 2048
     # head_dim 8 here: a per-token fp32 scale costs half as much as the int8 payload (1/16 at head_dim 64)
     assert packed.path(KEYS[0]).stat().st_size < 0.45 * raw.path(KEYS[0]).stat().st_size
@@ -112,22 +114,47 @@ def test_compressed_codecs_round_trip_smaller(tmp_path, codec, tol):
     assert KVStore(tmp_path / codec, "none", StorageConfig(memory_bytes=0)).get(KEYS[0]) is not None
 
 
-@pytest.mark.parametrize("codec", ["int8-channel", "int8-token", "fp8"])
-def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec):
-    """A layer's parts (payload and scales) come back from one byte range, each verified, decoded as
-    the codec decodes them; 3 tokens of 3 channels put the float32 scales at offsets a typed view
-    cannot start at, which must not matter."""
+@pytest.mark.parametrize("codec, channels", [("int8-channel", 3), ("int8-token", 3), ("fp8", 3), ("int8k-int4v", 4)])
+def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec, channels):
+    """A layer's parts (payload and side data) come back from one byte range, each verified, decoded as
+    the codec decodes them; 3 tokens of 3 channels (of 4 for 4-bit values: 6 bytes of them) put the float32
+    scales at offsets a typed view cannot start at, which must not matter."""
     g = torch.Generator().manual_seed(1)
-    kv = ChunkKV(
-        [torch.randn(1, 3, 3, generator=g) for _ in range(2)], [torch.randn(1, 3, 3, generator=g) for _ in range(2)], 0
-    )
+    kv = ChunkKV(*([torch.randn(1, 3, channels, generator=g) for _ in range(2)] for _ in "kv"), 0)
     store = KVStore(tmp_path, codec, StorageConfig(memory_bytes=0))
     store.put(KEYS[0], kv)
     k, v = store.open(KEYS[0]).layer(1)
     c = get_codec(codec)
-    assert torch.equal(k, c.decode(c.encode(kv.keys[1]), torch.float32))
-    assert torch.equal(v, c.decode(c.encode(kv.values[1]), torch.float32))
-    assert store.disk.stats.bytes_read == 2 * c.nbytes(1, 3, 3, torch.float32)  # the layer's bytes, once
+    assert torch.equal(k, c.of("k").decode(c.of("k").encode(kv.keys[1]), torch.float32))
+    assert torch.equal(v, c.of("v").decode(c.of("v").encode(kv.values[1]), torch.float32))
+    layer_bytes = sum(c.of(kind).nbytes(1, 3, channels, torch.float32) for kind in "kv")
+    assert store.disk.stats.bytes_read == layer_bytes  # the layer's bytes, once
+
+
+def test_4_bit_values_two_a_byte_within_half_a_step():
+    """int8k-int4v stores keys as int8-channel does, bit for bit, and values at 16 levels per channel between
+    the channel's low and high ends: each element within half a level of its value, both ends exact, channel
+    2i in a byte's low nibble and 2i + 1 in its high one. An odd head_dim cannot be packed: refused, named."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(2, 40, 6, generator=g) * torch.tensor([1.0, 10.0, 0.1, 3.0, 1.0, 5.0]) + 2.0  # [H, T, D]
+    split, int8 = get_codec("int8k-int4v"), get_codec("int8-channel")
+    assert torch.equal(
+        split.of("k").decode(split.of("k").encode(t), torch.float32),
+        int8.of("k").decode(int8.of("k").encode(t), torch.float32),
+    )
+    values = split.of("v")
+    parts = values.encode(t)
+    assert parts[""].dtype == torch.uint8 and tuple(parts[""].shape) == (2, 40, 3)
+    back = values.decode(parts, torch.float32)
+    step = (t.amax(1, keepdim=True) - t.amin(1, keepdim=True)) / 15  # [H, 1, D]
+    assert ((back - t).abs() <= step / 2 * (1 + 1e-5)).all()
+    torch.testing.assert_close(back.amin(1), t.amin(1))
+    torch.testing.assert_close(back.amax(1), t.amax(1))
+    levels = ((t - t.amin(1, keepdim=True)) / step).round().to(torch.uint8)  # [H, T, D]
+    assert torch.equal(parts[""] & 15, levels[..., 0::2]) and torch.equal(parts[""] >> 4, levels[..., 1::2])
+    assert values.nbytes(2, 40, 6, torch.float32) == parts[""].nbytes + parts["scale"].nbytes + parts["low"].nbytes
+    with pytest.raises(ValueError, match=r"even head_dim.*\(2, 40, 5\)"):
+        values.encode(t[..., :5])
 
 
 def test_every_codec_name_the_config_accepts_is_implemented():

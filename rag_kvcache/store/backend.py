@@ -196,7 +196,7 @@ def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(kv.n_layers):
         for kind, t in zip("kv", kv.layer(layer)):
-            for suffix, part in codec.encode(t.detach().to("cpu")).items():
+            for suffix, part in codec.of(kind).encode(t.detach().to("cpu")).items():
                 tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
     header: dict = {
         "__metadata__": {name: _checksum(t) for name, t in tensors.items()}
@@ -263,7 +263,11 @@ class Entry:
             self.codec = get_codec(self._meta["codec"])
             self.dtype = _SAFETENSORS_DTYPES[_DTYPE_NAMES[self._meta["dtype"]]]
             self.n_tokens = int(header["k.0"]["shape"][1])
-        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            self._parts: list[dict[str, dict[str, str]]] = [{"k": {}, "v": {}} for _ in range(self.n_layers)]
+            for name in header:  # "k.3" (a payload), "k.3.scale" (its side data): layer -> kind -> suffix -> name
+                kind, layer, *suffix = name.split(".", 2)
+                self._parts[int(layer)][kind][suffix[0] if suffix else ""] = name
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"malformed header ({type(err).__name__}: {err})") from err
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -295,10 +299,7 @@ class Entry:
         """Keys and values [H_kv, T, D] of layer `i`, decoded to the dtype they were computed in."""
         if not 0 <= i < self.n_layers:
             raise IndexError(f"layer {i} of a {self.n_layers}-layer entry")
-        parts = {
-            kind: {s: n for s, n in (("", f"{kind}.{i}"), ("scale", f"{kind}.{i}.scale")) if n in self._tensors}
-            for kind in "kv"
-        }
+        parts = self._parts[i]
         try:
             read = self._read([n for names in parts.values() for n in names.values()])
         except UnreachableEntryError:
@@ -307,13 +308,15 @@ class Entry:
             self._tier.drop(self.key, err)
             raise
         if self.on_loaded is None:
-            k, v = (self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv")
+            k, v = (
+                self.codec.of(kind).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv"
+            )
             return k, v
         if self._whole is None:  # decoded in place, layer by layer: held whole once every layer is read
             h_kv, t, d = self._tensors["k.0"]["shape"]
             self._whole = torch.empty(self.n_layers, 2, h_kv, t, d, dtype=self.dtype)  # [L, 2, H_kv, T, D]
         for j, kind in enumerate("kv"):
-            self.codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
+            self.codec.of(kind).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
         self._loaded.add(i)
         if len(self._loaded) == self.n_layers:
             self.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))

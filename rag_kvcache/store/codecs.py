@@ -1,10 +1,13 @@
-"""How a cache tensor is stored on disk: as is, int8 with per-channel or per-token scales, or fp8.
+"""How a cache tensor is stored on disk: as is, int8 with per-channel or per-token scales, fp8, or int8 keys
+with 4-bit values.
 
-A codec turns one K or V tensor [H_kv, T, D] into named parts (the suffix "" is the payload, others
-are side data such as scales) and back. Scales are absmax / the format's largest value, kept in
-float32; per-channel scales are shared by all tokens of a head dimension ([H_kv, 1, D]), per-token
-scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits keys (their outlier channels
-are fixed), per-token suits values.
+A codec names, for keys and for values (`Codec.of`), the `TensorCodec` that turns one such tensor [H_kv, T, D]
+into named parts (the suffix "" is the payload, others are side data such as scales) and back. Symmetric
+scales are absmax / the format's largest value, kept in float32; per-channel scales are shared by all tokens of
+a head dimension ([H_kv, 1, D]), per-token scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits
+keys (their outlier channels are fixed), per-token suits values. 4-bit values are asymmetric (a scale and a low
+end per channel), two a byte: keys at 4 bits moved teacher-forced answers 85x more than at 8 bits, values 5x
+(benchmarks/RESULTS.md, session 43), so only values are stored at 4.
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
 offers them, from that list; `tests/test_storage.py` holds the two equal).
@@ -24,9 +27,7 @@ if TYPE_CHECKING:
     from ..engine.model import KVLayout
 
 
-class Codec(Protocol):
-    name: str
-
+class TensorCodec(Protocol):
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
     def decode(
@@ -40,9 +41,20 @@ class Codec(Protocol):
         ...
 
 
+class Codec(Protocol):
+    name: str
+
+    def of(self, kind: str) -> TensorCodec:
+        """How the keys ("k") or the values ("v") are stored."""
+        ...
+
+
 @dataclass(frozen=True)
 class Raw:
     name: str = "none"
+
+    def of(self, kind: str) -> TensorCodec:
+        return self
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"": t}
@@ -64,6 +76,9 @@ class Scaled:
     qdtype: str
     qmax: float
     reduce_dim: int  # 1: one scale per channel over tokens; -1: one scale per token over channels
+
+    def of(self, kind: str) -> TensorCodec:
+        return self
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         qdtype = getattr(torch, self.qdtype)
@@ -90,19 +105,65 @@ class Scaled:
         return h_kv * t * d + 4 * scales  # int8 and fp8 take one byte an element
 
 
+@dataclass(frozen=True)
+class Packed4:
+    """Asymmetric 4-bit quantisation per channel: levels 0..15 between each channel's low end and high end over
+    the tokens, two channels a byte (channel 2i in the low nibble, 2i + 1 in the high one)."""
+
+    def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if t.shape[-1] % 2:
+            raise ValueError(f"4-bit packing needs an even head_dim, got a tensor of shape {tuple(t.shape)}")
+        x = t.float()  # [H_kv, T, D]
+        low = x.amin(dim=1, keepdim=True)  # [H_kv, 1, D]
+        scale = ((x.amax(dim=1, keepdim=True) - low) / 15).clamp_min(1e-12)  # [H_kv, 1, D]
+        q = ((x - low) / scale).round().clamp(0, 15).to(torch.uint8)  # [H_kv, T, D]
+        return {"": q[..., 0::2] | (q[..., 1::2] << 4), "scale": scale, "low": low}  # payload [H_kv, T, D / 2]
+
+    def decode(
+        self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        packed = parts[""]  # [H_kv, T, D / 2]
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float()  # [H_kv, T, D]
+        if out is not None and out.dtype == torch.float32:
+            return torch.addcmul(parts["low"], q, parts["scale"], out=out)  # [H_kv, T, D]
+        decoded = torch.addcmul(parts["low"], q, parts["scale"]).to(dtype)  # [H_kv, T, D]
+        return decoded if out is None else out.copy_(decoded)
+
+    def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
+        return h_kv * t * d // 2 + 2 * 4 * h_kv * d  # half a byte an element; a float32 scale and low end a channel
+
+
+@dataclass(frozen=True)
+class Split:
+    """Keys by one tensor codec, values by another. An entry's shape is its keys' (stored unpacked)."""
+
+    name: str
+    keys: TensorCodec
+    values: TensorCodec
+
+    def of(self, kind: str) -> TensorCodec:
+        return self.keys if kind == "k" else self.values
+
+
+INT8_CHANNEL = Scaled("int8-channel", "int8", 127.0, reduce_dim=1)
 CODECS: dict[CodecName, Codec] = {  # the names `config.CodecName` accepts, each implemented
     "none": Raw(),
-    "int8-channel": Scaled("int8-channel", "int8", 127.0, reduce_dim=1),
+    "int8-channel": INT8_CHANNEL,
     "int8-token": Scaled("int8-token", "int8", 127.0, reduce_dim=-1),
     "fp8": Scaled("fp8", "float8_e4m3fn", 448.0, reduce_dim=1),  # 448: torch.finfo(torch.float8_e4m3fn).max
+    "int8k-int4v": Split("int8k-int4v", INT8_CHANNEL, Packed4()),
 }
 
 
 def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int]) -> int:
     """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
     data; the few hundred bytes of each file's header aside)."""
-    per_tensor = sum(codec.nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype) for n in lengths)
-    return 2 * layout.n_layers * per_tensor  # K and V of every layer
+    per_layer = sum(
+        codec.of(kind).nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
+        for n in lengths
+        for kind in "kv"
+    )
+    return layout.n_layers * per_layer
 
 
 def get_codec(name: str) -> Codec:
