@@ -299,25 +299,22 @@ class KVIndex:
         they changed it, so only the caches of the chunks they removed go (of edited or deleted
         documents); without `used` (`rag-kvcache gc`), every cache that is not an indexed chunk's goes
         too (another model's, a prompt head cached at query time: recomputed when next needed).
+        The neighbour table forgets the texts no chunk holds (`CacheMaker.forget_unindexed`).
         Files of names this package does not make are left alone. Opened with a model the index was
         not built with (`foreign`), it collects temporary files only: that model addresses none of the
         index's caches, so all of them would look orphaned."""
         orphans = [] if self.foreign else self.orphans(used)
+        forgotten = 0 if self.foreign else self.maker.forget_unindexed()
         freed = 0
         for path in orphans:
             freed += path.stat().st_size
             self.store.memory.remove(path.stem)
             self.store.disk.remove(path.stem)
         temp = self.store.disk.remove_stale_temp_files() + len(faiss_file.remove_temp_files(self.path))
-        if orphans or temp:
-            log.info(
-                "collected %d orphan KV caches (%.1f MiB) and %d temporary files in %s",
-                len(orphans),
-                freed / 2**20,
-                temp,
-                self.path,
-            )
-        return Collected(len(orphans), freed, temp)
+        collected = Collected(len(orphans), freed, temp, forgotten)
+        if collected:
+            log.info("%s: %s", self.path, collected)
+        return collected
 
     def flush_stats(self) -> None:
         """Add the store's counters to its `stats.json`; a failure (a full disk, a read-only index) is
@@ -375,6 +372,16 @@ class Collected:
     orphans: int  # cache entries no indexed chunk uses
     orphan_bytes: int
     temp_files: int  # of killed writers
+    neighbour_records: int  # texts no chunk holds any more, forgotten by the neighbour table
+
+    def __bool__(self) -> bool:
+        return bool(self.orphans or self.temp_files or self.neighbour_records)
+
+    def __str__(self) -> str:
+        return (
+            f"deleted {self.orphans} orphan KV caches ({self.orphan_bytes / 2**20:.1f} MiB), {self.temp_files} "
+            f"temporary files and {self.neighbour_records} neighbour records"
+        )
 
 
 def _tokenizer_id(tokenizer) -> str:

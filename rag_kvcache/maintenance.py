@@ -61,11 +61,8 @@ def check(index: KVIndex, repair: bool = False, progress: bool = True) -> CheckR
     with index.writer_lock():
         _check(index, report, repair, progress)
         report.collected = collected = index.collect()
-    if collected.orphans or collected.temp_files:
-        report.repaired.append(
-            f"deleted {collected.orphans} orphan KV caches ({collected.orphan_bytes / 2**20:.1f} MiB) and "
-            f"{collected.temp_files} temporary files"
-        )
+    if collected:
+        report.repaired.append(str(collected))
     return report
 
 

@@ -354,6 +354,23 @@ def test_a_document_deleted_and_indexed_again_gets_its_neighbour_caches_back(ind
     assert_same_caches(index, whole)
 
 
+def test_a_deleted_documents_texts_leave_the_neighbour_table(index, tiny, tmp_path):
+    """The neighbour table kept an entry for every text ever indexed: a deleted document's stayed after its caches
+    were collected, so the table grew with every edit. Deleting (and `gc`) now forgets them, in memory and on disk;
+    the entries of what is still indexed are kept as they were."""
+    source = sorted(DOCS)[0]
+    key = index.addressing.neighbour_key
+    gone = {key(c.token_ids) for c in index.chunks.all_chunks() if c.source == source}
+    kept = {key(c.token_ids) for c in index.chunks.all_chunks() if c.source != source}
+    before = json.loads((index.path / "neighbours.json").read_text())
+    assert gone and kept and set(before) == gone | kept and not gone & kept
+    index.delete([source])
+    on_disk = json.loads((index.path / "neighbours.json").read_text())
+    assert on_disk == {k: before[k] for k in kept} and set(index.addressing.neighbours) == kept
+    reopened = KVIndex.open(index.path, CACHED, adapter=tiny)
+    assert set(reopened.addressing.neighbours) == kept and reopened.collect().neighbour_records == 0
+
+
 def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_completes(tiny, tmp_path, monkeypatch):
     """The neighbour caches are written behind the compute: a write that fails (a full disk) is raised by the
     run, every other write it made is whole in the store, no table is recorded, and the next run computes

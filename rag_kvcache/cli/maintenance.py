@@ -126,11 +126,7 @@ def gc(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)]) -> 
         collected = collect(KVIndex.open(index_dir, KVIndex.config_of(index_dir, base_config())))
     except (OSError, ValueError) as e:
         fail(str(e))
-    out.print(
-        f"{index_dir}: deleted {collected.orphans} orphan KV caches ({_mib(collected.orphan_bytes)}) and "
-        f"{collected.temp_files} temporary files",
-        highlight=False,
-    )
+    out.print(f"{index_dir}: {collected}", highlight=False)
 
 
 def _mib(n: int) -> str:

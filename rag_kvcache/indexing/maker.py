@@ -319,6 +319,18 @@ class CacheMaker:
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         return len(made)
 
+    def forget_unindexed(self) -> int:
+        """Drop the neighbour table's entries of texts no chunk of the index holds any more (deleted or edited
+        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
+        Returns how many entries went."""
+        indexed = {self.addressing.neighbour_key(ids) for ids in self.chunks.token_ids()}
+        stale = [key for key in self._neighbours if key not in indexed]
+        for key in stale:  # in place: the addressing reads this table
+            del self._neighbours[key]
+        if stale:
+            _write_json(self._neighbours_path, self._neighbours)
+        return len(stale)
+
     # ---- making one cache -----------------------------------------------------------------------------
     def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
         """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
