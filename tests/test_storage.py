@@ -133,8 +133,8 @@ def test_a_layer_is_one_read_and_decodes_like_the_codec(tmp_path, codec, channel
 
 def test_4_bit_values_two_a_byte_within_half_a_step():
     """int8k-int4v stores keys as int8-channel does, bit for bit, and values at 16 levels per channel between
-    the channel's low and high ends: each element within half a level of its value, both ends exact, channel
-    2i in a byte's low nibble and 2i + 1 in its high one. An odd head_dim cannot be packed: refused, named."""
+    the channel's low and high ends: each element within half a level of its value, both ends exact, channel i
+    in a byte's low nibble and channel i + D / 2 in its high one. An odd head_dim cannot be packed: refused, named."""
     g = torch.Generator().manual_seed(2)
     t = torch.randn(2, 40, 6, generator=g) * torch.tensor([1.0, 10.0, 0.1, 3.0, 1.0, 5.0]) + 2.0  # [H, T, D]
     split, int8 = get_codec("int8k-int4v"), get_codec("int8-channel")
@@ -151,7 +151,7 @@ def test_4_bit_values_two_a_byte_within_half_a_step():
     torch.testing.assert_close(back.amin(1), t.amin(1))
     torch.testing.assert_close(back.amax(1), t.amax(1))
     levels = ((t - t.amin(1, keepdim=True)) / step).round().to(torch.uint8)  # [H, T, D]
-    assert torch.equal(parts[""] & 15, levels[..., 0::2]) and torch.equal(parts[""] >> 4, levels[..., 1::2])
+    assert torch.equal(parts[""] & 15, levels[..., :3]) and torch.equal(parts[""] >> 4, levels[..., 3:])
     assert values.nbytes(2, 40, 6, torch.float32) == parts[""].nbytes + parts["scale"].nbytes + parts["low"].nbytes
     with pytest.raises(ValueError, match=r"even head_dim.*\(2, 40, 5\)"):
         values.encode(t[..., :5])
