@@ -247,6 +247,12 @@ class KVIndex:
         """The indexing pipeline after what `stage` reads, diffs, chunks (with the chunker it is given) and
         embeds: the new chunks' caches stored, then the chunks committed (a committed chunk always has its
         cache), then neighbour caches and what no chunk reads any more collected; all under the writer lock."""
+        if self.foreign:
+            raise ForeignModelError(
+                f"index {self.path} was built with model fingerprint {self.chunks.meta.get('model_fingerprint')}, "
+                f"and {self.config.index.model} has fingerprint {self.model.fingerprint}: the caches it computes "
+                "would not be the index's. Index with the model the index was built with, or build a new index"
+            )
         tok, n = self.model.tokenizer, self.config.index.chunk_tokens
         with _writer_lock(self.path):
             used = self.maker.live_keys()
@@ -363,6 +369,10 @@ def _writer_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+class ForeignModelError(RagKVCacheError, ValueError):
+    """Documents indexed with a model the index was not built with (its weights differ)."""
 
 
 @dataclass(frozen=True)

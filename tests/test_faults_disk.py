@@ -20,7 +20,7 @@ from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, 
 
 from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
-from rag_kvcache.index import KVIndex
+from rag_kvcache.index import ForeignModelError, KVIndex
 from rag_kvcache.retrieval import database
 from rag_kvcache.retrieval.database import ForeignIndexError
 
@@ -346,3 +346,23 @@ def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     assert gen.ask(QUESTION).cache_misses == CFG.query.top_k and gen.ask(QUESTION).cache_misses == 0
     assert {p.name for p in index.store.disk.files()} == before
     assert foreign.collect().orphans == 0 and {p.name for p in index.store.disk.files()} == before  # none its own
+
+
+def test_indexing_with_another_model_is_refused_and_writes_nothing(index, tokenizer):
+    """`index` with changed weights (the CLI refuses another --model, not another checkpoint under the same
+    name) wrote its prefix cache, and would have written new chunks' caches, into the index under its own
+    namespace: caches no query of the index reads. Now it is refused, naming both fingerprints, and the index's
+    files and chunks are as they were."""
+    from conftest import tiny_llama
+
+    from rag_kvcache.engine.model import ModelAdapter
+
+    before = {p.name for p in index.store.disk.files()}
+    chunks = sorted(c.id for c in index.chunks.all_chunks())
+    other = ModelAdapter(tiny_llama(seed=1), tokenizer, name="tiny-llama-other")
+    foreign = KVIndex.open(index.path, CFG, adapter=other)
+    add_new_doc(index)
+    with pytest.raises(ForeignModelError, match=f"{index.model.fingerprint}.*{other.fingerprint}"):
+        foreign.update(index.path.parent / "docs", progress=False)
+    assert {p.name for p in index.store.disk.files()} == before
+    assert sorted(c.id for c in KVIndex.open(index.path, CFG, adapter=index.model).chunks.all_chunks()) == chunks
