@@ -329,7 +329,8 @@ class IndexSettings:
         "int8-channel",
         "How KV caches are stored on disk: int8 with per-channel scales (the default: 0.26x the bytes "
         "of float32; its caches' answers match float32 caches' within noise, "
-        "benchmarks/fusion-quality/codec20-results.md), int8 with per-token scales, fp8, or as computed "
+        "benchmarks/fusion-quality/codec20-results.md), int8 with per-token scales, fp8, int8 keys with "
+        "4-bit values (int8k-int4v: 0.76x int8-channel's bytes), or as computed "
         "(none: the only lossless one, with which `prefix` and the first chunk are bit-exact).",
     )
 
