@@ -196,7 +196,7 @@ def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(kv.n_layers):
         for kind, t in zip("kv", kv.layer(layer)):
-            for suffix, part in codec.of(kind).encode(t.detach().to("cpu")).items():
+            for suffix, part in codec.of(kind, kv.position == 0).encode(t.detach().to("cpu")).items():
                 tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
     header: dict = {
         "__metadata__": {name: _checksum(t) for name, t in tensors.items()}
@@ -309,14 +309,17 @@ class Entry:
             raise
         if self.on_loaded is None:
             k, v = (
-                self.codec.of(kind).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype) for kind in "kv"
+                self.codec.of(kind, self.position == 0).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype)
+                for kind in "kv"
             )
             return k, v
         if self._whole is None:  # decoded in place, layer by layer: held whole once every layer is read
             h_kv, t, d = self._tensors["k.0"]["shape"]
             self._whole = torch.empty(self.n_layers, 2, h_kv, t, d, dtype=self.dtype)  # [L, 2, H_kv, T, D]
         for j, kind in enumerate("kv"):
-            self.codec.of(kind).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
+            self.codec.of(kind, self.position == 0).decode(
+                {s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j]
+            )
         self._loaded.add(i)
         if len(self._loaded) == self.n_layers:
             self.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))

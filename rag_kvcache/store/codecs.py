@@ -6,8 +6,10 @@ into named parts (the suffix "" is the payload, others are side data such as sca
 scales are absmax / the format's largest value, kept in float32; per-channel scales are shared by all tokens of
 a head dimension ([H_kv, 1, D]), per-token scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits
 keys (their outlier channels are fixed), per-token suits values. 4-bit values are asymmetric (a scale and a low
-end per channel), two a byte: keys at 4 bits moved teacher-forced answers 85x more than at 8 bits, values 5x
-(benchmarks/RESULTS.md, session 43), so only values are stored at 4.
+end per channel), two a byte: keys at 4 bits moved teacher-forced answers 85x more than at 8 bits, values 5x,
+so only values are stored at 4, and not those of the system prefix's cache: the attention sink's outlier values
+at 4 bits moved the fused answers' teacher-forced KL by +0.015 (+29%), the chunk caches' none measurably
+(benchmarks/RESULTS.md, session 43).
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
 offers them, from that list; `tests/test_storage.py` holds the two equal).
@@ -44,8 +46,10 @@ class TensorCodec(Protocol):
 class Codec(Protocol):
     name: str
 
-    def of(self, kind: str) -> TensorCodec:
-        """How the keys ("k") or the values ("v") are stored."""
+    def of(self, kind: str, at_start: bool = False) -> TensorCodec:
+        """How the keys ("k") or the values ("v") of an entry are stored; `at_start`: of an entry that holds a
+        sequence's first positions (the system prefix's cache, or any cache computed behind nothing), whose
+        attention-sink token carries the outlier values a 4-bit range per channel cannot hold."""
         ...
 
 
@@ -53,7 +57,7 @@ class Codec(Protocol):
 class Raw:
     name: str = "none"
 
-    def of(self, kind: str) -> TensorCodec:
+    def of(self, kind: str, at_start: bool = False) -> TensorCodec:
         return self
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -77,7 +81,7 @@ class Scaled:
     qmax: float
     reduce_dim: int  # 1: one scale per channel over tokens; -1: one scale per token over channels
 
-    def of(self, kind: str) -> TensorCodec:
+    def of(self, kind: str, at_start: bool = False) -> TensorCodec:
         return self
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -137,14 +141,15 @@ class Packed4:
 
 @dataclass(frozen=True)
 class Split:
-    """Keys by one tensor codec, values by another. An entry's shape is its keys' (stored unpacked)."""
+    """Keys by one tensor codec, values by another, but for an entry at a sequence's start, whose values are
+    stored as its keys are. An entry's shape is its keys' (stored unpacked)."""
 
     name: str
     keys: TensorCodec
     values: TensorCodec
 
-    def of(self, kind: str) -> TensorCodec:
-        return self.keys if kind == "k" else self.values
+    def of(self, kind: str, at_start: bool = False) -> TensorCodec:
+        return self.keys if kind == "k" or at_start else self.values
 
 
 INT8_CHANNEL = Scaled("int8-channel", "int8", 127.0, reduce_dim=1)
@@ -157,11 +162,11 @@ CODECS: dict[CodecName, Codec] = {  # the names `config.CodecName` accepts, each
 }
 
 
-def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int]) -> int:
+def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int], at_start: bool = False) -> int:
     """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
-    data; the few hundred bytes of each file's header aside)."""
+    data; the few hundred bytes of each file's header aside); `at_start`: caches at a sequence's start."""
     per_layer = sum(
-        codec.of(kind).nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
+        codec.of(kind, at_start).nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
         for n in lengths
         for kind in "kv"
     )
