@@ -6,10 +6,9 @@ into named parts (the suffix "" is the payload, others are side data such as sca
 scales are absmax / the format's largest value, kept in float32; per-channel scales are shared by all tokens of
 a head dimension ([H_kv, 1, D]), per-token scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits
 keys (their outlier channels are fixed), per-token suits values. 4-bit values are asymmetric (a scale and a low
-end per channel), two a byte: keys at 4 bits moved teacher-forced answers 85x more than at 8 bits, values 5x,
-so only values are stored at 4, and not those of the system prefix's cache: the attention sink's outlier values
-at 4 bits moved the fused answers' teacher-forced KL by +0.015 (+29%), the chunk caches' none measurably
-(benchmarks/RESULTS.md, session 43).
+end per channel), two a byte. Keys are never stored at 4 bits, nor are the values of an entry at a sequence's
+start, whose attention-sink token's outlier values a 4-bit range cannot hold: either moves fused answers
+measurably, where the chunk caches' 4-bit values do not (benchmarks/RESULTS.md, session 43).
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
 offers them, from that list; `tests/test_storage.py` holds the two equal).
@@ -113,7 +112,7 @@ class Scaled:
 class Packed4:
     """Asymmetric 4-bit quantisation per channel: levels 0..15 between each channel's low end and high end over
     the tokens, two channels a byte (channel i of the first half in the low nibble, channel i of the second half in
-    the high one: unpacked by one concatenation, 1.6x faster than interleaved nibbles)."""
+    the high one: unpacked by one concatenation)."""
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if t.shape[-1] % 2:
