@@ -322,11 +322,13 @@ class CacheMaker:
 
     def forget_unindexed(self) -> int:
         """Drop the neighbour table's entries of texts no chunk of the index holds any more (deleted or edited
-        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
-        Returns how many entries went."""
+        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh. An
+        interrupted run's chunks (`pending`) keep theirs: its grouped caches are addressed by them, and the next
+        run resumes with both. Returns how many entries went."""
         if not self._neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
             return 0
-        indexed = {self.addressing.neighbour_key(ids) for ids in self.chunks.token_ids()}
+        held = [*self.chunks.token_ids(), *(ids for ids, _ in self.pending().values())]
+        indexed = {self.addressing.neighbour_key(ids) for ids in held}
         stale = [key for key in self._neighbours if key not in indexed]
         for key in stale:  # in place: the addressing reads this table
             del self._neighbours[key]
