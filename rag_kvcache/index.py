@@ -100,7 +100,7 @@ class KVIndex:
         self.store = KVStore(path / "kv", config.index.codec, config.runtime.storage, adapter.device)
         self.format = PromptFormat.build(adapter.tokenizer, config.index.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.index.chunk_prefill}".encode())
-        built_with = chunks.meta.get("model_fingerprint")
+        self.built_with = built_with = chunks.meta.get("model_fingerprint")  # the fingerprint of the index's model
         self.foreign = built_with != adapter.fingerprint  # then caches computed at query time stay in memory
         if self.foreign:
             log.warning(
@@ -249,7 +249,7 @@ class KVIndex:
         cache), then neighbour caches and what no chunk reads any more collected; all under the writer lock."""
         if self.foreign:
             raise ForeignModelError(
-                f"index {self.path} was built with model fingerprint {self.chunks.meta.get('model_fingerprint')}, "
+                f"index {self.path} was built with model fingerprint {self.built_with}, "
                 f"and {self.config.index.model} has fingerprint {self.model.fingerprint}: the caches it computes "
                 "would not be the index's. Index with the model the index was built with, or build a new index"
             )
@@ -286,10 +286,11 @@ class KVIndex:
 
         return RayWorkers(self.config, self.store.root, self.namespace, self.model.fingerprint)
 
-    def orphans(self, candidates: Iterable[str] | None = None) -> list[Path]:
-        """The disk caches no indexed chunk uses (not in `CacheMaker.live_keys`) and no interrupted run will
-        resume with (not `pending`): all of them, or those among the keys `candidates`."""
-        live = self.maker.live_keys().keys() | self.maker.pending().keys()
+    def orphans(self, candidates: Iterable[str] | None = None, kept: Mapping[str, object] | None = None) -> list[Path]:
+        """The disk caches the index does not keep (not in `CacheMaker.kept`: no indexed chunk uses them and no
+        interrupted run will resume with them): all of them, or those among the keys `candidates`. `kept`:
+        `CacheMaker.kept()`, when the caller has it."""
+        live = (self.maker.kept() if kept is None else kept).keys()
         if candidates is None:
             return [path for path in self.store.disk.files() if path.stem not in live]
         return [self.store.disk.path(key) for key in candidates if key not in live and key in self.store.disk]
@@ -309,8 +310,11 @@ class KVIndex:
         Files of names this package does not make are left alone. Opened with a model the index was
         not built with (`foreign`), it collects temporary files only: that model addresses none of the
         index's caches, so all of them would look orphaned."""
-        orphans = [] if self.foreign else self.orphans(used)
-        forgotten = 0 if self.foreign else self.maker.forget_unindexed()
+        orphans: list[Path] = []
+        forgotten = 0
+        if not self.foreign:
+            kept = self.maker.kept()
+            orphans, forgotten = self.orphans(used, kept), self.maker.forget_unindexed(kept.values())
         freed = 0
         for path in orphans:
             freed += path.stat().st_size

@@ -272,6 +272,13 @@ class CacheMaker:
         table = json.loads(self._pending_path.read_text(encoding="utf-8"))
         return {key: (tuple(ids), tuple(ctx)) for key, (ids, ctx) in table.items()}
 
+    def kept(self) -> dict[str, tuple[int, ...]]:
+        """Every cache the index keeps, store key -> token ids: its chunks' (`live_keys`) and an interrupted run's
+        (`pending`)."""
+        return {key: ids for key, (ids, _) in self.live_keys().items()} | {
+            key: ids for key, (ids, _) in self.pending().items()
+        }
+
     def committed(self) -> None:
         """The run's chunks are committed: its caches are the index's now, no longer pending."""
         self._pending_path.unlink(missing_ok=True)
@@ -320,15 +327,14 @@ class CacheMaker:
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         return len(made)
 
-    def forget_unindexed(self) -> int:
-        """Drop the neighbour table's entries of texts no chunk of the index holds any more (deleted or edited
-        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh. An
-        interrupted run's chunks (`pending`) keep theirs: its grouped caches are addressed by them, and the next
-        run resumes with both. Returns how many entries went."""
+    def forget_unindexed(self, kept: Iterable[tuple[int, ...]]) -> int:
+        """Drop the neighbour table's entries of texts no cache the index keeps holds any more (deleted or edited
+        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
+        `kept`: the token ids of `kept()`'s caches, so an interrupted run's chunks (`pending`) keep theirs: its
+        grouped caches are addressed by them, and the next run resumes with both. Returns how many entries went."""
         if not self._neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
             return 0
-        held = [*self.chunks.token_ids(), *(ids for ids, _ in self.pending().values())]
-        indexed = {self.addressing.neighbour_key(ids) for ids in held}
+        indexed = {self.addressing.neighbour_key(ids) for ids in set(kept)}
         stale = [key for key in self._neighbours if key not in indexed]
         for key in stale:  # in place: the addressing reads this table
             del self._neighbours[key]

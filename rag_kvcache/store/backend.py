@@ -32,7 +32,7 @@ import xxhash
 
 from ..engine.cache import ChunkKV
 from ..errors import RagKVCacheError
-from .codecs import Codec, get_codec
+from .codecs import Codec, entry_codecs, get_codec
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,10 @@ def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:
     bytes, then into its output, whose header sealing copied once more: each tensor is now copied once,
     into the one buffer returned (a `bytearray`: file writes and redis-py take it as it is)."""
     tensors: dict[str, torch.Tensor] = {}
+    codecs = entry_codecs(codec, kv.position)
     for layer in range(kv.n_layers):
-        for kind, t in zip("kv", kv.layer(layer)):
-            for suffix, part in codec.of(kind, kv.position == 0).encode(t.detach().to("cpu")).items():
+        for kind, tensor_codec, t in zip("kv", codecs, kv.layer(layer)):
+            for suffix, part in tensor_codec.encode(t.detach().to("cpu")).items():
                 tensors[f"{kind}.{layer}{'.' + suffix if suffix else ''}"] = part.contiguous()
     header: dict = {
         "__metadata__": {name: _checksum(t) for name, t in tensors.items()}
@@ -260,7 +261,7 @@ class Entry:
                 raise ValueError(f"{size}-byte entry, header describes {self._base + end} bytes (truncated)")
             self.position = int(self._meta["position"])
             self.n_layers = int(self._meta["layers"])
-            self.codec = get_codec(self._meta["codec"])
+            self._codecs = entry_codecs(get_codec(self._meta["codec"]), self.position)  # keys', values'
             self.dtype = _SAFETENSORS_DTYPES[_DTYPE_NAMES[self._meta["dtype"]]]
             self.n_tokens = int(header["k.0"]["shape"][1])
             self._parts: list[dict[str, dict[str, str]]] = [{"k": {}, "v": {}} for _ in range(self.n_layers)]
@@ -309,17 +310,15 @@ class Entry:
             raise
         if self.on_loaded is None:
             k, v = (
-                self.codec.of(kind, self.position == 0).decode({s: read[n] for s, n in parts[kind].items()}, self.dtype)
-                for kind in "kv"
+                codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype)
+                for kind, codec in zip("kv", self._codecs)
             )
             return k, v
         if self._whole is None:  # decoded in place, layer by layer: held whole once every layer is read
             h_kv, t, d = self._tensors["k.0"]["shape"]
             self._whole = torch.empty(self.n_layers, 2, h_kv, t, d, dtype=self.dtype)  # [L, 2, H_kv, T, D]
-        for j, kind in enumerate("kv"):
-            self.codec.of(kind, self.position == 0).decode(
-                {s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j]
-            )
+        for j, (kind, codec) in enumerate(zip("kv", self._codecs)):
+            codec.decode({s: read[n] for s, n in parts[kind].items()}, self.dtype, out=self._whole[i, j])
         self._loaded.add(i)
         if len(self._loaded) == self.n_layers:
             self.on_loaded(self.key, ChunkKV.viewing(self._whole, self.position))

@@ -161,6 +161,12 @@ CODECS: dict[CodecName, Codec] = {  # the names `config.CodecName` accepts, each
 }
 
 
+def entry_codecs(codec: Codec, position: int) -> tuple[TensorCodec, TensorCodec]:
+    """How the keys and the values of an entry whose first token is at `position` are stored: a cache at position 0
+    holds a sequence's start (`Codec.of`'s `at_start`)."""
+    return codec.of("k", position == 0), codec.of("v", position == 0)
+
+
 def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int], at_start: bool = False) -> int:
     """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
     data; the few hundred bytes of each file's header aside); `at_start`: caches at a sequence's start."""
