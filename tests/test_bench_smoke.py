@@ -127,7 +127,7 @@ def test_plan_puts_defaults_first_and_dedupes_the_sweep():
 
 def test_plan_reads_the_caches_a_method_runs_on():
     """`method@caches` names another index's caches (a chunk_prefill or a codec); the run's own (the default
-    cached_neighbours caches, int8-channel) are unwritten."""
+    cached_neighbours caches, int8k-int4v) are unwritten."""
     settings = BenchSettings(
         methods=(
             "full",
@@ -136,7 +136,7 @@ def test_plan_reads_the_caches_a_method_runs_on():
             "cacheblend@cached_neighbours",
             "cacheblend@neighbours",
             "cacheblend@none",
-            "cacheblend@int8-channel",
+            "cacheblend@int8k-int4v",
         ),
         baseline="cacheblend@neighbours",
     )
@@ -147,7 +147,7 @@ def test_plan_reads_the_caches_a_method_runs_on():
         "reuse@neighbours",
         "cacheblend@neighbours r=0.15",
         "cacheblend@none r=0.15",
-    ]  # int8-channel: the run's own (the default)
+    ]  # int8k-int4v: the run's own (the default)
     assert variants[2] == Variant("reuse", caches="neighbours")
     assert made_with(Config(), "none").index.codec == "none"
     assert made_with(Config(), "neighbours").index.chunk_prefill == "neighbours"

@@ -451,7 +451,7 @@ def test_a_typo_of_the_default_model_fails_at_once_naming_it(tmp_path, monkeypat
 def test_index_says_the_caches_size_and_codec(built):
     """234 KB of documents became 3.0 GB of caches with no word before or after."""
     root, output = built
-    assert "(int8-channel, " in output and "KiB/token)" in output and "KV caches " in output
+    assert "(int8k-int4v, " in output and "KiB/token)" in output and "KV caches " in output
 
 
 @pytest.mark.parametrize("prefill", ["grouped", "behind_prefix"])

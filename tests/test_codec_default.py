@@ -1,10 +1,11 @@
-"""Storage by default (issue 33): caches are stored int8 with per-channel scales, `index` says how much
+"""Storage by default (issue 33): caches are stored with int8 keys and 4-bit values, `index` says how much
 disk they take before computing them (both caches a chunk of the default neighbour index), and an index built
 under another codec is read as it records."""
 
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 import torch
@@ -30,11 +31,11 @@ def write_docs(root: Path) -> Path:
     return root
 
 
-def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, caplog):
+def test_a_default_index_stores_int8_keys_and_4_bit_values_and_says_the_size_first(tiny, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="rag_kvcache"):
         index = KVIndex.build(write_docs(tmp_path / "docs"), tmp_path / "idx", CFG, adapter=tiny, progress=False)
-    assert index.store.codec.name == "int8-channel"
-    assert KVIndex.config_of(tmp_path / "idx").index.codec == "int8-channel"  # recorded
+    assert index.store.codec.name == "int8k-int4v"
+    assert KVIndex.config_of(tmp_path / "idx").index.codec == "int8k-int4v"  # recorded
     chunks = set(index.chunks.token_ids())  # repeated text makes equal chunks, which share one cache
     said = decimal(index.kv_bytes(map(len, chunks)))
     assert f"computing the KV caches of {len(chunks)} chunks" in caplog.text and f"about {said} on disk" in caplog.text
@@ -42,12 +43,16 @@ def test_a_default_index_stores_int8_and_says_the_size_first(tiny, tmp_path, cap
     assert per_chunk == 2 and "2 caches a chunk" in caplog.text
     files = list((tmp_path / "idx" / "kv").rglob("*.safetensors"))  # the chunks', the prefix's (and separator's)
     sep = index.format.separator_ids
-    context = [len(index.format.prefix_ids), *([len(sep)] if sep else [])]
-    expected = index.kv_bytes(map(len, chunks)) + cache_nbytes(index.store.codec, tiny.layout, context)
-    assert len(files) == per_chunk * len(chunks) + len(context)
-    assert 0 < sum(p.stat().st_size for p in files) - expected < 2048 * len(files)  # headers aside, as said
-    # a byte an element for 4 of float32, and a float32 scale per channel per chunk of 24 tokens; two caches
-    assert index.kv_bytes_per_token == per_chunk * tiny.layout.bytes_per_token * (1 + 4 / CFG.index.chunk_tokens) / 4
+    prefix = cache_nbytes(index.store.codec, tiny.layout, [len(index.format.prefix_ids)], at_start=True)
+    separator = cache_nbytes(index.store.codec, tiny.layout, [len(sep)] if sep else [])  # behind the prefix
+    expected = index.kv_bytes(map(len, chunks)) + prefix + separator
+    assert len(files) == per_chunk * len(chunks) + 1 + bool(sep)
+    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)  # safetensors: length, then JSON
+    assert sum(p.stat().st_size for p in files) - headers == expected  # headers aside, as said
+    # of 4 bytes of float32: keys a byte an element and a float32 scale per channel per chunk of 24 tokens, values
+    # half a byte and a float32 scale and low end per channel; two caches, neither at a sequence's start
+    keys, values = 1 + 4 / CFG.index.chunk_tokens, 0.5 + 8 / CFG.index.chunk_tokens
+    assert index.kv_bytes_per_token == per_chunk * tiny.layout.bytes_per_token / 2 * (keys + values) / 4
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):
@@ -55,7 +60,7 @@ def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp
         write_docs(tmp_path / "docs"), tmp_path / "idx", CFG.with_index(codec="none"), adapter=tiny, progress=False
     )
     before = FusedGenerator(old).ask(QUESTION)
-    reopened = KVIndex.open(tmp_path / "idx", CFG, adapter=tiny)  # today's default config: int8-channel
+    reopened = KVIndex.open(tmp_path / "idx", CFG, adapter=tiny)  # today's default config: int8k-int4v
     assert reopened.store.codec.name == "none" and reopened.config.index.codec == "none"
     after = FusedGenerator(reopened).ask(QUESTION)
     assert after.cache_misses == 0 and after.answer == before.answer
