@@ -288,12 +288,13 @@ class CacheMaker:
         without every cache those give them: this run's new ones, those of a run killed after it committed its
         chunks but before it recorded theirs, and a dropped document's indexed again (the table keeps a text's
         neighbours after its caches are collected)."""
-        table, store = self._neighbours, self.store
+        chunks = list(self.chunks.all_chunks())
+        reads = [[key for key, _ in self.addressing.neighbour_reads(c.token_ids)] for c in chunks]
+        missing = self.store.missing(key for keys in reads for key in keys)  # one request to a remote tier
         return [
             c
-            for c in self.chunks.all_chunks()
-            if self.addressing.neighbour_key(c.token_ids) not in table
-            or any(key not in store for key, _ in self.addressing.neighbour_reads(c.token_ids))
+            for c, keys in zip(chunks, reads, strict=True)
+            if self.addressing.neighbour_key(c.token_ids) not in self._neighbours or not missing.isdisjoint(keys)
         ]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:

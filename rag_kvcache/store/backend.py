@@ -22,7 +22,7 @@ import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
@@ -156,6 +156,10 @@ class Backend(Counted, ABC):
 
     def opened(self, key: str) -> None:
         """Called when an entry is opened intact (a tier that tracks use refreshes it)."""
+
+    def held(self, keys: Collection[str]) -> set[str]:
+        """Those of `keys` stored here (a remote tier asks in one request)."""
+        return {key for key in keys if key in self}
 
     # ---- shared ---------------------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> int:

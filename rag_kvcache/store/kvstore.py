@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from filelock import FileLock
@@ -68,6 +68,14 @@ class KVStore:
 
     def __contains__(self, key: str) -> bool:
         return any(key in backend for backend in self.backends)
+
+    def missing(self, keys: Iterable[str]) -> set[str]:
+        """Those of `keys` no backend holds: each backend asked once (`Backend.held`) for what those before it lack."""
+        todo = set(keys)
+        for backend in self.backends:
+            if todo:
+                todo -= backend.held(todo)
+        return todo
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Write `kv` to every backend, atomically in each (the remote tier keeps an entry another process

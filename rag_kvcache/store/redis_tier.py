@@ -30,7 +30,8 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -43,6 +44,7 @@ from .backend import FORMAT, Backend, Entry, UnreachableEntryError
 from .codecs import get_codec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DOWN = (redis.ConnectionError, redis.TimeoutError)  # the server is unreachable: skip it for a while
 _TAG_BYTES = hashlib.sha256().digest_size
@@ -115,6 +117,19 @@ class RedisTier(Backend):
     def __contains__(self, key: str) -> bool:
         return bool(self._request(lambda: self.client.exists(self.redis_key(key)), 0))
 
+    def held(self, keys: Collection[str]) -> set[str]:
+        """Those of `keys` the server holds, asked in one pipelined request (none when it does not answer)."""
+        order = list(keys)
+
+        def exists() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in order:
+                pipe.exists(self.redis_key(key))
+            return pipe.execute()
+
+        found = self._request(exists, [0] * len(order)) if order else []
+        return {key for key, n in zip(order, found) if n}
+
     def remove(self, key: str) -> None:
         self._request(lambda: self.client.delete(self.redis_key(key)), None)
 
@@ -133,7 +148,7 @@ class RedisTier(Backend):
         return entry
 
     # ---- the server's health --------------------------------------------------------------------
-    def _request(self, call: Callable[[], object], default: object) -> object:
+    def _request(self, call: Callable[[], T], default: T) -> T:
         """`call()` on the server, or `default` when it is skipped as down or the request fails."""
         if not self._available():
             return default
