@@ -100,15 +100,14 @@ class KVIndex:
         self.store = KVStore(path / "kv", config.index.codec, config.runtime.storage, adapter.device)
         self.format = PromptFormat.build(adapter.tokenizer, config.index.system_prompt)
         self.namespace = xxhash.xxh3_128_hexdigest(f"{adapter.fingerprint}|{config.index.chunk_prefill}".encode())
-        self.built_with = built_with = chunks.meta.get("model_fingerprint")  # the fingerprint of the index's model
-        self.foreign = built_with != adapter.fingerprint  # then caches computed at query time stay in memory
+        self.built_with = chunks.meta.get("model_fingerprint")  # the fingerprint of the index's model
         if self.foreign:
             log.warning(
                 "index %s was built with model %s (fingerprint %s); %s (fingerprint %s) will miss every cached "
                 "chunk and prefill it at query time, keeping it in this process's memory, not in the index",
                 path,
                 self.recorded.model,
-                built_with,
+                self.built_with,
                 config.index.model,
                 adapter.fingerprint,
             )
@@ -143,6 +142,11 @@ class KVIndex:
             adapter.inv_freq.cpu(),
             adapter.layout.n_layers,
         )
+
+    @property
+    def foreign(self) -> bool:
+        """The model is not the one the index was built with: caches computed at query time stay in memory."""
+        return self.built_with != self.model.fingerprint
 
     @property
     def adapter(self) -> ModelAdapter:

@@ -43,8 +43,8 @@ def test_a_default_index_stores_int8_keys_and_4_bit_values_and_says_the_size_fir
     assert per_chunk == 2 and "2 caches a chunk" in caplog.text
     files = list((tmp_path / "idx" / "kv").rglob("*.safetensors"))  # the chunks', the prefix's (and separator's)
     sep = index.format.separator_ids
-    prefix = cache_nbytes(index.store.codec, tiny.layout, [len(index.format.prefix_ids)], at_start=True)
-    separator = cache_nbytes(index.store.codec, tiny.layout, [len(sep)] if sep else [])  # behind the prefix
+    prefix = cache_nbytes(index.store.codec, tiny.layout, [len(index.format.prefix_ids)], 0)
+    separator = cache_nbytes(index.store.codec, tiny.layout, [len(sep)] if sep else [], len(index.format.prefix_ids))
     expected = index.kv_bytes(map(len, chunks)) + prefix + separator
     assert len(files) == per_chunk * len(chunks) + 1 + bool(sep)
     headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)  # safetensors: length, then JSON

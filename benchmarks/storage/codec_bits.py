@@ -25,29 +25,25 @@ from tqdm import tqdm
 from rag_kvcache import Config
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.store.codecs import INT8_CHANNEL, Packed4, TensorCodec
 
 CHUNK, HEAD, MAX_PROMPT, MAX_ANSWER = 128, 32, 3000, 24
 Quantise = Callable[[torch.Tensor], torch.Tensor]  # [H_kv, T, D] -> [H_kv, T, D], quantised and back
 
 
-def symmetric(dim: int, qmax: float) -> Quantise:
-    def q(x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs().amax(dim=dim, keepdim=True) / qmax).clamp_min(1e-12)  # [H_kv, 1, D] or [H_kv, T, 1]
-        return (x / scale).round().clamp(-qmax, qmax) * scale  # [H_kv, T, D]
-
-    return q
+def stored(codec: TensorCodec) -> Quantise:
+    """A tensor as the index stores and reads it back with `codec`."""
+    return lambda x: codec.decode(codec.encode(x), x.dtype)  # [H_kv, T, D]
 
 
-def asymmetric(dim: int, levels: int = 15) -> Quantise:
-    def q(x: torch.Tensor) -> torch.Tensor:
-        low = x.amin(dim=dim, keepdim=True)  # [H_kv, 1, D] or [H_kv, T, 1]
-        scale = ((x.amax(dim=dim, keepdim=True) - low) / levels).clamp_min(1e-12)
-        return ((x - low) / scale).round().clamp(0, levels) * scale + low  # [H_kv, T, D]
-
-    return q
+def per_token_4_bits(x: torch.Tensor) -> torch.Tensor:
+    """Asymmetric 4 bits per token over the channels (no codec of the package stores this one)."""
+    low = x.amin(dim=-1, keepdim=True)  # [H_kv, T, 1]
+    scale = ((x.amax(dim=-1, keepdim=True) - low) / 15).clamp_min(1e-12)  # [H_kv, T, 1]
+    return ((x - low) / scale).round().clamp(0, 15) * scale + low  # [H_kv, T, D]
 
 
-INT8, CH4, TOK4 = symmetric(1, 127), asymmetric(1), asymmetric(-1)
+INT8, CH4, TOK4 = stored(INT8_CHANNEL), stored(Packed4()), per_token_4_bits
 SCHEMES: dict[str, tuple[Quantise, Quantise]] = {  # name -> (keys, values)
     "K int8-channel, V int8-channel": (INT8, INT8),
     "K 4-bit channel, V 4-bit token": (CH4, TOK4),

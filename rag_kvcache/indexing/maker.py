@@ -138,8 +138,8 @@ class CacheMaker:
     def disk_bytes(self, lengths: Iterable[int]) -> int:
         """Bytes on disk of all the caches (`caches_per_chunk`) of chunks of these token counts, as the store's
         codec stores them."""
-        at_start = not self.addressing.chunk_context  # `isolated`: computed behind nothing, at position 0
-        return cache_nbytes(self.store.codec, self.adapter.layout, lengths, at_start) * self.caches_per_chunk
+        position = len(self.addressing.chunk_context)  # 0 for `isolated`: computed behind nothing
+        return cache_nbytes(self.store.codec, self.adapter.layout, lengths, position) * self.caches_per_chunk
 
     def live_keys(self) -> Live:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks

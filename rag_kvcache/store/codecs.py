@@ -167,13 +167,13 @@ def entry_codecs(codec: Codec, position: int) -> tuple[TensorCodec, TensorCodec]
     return codec.of("k", position == 0), codec.of("v", position == 0)
 
 
-def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int], at_start: bool = False) -> int:
+def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int], position: int) -> int:
     """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
-    data; the few hundred bytes of each file's header aside); `at_start`: caches at a sequence's start."""
+    data; the few hundred bytes of each file's header aside), each cache's first token at `position`."""
     per_layer = sum(
-        codec.of(kind, at_start).nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
+        tensor_codec.nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
         for n in lengths
-        for kind in "kv"
+        for tensor_codec in entry_codecs(codec, position)
     )
     return layout.n_layers * per_layer
 

@@ -118,7 +118,8 @@ class RedisTier(Backend):
         return bool(self._request(lambda: self.client.exists(self.redis_key(key)), 0))
 
     def held(self, keys: Collection[str]) -> set[str]:
-        """Those of `keys` the server holds, asked in one pipelined request (none when it does not answer)."""
+        """Those of `keys` the server holds, asked in one pipelined request (none when it does not answer); the
+        store asks only for a non-empty set (`KVStore.missing`)."""
         order = list(keys)
 
         def exists() -> list[int]:
@@ -127,7 +128,7 @@ class RedisTier(Backend):
                 pipe.exists(self.redis_key(key))
             return pipe.execute()
 
-        found = self._request(exists, [0] * len(order)) if order else []
+        found = self._request(exists, [0] * len(order))
         return {key for key, n in zip(order, found) if n}
 
     def remove(self, key: str) -> None:
