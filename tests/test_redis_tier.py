@@ -357,3 +357,19 @@ def test_which_neighbour_caches_are_missing_is_one_request_to_the_shared_tier(sh
     server.client().delete(remote.redis_key(lost))
     assert chunk in shared.maker.chunks_without_neighbour_caches()
     assert len(requests) == 2
+
+
+def test_indexing_asks_the_shared_tier_once_which_neighbour_caches_to_compute(shared, server, monkeypatch):
+    """The neighbour pass over chunks whose caches are all in the shared tier computes none of them and asks the
+    server once for every chunk's caches, not once a cache; a cache the server lost is computed again."""
+    remote = shared.store.remote
+    requests = []
+    ask_server = remote._request
+    monkeypatch.setattr(remote, "_request", lambda call, default: requests.append(call) or ask_server(call, default))
+    chunks = list(shared.chunks.all_chunks())
+    assert shared.maker.precompute_neighbours(chunks, progress=False) == 0
+    assert len(requests) == 1
+    (lost, _), *_ = shared.maker.addressing.neighbour_reads(chunks[0].token_ids)
+    server.client().delete(remote.redis_key(lost))
+    assert shared.maker.precompute_neighbours(chunks, progress=False) == 1
+    assert lost in shared.store

@@ -314,19 +314,23 @@ class CacheMaker:
             and key(sep, prefix) not in self.store
         ):
             self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
+        for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
+            table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
+        reads = [self.addressing.neighbour_reads(chunk.token_ids) for chunk in chunks]
+        todo = self.store.missing(at for chunk_reads in reads for at, _ in chunk_reads)  # one request to a remote tier
+        made = 0
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
-        made: set[str] = set()
         with WriteBehind(self.store) as writer:
-            for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
-                table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
-                for at, contexts in self.addressing.neighbour_reads(chunk.token_ids):
-                    if at not in made and at not in self.store:
+            for chunk, chunk_reads in zip(chunks, reads, strict=True):
+                for at, contexts in chunk_reads:
+                    if at in todo:
                         writer.put(at, self.make(chunk.token_ids, contexts))
-                        made.add(at)
+                        todo.discard(at)
+                        made += 1
                 bar.update(1)
         bar.close()
         _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
-        return len(made)
+        return made
 
     def forget_unindexed(self, kept: Iterable[tuple[int, ...]]) -> int:
         """Drop the neighbour table's entries of texts no cache the index keeps holds any more (deleted or edited
