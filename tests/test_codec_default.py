@@ -50,7 +50,8 @@ def test_a_default_index_stores_int8_keys_and_4_bit_values_and_says_the_size_fir
     headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)  # safetensors: length, then JSON
     assert sum(p.stat().st_size for p in files) - headers == expected  # headers aside, as said
     # of 4 bytes of float32: keys a byte an element and a float32 scale per channel per chunk of 24 tokens, values
-    # half a byte and a float32 scale and low end per channel; two caches, neither at a sequence's start
+    # half a byte and a float32 scale and low end per channel (one group: chunks under 64 tokens); two caches,
+    # neither at a sequence's start
     keys, values = 1 + 4 / CFG.index.chunk_tokens, 0.5 + 8 / CFG.index.chunk_tokens
     assert index.kv_bytes_per_token == per_chunk * tiny.layout.bytes_per_token / 2 * (keys + values) / 4
 

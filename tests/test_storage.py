@@ -157,6 +157,36 @@ def test_4_bit_values_two_a_byte_within_half_a_step():
         values.encode(t[..., :5])
 
 
+def test_4_bit_values_take_their_range_per_group_of_64_tokens():
+    """Over a 150-token cache the values' ranges are those of tokens 0-63, 64-127 and 128-149: each element within
+    half a level of its own group's range, each group's ends exact; decoded into a buffer of float32 or of another
+    dtype as decoded alone. A cache stored with one range for all its tokens (an index built before groups) reads
+    back as stored."""
+    from rag_kvcache.store.codecs import Packed4
+
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(2, 150, 6, generator=g) * torch.linspace(0.1, 20.0, 150)[:, None]  # [H, T, D], ranges grow
+    values = get_codec("int8k-int4v").of("v")
+    parts = values.encode(t)
+    assert tuple(parts["scale"].shape) == tuple(parts["low"].shape) == (2, 3, 6)
+    back = values.decode(parts, torch.float32)
+    for group in (slice(0, 64), slice(64, 128), slice(128, 150)):
+        x, y = t[:, group], back[:, group]  # [H, n, D]
+        step = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 15  # [H, 1, D]
+        assert ((y - x).abs() <= step / 2 * (1 + 1e-5)).all()
+        torch.testing.assert_close(y.amin(1), x.amin(1))
+        torch.testing.assert_close(y.amax(1), x.amax(1))
+    assert torch.equal(values.decode(parts, torch.float32, out=torch.empty(2, 150, 6)), back)
+    assert torch.equal(
+        values.decode(parts, torch.bfloat16, out=torch.empty(2, 150, 6, dtype=torch.bfloat16)), back.bfloat16()
+    )
+    assert values.nbytes(2, 150, 6, torch.float32) == sum(p.nbytes for p in parts.values())
+    whole = Packed4(group=150).encode(t)  # one range per channel over all 150 tokens
+    assert tuple(whole["scale"].shape) == (2, 1, 6)
+    assert torch.equal(values.decode(whole, torch.float32), Packed4(group=150).decode(whole, torch.float32))
+    assert (back - t).abs().mean() < 0.75 * (values.decode(whole, torch.float32) - t).abs().mean()
+
+
 def test_an_entry_at_a_sequences_start_keeps_its_values_at_8_bits(tmp_path):
     """The system prefix's cache holds the attention sink, whose outlier values 4 bits per channel cannot hold
     (at 4 bits they moved the fused answers' teacher-forced KL by +29%): int8k-int4v stores the values of an

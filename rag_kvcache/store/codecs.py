@@ -110,32 +110,67 @@ class Scaled:
 
 @dataclass(frozen=True)
 class Packed4:
-    """Asymmetric 4-bit quantisation per channel: levels 0..15 between each channel's low end and high end over
-    the tokens, two channels a byte (channel i of the first half in the low nibble, channel i of the second half in
-    the high one: unpacked by one concatenation)."""
+    """Asymmetric 4-bit quantisation per channel and group of `group` consecutive tokens (the last group shorter):
+    levels 0..15 between the low and high end of each channel over the group's tokens, two channels a byte (channel
+    i of the first half in the low nibble, channel i of the second half in the high one: unpacked by one
+    concatenation). One range over a whole 512-token chunk doubled a teacher-forced answer's deviation against
+    one over 128 tokens; groups of 64 hold it at the same level at both sizes (benchmarks/RESULTS.md, session
+    45). An entry stored with one range for all its tokens (scales [H_kv, 1, D]: those of an index built before
+    session 45, and any of at most `group` tokens) reads back as stored."""
+
+    group: int = 64
 
     def encode(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if t.shape[-1] % 2:
             raise ValueError(f"4-bit packing needs an even head_dim, got a tensor of shape {tuple(t.shape)}")
+        h, n, d = t.shape
+        groups = -(-n // self.group)
         x = t.float()  # [H_kv, T, D]
-        low = x.amin(dim=1, keepdim=True)  # [H_kv, 1, D]
-        scale = ((x.amax(dim=1, keepdim=True) - low) / 15).clamp_min(1e-12)  # [H_kv, 1, D]
-        q = ((x - low) / scale).round().clamp(0, 15).to(torch.uint8)  # [H_kv, T, D]
-        half = t.shape[-1] // 2
+        padded = torch.cat([x, x[:, -1:].expand(h, groups * self.group - n, d)], dim=1)  # [H_kv, G * group, D]
+        grouped = padded.view(h, groups, self.group, d)  # [H_kv, G, group, D]; the last token repeated: same range
+        low = grouped.amin(dim=2)  # [H_kv, G, D]
+        scale = ((grouped.amax(dim=2) - low) / 15).clamp_min(1e-12)  # [H_kv, G, D]
+        levels = ((grouped - low[:, :, None]) / scale[:, :, None]).round().clamp(0, 15)  # [H_kv, G, group, D]
+        q = levels.to(torch.uint8).view(h, groups * self.group, d)[:, :n]  # [H_kv, T, D]
+        half = d // 2
         return {"": q[..., :half] | (q[..., half:] << 4), "scale": scale, "low": low}  # payload [H_kv, T, D / 2]
 
     def decode(
         self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        packed = parts[""]  # [H_kv, T, D / 2]
+        packed, scale, low = parts[""], parts["scale"], parts["low"]  # [H_kv, T, D / 2], [H_kv, G, D] twice
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [H_kv, T, D]
-        if out is not None and out.dtype == torch.float32:
-            return torch.addcmul(parts["low"], q, parts["scale"], out=out)  # [H_kv, T, D]
-        decoded = torch.addcmul(parts["low"], q, parts["scale"]).to(dtype)  # [H_kv, T, D]
-        return decoded if out is None else out.copy_(decoded)
+        into = out if out is not None and out.dtype == torch.float32 else None
+        if scale.shape[1] == 1:  # one range for every token
+            decoded = torch.addcmul(low, q, scale, out=into)  # [H_kv, T, D]
+        else:
+            decoded = _addcmul_grouped(low, q, scale, self.group, into)  # [H_kv, T, D]
+        if out is None:
+            return decoded.to(dtype)
+        return out if decoded is out else out.copy_(decoded)
 
     def nbytes(self, h_kv: int, t: int, d: int, dtype: torch.dtype) -> int:
-        return h_kv * t * d // 2 + 2 * 4 * h_kv * d  # half a byte an element; a float32 scale and low end a channel
+        # half a byte an element; a float32 scale and low end a channel and group
+        return h_kv * t * d // 2 + 2 * 4 * h_kv * d * -(-t // self.group)
+
+
+def _addcmul_grouped(
+    low: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """low + q * scale with one low end and scale per group of `group` tokens: the whole groups through a view,
+    the shorter last one on its own (two products, however many groups)."""
+    h, n, d = q.shape
+    whole = n // group
+    out = torch.empty(h, n, d, dtype=torch.float32) if out is None else out  # [H_kv, T, D]
+    head = out[:, : whole * group].view(h, whole, group, d)  # [H_kv, G', group, D]
+    torch.addcmul(
+        low[:, :whole, None], q[:, : whole * group].view(h, whole, group, d), scale[:, :whole, None], out=head
+    )
+    if whole * group < n:
+        torch.addcmul(
+            low[:, whole:], q[:, whole * group :], scale[:, whole:], out=out[:, whole * group :]
+        )  # [H_kv, T % group, D]
+    return out
 
 
 @dataclass(frozen=True)
