@@ -6,9 +6,9 @@ into named parts (the suffix "" is the payload, others are side data such as sca
 scales are absmax / the format's largest value, kept in float32; per-channel scales are shared by all tokens of
 a head dimension ([H_kv, 1, D]), per-token scales by all dimensions of a token ([H_kv, T, 1]). Per-channel suits
 keys (their outlier channels are fixed), per-token suits values. 4-bit values are asymmetric (a scale and a low
-end per channel), two a byte. Keys are never stored at 4 bits, nor are the values of an entry at a sequence's
-start, whose attention-sink token's outlier values a 4-bit range cannot hold: either moves fused answers
-measurably, where the chunk caches' 4-bit values do not (benchmarks/RESULTS.md, session 43).
+end per channel and group of 64 tokens), two a byte. Keys are never stored at 4 bits, nor are the values of an
+entry at a sequence's start, whose attention-sink token's outlier values a 4-bit range cannot hold: either moves
+fused answers measurably, where the chunk caches' 4-bit values do not (benchmarks/RESULTS.md, session 43).
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
 offers them, from that list; `tests/test_storage.py` holds the two equal).
@@ -161,7 +161,7 @@ def _addcmul_grouped(
     the shorter last one on its own (two products, however many groups)."""
     h, n, d = q.shape
     whole = n // group
-    out = torch.empty(h, n, d, dtype=torch.float32) if out is None else out  # [H_kv, T, D]
+    out = torch.empty_like(q) if out is None else out  # [H_kv, T, D], float32
     head = out[:, : whole * group].view(h, whole, group, d)  # [H_kv, G', group, D]
     torch.addcmul(
         low[:, :whole, None], q[:, : whole * group].view(h, whole, group, d), scale[:, :whole, None], out=head
