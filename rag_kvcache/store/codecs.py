@@ -141,10 +141,8 @@ class Packed4:
         packed, scale, low = parts[""], parts["scale"], parts["low"]  # [H_kv, T, D / 2], [H_kv, G, D] twice
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [H_kv, T, D]
         into = out if out is not None and out.dtype == torch.float32 else None
-        if scale.shape[1] == 1:  # one range for every token
-            decoded = torch.addcmul(low, q, scale, out=into)  # [H_kv, T, D]
-        else:
-            decoded = _addcmul_grouped(low, q, scale, self.group, into)  # [H_kv, T, D]
+        group = self.group if scale.shape[1] > 1 else max(q.shape[1], 1)  # one range: a single group of every token
+        decoded = _addcmul_grouped(low, q, scale, group, into)  # [H_kv, T, D]
         if out is None:
             return decoded.to(dtype)
         return out if decoded is out else out.copy_(decoded)
