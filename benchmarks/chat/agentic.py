@@ -6,8 +6,13 @@ checks and the answer read one prompt, rejected documents hidden) and as a plain
 the repository root, in `.venv`:
 
     flock /tmp/bench.lock nice -n 5 .venv/bin/python benchmarks/chat/agentic.py INDEX OUT.json
+    flock /tmp/bench.lock .venv/bin/python benchmarks/chat/agentic.py INDEX OUT.json \
+        --dataset ../shared/data/musique_dev.json --limit 16
 
-INDEX: the demo documents indexed with 128-token chunks (built there if missing). The engine keeps no
+INDEX is built there if missing: by default from the demo documents at 128-token chunks (LangChain's agentic RAG
+tutorial splits its documents into 100-token chunks) and asked `QUESTIONS`; with `--dataset`, from the passages of
+a QA set's first `--limit` questions (`bench.datasets.load_dataset`) at the index's default chunk size, and asked
+those questions. `--chunk-tokens` and `--dtype` set the size and the model's dtype for either. The engine keeps no
 conversation cache (both runs would otherwise read earlier prompts' K/V). The plain grader judges each document
 by the first token of its answer ("yes" or not); the cached one by P(yes) >= 0.5 of the same first token (it
 reads no text; the shared graph's checks read each chunk where it sits in the answer's prompt). End-to-end seconds
@@ -19,9 +24,10 @@ same documents as the plain one.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
+import tempfile
 import time
 from functools import partial
 from importlib.resources import files
@@ -41,8 +47,11 @@ from langchain_rag_kvcache.graph import create_agentic_rag_graph, create_shared_
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSettings, KVIndex
 from rag_kvcache.agent import SharedPrompt
+from rag_kvcache.bench.corpus import write_corpus
+from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
+from rag_kvcache.config import DTYPE_NAMES
 from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.prompt import Segment
@@ -63,12 +72,49 @@ FULL = FusionConfig(method="full")
 MAX_TOKENS = 32
 
 
-def main() -> None:
-    index_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("index", type=Path, help="the index folder (built there if missing)")
+    parser.add_argument("out", type=Path, help="where to write the JSON results")
+    parser.add_argument("--dataset", help="a QA set (as `rag-kvcache bench --dataset`): its passages and questions")
+    parser.add_argument("--limit", type=int, default=16, help="how many of the QA set's questions (default 16)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        help="chunk size of a new index (default: 128 for the demo "
+        f"documents, {IndexSettings().chunk_tokens} for a QA set)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=IndexSettings().dtype,
+        help=f"the model's dtype for a new index (default {IndexSettings().dtype})",
+    )
+    args = parser.parse_args()
+    if args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+    return args
+
+
+def questions_and_index(args: argparse.Namespace) -> tuple[list[str], Path]:
+    """The questions to ask, and the index folder, built from the documents they are asked about if missing."""
+    index_dir = args.index
+    examples = load_dataset(args.dataset)[: args.limit] if args.dataset else None
     if not (index_dir / "index.sqlite").is_file():
-        KVIndex.build(
-            files("rag_kvcache") / "demo", index_dir, Config(index=IndexSettings(chunk_tokens=128)), progress=False
-        ).close()
+        size = args.chunk_tokens or (IndexSettings().chunk_tokens if examples else 128)
+        config = Config(index=IndexSettings(chunk_tokens=size, dtype=args.dtype))
+        if examples is None:
+            KVIndex.build(files("rag_kvcache") / "demo", index_dir, config, progress=False).close()
+        else:
+            with tempfile.TemporaryDirectory() as docs:
+                write_corpus(examples, Path(docs))
+                KVIndex.build(Path(docs), index_dir, config).close()
+    return ([ex.question for ex in examples] if examples else list(QUESTIONS)), index_dir
+
+
+def main() -> None:
+    args = arguments()
+    questions, index_dir = questions_and_index(args)
     config = KVIndex.config_of(index_dir).with_storage(conversation_bytes=0)
     rows = []
     with Engine(index_dir, config) as engine:
@@ -87,14 +133,14 @@ def main() -> None:
 
         runs = {name: partial(run, graph) for name, graph in graphs.items()}
         for go in runs.values():  # warm-up
-            go(QUESTIONS[0])
-        for question in QUESTIONS:
+            go(questions[0])
+        for question in questions:
             row: dict = {"question": question}
             for name, go in runs.items():
                 t0 = time.perf_counter()
                 kept, answer = go(question)
                 row |= {f"{name}_s": time.perf_counter() - t0, f"kept_{name}": [d.id for d in kept]}
-                row |= {f"answer_{name}": answer.text}
+                row |= {f"answer_{name}": answer.text, f"answer_ttft_{name}": answer.response_metadata["ttft_s"]}
             docs, fusion = retriever.invoke(question), cached_model.fusion
             if row["kept_cached"] == row["kept_plain"]:
                 kept = [d for d in docs if d.id in row["kept_cached"]]
@@ -121,6 +167,8 @@ def main() -> None:
         "median_plain_over_cached": statistics.median(r["plain_s"] / r["cached_s"] for r in rows),
         "median_plain_over_shared": statistics.median(r["plain_s"] / r["shared_s"] for r in rows),
         "median_cached_over_shared": statistics.median(r["cached_s"] / r["shared_s"] for r in rows),
+        "plain_over_cached_of_means": statistics.mean(r["plain_s"] for r in rows)
+        / statistics.mean(r["cached_s"] for r in rows),
         **{f"{name}_s_median": statistics.median(r[f"{name}_s"] for r in rows) for name in graphs},
         "same_documents_kept": len(same),
         "tf_kl_mean": statistics.mean(r["tf_kl"] for r in same) if same else None,
@@ -129,7 +177,7 @@ def main() -> None:
         "shared_tf_kl_mean": statistics.mean(r["shared_tf_kl"] for r in same_shared) if same_shared else None,
         "shared_tf_top1_mean": statistics.mean(r["shared_tf_top1"] for r in same_shared) if same_shared else None,
     }
-    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8")
+    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
 
 
