@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -133,9 +134,48 @@ class LayerWeights:
         )
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] times a transposed weight [in, out] (plus bias [out]): one kernel, as `F.linear` computes it."""
-    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)  # [T, out]
+NARROW_ROWS = 4  # a product over at most this many rows (a decoding step's) may take `narrow_product`'s form
+
+
+def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times a transposed weight [in, out], computed as the weight's own [out, in] layout times x's M
+    columns and transposed back, one row fed as two (its copy's column dropped): a BLAS may take a faster kernel
+    for a matrix times a few columns than for a few rows times a transposed matrix or a matrix-vector product
+    (MKL on an AMD Zen 4, `benchmarks/RESULTS.md`, session 47). Equal to `x @ weight` to float rounding."""
+    cols = (x if x.shape[0] > 1 else torch.cat([x, x])).t()  # [in, max(M, 2)]
+    return torch.mm(weight.t(), cols)[:, : x.shape[0]].t().contiguous()  # [M, out]
+
+
+def prefer_narrow(wide_s: float, narrow_s: float) -> bool:
+    """Whether a product timed at `narrow_s` with `narrow_product` and `wide_s` with `torch.mm` should take the
+    narrow form: a quarter faster and 1 ms a product, so a model too small for it to matter keeps `torch.mm`
+    whatever the timer's noise (the same kernels, run after run)."""
+    return narrow_s <= 0.75 * wide_s and wide_s - narrow_s >= 1e-3
+
+
+def narrow_is_faster(weight: torch.Tensor, repeats: int = 3) -> bool:
+    """Whether `narrow_product` beats `torch.mm` on this machine for `weight` [in, out] at 1 and 3 rows (a
+    decoding step, a step verifying two drafted tokens), by `prefer_narrow`, each timed as the best of
+    `repeats` calls after one."""
+    for rows in (1, 3):
+        x = torch.randn(rows, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)  # [M, in]
+        wide, narrow = (
+            _best_time(lambda: torch.mm(x, weight), repeats),
+            _best_time(lambda: narrow_product(x, weight), repeats),
+        )
+        if not prefer_narrow(wide, narrow):
+            return False
+    return True
+
+
+def _best_time(call, repeats: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -370,9 +410,13 @@ class ModelAdapter(ModelSpec):
 
     computes = True
 
-    def __init__(self, model: PreTrainedModel, tokenizer, name: str, graphs: int = 0) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer, name: str, graphs: int = 0, narrow: bool | None = None
+    ) -> None:
         """`graphs`: on CUDA, how many captured settled-layer steps to keep (`graphs.LayerGraphs`; 0: none,
-        every layer op by op); elsewhere unused."""
+        every layer op by op); elsewhere unused. `narrow`: whether products over at most `NARROW_ROWS` rows take
+        `narrow_product`'s form; None: on a CPU, where this machine computes the LM head faster so
+        (`narrow_is_faster`), the largest weight a decoding step reads."""
         check_supported(model)
         weight = next(model.parameters())
         super().__init__(
@@ -395,6 +439,10 @@ class ModelAdapter(ModelSpec):
         # before (vLLM's CPU build pins 5.19); the old name is deprecated, with a FutureWarning on every call
         self.cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.graphs = LayerGraphs(self, graphs) if graphs and self.device.type == "cuda" else None
+        if narrow is None:
+            narrow = self.device.type == "cpu" and narrow_is_faster(model.lm_head.weight.detach().t())
+            log.info("decoding steps' products: %s", "narrow_product" if narrow else "torch.mm")
+        self.narrow = narrow
 
     @classmethod
     def load(cls, config: Config) -> ModelAdapter:
@@ -417,7 +465,7 @@ class ModelAdapter(ModelSpec):
         in the model's dtype)."""
         w = self.layers[layer]
         h_q = w.n_q // self.head_dim
-        y = project(x, w.qkv, w.qkv_bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q + 2 H_kv, D]
+        y = self.project(x, w.qkv, w.qkv_bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q + 2 H_kv, D]
         h_qk = h_q + self.layout.n_kv_heads
         v = y[:, h_qk:].transpose(0, 1)  # [H_kv, T, D]
         if w.q_norm is not None:  # Qwen3 normalises each head before RoPE
@@ -438,7 +486,7 @@ class ModelAdapter(ModelSpec):
         projection (the k and v columns of the fused weight)."""
         w = self.layers[layer]
         bias = None if w.qkv_bias is None else w.qkv_bias[w.n_q :]  # [2 H_kv * D]
-        y = project(x, w.qkv[:, w.n_q :], bias).view(x.shape[0], 2, -1, self.head_dim)  # [T, 2, H_kv, D]
+        y = self.project(x, w.qkv[:, w.n_q :], bias).view(x.shape[0], 2, -1, self.head_dim)  # [T, 2, H_kv, D]
         k = y[:, 0] if w.k_norm is None else w.k_norm(y[:, 0])  # [T, H_kv, D]
         return apply_rope(k.transpose(0, 1), cos, sin), y[:, 1].transpose(0, 1)  # [H_kv, T, D], [H_kv, T, D]
 
@@ -447,30 +495,42 @@ class ModelAdapter(ModelSpec):
         only for the tokens that go on through the layer's attention)."""
         w = self.layers[layer]
         bias = None if w.qkv_bias is None else w.qkv_bias[: w.n_q]  # [H_q * D]
-        q = project(x, w.qkv[:, : w.n_q], bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
+        q = self.project(x, w.qkv[:, : w.n_q], bias).view(x.shape[0], -1, self.head_dim)  # [T, H_q, D]
         if w.q_norm is not None:
             q = w.q_norm(q)  # [T, H_q, D]
         return apply_rope(q.transpose(0, 1), cos, sin)  # [H_q, T, D]
 
+    def project(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, in] times a transposed weight [in, out], plus bias [out] and `residual` [T, out]: one kernel
+        (`addmm` adds them), or `narrow_product` for a few rows where this adapter takes it (`narrow`)."""
+        base = bias if residual is None else (residual if bias is None else residual + bias)  # [T, out] or [out]
+        if self.narrow and x.shape[0] <= NARROW_ROWS:
+            y = narrow_product(x, weight)  # [T, out]
+            return y if base is None else y.add_(base)
+        return torch.mm(x, weight) if base is None else torch.addmm(base, x, weight)  # [T, out]
+
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residuals and MLP of one layer: [T, E] -> [T, E]. Each residual is added by
-        the projection's own kernel (`addmm`)."""
+        the projection's own kernel (`project`)."""
         w = self.layers[layer]
-        h = torch.addmm(h if w.o_bias is None else h + w.o_bias, attn_out, w.o)  # [T, E]
+        h = self.project(attn_out, w.o, w.o_bias, h)  # [T, E]
         act = self.gated(layer, F.rms_norm(h, w.post_norm.shape, w.post_norm, w.eps))  # [T, I]
-        return torch.addmm(h if w.down_bias is None else h + w.down_bias, act, w.down)  # [T, E]
+        return self.project(act, w.down, w.down_bias, h)  # [T, E]
 
     def gated(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """One layer's gated MLP up to its down projection, act(gate(x)) * up(x), [T, E] -> [T, I]: gate and up
         in one projection, the activation (SiLU) and the product written in place into its gate half."""
         w = self.layers[layer]
-        gate_up = project(x, w.gate_up, w.gate_up_bias)  # [T, 2 I]
+        gate_up = self.project(x, w.gate_up, w.gate_up_bias)  # [T, 2 I]
         gate, up = gate_up.chunk(2, dim=1)  # [T, I] x 2, views
         gate = F.silu(gate, inplace=True) if self.silu else self.act_fn(gate)  # [T, I]
         return gate.mul_(up)  # [T, I]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(h)).float()  # [T, V]
+        head = self.model.lm_head
+        return self.project(self.model.model.norm(h), head.weight.t(), head.bias).float()  # [T, V]
 
     # ---- reference prefill and decoding -----------------------------------------------------------
     @torch.inference_mode()
