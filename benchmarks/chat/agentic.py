@@ -10,16 +10,16 @@ the repository root, in `.venv`:
         --dataset ../shared/data/musique_dev.json --limit 16
 
 INDEX is built there if missing: by default from the demo documents at 128-token chunks (LangChain's agentic RAG
-tutorial splits its documents into 100-token chunks) and asked `QUESTIONS`; with `--dataset`, from the passages of
-a QA set's first `--limit` questions (`bench.datasets.load_dataset`) at the index's default chunk size, and asked
-those questions. `--chunk-tokens` and `--dtype` set the size and the model's dtype for either. The engine keeps no
-conversation cache (both runs would otherwise read earlier prompts' K/V). The plain grader judges each document
-by the first token of its answer ("yes" or not); the cached one by P(yes) >= 0.5 of the same first token (it
-reads no text; the shared graph's checks read each chunk where it sits in the answer's prompt). End-to-end seconds
-per question for each, the three run in turn for each question, once after a warm-up; the final answers' fidelity:
-the plain run's answer forced through the cached run's fused prompt, and through the shared run's with its hidden
-documents (teacher-forced KL, top-1 agreement; `bench.metrics.teacher_forced`), for the questions whose runs kept the
-same documents as the plain one.
+tutorial splits its documents into 100-token chunks) and asked `QUESTIONS`; with `--dataset`, from the passages of a
+QA set's first `--limit` questions (`bench.datasets.load_dataset`; `bench.corpus.build_index` writes them to `docs`
+beside INDEX) at the index's default chunk size, and asked those questions. `--chunk-tokens` and `--dtype` set the
+size and the model's dtype for either. The engine keeps no conversation cache (both runs would otherwise read
+earlier prompts' K/V). The plain grader judges each document by the first token of its answer ("yes" or not); the
+cached one by P(yes) >= 0.5 of the same first token (it reads no text; the shared graph's checks read each chunk
+where it sits in the answer's prompt). End-to-end seconds per question for each, the three run in turn for each
+question, once after a warm-up; the final answers' fidelity: the plain run's answer forced through the cached run's
+fused prompt, and through the shared run's with its hidden documents (teacher-forced KL, top-1 agreement;
+`bench.metrics.teacher_forced`), for the questions whose runs kept the same documents as the plain one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from functools import partial
 from importlib.resources import files
@@ -47,13 +46,14 @@ from langchain_rag_kvcache.graph import create_agentic_rag_graph, create_shared_
 
 from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSettings, KVIndex
 from rag_kvcache.agent import SharedPrompt
-from rag_kvcache.bench.corpus import write_corpus
+from rag_kvcache.bench.corpus import build_index
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.fidelity import greedy_answer_ids
 from rag_kvcache.bench.metrics import teacher_forced
 from rag_kvcache.config import DTYPE_NAMES
 from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.generation import teacher_forced_logits
+from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import Segment
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.request import Options
@@ -73,6 +73,7 @@ MAX_TOKENS = 32
 
 
 def arguments() -> argparse.Namespace:
+    defaults = IndexSettings()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("index", type=Path, help="the index folder (built there if missing)")
     parser.add_argument("out", type=Path, help="where to write the JSON results")
@@ -81,14 +82,13 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--chunk-tokens",
         type=int,
-        help="chunk size of a new index (default: 128 for the demo "
-        f"documents, {IndexSettings().chunk_tokens} for a QA set)",
+        help=f"chunk size of a new index (default: 128 for the demo documents, {defaults.chunk_tokens} for a QA set)",
     )
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
-        default=IndexSettings().dtype,
-        help=f"the model's dtype for a new index (default {IndexSettings().dtype})",
+        default=defaults.dtype,
+        help=f"the model's dtype for a new index (default {defaults.dtype})",
     )
     args = parser.parse_args()
     if args.limit < 1:
@@ -105,10 +105,8 @@ def questions_and_index(args: argparse.Namespace) -> tuple[list[str], Path]:
         config = Config(index=IndexSettings(chunk_tokens=size, dtype=args.dtype))
         if examples is None:
             KVIndex.build(files("rag_kvcache") / "demo", index_dir, config, progress=False).close()
-        else:
-            with tempfile.TemporaryDirectory() as docs:
-                write_corpus(examples, Path(docs))
-                KVIndex.build(Path(docs), index_dir, config).close()
+        else:  # the passages written beside it, in `docs`, as `rag-kvcache bench` lays out its work folder
+            build_index(examples, index_dir.parent, config, ModelAdapter.load(config), True, index_dir.name)[0].close()
     return ([ex.question for ex in examples] if examples else list(QUESTIONS)), index_dir
 
 
