@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
@@ -28,6 +28,8 @@ DEFAULT_SYSTEM_PROMPT = (
 Deviation = Literal["k", "v"]
 ChunkPrefill = Literal["behind_prefix", "isolated", "neighbours", "cached_neighbours", "grouped"]
 CHUNK_PREFILLS: tuple[str, ...] = get_args(ChunkPrefill)
+ChunkOrder = Literal["best_last", "best_first"]
+CHUNK_ORDERS: tuple[str, ...] = get_args(ChunkOrder)
 Eviction = Literal["lru", "lfu"]
 DType = Literal["float32", "float16", "bfloat16"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DType)
@@ -39,6 +41,9 @@ DEFAULT_MAX_FILE_BYTES = 8 << 20
 DEFAULT_MAX_DOCUMENTS = 100_000
 EPIC_SHARE = 8  # an unset epic_k recomputes this share (1/EPIC_SHARE) of a chunk's size: 16 of 128 tokens, 64 of 512
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, epic_evidence, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
+
+
+T = TypeVar("T")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -366,12 +371,24 @@ class QueryConfig:
     """How a question is answered unless its request says otherwise: never recorded by an index."""
 
     top_k: int = setting(6, "Chunks retrieved per question.")
+    chunk_order: ChunkOrder = setting(
+        "best_last",
+        "Where the retrieved chunks go in the prompt: best_last ends with the best-ranked one, next to the question "
+        "(the fused prompt keeps more of a full prefill's answers there: docs/methods.md), best_first in retrieval's "
+        "order. Chunks a request names keep the order it names them in.",
+    )
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
+        if self.chunk_order not in CHUNK_ORDERS:
+            raise ConfigError(f"chunk_order must be one of {', '.join(CHUNK_ORDERS)}, got {self.chunk_order!r}")
+
+    def in_prompt_order(self, ranked: Sequence[T]) -> list[T]:
+        """Retrieved chunks, best first, in the order the prompt lays them out (`chunk_order`)."""
+        return list(reversed(ranked)) if self.chunk_order == "best_last" else list(ranked)
 
 
 @dataclass(frozen=True)

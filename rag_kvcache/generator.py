@@ -110,15 +110,16 @@ class FusedGenerator:
         generation: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Answer:
-        """Answer `question` over `hits` (in order), or over the top-k chunks retrieved for it;
-        `on_text` receives the text as it streams."""
+        """Answer `question` over `hits` (in order), or over the top-k chunks retrieved for it, laid out in
+        the index's `chunk_order` (the answer lists them best first); `on_text` receives the text as it streams."""
         fmt = self.index.format
         question_ids = fmt.question_ids(self.layers.tokenizer, question)  # refuses an empty question
-        retrieval_s = 0.0
-        if hits is None:
+        retrieval_s, ranked = 0.0, hits
+        if ranked is None:
             t0 = time.perf_counter()
-            hits = self.index.search(question, top_k or self.index.config.query.top_k)
+            ranked = self.index.search(question, top_k or self.index.config.query.top_k)
             retrieval_s = time.perf_counter() - t0
+            hits = self.index.config.query.in_prompt_order(ranked)
         if not hits:  # an answer from no chunks is the model's guess presented as retrieved
             raise EmptyIndexError(
                 f"no chunks to answer from: index {self.index.path} holds {len(self.index.chunks)} chunks"
@@ -126,7 +127,7 @@ class FusedGenerator:
             )
         segments = fmt.segments([h.chunk.token_ids for h in hits], question_ids)
         answer = collect_answer(self.stream(segments, fusion, generation), on_text)
-        chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in hits]
+        chunks = [RetrievedChunk(h.chunk.id, h.chunk.source, float(h.score)) for h in ranked]
         return replace(answer, retrieval_s=retrieval_s, chunks=chunks)
 
     def complete(

@@ -129,8 +129,8 @@ def generation_of(index: KVIndex, options: Options) -> GenerationConfig:
 
 
 def chunks_of(index: KVIndex, options: Options, query: str) -> list[tuple[ChunkRecord, float | None]]:
-    """The chunks the request names (`chunk_ids`) or asks to retrieve (`top_k`) for `query`, with their
-    retrieval scores (None for chunks named)."""
+    """The chunks the request names (`chunk_ids`) or asks to retrieve (`top_k`) for `query`, best first, with
+    their retrieval scores (None for chunks named)."""
     if options.chunk_ids is not None:
         try:
             return [(record, None) for record in index.chunks.get(list(options.chunk_ids))]
@@ -141,6 +141,13 @@ def chunks_of(index: KVIndex, options: Options, query: str) -> list[tuple[ChunkR
             raise RequestError("top_k retrieves for the last user message, which is empty", "top_k")
         return [(hit.chunk, float(hit.score)) for hit in index.search(query, options.top_k)]
     return []
+
+
+def laid_out(index: KVIndex, options: Options, found: list[tuple[ChunkRecord, float | None]]) -> list[ChunkRecord]:
+    """The chunks of `chunks_of` as the prompt lays them out: retrieved ones in the index's `chunk_order`, named
+    ones in the order the request names them."""
+    records = [record for record, _ in found]
+    return records if options.chunk_ids is not None else index.config.query.in_prompt_order(records)
 
 
 def chat_prompt(
@@ -158,7 +165,7 @@ def chat_prompt(
     users = [turn for turn in turns if turn.role == "user"]
     found = chunks_of(index, options, "\n".join(p for p in users[-1].parts if isinstance(p, str)) if users else "")
     fusion, generation = fusion_of(index, options), generation_of(index, options)
-    records = [record for record, _ in found]
+    records = laid_out(index, options, found)
     limit = None if fit is None else min(fit, index.model.context_length - generation.max_new_tokens)
     try:
         if limit is not None:
@@ -185,7 +192,7 @@ def completion_prompt(generator: FusedGenerator, text: str, options: Options = O
             question = index.format.question_ids(tokenizer, text)
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
-        segments = index.format.segments([record.token_ids for record, _ in found], question)
+        segments = index.format.segments([record.token_ids for record in laid_out(index, options, found)], question)
     else:
         ids = tuple(tokenizer(text).input_ids)
         if not text.strip() or not ids:

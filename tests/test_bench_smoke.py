@@ -14,6 +14,7 @@ from rag_kvcache.bench.corpus import distractors_in, place_evidence
 from rag_kvcache.bench.datasets import write_jsonl
 from rag_kvcache.bench.fidelity import FIDELITY_KEYS
 from rag_kvcache.bench.report import METRIC_KEYS, label, markdown_table
+from rag_kvcache.bench.runner import PLAN_FILE as PLAN
 from rag_kvcache.bench.summary import summarise
 from rag_kvcache.bench.variants import (
     NOISE_FLOOR,
@@ -236,6 +237,7 @@ def test_rotation_puts_every_variant_in_every_slot_once():
         ({"threads": 0}, "threads must be >= 1"),
         ({"warmup": -1}, "warmup must be >= 0"),
         ({"methods": ("full", "reuse")}, "baseline 'cacheblend' is not among the methods"),
+        ({"evidence": "first"}, "unknown evidence place 'first'"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):
@@ -371,6 +373,60 @@ def test_planted_chunk_is_moved_to_its_rank():
     assert place_evidence(hits, missing) == (hits, None)
     with pytest.raises(ValueError, match="evidence_rank 5 is beyond the 4 retrieved"):
         place_evidence(hits, QAExample("q", "who?", ("a",), (Document("", "x"),), task="exact", evidence_rank=5))
+    assert place_evidence(hits, ex, move=False) == (hits, 0)  # left where retrieval ranked it
+    far = QAExample("q", "who?", ("Zorvane Kel",), (Document("", "x"),), task="exact", evidence_rank=5)
+    assert place_evidence(hits, far, move=False) == (hits, 0)  # a drawn rank not used is not checked
+
+
+def test_planted_facts_sit_where_the_run_says(tiny, tmp_path):
+    """Each question's fact is made the text of its third retrieved chunk. `retrieved`: the prompt's chunks in
+    the default order, best last, the fact first; `placed`: the same chunks with the fact's moved to its drawn
+    place (second). The setting is part of the run's plan."""
+    from dataclasses import replace
+
+    from rag_kvcache.bench.corpus import build_index
+
+    config = Config(index=IndexSettings(chunk_tokens=24, codec="none"), query=QueryConfig(top_k=3))
+    examples = [replace(ex, task="exact", evidence_rank=1) for ex in synthetic_multihop(2)]
+    index, _ = build_index(examples, tmp_path / "retrieved" / "work", config, tiny, False)
+    try:
+        ranked = {ex.id: [h.chunk for h in index.search(ex.question, 3)] for ex in examples}
+    finally:
+        index.close()
+    examples = [replace(ex, answers=(ranked[ex.id][2].text,)) for ex in examples]
+    (tmp_path / "placed").mkdir()
+    (tmp_path / "placed" / "work").symlink_to(tmp_path / "retrieved" / "work")  # the same index
+    records = {}
+    for evidence in ("retrieved", "placed"):
+        settings = BenchSettings(methods=("full", "reuse"), baseline="reuse", warmup=0, evidence=evidence)
+        result = runner.run_benchmark(examples, tmp_path / evidence, config, settings, adapter=tiny, progress=False)
+        records[evidence] = {r["id"]: r for r in result.records if r["method"] == "full"}
+        assert json.loads((tmp_path / evidence / PLAN).read_text())["evidence"] == evidence
+    for ex in examples:
+        order = [c.id for c in ranked[ex.id]]
+        retrieved, placed = records["retrieved"][ex.id], records["placed"][ex.id]
+        assert (retrieved["evidence_retrieved_rank"], retrieved["evidence_rank"]) == (2, 0)
+        assert retrieved["chunks"] == order[::-1]
+        assert (placed["evidence_retrieved_rank"], placed["evidence_rank"]) == (2, 1)
+        assert placed["chunks"] == [order[1], order[2], order[0]]
+
+
+def test_planted_accuracy_is_split_by_the_facts_place():
+    """Facts left where retrieval ranked them: the accuracy of those read first (exactly) and of the later
+    ones beside the overall one; facts all placed later have no split."""
+    variants = [Variant("full"), Variant("reuse")]
+    places = {"a": (0, True), "b": (0, True), "c": (2, False), "d": (3, True), "e": (None, False)}  # rank, reuse's hit
+    records = [
+        _rec(q, label, 1.0, 1.0, 0.0, hit) | {"evidence_rank": rank}
+        for q, (rank, kept) in places.items()
+        for label, hit in (("full", True), ("reuse", kept))
+    ]
+    _, reuse = summarise(records, variants)
+    assert (reuse["planted_accuracy_first"], reuse["planted_n_first"]) == (1.0, 2)
+    assert (reuse["planted_accuracy_later"], reuse["planted_n_later"]) == (0.5, 2)
+    assert reuse["planted_n"] == 5 and "Planted acc: fact first" in markdown_table([reuse])
+    later_only = [r | {"evidence_rank": 1} for r in records]
+    assert "planted_accuracy_first" not in summarise(later_only, variants)[1]
 
 
 def test_distractors_are_other_questions_facts_the_prompt_holds():

@@ -11,6 +11,7 @@ from conftest import tiny_llama
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.retrieval.database import ForeignIndexError
@@ -53,6 +54,29 @@ def test_ask_retrieves_and_fuses(index):
     assert 0 < answer.recomputed_tokens < answer.prompt_tokens
     assert answer.ttft_s > 0 and answer.generated_tokens <= 6
     assert {"kv_load", "kv_wait", "attention", "mlp"} <= set(answer.stages)
+
+
+@pytest.mark.parametrize("order", ["best_last", "best_first"])
+def test_ask_lays_the_retrieved_chunks_out_in_the_chunk_order(tiny, index, order):
+    """Retrieving, `ask` lays the chunks out in the config's order (best_last: the best next to the question)
+    and fuses what `ask` over those hits in that order fuses; its answer lists them best first either way."""
+    q = "What is the telescope of the Veldmark Observatory named?"
+    reopened = KVIndex.open(index.path, CFG.with_query(chunk_order=order), adapter=tiny)
+    gen, full, k = FusedGenerator(reopened), FusionConfig(method="full"), len(reopened.chunks)
+    hits = reopened.search(q, k)  # every chunk: the repeated texts' equal chunks are not all there is
+    answer = gen.ask(q, top_k=k, fusion=full)
+    laid_out = gen.ask(q, hits[::-1] if order == "best_last" else hits, fusion=full)
+    other = gen.ask(q, hits if order == "best_last" else hits[::-1], fusion=full)
+    torch.testing.assert_close(answer.first_token_logits, laid_out.first_token_logits, atol=0, rtol=0)
+    assert not torch.equal(answer.first_token_logits, other.first_token_logits)  # the order is seen
+    assert [c.id for c in answer.chunks] == [h.chunk.id for h in hits]
+
+
+def test_an_unknown_chunk_order_is_refused():
+    with pytest.raises(ConfigError, match="chunk_order must be one of best_last, best_first, got 'middle'"):
+        QueryConfig(chunk_order="middle")
+    assert QueryConfig(chunk_order="best_first").in_prompt_order([1, 2, 3]) == [1, 2, 3]
+    assert QueryConfig().in_prompt_order((1, 2, 3)) == [3, 2, 1]  # the default: the best last
 
 
 def test_exact_methods_answer_like_full(index):

@@ -46,13 +46,18 @@ def test_a_chat_with_chunks_named_is_the_generators_chat_layout(generator):
 
 
 def test_a_completion_with_chunks_retrieved_is_asks_layout(generator):
+    """Chunks retrieved go in the index's chunk order (by default the best last, next to the question), as
+    `ask` lays them out; the response lists them best first. Chunks named keep the order they are named in."""
     index = generator.index
     prompt = completion_prompt(generator, QUESTION, Options(top_k=2))
     hits = index.search(QUESTION, 2)
     question = index.format.question_ids(index.adapter.tokenizer, QUESTION)
-    assert prompt.segments == index.format.segments([h.chunk.token_ids for h in hits], question)
+    assert index.config.query.chunk_order == "best_last"
+    assert prompt.segments == index.format.segments([h.chunk.token_ids for h in hits[::-1]], question)
     assert [c["score"] for c in prompt.chunks] == [pytest.approx(float(h.score)) for h in hits]
     assert prompt.generation == index.config.query.generation  # nothing asked: the index's settings
+    named = completion_prompt(generator, QUESTION, Options(chunk_ids=[h.chunk.id for h in hits]))
+    assert named.segments == index.format.segments([h.chunk.token_ids for h in hits], question)
 
 
 def test_a_deployments_cap_is_the_default_and_the_most(generator):

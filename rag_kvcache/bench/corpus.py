@@ -131,12 +131,13 @@ def build_index(
     return index, stats
 
 
-def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], int | None]:
-    """For a planted fact (`example.evidence_rank` set): `hits` with the first chunk holding the answer
-    moved to that rank, and the rank retrieval gave it (None, order kept, when it was not retrieved)."""
+def place_evidence(hits: Sequence[Hit], example: QAExample, move: bool = True) -> tuple[list[Hit], int | None]:
+    """For a planted fact (`example.evidence_rank` set): `hits` (in the prompt's order) with the first chunk
+    holding the answer moved to that place (`move=False`: left where it is), and where it was in `hits` (None,
+    order kept, when it was not retrieved)."""
     if example.evidence_rank is None:
         return list(hits), None
-    if example.evidence_rank >= len(hits):
+    if move and example.evidence_rank >= len(hits):
         raise ValueError(
             f"{example.id!r}: evidence_rank {example.evidence_rank} is beyond the {len(hits)} retrieved "
             "chunks: plant the facts for this top-k"
@@ -145,6 +146,8 @@ def place_evidence(hits: Sequence[Hit], example: QAExample) -> tuple[list[Hit], 
     if found is None:
         log.warning("%s: the chunk holding %r was not retrieved", example.id, example.answers[0])
         return list(hits), None
+    if not move:
+        return list(hits), found
     rest = [h for i, h in enumerate(hits) if i != found]
     return [*rest[: example.evidence_rank], hits[found], *rest[example.evidence_rank :]], found
 

@@ -221,6 +221,10 @@ def load_folder(docs: PathLike, questions: PathLike) -> list[QAExample]:
 
 PLANTED = "planted:"
 PLANTED_PARAPHRASED = "planted-paraphrased:"
+# Where a planted fact's chunk goes in the prompt (the first is the default): moved to the place drawn for it, never
+# the first (the hard case: the first chunk is read exactly), or left where retrieval and the prompt's chunk order put
+# it (the pipeline as a user runs it).
+EVIDENCE_PLACES = ("placed", "retrieved")
 
 
 def load_dataset(

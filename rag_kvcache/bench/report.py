@@ -98,13 +98,21 @@ _COLUMNS: tuple[tuple[str, str, Callable[[Entry, str], str]], ...] = (
     ("tf_logp_delta", "TF Δ log p", _with_ci(_fmt_signed)),
     ("first_token_kl", "1st-token KL", _with_ci(_fmt_sig3)),
     ("planted_accuracy", "Planted acc", _with_ci(_fmt(".2f"))),
+    ("planted_accuracy_first", "Planted acc: fact first", _with_ci(_fmt(".2f"))),
+    ("planted_accuracy_later", "Planted acc: fact later", _with_ci(_fmt(".2f"))),
     ("planted_distractor", "Planted: distractor", _with_ci(_fmt(".2f"))),
     ("f1_gold", "F1 (gold)", _plain(_fmt(".3f"))),
     ("f1_vs_full", "F1 vs full", _plain(_fmt(".3f"))),
 )
 
 
-_OPTIONAL = ("chunk_tokens_matched", "planted_accuracy", "planted_distractor")  # shown only when an entry has them
+_OPTIONAL = (  # shown only when an entry has them
+    "chunk_tokens_matched",
+    "planted_accuracy",
+    "planted_accuracy_first",
+    "planted_accuracy_later",
+    "planted_distractor",
+)
 
 
 def markdown_table(summary: Sequence[Entry]) -> str:

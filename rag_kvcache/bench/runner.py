@@ -72,6 +72,7 @@ def _record(
     retrieval_s: float,
     fidelity: Mapping[str, float | None],
     evidence: int | None,
+    placed: int | None,
     distractors: Sequence[str],
 ) -> dict[str, Any]:
     summarisation = example.task == "summarization"
@@ -107,7 +108,7 @@ def _record(
         if hit is None
         else (not hit and bool(distractors) and contains_answer(answer.answer, distractors)),
         "evidence_retrieved_rank": evidence,
-        "evidence_rank": example.evidence_rank if evidence is not None else None,
+        "evidence_rank": placed,
         **fidelity,
     }
 
@@ -119,17 +120,22 @@ def run_question(
     slot_shift: int,
     prompt_style: str = NATIVE,
     facts: frozenset[str] = frozenset(),
+    move_evidence: bool = True,
 ) -> list[dict[str, Any]]:
     """Retrieve once, answer with every variant (rotated by `slot_shift`) on its caches' index
     (`generators[variant.caches]`; None: the run's index) in the `prompt_style` layout, and score
     against `full` on the same prompt. `facts`: the run's exact answers; those of other questions that
-    a retrieved chunk holds are this question's distractors."""
+    a retrieved chunk holds are this question's distractors. The chunks are laid out in the config's
+    `chunk_order`; a planted fact's chunk is then moved to its drawn place (`move_evidence=False`: left there)."""
     generator = generators[None]
     config = generator.index.config
     t0 = time.perf_counter()
-    hits: list[Hit] = generator.index.search(example.question, config.query.top_k)
+    ranked: list[Hit] = generator.index.search(example.question, config.query.top_k)
     retrieval_s = time.perf_counter() - t0
-    hits, evidence = place_evidence(hits, example)
+    laid_out = config.query.in_prompt_order(ranked)
+    hits, at = place_evidence(laid_out, example, move_evidence)
+    evidence = None if at is None else ranked.index(laid_out[at])  # the rank retrieval gave the fact's chunk
+    placed = None if at is None else example.evidence_rank if move_evidence else at  # its place in the prompt
     distractors = distractors_in(hits, example, facts)
     order = rotated(variants, slot_shift)
     if prompt_style == NATIVE:
@@ -155,7 +161,9 @@ def run_question(
     scores, floor = fidelity(generators, segments, variants, config)
     reference = answers[Variant(REFERENCE)]
     records = [
-        _record(example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence, distractors)
+        _record(
+            example, v, order.index(v), answers[v], reference, retrieval_s, scores[v], evidence, placed, distractors
+        )
         for v in variants
     ]
     records[variants.index(Variant(REFERENCE))]["noise_floor"] = floor
@@ -275,6 +283,7 @@ def run_benchmark(
         "dtype": config.index.dtype,
         "chunk_tokens": config.index.chunk_tokens,
         "top_k": config.query.top_k,
+        "chunk_order": config.query.chunk_order,
         "chunk_prefill": config.index.chunk_prefill,
         "fusion": asdict(config.query.fusion),
         "max_new_tokens": config.query.generation.max_new_tokens,
@@ -283,6 +292,7 @@ def run_benchmark(
         "torch": torch.__version__,
         "threads": settings.threads,
         "prompt_style": settings.prompt_style,
+        "evidence": settings.evidence,
     }
     records_path = out_dir / "records.jsonl"  # read before indexing: a refused resume leaves --out as it was
     records = finished_records(records_path, run_plan, examples, variants) if settings.resume else []
@@ -313,8 +323,9 @@ def run_benchmark(
     atomic_write(records_path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
     facts = frozenset(a for e in examples if e.task == "exact" for a in e.answers)
+    move = settings.evidence == "placed"
     for example in tqdm(examples[: settings.warmup], desc="warm-up", disable=not progress):
-        run_question(generators, example, variants, 0, settings.prompt_style, facts)
+        run_question(generators, example, variants, 0, settings.prompt_style, facts, move)
 
     bar = tqdm(
         total=len(examples) * len(variants), initial=len(records), unit="run", desc="bench", disable=not progress
@@ -324,7 +335,7 @@ def run_benchmark(
             if example.id in done:
                 continue
             new = run_question(
-                generators, example, variants, i, settings.prompt_style, facts
+                generators, example, variants, i, settings.prompt_style, facts, move
             )  # i: the same rotation when resumed
             with records_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)

@@ -66,13 +66,21 @@ def _fidelity_columns(
 def _planted(mine: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Exact-string datasets: `planted_accuracy` among the questions full answers correctly (with its
     CI and how many there are), `planted_distractor` the share of those answered with a distractor
-    (another question's fact in the prompt), and `exact_accuracy` over all questions."""
+    (another question's fact in the prompt), and `exact_accuracy` over all questions. Where some facts sit
+    first in the prompt (left where retrieval ranked them), the accuracy split by the fact's place: first (read
+    exactly) or later."""
     if all(r["exact_hit"] is None for r in mine):
         return {}
     eligible = [r for r in mine if reference[r["id"]]["exact_hit"]]
+    split = {}
+    if any(r.get("evidence_rank") == 0 for r in eligible):
+        for place, here in (("first", lambda rank: rank == 0), ("later", lambda rank: rank is not None and rank > 0)):
+            hits = [r["exact_hit"] for r in eligible if here(r.get("evidence_rank"))]
+            split |= {**_with_ci(f"planted_accuracy_{place}", hits), f"planted_n_{place}": len(hits)}
     return {
         **_with_ci("planted_accuracy", [r["exact_hit"] for r in eligible]),
         "planted_n": len(eligible),
+        **split,
         **_with_ci("planted_distractor", [r.get("distractor_hit") for r in eligible]),
         "exact_accuracy": _mean([r["exact_hit"] for r in mine]),
     }

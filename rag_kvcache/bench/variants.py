@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from ..config import CHUNK_PREFILLS, Config, FusionConfig
 from ..engine.methods import METHODS
 from ..store.codecs import CODECS
+from .datasets import EVIDENCE_PLACES
 from .prompts import NATIVE, PROMPT_STYLES
 from .report import label
 
@@ -72,8 +73,11 @@ class BenchSettings:
     threads: int = 2
     resume: bool = False  # keep the questions an interrupted run in the same --out finished
     prompt_style: str = NATIVE  # the prompt layout every question is asked in (`bench.prompts`)
+    evidence: str = EVIDENCE_PLACES[0]  # where a planted fact's chunk goes among the retrieved (`EVIDENCE_PLACES`)
 
     def __post_init__(self) -> None:
+        if self.evidence not in EVIDENCE_PLACES:
+            raise ValueError(f"unknown evidence place {self.evidence!r}; places: {', '.join(EVIDENCE_PLACES)}")
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"unknown prompt style {self.prompt_style!r}; styles: {', '.join(PROMPT_STYLES)}")
         if REFERENCE not in self.methods:

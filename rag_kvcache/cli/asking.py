@@ -14,6 +14,7 @@ import typer
 from ..config import FusionConfig, GenerationConfig, QueryConfig, StorageConfig
 from .common import (
     INDEX_HELP,
+    ChunkOrderName,
     DeviationName,
     KVRemote,
     PlacedDevice,
@@ -36,6 +37,9 @@ def ask(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
+    chunk_order: Annotated[ChunkOrderName, option(QueryConfig, "chunk_order")] = ChunkOrderName(
+        default(QueryConfig, "chunk_order")
+    ),
     ratio: Annotated[str, option(FusionConfig, "ratio")] = str(default(FusionConfig, "ratio")),
     check_layer: Annotated[int, option(FusionConfig, "check_layer", min=0)] = default(FusionConfig, "check_layer"),
     filter_steps: Annotated[int, option(FusionConfig, "filter_steps", min=1)] = default(FusionConfig, "filter_steps"),
@@ -92,7 +96,8 @@ def ask(
     try:
         check_method(method)
         meta_cfg = KVIndex.config_of(index_dir, base_config())
-        cfg = placed(meta_cfg.with_index(model=model or meta_cfg.index.model).with_query(top_k=top_k), device, dtype)
+        cfg = meta_cfg.with_index(model=model or meta_cfg.index.model)
+        cfg = placed(cfg.with_query(top_k=top_k, chunk_order=chunk_order.value), device, dtype)
         cfg = cfg.with_fusion(
             method=method,
             ratio=parse_ratio(ratio),
@@ -148,6 +153,9 @@ def chat(
     index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)],
     method: Annotated[str, option(FusionConfig, "method")] = default(FusionConfig, "method"),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
+    chunk_order: Annotated[ChunkOrderName, option(QueryConfig, "chunk_order")] = ChunkOrderName(
+        default(QueryConfig, "chunk_order")
+    ),
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
         GenerationConfig, "max_new_tokens"
     ),
@@ -172,6 +180,7 @@ def chat(
     try:
         check_method(method)
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(method=method)
+        cfg = cfg.with_query(chunk_order=chunk_order.value)
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens).with_storage(remote=kv_remote)
         idx = KVIndex.open(index_dir, cfg)
     except (OSError, ValueError) as e:
@@ -184,7 +193,9 @@ def chat(
             continue
         try:
             held = {part.label for turn in turns for part in turn.parts if isinstance(part, ChunkPart)}
-            hits = [h for h in idx.search(message, top_k) if f"chunk:{h.chunk.id}" not in held]
+            hits = [
+                h for h in cfg.query.in_prompt_order(idx.search(message, top_k)) if f"chunk:{h.chunk.id}" not in held
+            ]
             chunks = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
             turns.append(ChatTurn("user", (*chunks, message)))
             segments, dropped = generator.fitted_chat(turns, (), cfg.query.fusion, limit)

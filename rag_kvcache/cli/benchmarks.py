@@ -13,13 +13,16 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from ..bench.datasets import EVIDENCE_PLACES
 from ..config import FusionConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from .common import (
+    ChunkOrderName,
     ChunkPrefillName,
     DatasetFormat,
     DeviationName,
     DType,
     EmbedderDType,
+    EvidencePlace,
     KVCodec,
     KVOnDevice,
     KVRemote,
@@ -56,7 +59,7 @@ def demo(
         idx = KVIndex.build(docs, index_dir, cfg)
     gen = FusedGenerator(idx)
     methods, repeats = ("full", cfg.query.fusion.method, "epic"), 3
-    hits = idx.search(question, cfg.query.top_k)
+    hits = cfg.query.in_prompt_order(idx.search(question, cfg.query.top_k))
     gen.ask(question, hits, fusion=FusionConfig(method="full"))  # warm-up, not reported
     runs: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(repeats):  # alternate methods so machine drift hits all alike
@@ -119,6 +122,9 @@ def bench(
         IndexSettings, "chunk_tokens"
     ),
     top_k: Annotated[int, option(QueryConfig, "top_k", min=1)] = default(QueryConfig, "top_k"),
+    chunk_order: Annotated[ChunkOrderName, option(QueryConfig, "chunk_order")] = ChunkOrderName(
+        default(QueryConfig, "chunk_order")
+    ),
     chunk_prefill: Annotated[ChunkPrefillName, option(IndexSettings, "chunk_prefill")] = ChunkPrefillName(
         default(IndexSettings, "chunk_prefill")
     ),
@@ -166,6 +172,14 @@ def bench(
             "text-QA template); chunks are found in it by their ids."
         ),
     ] = PromptStyle.native,
+    evidence: Annotated[
+        EvidencePlace,
+        typer.Option(
+            help="Planted facts: 'placed' moves each fact's chunk to a drawn place in the prompt other than the "
+            "first (the hard case: the first chunk is read exactly); 'retrieved' leaves it where retrieval and "
+            "--chunk-order put it (the pipeline as a user runs it)."
+        ),
+    ] = EvidencePlace(EVIDENCE_PLACES[0]),
 ) -> None:
     """Compare fusion methods on a QA set: TTFT, speedup over full prefill, fidelity to full, F1.
 
@@ -192,6 +206,7 @@ def bench(
             threads=threads,
             resume=resume,
             prompt_style=prompt_style.value,
+            evidence=evidence.value,
         )
         cfg = base_config().with_index(
             chunk_tokens=chunk_tokens,
@@ -202,7 +217,9 @@ def bench(
             dtype=dtype.value,
             codec=kv_codec.value,
         )
-        cfg = cfg.with_query(top_k=top_k).with_runtime(device=device, embedder_dtype=embedder_dtype.value)
+        cfg = cfg.with_query(top_k=top_k, chunk_order=chunk_order.value).with_runtime(
+            device=device, embedder_dtype=embedder_dtype.value
+        )
         cfg = cfg.with_fusion(
             ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
         )

@@ -13,9 +13,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..bench.datasets import FORMATS
+from ..bench.datasets import EVIDENCE_PLACES, FORMATS
 from ..bench.prompts import PROMPT_STYLES
 from ..config import (
+    CHUNK_ORDERS,
     CHUNK_PREFILLS,
     CODEC_NAMES,
     DTYPE_NAMES,
@@ -44,9 +45,11 @@ KVCodec = Enum("KVCodec", {name: name for name in CODEC_NAMES}, type=str)
 DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
 DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
 PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
+EvidencePlace = Enum("EvidencePlace", {name: name for name in EVIDENCE_PLACES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
 EmbedderDType = Enum("EmbedderDType", {name: name for name in EMBEDDER_DTYPES}, type=str)
 ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
+ChunkOrderName = Enum("ChunkOrderName", {name: name for name in CHUNK_ORDERS}, type=str)
 Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
 History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)
 

@@ -8,6 +8,8 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
 
+from rag_kvcache.config import ChunkOrder, QueryConfig
+
 from .chat_models import chunk_block
 
 
@@ -18,13 +20,20 @@ def rag_message(documents: list[Document], question: str) -> HumanMessage:
     return HumanMessage([*map(chunk_block, documents), {"type": "text", "text": question.strip()}])
 
 
-def create_kv_rag_chain(retriever: BaseRetriever, model: BaseChatModel) -> Runnable[str, AIMessage]:
+def create_kv_rag_chain(
+    retriever: BaseRetriever, model: BaseChatModel, chunk_order: ChunkOrder = QueryConfig().chunk_order
+) -> Runnable[str, AIMessage]:
     """The LCEL chain `retriever -> blocks -> model` for a question string.
 
     Documents are not joined into one string: each becomes its own `text-plain` block, so a
-    `ChatRagKVCache` model recognises the retrieved chunks and fuses their caches.
+    `ChatRagKVCache` model recognises the retrieved chunks and fuses their caches. The retriever's documents
+    (best first) are laid out in `chunk_order` (`QueryConfig.chunk_order`: by default the best one last, next to
+    the question).
     """
-    to_messages = RunnableLambda(lambda inputs: [rag_message(inputs["documents"], inputs["question"])])
+    order = QueryConfig(chunk_order=chunk_order)  # refuses an unknown order
+    to_messages = RunnableLambda(
+        lambda inputs: [rag_message(order.in_prompt_order(inputs["documents"]), inputs["question"])]
+    )
     return (RunnableParallel(documents=retriever, question=RunnablePassthrough()) | to_messages | model).with_config(
         run_name="kv_rag_chain"
     )

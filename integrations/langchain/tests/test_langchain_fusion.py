@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_core.runnables import RunnablePassthrough
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from langchain_rag_kvcache.chat_models import _prompt
 
-from rag_kvcache import Engine, FusionConfig, GenerationConfig
+from rag_kvcache import Engine, FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.request import Options
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
@@ -49,14 +50,30 @@ def test_chain_answers_from_fused_chunk_caches(retriever: RagKVCacheRetriever, m
     assert usage["input_token_details"]["cache_read"] > usage["input_tokens"] // 2
 
 
-def test_model_prompt_equals_the_core_fused_prompt(
-    retriever: RagKVCacheRetriever, model: ChatRagKVCache, demo_engine: Engine
-) -> None:
-    """A user message of chunk blocks and a question is the prompt `FusedGenerator.ask` fuses."""
-    engine = demo_engine
-    hits = engine.search(QUESTION, 3)
-    core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
-    message = model.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
+def test_chain_lays_the_documents_out_in_the_chunk_order(retriever: RagKVCacheRetriever) -> None:
+    """The chain's message holds the retriever's documents (best first) reversed by default, the best next to the
+    question as `ask` lays out what it retrieves; `best_first` keeps retrieval's order; an unknown order is
+    refused when the chain is made."""
+    seen: list = []
+    listener = RunnableLambda(lambda messages: seen.append(messages) or AIMessage("ok"))  # stands in the model's place
+    docs = retriever.invoke(QUESTION)
+    for kwargs, expected in (({}, docs[::-1]), ({"chunk_order": "best_first"}, docs)):
+        create_kv_rag_chain(retriever, listener, **kwargs).invoke(QUESTION)
+        assert seen[-1] == [rag_message(expected, QUESTION)]
+    with pytest.raises(ConfigError, match="chunk_order must be one of best_last, best_first, got 'middle'"):
+        create_kv_rag_chain(retriever, listener, chunk_order="middle")
+
+
+def test_model_prompt_equals_the_core_fused_prompt(demo_index: str) -> None:
+    """A user message of chunk blocks and a question is the prompt `FusedGenerator.ask` fuses: the same answer,
+    prompt tokens and tokens recomputed. On an engine of its own with no conversation cache, so that neither reads
+    what the other, or an earlier test, left there."""
+    config = KVIndex.config_of(demo_index).with_storage(conversation_bytes=0)
+    with Engine(demo_index, config) as engine:
+        hits = engine.search(QUESTION, 3)
+        core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
+        docs = RagKVCacheRetriever(engine=engine, k=3).invoke(QUESTION)
+        message = ChatRagKVCache(engine=engine, max_tokens=24).invoke([rag_message(docs, QUESTION)])
     assert message.text == core.answer
     assert message.usage_metadata["input_tokens"] == core.prompt_tokens
     assert message.response_metadata["recomputed_tokens"] == core.recomputed_tokens

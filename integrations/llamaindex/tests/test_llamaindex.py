@@ -158,6 +158,17 @@ def test_plain_completion_with_chunk_text_is_fused(
     assert response.additional_kwargs["cache_misses"] == 0
 
 
+def test_synthesizer_lays_the_nodes_out_in_the_chunk_order(llm: RagKVCacheLLM, chunk_ids: list[str]) -> None:
+    """The retriever's nodes (best first) go to the LLM by id in the index's chunk order: by default the best
+    last, next to the question, as `ask` lays out what it retrieves. The response keeps the nodes ranked."""
+    nodes = RagKVCacheRetriever(engine=llm.serving_engine, similarity_top_k=3).retrieve(QUESTION)
+    synthesizer = KVCacheSynthesizer(llm=llm)
+    assert synthesizer._chunk_ids(nodes) == chunk_ids[::-1]
+    response = synthesizer.synthesize(QUESTION, nodes)
+    assert response.response == llm.complete(QUESTION, chunk_ids=chunk_ids[::-1]).text
+    assert [n.node_id for n in response.source_nodes] == chunk_ids
+
+
 def test_synthesizer_over_foreign_node_ids_matches_by_text(
     llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
 ) -> None:

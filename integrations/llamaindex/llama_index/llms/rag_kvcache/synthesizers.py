@@ -26,11 +26,11 @@ class KVCacheSynthesizer(BaseSynthesizer):
     """Answers over the retrieved nodes in one LLM call that reads the nodes' chunks from cache.
 
     Without a template, nodes whose ids are chunk ids of the LLM's index (`RagKVCacheRetriever`'s)
-    are passed by id: the LLM splices in the chunks' stored tokens in the index's prompt layout. Any
-    other nodes (another retriever's, a vector store's) are joined as text before the question, and
-    the indexed text in them is found by matching. With `text_qa_template` (a LlamaIndex prompt
-    template taking `context_str` and `query_str`, also set by `update_prompts`), the template is
-    filled with the nodes' texts and the chunks in it are found by matching.
+    are passed by id, in the index's `chunk_order`: the LLM splices in the chunks' stored tokens in the
+    index's prompt layout. Any other nodes (another retriever's, a vector store's) are joined as text
+    before the question, and the indexed text in them is found by matching. With `text_qa_template` (a
+    LlamaIndex prompt template taking `context_str` and `query_str`, also set by `update_prompts`), the
+    template is filled with the nodes' texts and the chunks in it are found by matching.
     """
 
     def __init__(
@@ -75,11 +75,12 @@ class KVCacheSynthesizer(BaseSynthesizer):
         return await super().asynthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
 
     def _chunk_ids(self, nodes: list[NodeWithScore]) -> list[str] | None:
-        """The nodes' ids when there is no template and all of them are chunk ids of the index, else None."""
+        """The nodes' ids when there is no template and all of them are chunk ids of the index, else None; the
+        nodes (best first, as retrievers return them) laid out in the index's `chunk_order`."""
         if self._text_qa_template is not None or not nodes:
             return None
         engine = self._llm.serving_engine
-        ids = [n.node.node_id for n in nodes]
+        ids = engine.index.config.query.in_prompt_order([n.node.node_id for n in nodes])
         return ids if engine.run(_all_indexed, engine.index, ids) else None
 
     def get_response(
