@@ -11,11 +11,13 @@ import typer
 from ..config import (
     FusionConfig,
     GenerationConfig,
+    QueryConfig,
     StorageConfig,
 )
 from ..serving.settings import ServerConfig
 from .common import (
     INDEX_HELP,
+    ChunkOrderName,
     History,
     KVOnDevice,
     KVRemote,
@@ -70,6 +72,9 @@ def serve(
     draft_tokens: Annotated[int, option(GenerationConfig, "draft_tokens", min=0)] = default(
         GenerationConfig, "draft_tokens"
     ),
+    chunk_order: Annotated[ChunkOrderName, option(QueryConfig, "chunk_order")] = ChunkOrderName(
+        default(QueryConfig, "chunk_order")
+    ),
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
@@ -101,6 +106,7 @@ def serve(
             placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
             .with_fusion(template_text=template_text)
             .with_generation(draft_tokens=draft_tokens)
+            .with_query(chunk_order=chunk_order.value)
         )
         engine = Engine(
             index_dir,
