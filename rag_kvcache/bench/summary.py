@@ -72,7 +72,7 @@ def _planted(mine: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[
     if all(r["exact_hit"] is None for r in mine):
         return {}
     eligible = [r for r in mine if reference[r["id"]]["exact_hit"]]
-    split = {}
+    split: dict[str, Any] = {}
     if any(r.get("evidence_rank") == 0 for r in eligible):
         for place, here in (("first", lambda rank: rank == 0), ("later", lambda rank: rank is not None and rank > 0)):
             hits = [r["exact_hit"] for r in eligible if here(r.get("evidence_rank"))]
