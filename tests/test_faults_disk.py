@@ -117,7 +117,8 @@ def test_a_corrupt_cache_that_cannot_be_removed_is_still_a_recomputed_miss(index
     recomputing: the entry stays where it is, and every answer is the intact index's."""
     asked = FusedGenerator(index).ask(QUESTION, top_k=6)
     reference = asked.answer
-    (first,) = index.chunks.get([asked.chunks[0].id])  # a cache the question reads, whatever the directory order:
+    laid_out = index.config.query.in_prompt_order(asked.chunks)  # the answer lists them best first
+    (first,) = index.chunks.get([laid_out[0].id])  # a cache the question reads, whatever the directory order:
     victim = index.store.disk.path(index.addressing.own_key(first.token_ids))  # the first chunk's, behind the prefix
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
