@@ -26,6 +26,7 @@ from langchain_core.runnables import Runnable
 
 from rag_kvcache import Engine, FusionConfig, RagKVCacheError
 from rag_kvcache.agent import SharedPrompt
+from rag_kvcache.config import ChunkOrder, QueryConfig
 from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
 
 from .chains import rag_message
@@ -51,11 +52,14 @@ def create_agentic_rag_graph(
     retriever: BaseRetriever,
     grader: Runnable[dict, list[Document]],
     model: BaseChatModel,
+    chunk_order: ChunkOrder = QueryConfig().chunk_order,
 ) -> Any:
     """A compiled LangGraph graph: `retrieve` (the question's documents), `grade` (`grader` takes
     `{"question", "documents"}` and returns the relevant ones), `generate` (`model` answers from the kept
-    documents; when none was judged relevant, from every retrieved one). Invoke it with `{"question": str}`;
-    the final state holds `documents` (those the answer read), `graded` and `answer`."""
+    documents, laid out in `chunk_order` as `create_kv_rag_chain` lays them out; when none was judged relevant,
+    from every retrieved one). Invoke it with `{"question": str}`; the final state holds `documents` (those the
+    answer read, best first), `graded` and `answer`."""
+    order = QueryConfig(chunk_order=chunk_order)  # refuses an unknown order
 
     def retrieve(state: AgenticRAGState) -> AgenticRAGState:
         return {"documents": retriever.invoke(state["question"])}
@@ -65,7 +69,7 @@ def create_agentic_rag_graph(
         return {"graded": graded, "documents": graded or state["documents"]}
 
     def generate(state: AgenticRAGState) -> AgenticRAGState:
-        return {"answer": model.invoke([rag_message(state["documents"], state["question"])])}
+        return {"answer": model.invoke([rag_message(order.in_prompt_order(state["documents"]), state["question"])])}
 
     return _chain(AgenticRAGState, "agentic_rag", retrieve=retrieve, grade=grade, generate=generate)
 
@@ -123,13 +127,16 @@ def create_shared_prompt_rag_graph(
             prompt = SharedPrompt(engine.generator, question, engine.index.chunks.get(ids), fusion)
             return prompt, prompt.check(check)
 
-        prompt, verdicts = engine.run(fuse_and_check, state["question"], [d.metadata[CHUNK_ID_KEY] for d in documents])
+        laid = engine.index.config.query.in_prompt_order(list(range(len(documents))))  # the documents, as laid out
+        ids = [documents[i].metadata[CHUNK_ID_KEY] for i in laid]
+        prompt, verdicts = engine.run(fuse_and_check, state["question"], ids)  # verdicts in the prompt's order
+        verdict = {i: v for i, v in zip(laid, verdicts)}  # document -> its verdict
         scored = [
-            d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: v.p_yes}})
-            for d, v in zip(documents, verdicts)
+            d.model_copy(update={"metadata": {**d.metadata, RELEVANCE_KEY: verdict[i].p_yes}})
+            for i, d in enumerate(documents)
         ]
-        keep = [i for i, v in enumerate(verdicts) if v.relevant]
-        graded = [scored[i] for i in keep]
+        keep = [place for place, v in enumerate(verdicts) if v.relevant]  # by place in the prompt
+        graded = [scored[i] for i in sorted(laid[place] for place in keep)]  # best first, as retrieved
         return {
             "prompt": prompt,
             "keep": keep or list(range(len(scored))),

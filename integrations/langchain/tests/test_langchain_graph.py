@@ -29,12 +29,25 @@ def test_the_graph_answers_from_the_documents_its_grader_keeps(demo_engine: Engi
 
     retriever, grader = RagKVCacheRetriever(engine=demo_engine, k=4), RagKVCacheGrader(engine=demo_engine)
     model = ChatRagKVCache(engine=demo_engine, max_tokens=12)
-    state = create_agentic_rag_graph(retriever, grader, model).invoke({"question": QUESTION})
     docs = retriever.invoke(QUESTION)
     graded = grader.invoke({"question": QUESTION, "documents": docs})
-    assert [d.id for d in state["graded"]] == [d.id for d in graded]
-    assert [d.id for d in state["documents"]] == [d.id for d in graded or docs]
-    assert state["answer"].text == model.invoke([rag_message(graded or docs, QUESTION)]).text
+    for order, laid_out in (("best_last", (graded or docs)[::-1]), ("best_first", graded or docs)):
+        state = create_agentic_rag_graph(retriever, grader, model, chunk_order=order).invoke({"question": QUESTION})
+        assert [d.id for d in state["graded"]] == [d.id for d in graded]
+        assert [d.id for d in state["documents"]] == [d.id for d in graded or docs]  # best first, as retrieved
+        assert state["answer"].text == model.invoke([rag_message(laid_out, QUESTION)]).text
+
+
+def test_the_graph_refuses_an_unknown_chunk_order() -> None:
+    from langchain_core.language_models import FakeListChatModel
+    from langchain_core.runnables import RunnableLambda
+    from langchain_rag_kvcache.graph import create_agentic_rag_graph
+
+    from rag_kvcache import ConfigError
+
+    nothing = RunnableLambda(lambda _: [])
+    with pytest.raises(ConfigError, match="chunk_order must be one of best_last, best_first, got 'middle'"):
+        create_agentic_rag_graph(nothing, nothing, FakeListChatModel(responses=[""]), chunk_order="middle")
 
 
 @pytest.mark.smollm2
@@ -56,7 +69,8 @@ def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: Engine
 @pytest.mark.smollm2
 def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_model(demo_engine: Engine) -> None:
     """Every document judged relevant (threshold 0): nothing is hidden, and the answer decoded from the shared
-    prompt is `ChatRagKVCache`'s over the same documents (the index's layout is the chat model's)."""
+    prompt is `ChatRagKVCache`'s over the same documents laid out in the index's chunk order, the best last (the
+    index's layout is the chat model's)."""
     from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
 
     retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
@@ -66,14 +80,14 @@ def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_mode
     assert [d.id for d in state["graded"]] == [d.id for d in docs] == [d.id for d in state["documents"]]
     assert all(0.0 <= d.metadata[RELEVANCE_KEY] <= 1.0 for d in state["documents"])
     model = ChatRagKVCache(engine=demo_engine, max_tokens=12)
-    assert state["answer"].text == model.invoke([rag_message(docs, QUESTION)]).text
+    assert state["answer"].text == model.invoke([rag_message(docs[::-1], QUESTION)]).text
     assert state["answer"].usage_metadata["output_tokens"] >= 1
 
 
 @pytest.mark.smollm2
 def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engine: Engine) -> None:
     """A threshold between the documents' P(yes): those under it are hidden, the answer is `SharedPrompt`'s over
-    the kept ones."""
+    the kept ones, laid out best last as the graph lays them out."""
     from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
 
     from rag_kvcache.agent import SharedPrompt
@@ -81,10 +95,11 @@ def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engi
 
     retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
     docs = retriever.invoke(QUESTION)
+    laid = docs[::-1]  # the index's default chunk order: the best last
 
     def shared(threshold: float) -> tuple[list[float], str]:
         generator = demo_engine.generator
-        prompt = SharedPrompt(generator, QUESTION, generator.index.chunks.get([d.metadata[CHUNK_ID_KEY] for d in docs]))
+        prompt = SharedPrompt(generator, QUESTION, generator.index.chunks.get([d.metadata[CHUNK_ID_KEY] for d in laid]))
         p = [v.p_yes for v in prompt.check(RelevanceCheck(generator, threshold=threshold))]
         keep = [i for i, x in enumerate(p) if x >= threshold]
         config = generator.index.config.query.generation.with_options(max_new_tokens=12)
@@ -96,7 +111,8 @@ def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engi
     state = create_shared_prompt_rag_graph(retriever, demo_engine, max_tokens=12, threshold=threshold).invoke(
         {"question": QUESTION}
     )
-    kept = [d.id for d, x in zip(docs, p) if x >= threshold]
+    p_of = {d.id: x for d, x in zip(laid, p)}
+    kept = [d.id for d in docs if p_of[d.id] >= threshold]  # best first, as retrieved
     assert 0 < len(kept) < len(docs)
     assert [d.id for d in state["documents"]] == kept
     assert state["answer"].text == want
