@@ -14,7 +14,8 @@ tutorial splits its documents into 100-token chunks) and asked `QUESTIONS`; with
 QA set's first `--limit` questions (`bench.datasets.load_dataset`; `bench.corpus.build_index` writes them to `docs`
 beside INDEX) at the index's default chunk size, and asked those questions. `--chunk-tokens` and `--dtype` set the
 size and the model's dtype for either. The engine keeps no conversation cache (both runs would otherwise read
-earlier prompts' K/V). The plain grader judges each document by the first token of its answer ("yes" or not); the
+earlier prompts' K/V). Every graph lays its documents out in the index's chunk order (`QueryConfig.chunk_order`: the
+best last). The plain grader judges each document by the first token of its answer ("yes" or not); the
 cached one by P(yes) >= 0.5 of the same first token (it reads no text; the shared graph's checks read each chunk
 where it sits in the answer's prompt). End-to-end seconds per question for each, the three run in turn for each
 question, once after a warm-up; the final answers' fidelity: the plain run's answer forced through the cached run's
@@ -119,10 +120,15 @@ def main() -> None:
         retriever = RagKVCacheRetriever(engine=engine, k=4)
         cached_model = ChatRagKVCache(engine=engine, max_tokens=MAX_TOKENS)
         plain_model = ChatRagKVCache(engine=engine, fusion=FULL, max_tokens=MAX_TOKENS)
+        order = config.query  # how every graph lays its documents out (`QueryConfig.chunk_order`)
         graphs = {
-            "cached": create_agentic_rag_graph(retriever, RagKVCacheGrader(engine=engine), cached_model),
+            "cached": create_agentic_rag_graph(
+                retriever, RagKVCacheGrader(engine=engine), cached_model, order.chunk_order
+            ),
             "shared": create_shared_prompt_rag_graph(retriever, engine, max_tokens=MAX_TOKENS),
-            "plain": create_agentic_rag_graph(retriever, ChatModelGrader(model=plain_model), plain_model),
+            "plain": create_agentic_rag_graph(
+                retriever, ChatModelGrader(model=plain_model), plain_model, order.chunk_order
+            ),
         }
 
         def run(graph, question: str):
@@ -140,13 +146,14 @@ def main() -> None:
                 row |= {f"{name}_s": time.perf_counter() - t0, f"kept_{name}": [d.id for d in kept]}
                 row |= {f"answer_{name}": answer.text, f"answer_ttft_{name}": answer.response_metadata["ttft_s"]}
             docs, fusion = retriever.invoke(question), cached_model.fusion
+            laid = order.in_prompt_order(docs)  # as the graphs lay them out
             if row["kept_cached"] == row["kept_plain"]:
-                kept = [d for d in docs if d.id in row["kept_cached"]]
+                kept = [d for d in laid if d.id in row["kept_cached"]]
                 row |= engine.run(fidelity, engine, [rag_message(kept, question)], fusion)
             if row["kept_shared"] == row["kept_plain"]:
                 ids, keep = (
-                    [d.metadata["chunk_id"] for d in docs],
-                    [i for i, d in enumerate(docs) if d.id in row["kept_shared"]],
+                    [d.metadata["chunk_id"] for d in laid],
+                    [i for i, d in enumerate(laid) if d.id in row["kept_shared"]],
                 )
                 shared = engine.run(shared_fidelity, engine, question, ids, keep, fusion)
                 row |= {f"shared_{k}": v for k, v in shared.items()}
