@@ -134,8 +134,9 @@ def run_question(
     retrieval_s = time.perf_counter() - t0
     laid_out = config.query.in_prompt_order(ranked)
     hits, at = place_evidence(laid_out, example, move_evidence)
-    evidence = None if at is None else ranked.index(laid_out[at])  # the rank retrieval gave the fact's chunk
-    placed = None if at is None else example.evidence_rank if move_evidence else at  # its place in the prompt
+    fact = None if at is None else laid_out[at]  # the chunk holding the planted fact
+    evidence = None if fact is None else ranked.index(fact)  # the rank retrieval gave it
+    placed = None if fact is None else hits.index(fact)  # its place in the prompt
     distractors = distractors_in(hits, example, facts)
     order = rotated(variants, slot_shift)
     if prompt_style == NATIVE:
