@@ -137,11 +137,20 @@ def _chunk_tokens(model: ChatRagKVCache, docs) -> int:
     return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, [d.id for d in docs]))
 
 
-def test_full_method_reads_no_cache(demo_engine: Engine, retriever: RagKVCacheRetriever) -> None:
+def test_full_method_reads_no_chunk_cache(demo_engine: Engine, retriever: RagKVCacheRetriever) -> None:
+    """`full` reads no chunk cache: what it does not compute comes from the conversation cache, where only an
+    earlier `full` prompt of this engine put exact K/V (any test's: the engine is the session's). Asked twice,
+    the second reads the first's prompt from there and answers the same."""
     full = ChatRagKVCache(engine=demo_engine, max_tokens=8, fusion=FusionConfig(method="full"))
-    message = full.invoke([rag_message(retriever.invoke(QUESTION), QUESTION)])
-    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
-    assert message.response_metadata["recomputed_tokens"] == message.usage_metadata["input_tokens"]
+    prompt = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+    first, second = full.invoke(prompt), full.invoke(prompt)
+    for message in (first, second):
+        usage, meta = message.usage_metadata, message.response_metadata
+        assert usage is not None
+        assert usage["input_token_details"]["cache_read"] == meta["conversation_tokens"]
+        assert meta["recomputed_tokens"] == usage["input_tokens"] - meta["conversation_tokens"]
+    assert second.response_metadata["conversation_tokens"] == second.usage_metadata["input_tokens"] - 1
+    assert second.content == first.content
 
 
 def test_edited_chunk_text_is_refused(model: ChatRagKVCache, retriever: RagKVCacheRetriever) -> None:
