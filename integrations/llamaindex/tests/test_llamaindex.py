@@ -12,6 +12,7 @@ from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, crea
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
 from rag_kvcache import ChatTurn, Engine, GenerationConfig, RequestError
+from rag_kvcache.request import chat_prompt
 
 from .support import QUESTION, Prompts, matched_tokens
 
@@ -87,11 +88,15 @@ def test_chat_merges_turns_and_takes_chunks_in_the_last_user_message(llm: RagKVC
     assert streamed.strip() == response.message.content
 
 
-def test_plain_chat_is_prefilled(llm: RagKVCacheLLM) -> None:
-    response = llm.chat([ChatMessage(role=MessageRole.USER, content="Hello")])
-    assert response.message.content
-    stats = response.additional_kwargs  # no chunk cache read: only what earlier chats on the engine share with it
-    assert stats["cached_tokens"] == stats["conversation_tokens"] < stats["prompt_tokens"]
+def test_plain_chat_reads_no_chunk_cache(llm: RagKVCacheLLM, demo_engine: Engine) -> None:
+    """A chat with no chunks reads no chunk cache. What it does not compute is its head (the chat template's system
+    turn: an exact cache of request text, made by the first prompt that has it) or what the conversation cache holds
+    of an earlier chat it begins as: whichever other tests ran before on the session's engine."""
+    (head, *_) = demo_engine.run(chat_prompt, demo_engine.generator, [ChatTurn("user", ("Hello",))]).segments
+    assert head.cacheable
+    stats = llm.chat([ChatMessage(role=MessageRole.USER, content="Hello")]).additional_kwargs
+    assert stats["cached_tokens"] in (0, len(head.ids), stats["conversation_tokens"])
+    assert stats["cached_tokens"] < stats["prompt_tokens"]
 
 
 def test_metadata(llm: RagKVCacheLLM) -> None:
