@@ -70,15 +70,23 @@ class Running:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
 
+    def metrics(self) -> str:
+        """The server's /metrics page: one snapshot of every series."""
+        return httpx.get(f"{self.url}/metrics", headers=self.headers()).text
+
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers()).text
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
-        found = re.search(pattern, text, re.MULTILINE)
-        return float(found.group(1)) if found else 0.0
+        return sample(self.metrics(), name, **labels)
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
+
+
+def sample(page: str, name: str, **labels: str) -> float:
+    """The value of series `name` with exactly `labels` on a /metrics `page` (0 where the server has none yet)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
+    found = re.search(pattern, page, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -385,14 +393,19 @@ def test_models_health_retrieve_metrics(running):
         "memory hits": ("rag_kvcache_kv_cache_hits_total", {"tier": "memory"}),
         "answered": ("rag_kvcache_requests_total", {"route": "/v1/chat/completions", "status": "200"}),
     }
-    before = {what: running.metric(name, **labels) for what, (name, labels) in series.items()}
+
+    def read() -> dict[str, float]:  # every series from one snapshot of the page
+        page = running.metrics()
+        return {what: sample(page, name, **labels) for what, (name, labels) in series.items()}
+
+    before = read()
     running.client().chat.completions.create(
         model=running.model,
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=3,
         extra_body={"rag_kvcache": {"top_k": 2}},
     )
-    after = {what: running.metric(name, **labels) for what, (name, labels) in series.items()}
+    after = read()
     assert after["ttft"] >= before["ttft"] + 1 and after["recomputed"] >= before["recomputed"] + 1
     assert after["tokens"] > before["tokens"]
     assert after["disk hits"] + after["memory hits"] > before["disk hits"] + before["memory hits"]
