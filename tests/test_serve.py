@@ -53,6 +53,7 @@ CFG = Config(  # 24-token chunks behind the prefix: the first retrieved is exact
     query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
 )
 KEY = "test-key"
+ADMIN = "admin-key"  # may change the documents
 QUESTION = "What is the telescope of the Veldmark Observatory named?"
 LONG = 600  # tokens: a generation long enough to be interrupted
 
@@ -66,6 +67,9 @@ class Running:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {KEY}"}
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN}"}
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
@@ -136,7 +140,14 @@ def serving(adapter: ModelAdapter, root: Path, config: ServerConfig, conversatio
 @pytest.fixture(scope="module")
 def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("serve")
-    config = ServerConfig(api_keys=(KEY,), docs_dir=root / "docs", max_queue=1, max_prompt_tokens=400, max_tokens=LONG)
+    config = ServerConfig(
+        api_keys=(KEY,),
+        admin_keys=(ADMIN,),
+        docs_dir=root / "docs",
+        max_queue=1,
+        max_prompt_tokens=400,
+        max_tokens=LONG,
+    )
     with serving(chat_adapter, root, config) as running:
         yield running
 
@@ -417,7 +428,9 @@ def test_documents_added_over_http_are_retrieved_and_fused(running):
         "source": "added/regatta.txt",
         "text": "The regatta winners receive a silver oar kept in the town hall. " * 3,
     }
-    r = httpx.post(f"{running.url}/v1/documents", json={"documents": [doc]}, headers=running.headers(), timeout=60)
+    r = httpx.post(
+        f"{running.url}/v1/documents", json={"documents": [doc]}, headers=running.admin_headers(), timeout=60
+    )
     assert r.status_code == 200, r.text
     assert r.json()["added"] == ["added/regatta.txt"] and r.json()["new_chunks"]
     assert (running.docs / "added" / "regatta.txt").read_text() == doc["text"]
@@ -433,7 +446,7 @@ def test_documents_added_over_http_are_retrieved_and_fused(running):
         bad = httpx.post(
             f"{running.url}/v1/documents",
             json={"documents": [{"source": source, "text": "x"}]},
-            headers=running.headers(),
+            headers=running.admin_headers(),
         )
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_source"
 
@@ -463,7 +476,7 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
             r = httpx.post(
                 f"{running.url}/v1/documents",
                 json={"documents": [{"source": source, "text": text}]},
-                headers=running.headers(),
+                headers=running.admin_headers(),
                 timeout=60,
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (source, r.text)
@@ -473,6 +486,85 @@ def test_documents_that_would_fail_or_escape_are_400s_before_anything_is_written
         (running.docs / "linkdir").unlink()
         (running.docs / "harbour.md").unlink()
         (running.docs / "afolder").rmdir()
+
+
+def _folder(docs: Path) -> list[str]:
+    """Every path under `docs`, hidden ones (temporary and backup files) included."""
+    return sorted(p.relative_to(docs).as_posix() for p in docs.rglob("*"))
+
+
+def test_only_admin_keys_change_the_documents(running):
+    """Any key once rewrote the shared corpus (one tenant's POST replaced `observatory.txt` and every tenant's
+    answers changed): an ask-only key is a 403 before its body is even read, the admin key writes."""
+    before, text = _folder(running.docs), (running.docs / "observatory.txt").read_text()
+    forged = {"documents": [{"source": "observatory.txt", "text": "The telescope is called the Banana. " * 3}]}
+    for body in (forged, {"documents": "not a list"}):
+        r = httpx.post(f"{running.url}/v1/documents", json=body, headers=running.headers(), timeout=60)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+        assert "admin" in r.json()["error"]["message"]
+    assert _folder(running.docs) == before and (running.docs / "observatory.txt").read_text() == text
+    r = httpx.post(
+        f"{running.url}/v1/documents",
+        json={"documents": [{"source": "admin/note.txt", "text": "The admin wrote this note. " * 3}]},
+        headers=running.admin_headers(),
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["added"] == ["admin/note.txt"], r.text
+    with pytest.raises(ValueError, match="both as an api key and as an admin key"):
+        ServerConfig(api_keys=(KEY,), admin_keys=(KEY,))
+
+
+@pytest.mark.parametrize(
+    ("documents", "param", "named"),
+    [
+        # one path the other's folder: a 500 after `pa` was written, with a temporary file left behind
+        ([("pa", "alpha words here"), ("pa/b.md", "beta words here")], "documents.source", ["pa", "pa/b.md"]),
+        ([("pa/b.md", "beta words here"), ("pa", "alpha words here")], "documents.source", ["pa", "pa/b.md"]),
+        ([("twice.md", "one text"), ("./twice.md", "another text")], "documents.source", ["twice.md"]),
+        # written, then skipped by the index: never indexed
+        ([("ok.md", "fine text"), ("nul.md", "a\x00b")], "documents.text", ["nul.md", "NUL"]),
+        ([("ok.md", "fine text"), ("blank.md", " \n\t ")], "documents.text", ["blank.md", "whitespace"]),
+        ([("ok.md", "fine text"), ("bom.md", "\ufeff  ")], "documents.text", ["bom.md", "whitespace"]),
+    ],
+)
+def test_a_documents_request_is_checked_as_a_whole_before_anything_is_written(running, documents, param, named):
+    before = _folder(running.docs)
+    r = httpx.post(
+        f"{running.url}/v1/documents",
+        json={"documents": [{"source": source, "text": text} for source, text in documents]},
+        headers=running.admin_headers(),
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert all(name in r.json()["error"]["message"] for name in named), r.text
+    assert _folder(running.docs) == before
+
+
+def test_a_documents_request_that_fails_midway_leaves_the_folder_as_it_was(running, monkeypatch):
+    """All or nothing: a sync that fails after the files were placed puts back the file it replaced and
+    removes the new ones, their new folders and every temporary file."""
+    (running.docs / "kept.md").write_text("The kept document stays as it was. " * 3)
+    before = _folder(running.docs)
+    index = running.engine.index
+
+    def failing(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(index, "update", failing)
+    documents = [
+        {"source": "kept.md", "text": "A replacement that must not stay. " * 3},
+        {"source": "fresh/deep/new.md", "text": "A new document that must not stay. " * 3},
+    ]
+    try:
+        r = httpx.post(
+            f"{running.url}/v1/documents", json={"documents": documents}, headers=running.admin_headers(), timeout=60
+        )
+        assert r.status_code == 500, r.text
+        assert _folder(running.docs) == before
+        assert (running.docs / "kept.md").read_text() == "The kept document stays as it was. " * 3
+    finally:
+        monkeypatch.undo()
+        (running.docs / "kept.md").unlink()
 
 
 # ---- security, limits, bad requests ------------------------------------------------------------------

@@ -138,7 +138,9 @@ VALID = {  # bodies the schema accepts: random values where the engine decides
 @pytest.fixture(scope="module")
 def live(chat_adapter, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("fuzz")
-    config = ServerConfig(api_keys=(KEY,), docs_dir=root / "docs", max_queue=4, max_prompt_tokens=400, max_tokens=8)
+    config = ServerConfig(  # an admin key: the documents route is fuzzed past its permission check
+        admin_keys=(KEY,), docs_dir=root / "docs", max_queue=4, max_prompt_tokens=400, max_tokens=8
+    )
     with serving(chat_adapter, root, config) as running:
         with httpx.Client(base_url=running.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
             yield client

@@ -40,6 +40,9 @@ def serve(
     port: Annotated[int, option(ServerConfig, "port", min=0, max=65535)] = default(ServerConfig, "port"),
     api_key: Annotated[Optional[list[str]], option(ServerConfig, "api_keys", envvar="RAG_KVCACHE_API_KEY")] = None,
     docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
+    admin_key: Annotated[
+        Optional[list[str]], option(ServerConfig, "admin_keys", "--admin-key", envvar="RAG_KVCACHE_ADMIN_KEY")
+    ] = None,
     max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
     max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
@@ -93,6 +96,7 @@ def serve(
             api_keys=tuple(api_key or ()),
             docs_dir=docs,
             max_queue=max_queue,
+            admin_keys=tuple(admin_key or ()),
             max_batch=max_batch,
             max_prompt_tokens=max_prompt_tokens,
             max_tokens=max_tokens,
@@ -120,9 +124,10 @@ def serve(
         )
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if host not in ("127.0.0.1", "localhost", "::1") and not server_cfg.authenticates:
         err.print(
-            f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it",
+            f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it can use it "
+            "and change its documents",
             highlight=False,
         )
     storage = engine.index.config.runtime.storage

@@ -42,6 +42,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -55,7 +56,7 @@ from ..engine.prompt import ChatTurn
 from ..request import Prompt
 from ..version import __version__
 from .admission import Admission, Ticket
-from .documents import document_path, write_and_sync
+from .documents import checked_documents, write_and_sync
 from .engine import Engine
 from .errors import APIError, ClientGone, validation_error
 from .metrics import ServerMetrics
@@ -68,6 +69,20 @@ from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its key's tenant (caches and numbers of its own) and whether the key is an admin
+    key (may change the documents and see every tenant's numbers)."""
+
+    tenant: str
+    admin: bool
+
+
+def _tenant_of(key: str) -> str:
+    """The tenant id of an API key: a digest, so that ids in caches and logs never hold the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 class Server:
@@ -173,16 +188,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     app.state.server = server
 
-    tenants = {key.encode(): hashlib.sha256(key.encode()).hexdigest()[:32] for key in config.api_keys}
+    keys = {key.encode(): Caller(_tenant_of(key), False) for key in config.api_keys} | {
+        key.encode(): Caller(_tenant_of(key), True) for key in config.admin_keys
+    }
 
-    async def authorize(request: Request) -> str:
-        """The request's tenant: an id derived from its API key ("" without keys), or a 401."""
-        if not tenants:
-            return ""
+    async def identify(request: Request) -> Caller:
+        """Who sends the request: its key's tenant and whether the key may write, or a 401 (without keys:
+        the one tenant "", which may write)."""
+        if not keys:
+            return Caller("", True)
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key.strip().encode()
         matches = [
-            tenant for known, tenant in tenants.items() if secrets.compare_digest(given, known)
+            caller for known, caller in keys.items() if secrets.compare_digest(given, known)
         ]  # every key compared
         if scheme.lower() != "bearer" or not matches:
             raise APIError(
@@ -193,6 +211,22 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         return matches[0]
 
+    async def authorize(request: Request) -> str:
+        """The request's tenant: an id derived from its API key ("" without keys), or a 401."""
+        return (await identify(request)).tenant
+
+    async def may_write(request: Request) -> Caller:
+        """The caller, when its key may change the documents; else a 401 or 403."""
+        caller = await identify(request)
+        if not caller.admin:
+            raise APIError(
+                403,
+                "this API key may only ask: changing the documents needs an admin key (`serve --admin-key`)",
+                type="permission_error",
+                code="insufficient_permissions",
+            )
+        return caller
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -200,7 +234,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         try:  # the body is parsed before the route's dependencies run: a caller without a key learns nothing of it
-            await authorize(request)
+            await (may_write if request.url.path == "/v1/documents" else identify)(request)
         except APIError as denied:
             return denied.response()
         return validation_error(exc).response()
@@ -252,7 +286,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/documents", dependencies=auth)
+    @app.post("/v1/documents", dependencies=[Depends(may_write)])
     async def add_documents(body: DocumentsRequest) -> dict[str, Any]:
         if config.docs_dir is None:
             raise APIError(
@@ -260,17 +294,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 "this server was started without a documents folder (`serve --docs DIR`)",
                 code="documents_disabled",
             )
-        paths = [document_path(config.docs_dir, doc.source) for doc in body.documents]
-        limit = server.engine.index.config.runtime.max_file_bytes
-        if large := [
-            doc.source for doc in body.documents if len(doc.text.encode()) > limit
-        ]:  # never indexed: not written
-            raise APIError(
-                400,
-                f"documents {large} are larger than the index's max_file_bytes ({limit} bytes)",
-                param="documents.text",
-                code="document_too_large",
-            )
+        paths = checked_documents(
+            config.docs_dir,
+            [(doc.source, doc.text) for doc in body.documents],
+            server.engine.index.config.runtime.max_file_bytes,
+        )
         ticket = server.admission.admit()
         try:
             async with ticket.serve():

@@ -22,7 +22,17 @@ class ServerConfig:
         repr=False,
         metadata={
             "help": "Require `Authorization: Bearer KEY` with one of these keys on every route but /health "
-            "(repeatable). Each key is a tenant: caches of request text (prompt heads) are its own."
+            "(repeatable). Each key is a tenant: caches of request text (prompt heads) and conversations are its "
+            "own, and /metrics shows it its own numbers. These keys may only ask: they cannot change the documents."
+        },
+    )
+    admin_keys: tuple[str, ...] = field(
+        default=(),
+        repr=False,
+        metadata={
+            "help": "Keys that may also change the corpus (POST /v1/documents) and see every tenant's numbers on "
+            "/metrics (repeatable); each is a tenant of its own too. With keys given, only these may write; with "
+            "none at all, anyone who reaches the server may."
         },
     )
     docs_dir: Path | None = setting(
@@ -72,12 +82,19 @@ class ServerConfig:
             raise ConfigError(f"order must be 'fcfs' or 'cache_aware', got {self.order!r}")
         if self.history not in ("halve", "refuse"):
             raise ConfigError(f"history must be 'halve' or 'refuse', got {self.history!r}")
-        if not all(self.api_keys):
-            raise ConfigError("api_keys must not be empty strings (give none for no authentication)")
+        if not all(self.api_keys) or not all(self.admin_keys):
+            raise ConfigError("api_keys and admin_keys must not be empty strings (give none for no authentication)")
+        if both := set(self.api_keys) & set(self.admin_keys):
+            raise ConfigError(f"{len(both)} key(s) given both as an api key and as an admin key: give each once")
         for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
             least = 0 if name in ("max_queue", "max_per_key") else 1
             if getattr(self, name) < least:
                 raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether requests need a key (any key given)."""
+        return bool(self.api_keys or self.admin_keys)
 
     def prefetches(self, storage: StorageConfig) -> bool:
         """Whether the server reads waiting requests' caches ahead: `prefetch` as given, else when `storage` has a
