@@ -257,8 +257,9 @@ class StorageConfig:
     )
     conversation_bytes: int = setting(
         512 << 20,
-        "Memory for the K/V of fused prompts and their answers, so that a chat's next turn computes only its "
-        "new tokens (a radix tree by token ids, per API key; least recently used evicted first; 0: keep none).",
+        "Memory per API key for the K/V of fused prompts and their answers, so that a chat's next turn computes "
+        "only its new tokens (a radix tree by token ids per API key; a key's least recently used evicted first, "
+        "never another key's; 0: keep none).",
     )
 
     @property

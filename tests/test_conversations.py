@@ -87,6 +87,22 @@ def test_over_budget_the_least_recently_used_leaves_go_first():
     assert cache.match("", range(11)).n_tokens == 10 and cache.match("", range(200, 211)).n_tokens == 10
 
 
+def test_each_tenant_has_the_budget_to_itself_and_its_salts_share_it():
+    """One global budget once let two of tenant B's chats evict tenant A's. A salt's tenant is its text before
+    the first ':'; its salts (a request's cache_salt) share the tenant's budget, never add to it."""
+    per_token = 2 * L * H * D * 4
+    cache = ConversationCache(15 * per_token)
+    cache.insert("a", range(10), *kv(10), "reuse", exact=False)
+    cache.insert("b", range(100, 110), *kv(10), "reuse", exact=False)
+    cache.insert("b:salt", range(200, 210), *kv(10), "reuse", exact=False)  # b over its budget: b's oldest go
+    assert cache.match("a", range(11)).n_tokens == 10
+    assert cache.match("b", range(100, 111)) is None and cache.match("b:salt", range(200, 211)).n_tokens == 10
+    a, b = cache.stats_of("a"), cache.stats_of("b")
+    assert (a.tokens, a.evicted_tokens, a.hits) == (10, 0, 1) and (b.tokens, b.evicted_tokens, b.hits) == (10, 10, 1)
+    assert b.bytes <= cache.max_bytes and cache.stats.tokens == 20 and cache.stats.lookups == 3
+    assert set(cache.tenants()) == {"a", "b"} and cache.stats_of("nobody").tokens == 0
+
+
 def test_a_budget_below_one_byte_is_refused():
     with pytest.raises(ValueError, match="max_bytes=0"):
         ConversationCache(0)

@@ -5,13 +5,15 @@ API key's alone."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import httpx
 import openai
 import pytest
-from test_serve import KEY, Running, chat_adapter, serving  # noqa: F401
+from test_serve import ADMIN, KEY, Running, chat_adapter, sample, serving  # noqa: F401
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.generator import FusedGenerator
@@ -196,3 +198,81 @@ def test_a_chat_that_retrieves_chunks_every_turn_reads_its_earlier_turns(chattin
         assert len(r.model_extra["rag_kvcache"]["chunks"]) == 3
         reads.append(r.model_extra["rag_kvcache"]["conversation_tokens"])
     assert all(n > 0 for n in reads[2:]), reads  # from the third turn the history before the last turn is held
+
+
+# ---- tenants: budgets and numbers of their own ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tenants(chat_adapter, tmp_path_factory) -> Iterator[Running]:  # noqa: F811
+    root = tmp_path_factory.mktemp("tenants")
+    config = ServerConfig(api_keys=(KEY, OTHER), admin_keys=(ADMIN,), max_prompt_tokens=1000)
+    with serving(chat_adapter, root, config, conversation_bytes=64 << 20) as running:
+        yield running
+
+
+def tenant_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def page(running: Running, key: str) -> str:
+    r = httpx.get(f"{running.url}/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+def chat_turn(running: Running, key: str, question: str, salt: str | None = None):
+    extra = {"rag_kvcache": {"method": "reuse"}} | ({"cache_salt": salt} if salt else {})
+    return client(running, key).chat.completions.create(
+        model=running.model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=5,
+        temperature=0,
+        extra_body=extra,
+    )
+
+
+def test_one_tenants_chats_never_evict_anothers(tenants):
+    """One global budget once let two of tenant B's chats evict tenant A's: each tenant now has the budget to
+    itself, and B's chats (with any cache_salt) evict only B's."""
+    conversations = tenants.engine.generator.conversations
+    first = chat_turn(tenants, KEY, QUESTIONS[0])
+    held = conversations.stats_of(tenant_id(KEY)).bytes
+    assert held > 0
+    conversations.max_bytes = held * 3 // 2  # room for one such chat per tenant, not two
+    try:
+        for i, salt in enumerate((None, "second", "third")):
+            chat_turn(tenants, OTHER, f"{QUESTIONS[1 + i]} Tell me now.", salt)
+        theirs = conversations.stats_of(tenant_id(OTHER))
+        assert theirs.evicted_tokens > 0 and theirs.bytes <= conversations.max_bytes
+        assert conversations.stats_of(tenant_id(KEY)).evicted_tokens == 0
+        again = chat_turn(tenants, KEY, QUESTIONS[0])  # tenant A's stored prompt: read, not recomputed
+        assert again.model_extra["rag_kvcache"]["conversation_tokens"] == first.usage.prompt_tokens - 1
+    finally:
+        conversations.max_bytes = 64 << 20
+
+
+def test_a_key_sees_its_own_numbers_and_an_admin_key_everyones(tenants):
+    """/metrics once showed every tenant's conversation hits and request counts to any key."""
+    route = {"route": "/v1/chat/completions", "status": "200"}
+    before = {key: sample(page(tenants, key), "rag_kvcache_requests_total", **route) for key in (KEY, OTHER)}
+    chat_turn(tenants, KEY, QUESTIONS[2], salt="mine")
+    chat_turn(tenants, KEY, QUESTIONS[2], salt="mine")  # a hit
+    for _ in range(3):
+        chat_turn(tenants, OTHER, QUESTIONS[3], salt="theirs")
+    conversations = tenants.engine.generator.conversations
+    mine, theirs, admin = page(tenants, KEY), page(tenants, OTHER), page(tenants, ADMIN)
+    assert sample(mine, "rag_kvcache_requests_total", **route) - before[KEY] == 2
+    assert sample(theirs, "rag_kvcache_requests_total", **route) - before[OTHER] == 3
+    for text, key in ((mine, KEY), (theirs, OTHER)):
+        own = conversations.stats_of(tenant_id(key))
+        assert sample(text, "rag_kvcache_conversation_cache_hits_total") == own.hits
+        assert sample(text, "rag_kvcache_conversation_cache_bytes") == own.bytes
+        assert "rag_kvcache_kv_cache_hits_total" not in text and "tenant=" not in text  # no server-wide series
+    total = conversations.stats
+    assert sample(admin, "rag_kvcache_conversation_cache_hits_total") == total.hits
+    assert sample(admin, "rag_kvcache_requests_total", **route) == sample(
+        mine, "rag_kvcache_requests_total", **route
+    ) + sample(theirs, "rag_kvcache_requests_total", **route)
+    for key in (KEY, OTHER):
+        held = sample(admin, "rag_kvcache_tenant_conversation_cache_bytes", tenant=tenant_id(key))
+        assert held == conversations.stats_of(tenant_id(key)).bytes > 0
+    assert "rag_kvcache_kv_cache_hits_total" in admin

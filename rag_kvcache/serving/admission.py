@@ -86,6 +86,11 @@ class Ticket:
         self._open = True
         self.admitted_at = time.perf_counter()
 
+    @property
+    def tenant(self) -> str:
+        """The tenant the request was admitted for ("" without keys)."""
+        return self._tenant
+
     @asynccontextmanager
     async def serve(self, slot: bool = True) -> AsyncIterator[None]:
         """In service until the block ends: after one of the `max_batch` places is free (`slot`), or at once

@@ -6,6 +6,10 @@ plus a per-request decode-speed histogram; the KV store's counters per tier (`Ti
 misses, bytes read and written, evictions, corrupt entries, a remote tier's failed requests) are read
 from the store when scraped (totals over every process that used the index), the conversation cache's
 (`ConversationStats`) from the engine's generator.
+
+A request's own series (`RequestMetrics`: requests by route and status, latencies, tokens, cancellations,
+the conversation cache's counts) are kept twice: in the server's registry (every tenant's, summed) and in
+its tenant's (an API key's), so that a key is shown its own numbers and an admin key everyone's.
 """
 
 from __future__ import annotations
@@ -69,14 +73,35 @@ class _ConversationCollector(Collector):
         )
 
 
-class ServerMetrics:
-    """Every metric the server exports, in its own registry."""
+class _TenantConversationCollector(Collector):
+    """Every tenant's conversation-cache counts, labelled by tenant id (an admin's view)."""
 
-    def __init__(
-        self,
-        store_stats: Callable[[], dict[str, TierStats]],
-        conversation_stats: Callable[[], ConversationStats] | None = None,
-    ) -> None:
+    def __init__(self, tenants: Callable[[], dict[str, ConversationStats]]) -> None:
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        name = "rag_kvcache_tenant_conversation_cache"
+        held = GaugeMetricFamily(
+            f"{name}_bytes", "Bytes of K/V the conversation cache holds, per tenant.", labels=["tenant"]
+        )
+        hits = CounterMetricFamily(
+            f"{name}_hits", "Prompts that continued a stored conversation, per tenant.", labels=["tenant"]
+        )
+        evicted = CounterMetricFamily(
+            f"{name}_evicted_tokens", "Tokens evicted from the conversation cache, per tenant.", labels=["tenant"]
+        )
+        for tenant, s in self._tenants().items():
+            held.add_metric([tenant], s.bytes)
+            hits.add_metric([tenant], s.hits)
+            evicted.add_metric([tenant], s.evicted_tokens)
+        yield from (held, hits, evicted)
+
+
+class RequestMetrics:
+    """The series of requests themselves, in a registry of their own: a tenant's (its key's requests), or
+    the whole server's (`ServerMetrics`). `conversation_stats`: the conversation cache's counts to export."""
+
+    def __init__(self, conversation_stats: Callable[[], ConversationStats] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -84,9 +109,6 @@ class ServerMetrics:
         )
         self.cancelled = Counter(
             "rag_kvcache_requests_cancelled", "Generations stopped because the client left.", registry=r
-        )
-        self.rejected = Counter(
-            "rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.", registry=r
         )
         self.ttft = Histogram(
             "rag_kvcache_ttft_seconds",
@@ -99,12 +121,6 @@ class ServerMetrics:
             "rag_kvcache_request_seconds",
             "Admission to last token (queueing included), per method.",
             ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "rag_kvcache_queue_wait_seconds",
-            "Time a request waited for the engine.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -127,6 +143,47 @@ class ServerMetrics:
             "Decoding speed after the first token.",
             ["method"],
             buckets=RATE_BUCKETS,
+            registry=r,
+        )
+        if conversation_stats is not None:
+            r.register(_ConversationCollector(conversation_stats))
+
+    def observe(self, answer: Answer, e2e_s: float) -> None:
+        """Record a finished generation."""
+        m = answer.method
+        self.ttft.labels(m).observe(answer.ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+        self.recomputed.labels(m).observe(answer.recomputed_tokens / max(answer.prompt_tokens, 1))
+        self.prompt_tokens.labels(m).inc(answer.prompt_tokens)
+        self.cached_tokens.labels(m).inc(answer.cached_tokens)
+        self.completion_tokens.labels(m).inc(answer.generated_tokens)
+        if answer.generated_tokens > 1 and answer.generation_s > 0:
+            self.decode_rate.labels(m).observe((answer.generated_tokens - 1) / answer.generation_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics(RequestMetrics):
+    """Every metric the server exports, in its own registry: every tenant's requests (`RequestMetrics`) and the
+    server's own series (queue, batches, the KV store's tiers; with `tenant_conversations`, each tenant's
+    conversation-cache counts)."""
+
+    def __init__(
+        self,
+        store_stats: Callable[[], dict[str, TierStats]],
+        conversation_stats: Callable[[], ConversationStats] | None = None,
+        tenant_conversations: Callable[[], dict[str, ConversationStats]] | None = None,
+    ) -> None:
+        super().__init__(conversation_stats)
+        r = self.registry
+        self.rejected = Counter(
+            "rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.", registry=r
+        )
+        self.queue_wait = Histogram(
+            "rag_kvcache_queue_wait_seconds",
+            "Time a request waited for the engine.",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
@@ -169,20 +226,5 @@ class ServerMetrics:
             "rag_kvcache_background_queue", "Background tasks waiting for an idle moment.", registry=r
         )
         r.register(_StoreCollector(store_stats))
-        if conversation_stats is not None:
-            r.register(_ConversationCollector(conversation_stats))
-
-    def observe(self, answer: Answer, e2e_s: float) -> None:
-        """Record a finished generation."""
-        m = answer.method
-        self.ttft.labels(m).observe(answer.ttft_s)
-        self.e2e.labels(m).observe(e2e_s)
-        self.recomputed.labels(m).observe(answer.recomputed_tokens / max(answer.prompt_tokens, 1))
-        self.prompt_tokens.labels(m).inc(answer.prompt_tokens)
-        self.cached_tokens.labels(m).inc(answer.cached_tokens)
-        self.completion_tokens.labels(m).inc(answer.generated_tokens)
-        if answer.generated_tokens > 1 and answer.generation_s > 0:
-            self.decode_rate.labels(m).observe((answer.generated_tokens - 1) / answer.generation_s)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if tenant_conversations is not None:
+            r.register(_TenantConversationCollector(tenant_conversations))

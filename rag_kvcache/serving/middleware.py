@@ -1,5 +1,5 @@
 """ASGI middleware of the server: a body-size limit enforced before anything is parsed, and a count of
-every response by route and status."""
+every response by route and status (the server's, and its tenant's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import APIError
-from .metrics import ServerMetrics
+from .metrics import RequestMetrics, ServerMetrics
 
 ROUTES = (
     "/v1/chat/completions",
@@ -60,11 +60,18 @@ class LimitBody:
 
 
 class CountRequests:
-    """ASGI middleware: counts every HTTP response by route and status (streams included)."""
+    """ASGI middleware: counts every HTTP response by route and status (streams included), in the server's
+    metrics and in those `tenant_metrics` finds for the request's headers (its key's; None: no tenant's)."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: Any,
+        metrics: ServerMetrics,
+        tenant_metrics: Callable[[dict[bytes, bytes]], RequestMetrics | None] = lambda headers: None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.tenant_metrics = tenant_metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -83,3 +90,5 @@ class CountRequests:
         finally:
             route = scope["path"] if scope["path"] in ROUTES else "other"
             self.metrics.requests.labels(route, str(status)).inc()
+            if (own := self.tenant_metrics(dict(scope["headers"]))) is not None:
+                own.requests.labels(route, str(status)).inc()

@@ -59,7 +59,7 @@ from .admission import Admission, Ticket
 from .documents import checked_documents, write_and_sync
 from .engine import Engine
 from .errors import APIError, ClientGone, validation_error
-from .metrics import ServerMetrics
+from .metrics import RequestMetrics, ServerMetrics
 from .middleware import CountRequests, LimitBody
 from .prompts import chat_prompt, completion_prompt
 from .responses import respond
@@ -98,8 +98,11 @@ class Server:
         self.max_prompt_chars = config.max_prompt_tokens * max(map(len, engine.index.model.tokenizer.get_vocab()))
         conversations = engine.generator.conversations
         self.metrics = ServerMetrics(
-            engine.index.store.stats, None if conversations is None else lambda: conversations.stats
+            engine.index.store.stats,
+            None if conversations is None else lambda: conversations.stats,
+            None if conversations is None else conversations.tenants,
         )
+        self._tenant_metrics: dict[str, RequestMetrics] = {}
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
@@ -107,6 +110,15 @@ class Server:
         self.scheduler = Scheduler(
             engine.generator, self.on_engine, config.max_batch, self.metrics, config.order, prefetch
         )
+
+    def metrics_of(self, tenant: str) -> RequestMetrics:
+        """`tenant`'s own metrics (its requests, its conversations), made at its first request."""
+        if (own := self._tenant_metrics.get(tenant)) is None:
+            conversations = self.engine.generator.conversations
+            own = self._tenant_metrics[tenant] = RequestMetrics(
+                None if conversations is None else partial(conversations.stats_of, tenant)
+            )
+        return own
 
     async def close(self) -> None:
         await self.scheduler.close()
@@ -157,7 +169,8 @@ class Server:
                 pieces: list[str] = []
                 async for step in steps:
                     if isinstance(step, Answer):
-                        self.metrics.observe(step, time.perf_counter() - ticket.admitted_at)
+                        for metrics in (self.metrics, self.metrics_of(ticket.tenant)):
+                            metrics.observe(step, time.perf_counter() - ticket.admitted_at)
                         self._prepare_fit(prompt, "".join(pieces))
                     else:
                         pieces.append(step)
@@ -166,6 +179,7 @@ class Server:
                         raise ClientGone
         except (ClientGone, asyncio.CancelledError):
             self.metrics.cancelled.inc()
+            self.metrics_of(ticket.tenant).cancelled.inc()
             log.info("client disconnected: generation stopped")
             raise
         finally:
@@ -192,24 +206,31 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         key.encode(): Caller(_tenant_of(key), True) for key in config.admin_keys
     }
 
+    def caller_of(authorization: str) -> Caller | None:
+        """The caller an `Authorization` header names (None: no key of this server's)."""
+        scheme, _, key = authorization.partition(" ")
+        given = key.strip().encode()
+        matches = [c for known, c in keys.items() if secrets.compare_digest(given, known)]  # every key compared
+        return matches[0] if scheme.lower() == "bearer" and matches else None
+
+    def tenant_metrics(headers: dict[bytes, bytes]) -> RequestMetrics | None:
+        """The metrics of the tenant whose key the headers carry (None without keys, or with a wrong one)."""
+        caller = caller_of(headers.get(b"authorization", b"").decode("latin-1")) if keys else None
+        return None if caller is None else server.metrics_of(caller.tenant)
+
     async def identify(request: Request) -> Caller:
         """Who sends the request: its key's tenant and whether the key may write, or a 401 (without keys:
         the one tenant "", which may write)."""
         if not keys:
             return Caller("", True)
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        given = key.strip().encode()
-        matches = [
-            caller for known, caller in keys.items() if secrets.compare_digest(given, known)
-        ]  # every key compared
-        if scheme.lower() != "bearer" or not matches:
+        if (caller := caller_of(request.headers.get("authorization", ""))) is None:
             raise APIError(
                 401,
                 "missing or wrong API key: send `Authorization: Bearer KEY`",
                 type="authentication_error",
                 code="invalid_api_key",
             )
-        return matches[0]
+        return caller
 
     async def authorize(request: Request) -> str:
         """The request's tenant: an id derived from its API key ("" without keys), or a 401."""
@@ -249,7 +270,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
-    app.add_middleware(CountRequests, metrics=server.metrics)
+    app.add_middleware(CountRequests, metrics=server.metrics, tenant_metrics=tenant_metrics)
     auth = [Depends(authorize)]
 
     @app.get("/health")
@@ -268,9 +289,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             "data": [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "rag-kvcache"}],
         }
 
-    @app.get("/metrics", dependencies=auth)
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    @app.get("/metrics")
+    async def metrics(caller: Caller = Depends(identify)) -> Response:
+        """An admin key (or anyone, without keys) sees the whole server's numbers; another key its own."""
+        shown = server.metrics if caller.admin else server.metrics_of(caller.tenant)
+        return Response(shown.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/retrieve", dependencies=auth)
     async def retrieve(body: RetrieveRequest) -> dict[str, Any]:

@@ -13,9 +13,11 @@ makes every node on it that method's (their K/V replaced). The K/V of an inexact
 approximation as the fusion made it (a chunk read from its cache stays the fused one); an inexact
 method reads any node, which is never worse than its own.
 
-The tree is bounded in bytes: over its budget, the least recently used leaves go first (their
-parents may follow once they are leaves). Tenants never share a tree: a hit is measurably faster,
-and a conversation holds its user's text.
+Each tenant's trees are bounded in bytes by the budget (`max_bytes`, per tenant): over it, the tenant's own
+least recently used leaves go first (their parents may follow once they are leaves), so one tenant's chats
+never evict another's. Tenants never share a tree: a hit is measurably faster, and a conversation holds its
+user's text. A tree is a `salt`'s; the salt's tenant is its text before the first ':' (the server's salts
+are `TENANT` or `TENANT:cache_salt`: a request's `cache_salt` splits a tenant's trees, never its budget).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class ConversationHit:
 
 @dataclass(frozen=True)
 class ConversationStats:
+    """Counts of the whole cache, or of one tenant's trees (`ConversationCache.stats_of`); `max_bytes` is the
+    budget of each tenant."""
+
     nodes: int
     tokens: int  # tokens whose K/V are held
     bytes: int
@@ -86,31 +91,53 @@ class ConversationStats:
     evicted_tokens: int
 
 
+@dataclass
+class _Account:
+    """One tenant's counts (mutable, under the cache's lock)."""
+
+    nodes: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    evicted_tokens: int = 0
+
+
+def tenant_of(salt: str) -> str:
+    """The tenant a salt's tree belongs to: its text before the first ':'."""
+    return salt.partition(":")[0]
+
+
 class ConversationCache:
-    """The K/V of fused prompts and their answers, per tenant (`salt`), within `max_bytes` (see the module)."""
+    """The K/V of fused prompts and their answers, per `salt`, within `max_bytes` per tenant (see the module)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"a conversation cache needs a budget of at least 1 byte, got max_bytes={max_bytes!r}")
         self.max_bytes = max_bytes
         self._roots: dict[str, _Node] = {}
+        self._accounts: dict[str, _Account] = {}
         self._lock = threading.Lock()
-        self._clock = self._bytes = self._tokens = self._nodes = 0
-        self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
+        self._clock = 0
+
+    def _account(self, salt: str) -> _Account:
+        return self._accounts.setdefault(tenant_of(salt), _Account())
 
     def match(self, salt: str, ids: Sequence[int], method: str | None = None) -> ConversationHit | None:
         """The longest path of `salt`'s tree that `ids` begin with, at most all but the last token (the
         prompt's last token is always computed); `method` given: only that method's nodes (an exact
         method's). None when no token matches. Counted in the stats, and the path is marked used."""
         with self._lock:
-            self._lookups += 1
+            account = self._account(salt)
+            account.lookups += 1
             self._clock += 1
             runs = self._walk(salt, ids, method)
             if not runs:
                 return None
             n = sum(k for _, k in runs)
-            self._hits += 1
-            self._hit_tokens += n
+            account.hits += 1
+            account.hit_tokens += n
             for node, _ in runs:
                 node.used = self._clock
             layers = tuple(
@@ -136,41 +163,59 @@ class ConversationCache:
         """Keep the K/V of `ids`: `keys`/`values` per layer [H_kv, >= len(ids), D], position i the K/V of
         ids[i] (a decoder's buffers: the stored runs are copies). Tokens already on a path are not stored
         again, unless `exact` (an exact `method`) finds another method's node there: its K/V become this
-        method's. Then the least recently used leaves are evicted while the tree is over budget."""
+        method's. Then the least recently used leaves of the salt's tenant are evicted while that tenant is over
+        its budget (no other tenant's are)."""
         ids = tuple(ids)
         with self._lock:
             self._clock += 1
+            account = self._account(salt)
             node = self._roots.setdefault(salt, _Node((), [], [], "", None))
             n = 0
             while n < len(ids):
                 child = node.children.get(ids[n])
                 if child is None:
-                    self._add(node, ids[n:], [k[:, n:] for k in keys], [v[:, n:] for v in values], method)
+                    self._add(account, node, ids[n:], [k[:, n:] for k in keys], [v[:, n:] for v in values], method)
                     break
                 k = _common(child.ids, ids[n:])
                 if k < len(child.ids):
-                    child = self._split(child, k)
+                    child = self._split(account, child, k)
                 if exact and child.method != method:
+                    account.bytes -= child.nbytes
                     child.keys = [t[:, n : n + k].clone() for t in keys]  # L x [H_kv, k, D]
                     child.values = [t[:, n : n + k].clone() for t in values]
                     child.method = method
+                    account.bytes += child.nbytes
                 child.used = self._clock
                 node, n = child, n + k
-            self._evict()
+            self._evict(tenant_of(salt), account)
 
     @property
     def stats(self) -> ConversationStats:
+        """The whole cache's counts (every tenant's summed)."""
         with self._lock:
-            return ConversationStats(
-                self._nodes,
-                self._tokens,
-                self._bytes,
-                self.max_bytes,
-                self._lookups,
-                self._hits,
-                self._hit_tokens,
-                self._evicted_tokens,
-            )
+            return self._stats(list(self._accounts.values()))
+
+    def stats_of(self, tenant: str) -> ConversationStats:
+        """One tenant's counts (zeros for a tenant never seen)."""
+        with self._lock:
+            return self._stats([self._accounts.get(tenant, _Account())])
+
+    def tenants(self) -> dict[str, ConversationStats]:
+        """Every tenant seen so far and its counts."""
+        with self._lock:
+            return {tenant: self._stats([account]) for tenant, account in self._accounts.items()}
+
+    def _stats(self, accounts: list[_Account]) -> ConversationStats:
+        return ConversationStats(
+            sum(a.nodes for a in accounts),
+            sum(a.tokens for a in accounts),
+            sum(a.bytes for a in accounts),
+            self.max_bytes,
+            sum(a.lookups for a in accounts),
+            sum(a.hits for a in accounts),
+            sum(a.hit_tokens for a in accounts),
+            sum(a.evicted_tokens for a in accounts),
+        )
 
     # ---- the tree, under the lock --------------------------------------------------------------
     def _walk(self, salt: str, ids: Sequence[int], method: str | None) -> list[tuple[_Node, int]]:
@@ -188,7 +233,13 @@ class ConversationCache:
         return runs
 
     def _add(
-        self, parent: _Node, ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor], method: str
+        self,
+        account: _Account,
+        parent: _Node,
+        ids: tuple[int, ...],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        method: str,
     ) -> _Node:
         node = _Node(
             ids,
@@ -199,12 +250,12 @@ class ConversationCache:
             used=self._clock,
         )  # L x [H_kv, T, D], copies
         parent.children[ids[0]] = node
-        self._nodes += 1
-        self._tokens += len(ids)
-        self._bytes += node.nbytes
+        account.nodes += 1
+        account.tokens += len(ids)
+        account.bytes += node.nbytes
         return node
 
-    def _split(self, node: _Node, k: int) -> _Node:
+    def _split(self, account: _Account, node: _Node, k: int) -> _Node:
         """Cut `node` after its first k tokens: a new node holding them takes its place, `node` keeps the
         rest as its child. Returns the new node."""
         head = _Node(
@@ -221,32 +272,34 @@ class ConversationCache:
         node.values = [t[:, k:].clone() for t in node.values]
         node.parent = head
         head.children[node.ids[0]] = node
-        self._nodes += 1
+        account.nodes += 1
         return head
 
-    def _leaves(self) -> Iterator[_Node]:
-        stack = list(self._roots.values())
+    def _leaves(self, tenant: str) -> Iterator[_Node]:
+        """The leaves of `tenant`'s trees."""
+        stack = [root for salt, root in self._roots.items() if tenant_of(salt) == tenant]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             if not node.children and node.parent is not None:
                 yield node
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, account: _Account, node: _Node) -> None:
         del node.parent.children[node.ids[0]]
-        self._nodes -= 1
-        self._tokens -= len(node.ids)
-        self._bytes -= node.nbytes
+        account.nodes -= 1
+        account.tokens -= len(node.ids)
+        account.bytes -= node.nbytes
 
-    def _evict(self) -> None:
-        if self._bytes <= self.max_bytes:
+    def _evict(self, tenant: str, account: _Account) -> None:
+        """Drop `tenant`'s least recently used leaves while its trees are over the budget."""
+        if account.bytes <= self.max_bytes:
             return
-        heap = [(leaf.used, id(leaf), leaf) for leaf in self._leaves()]
+        heap = [(leaf.used, id(leaf), leaf) for leaf in self._leaves(tenant)]
         heapq.heapify(heap)
-        while self._bytes > self.max_bytes and heap:
+        while account.bytes > self.max_bytes and heap:
             _, _, leaf = heapq.heappop(heap)
-            self._drop(leaf)
-            self._evicted_tokens += len(leaf.ids)
+            self._drop(account, leaf)
+            account.evicted_tokens += len(leaf.ids)
             parent = leaf.parent
             if parent.parent is not None and not parent.children:
                 heapq.heappush(heap, (parent.used, id(parent), parent))
