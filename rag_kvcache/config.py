@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number (a top_p below it rounds to 0)
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents in the user's message. "
@@ -138,6 +139,25 @@ class FusionConfig:
         if self.drift_layers < 1:
             raise ConfigError(f"drift_layers must be >= 1, got {self.drift_layers!r}")
 
+    def check_model(self, n_layers: int, chunk_tokens: int) -> FusionConfig:
+        """This config, if its parameters fit a model of `n_layers` layers and an index of `chunk_tokens`-token
+        chunks (`check_layer` and the layers `filter_steps` reach below `n_layers`, `epic_k` at most a chunk);
+        else a ConfigError naming the parameter and its value (they were once accepted silently)."""
+        if self.check_layer >= n_layers:
+            raise ConfigError(
+                f"check_layer must be below the model's {n_layers} layers (0..{n_layers - 1}), got {self.check_layer!r}"
+            )
+        if self.check_layer + self.filter_steps > n_layers:
+            raise ConfigError(
+                f"filter_steps must be at most {n_layers - self.check_layer} (the model's {n_layers} layers from "
+                f"check_layer {self.check_layer} on), got {self.filter_steps!r}"
+            )
+        if self.epic_k is not None and self.epic_k > chunk_tokens:
+            raise ConfigError(
+                f"epic_k must be at most the index's chunk size ({chunk_tokens} tokens), got {self.epic_k!r}"
+            )
+        return self
+
     def for_chunks(self, chunk_tokens: int) -> FusionConfig:
         """This config with `epic_k` set for an index of `chunk_tokens`-token chunks: as given, else an
         `EPIC_SHARE`-th of the chunk size (EPIC's 16 heads are that share of a 128-token chunk)."""
@@ -176,6 +196,11 @@ class GenerationConfig:
             raise ConfigError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < FLOAT32_TINY:
+            raise ConfigError(
+                f"top_p must be at least {FLOAT32_TINY:.3g} (probabilities are float32; a smaller one rounds to 0), "
+                f"got {self.top_p!r}"
+            )
 
     @property
     def greedy(self) -> bool:

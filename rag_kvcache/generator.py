@@ -455,7 +455,8 @@ class FusedGenerator:
         buffers, which the pool hands out again only once nothing else holds them.
         """
         method = get_method(fusion.method)
-        fusion = fusion.for_chunks(self.index.config.index.chunk_tokens)
+        chunk_tokens = self.index.config.index.chunk_tokens
+        fusion = fusion.check_model(self.layers.layout.n_layers, chunk_tokens).for_chunks(chunk_tokens)
         if fusion.ratio == "auto":  # the loading controller's ratio, from this machine's calibration
             fusion = resolve_ratio(self.index.config.with_query(fusion=fusion), self.layers)[0].query.fusion
         clock = StageClock(self.layers.device)

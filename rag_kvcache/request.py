@@ -82,11 +82,16 @@ def fusion_of(index: KVIndex, options: Options) -> FusionConfig:
             f"unknown fusion method {method!r}; registered: {', '.join(METHODS)}", "method", "invalid_method"
         )
     if isinstance(options.fusion, FusionConfig):
-        return options.fusion
+        fusion = options.fusion
+    else:
+        try:
+            fusion = replace(index.config.query.fusion, **options.fusion)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e), "fusion") from None
     try:
-        return replace(index.config.query.fusion, **options.fusion)
-    except (TypeError, ValueError) as e:
-        raise RequestError(str(e), "fusion") from None
+        return fusion.check_model(index.model.layout.n_layers, index.config.index.chunk_tokens)
+    except ValueError as e:  # its message begins with the parameter's name
+        raise RequestError(str(e), f"fusion.{str(e).split()[0]}") from None
 
 
 def generation_of(index: KVIndex, options: Options) -> GenerationConfig:

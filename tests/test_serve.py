@@ -29,9 +29,10 @@ from conftest import tiny_llama
 
 from rag_kvcache.answers import Answer
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
-from rag_kvcache.engine.generation import Decoder
+from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
 from rag_kvcache.serving.metrics import ServerMetrics
@@ -622,6 +623,24 @@ def test_api_key_is_required_everywhere_but_health(running):
         ({"model": "M", "messages": [{"role": "system", "content": "hi"}]}, "messages"),
         ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG + 1}, "max_tokens"),
         ({"model": "M", "messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
+        # float32 rounded top_p to 0 and the sampler divided 0 by 0: a 500
+        ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": 1, "top_p": 1e-300}, "top_p"),
+        # no text at all: answered with a 200
+        ({"model": "M", "messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+        ({"model": "M", "messages": [{"role": "user", "content": ""}, {"role": "system", "content": " "}]}, "messages"),
+        # fusion parameters beyond the model (4 layers) or the index's chunks (24 tokens): accepted silently
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"epic_k": 10**9}},
+            "rag_kvcache.epic_k",
+        ),
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"check_layer": 10**6}},
+            "rag_kvcache.check_layer",
+        ),
+        (
+            {"model": "M", "messages": [{"role": "user", "content": "hi"}], "rag_kvcache": {"filter_steps": 4}},
+            "rag_kvcache.filter_steps",
+        ),
     ],
 )
 def test_bad_requests_are_openai_400s(running, body, param):
@@ -636,6 +655,26 @@ def test_bad_requests_are_openai_400s(running, body, param):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert param is None or error["param"] == param, error
+
+
+def test_the_python_api_refuses_fusion_parameters_beyond_the_model_and_a_top_p_float32_loses(running):
+    """The bounds hold without the server: `fuse` refuses them naming the parameter; the sampler keeps the top
+    token whatever top_p (one float32 rounds to 0 once kept none)."""
+    hits = running.engine.search(QUESTION, 2)
+    generator = running.engine.generator
+    for fusion, name in [
+        (FusionConfig(method="epic", epic_k=10**9), "epic_k"),
+        (FusionConfig(method="cacheblend", check_layer=10**6), "check_layer"),
+        (FusionConfig(method="epic_match", check_layer=4), "check_layer"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^{name} must be .*got {getattr(fusion, name)}"):
+            running.engine.run(lambda f=fusion: generator.ask(QUESTION, hits, fusion=f))
+    with pytest.raises(ConfigError, match="top_p must be at least"):
+        GenerationConfig(temperature=1.0, top_p=1e-300)
+    cfg = GenerationConfig(temperature=1.0, top_p=0.5)
+    object.__setattr__(cfg, "top_p", 1e-300)  # past validation, as a caller's own sampler settings may be
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    assert sample_token(logits, cfg, torch.Generator().manual_seed(0)) == 1
 
 
 def test_an_oversized_body_is_a_413_before_it_is_parsed(running):

@@ -114,6 +114,25 @@ def test_json_object_answers_only_objects(running):
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "grammar": "g"}},
             "unknown field 'response_format.json_schema.grammar'",
         ),
+        # self-referential, matching no finite document: llguidance took them and the answer was a 200
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "matches no JSON document"),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]},
+                },
+            },
+            "matches no JSON document",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+            },
+            "matches no JSON document",
+        ),
     ],
 )
 def test_bad_formats_are_openai_400s(running, response_format, message):
@@ -124,6 +143,22 @@ def test_bad_formats_are_openai_400s(running, response_format, message):
     error = caught.value.body
     assert message in error["message"] and error["param"].startswith("response_format"), error
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_recursive_schema_with_a_way_out_is_answered(running):
+    """A schema that refers to itself but allows a finite document (a linked list ending in null) is served."""
+    node = {
+        "type": "object",
+        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["next"],
+    }
+    got = running.client().chat.completions.create(
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "node", "schema": node}},
+    )
+    assert got.choices[0].message.content.startswith('{"next":')
 
 
 def test_without_the_extra_the_format_is_refused_naming_it(running, monkeypatch):

@@ -28,14 +28,15 @@ def sample_token(
     logits: torch.Tensor, cfg: GenerationConfig, rng: torch.Generator | None, allowed: torch.Tensor | None = None
 ) -> int:
     """Greedy argmax (`cfg.greedy`), else temperature + nucleus (top-p) sampling, of next-token logits [V],
-    among the `allowed` tokens (bool [V]) when given."""
+    among the `allowed` tokens (bool [V]) when given. The most likely token is always kept, whatever `top_p`."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))  # [V]
     if cfg.greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [V]
     sorted_p, order = probs.sort(descending=True)  # [V]
-    keep = sorted_p.cumsum(0) - sorted_p < cfg.top_p  # [V], always keeps the top token
+    keep = sorted_p.cumsum(0) - sorted_p < cfg.top_p  # [V]
+    keep[0] = True  # a top_p that float32 rounds to 0 once kept none: 0/0
     sorted_p = sorted_p * keep
     choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=rng)  # [1]
     return int(order[choice])
@@ -64,6 +65,11 @@ class JsonSchemaConstraint:
         if document is None or (depth := _depth(document)) > MAX_SCHEMA_DEPTH:
             levels = "more levels than the JSON parser reads" if document is None else f"{depth} levels"
             raise ValueError(f"json_schema nests {levels} deep; at most {MAX_SCHEMA_DEPTH} are accepted")
+        if not _satisfiable(document):
+            raise ValueError(
+                f"json_schema {schema[:200]!r} matches no JSON document: its references recurse without end "
+                "(every value it allows must hold another value of itself)"
+            )
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             _closed(document), defaults={"whitespace_flexible": False}
         )
@@ -96,6 +102,98 @@ def _depth(document: object) -> int:
             deepest = max(deepest, depth + 1)
             todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
     return deepest
+
+
+def _satisfiable(document: object) -> bool:
+    """Whether some finite JSON value can match the JSON Schema `document`, as far as its local references
+    (`$ref: "#..."`) decide: a schema whose every instance must hold an instance of itself (`{"$ref": "#"}`, an
+    object that requires a property of its own schema) matches none, and llguidance accepts it and decodes
+    garbage. Productive references are found as a grammar's productive symbols are: a fixed point, each round
+    judging every referenced schema with the references found productive so far. Keywords other than those
+    that can make a value required (`type`, `required`, `minItems`, `allOf`/`anyOf`/`oneOf`, `enum`) are
+    taken as satisfiable."""
+    targets = {"#"}
+    todo = [document]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+                targets.add(ref)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    resolved = {ref: _pointer(document, ref) for ref in targets}
+    productive: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for ref, schema in resolved.items():
+            if ref not in productive and _matches_some(schema, productive):
+                productive.add(ref)
+                grew = True
+    return "#" in productive
+
+
+_MISSING = object()
+
+
+def _pointer(document: object, ref: str) -> object:
+    """The part of `document` a local reference names (`#`, `#/$defs/x`); a name that leads nowhere: `{}` (no
+    constraint here: llguidance refuses it itself)."""
+    node = document
+    for part in ref.removeprefix("#").split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part, _MISSING)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            node = _MISSING
+        if node is _MISSING:
+            return {}
+    return node
+
+
+def _matches_some(schema: object, productive: set[str]) -> bool:
+    """Whether some value can match `schema` when the references in `productive` (and no others) can be met."""
+    if schema is False:
+        return False
+    if not isinstance(schema, dict):
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in productive:
+        return False
+    if "enum" in schema and isinstance(schema["enum"], list) and not schema["enum"]:
+        return False
+    if isinstance(parts := schema.get("allOf"), list) and not all(_matches_some(p, productive) for p in parts):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(parts := schema.get(key), list) and not any(_matches_some(p, productive) for p in parts):
+            return False
+    types = schema.get("type")
+    if types is None or "enum" in schema or "const" in schema:
+        return True
+    kinds = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    return not kinds or any(_kind_matches_some(kind, schema, productive) for kind in kinds)
+
+
+def _kind_matches_some(kind: object, schema: dict, productive: set[str]) -> bool:
+    """Whether some value of JSON type `kind` can match `schema`: an object's required properties and an array's
+    first `minItems` items must each be satisfiable; other types always are."""
+    if kind == "object":
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = schema.get("additionalProperties", True)
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        return all(_matches_some(properties.get(name, extra), productive) for name in required if isinstance(name, str))
+    if kind == "array":
+        least = schema.get("minItems", 0)
+        if not isinstance(least, int) or least < 1:
+            return True
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        if not all(_matches_some(item, productive) for item in prefix[:least]):
+            return False
+        return least <= len(prefix) or _matches_some(schema.get("items", True), productive)
+    return True
 
 
 def _closed(schema: object) -> object:

@@ -40,7 +40,10 @@ def _options(request: Sampling, config: ServerConfig) -> Options:
 
 
 def _api_error(e: RequestError) -> APIError:
-    return APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code=e.code)
+    param = _PARAMS.get(e.param, e.param)
+    if param.startswith("fusion."):  # one fusion parameter: rag_kvcache.epic_k
+        param = "rag_kvcache." + param.removeprefix("fusion.")
+    return APIError(400, str(e), param=param, code=e.code)
 
 
 def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, config: ServerConfig, salt: str) -> Prompt:
@@ -49,6 +52,8 @@ def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, confi
     turns = [ChatTurn("system" if m.role == "developer" else m.role, tuple(m.text_parts())) for m in request.messages]
     if not any(turn.role == "user" for turn in turns):
         raise APIError(400, "messages need at least one user message", param="messages")
+    if not any(isinstance(part, str) and part.strip() for turn in turns for part in turn.parts):
+        raise APIError(400, "messages hold no text: every message's content is empty", param="messages")
     try:
         prompt = build_chat_prompt(
             generator,
