@@ -40,8 +40,6 @@ class Answer:
     cache_computed_tokens: int = 0  # prompt tokens whose cache was computed for this prompt (a new head, a repair)
     conversation_tokens: int = 0  # prompt tokens read from the conversation cache (an earlier turn's K/V)
     finish_reason: str = "stop"  # "length": stopped at max_new_tokens; "stop": end of sequence or a stop string
-    drift: float | None = None  # CacheBlend's check-layer estimate of the deviation its selection leaves
-    bounded: bool = False  # the estimate exceeded the fusion's drift_limit: answered as a full prefill would
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
     first_token_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)

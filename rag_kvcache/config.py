@@ -41,7 +41,7 @@ CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_MAX_FILE_BYTES = 8 << 20
 DEFAULT_MAX_DOCUMENTS = 100_000
 EPIC_SHARE = 8  # an unset epic_k recomputes this share (1/EPIC_SHARE) of a chunk's size: 16 of 128 tokens, 64 of 512
-BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, epic_evidence, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
+BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
 T = TypeVar("T")
@@ -86,29 +86,12 @@ class FusionConfig:
     match_words: int = setting(
         3, "epic_match: a sentence echoes the question when it shares this many distinct words with it."
     )
-    evidence_sentences: int = setting(
-        2,
-        "epic_evidence: recompute this many sentences of the retrieved chunks, those the index's embedder finds "
-        "closest in meaning to the question.",
-    )
     repick_layers: tuple[int, ...] = setting(
         (4, 10),
         "cacheblend_repick: layers after the check layer where the HKVD tokens are picked again, fewer each time.",
     )
     repick_decay: float = setting(
         0.5, "cacheblend_repick: each re-pick keeps this fraction of the tokens kept before it."
-    )
-    drift_limit: float | None = setting(
-        None,
-        "Per-question bound of CacheBlend and epic_match, an experiment of the bench (`cacheblend:drift=X`, "
-        "`epic_match:drift=X`): when the drift the method estimates exceeds this, the question is recomputed "
-        "(CacheBlend: every token from its check layer on; epic_match: answered as `prefix`); none: never. "
-        "Neither estimate predicts yet which questions drift (docs/methods.md).",
-    )
-    drift_layers: int = setting(
-        5,
-        "epic_match's drift estimate: the mean, over this many layers from the check layer, of the K deviation "
-        "of the chunk tokens it recomputes (fresh in the prompt against their caches).",
     )
     template_text: bool = setting(
         False,
@@ -130,14 +113,8 @@ class FusionConfig:
             raise ConfigError(f"epic_k must be >= 0, got {self.epic_k!r}")
         if self.match_words < 1:
             raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
-        if self.evidence_sentences < 1:
-            raise ConfigError(f"evidence_sentences must be >= 1, got {self.evidence_sentences!r}")
         if not 0.0 < self.repick_decay <= 1.0:
             raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
-        if self.drift_limit is not None and not self.drift_limit >= 0.0:
-            raise ConfigError(f"drift_limit must be >= 0 or None, got {self.drift_limit!r}")
-        if self.drift_layers < 1:
-            raise ConfigError(f"drift_layers must be >= 1, got {self.drift_layers!r}")
 
     def check_model(self, n_layers: int, chunk_tokens: int) -> FusionConfig:
         """This config, if its parameters fit a model of `n_layers` layers and an index of `chunk_tokens`-token

@@ -29,7 +29,6 @@ from .engine.methods import Method, get_method
 from .engine.model import ModelAdapter
 from .engine.profiling import StageClock
 from .engine.prompt import ChatTurn, Segment
-from .engine.sentences import sentence_relevance
 from .index import KVIndex
 from .layout import PromptLayout, n_tokens, prompt_ids, system_turns, warn_unquoted
 from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
@@ -411,8 +410,6 @@ class FusedGenerator:
             finish_reason="length" if n_generated >= live.decoder.cfg.max_new_tokens else "stop",
             stages=result.stages,
             first_token_logits=result.logits,
-            drift=result.drift,
-            bounded=result.bounded,
         )
 
     def _remember(self, live: Generation) -> None:
@@ -473,20 +470,6 @@ class FusedGenerator:
             else:
                 caches, sources, contexts = None, [None] * len(segments), [()] * len(segments)
             inp = FusionInput.build(list(segments), sources, contexts, device=self.layers.device)
-        if method.reads_relevance:
-            with clock.stage("evidence"):
-                inp = replace(
-                    inp,
-                    relevance=sentence_relevance(
-                        inp.ids,
-                        self.layers.lexicon,
-                        inp.segment_of,
-                        inp.reusable,
-                        inp.token_mask(lambda p: p is inp.parts[-1]),
-                        self.layers.tokenizer,
-                        self.index.embed,
-                    ),
-                )
         depth = self.index.config.runtime.storage.prefetch_layers
         with clock.stage("layout"):
             placement = inp.placement(self.layers)

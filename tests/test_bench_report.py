@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rag_kvcache.bench.report import label, markdown_table, plot_pareto, write_report
+from rag_kvcache.bench.report import label, markdown_table, render_pareto, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -83,26 +83,22 @@ def test_markdown_table_rejects_incomplete_entries(summary):
         markdown_table(summary)
 
 
-def test_plot_pareto_writes_png(tmp_path, summary):
-    path = tmp_path / "pareto.png"
-    plot_pareto(summary, path)
-    assert path.read_bytes().startswith(PNG_MAGIC)
-    assert [p.name for p in tmp_path.iterdir()] == ["pareto.png"]
+def test_render_pareto_makes_a_png(summary):
+    assert render_pareto(summary).startswith(PNG_MAGIC)
 
 
-def _png_width(path) -> int:
-    return int.from_bytes(path.read_bytes()[16:20], "big")
+def _png_width(png: bytes) -> int:
+    return int.from_bytes(png[16:20], "big")
 
 
-def test_plot_pareto_adds_a_planted_panel_when_there_is_planted_accuracy(tmp_path, summary):
-    plot_pareto([e | {"planted_accuracy": 0.8} for e in summary], tmp_path / "both.png")
-    plot_pareto(summary, tmp_path / "kl.png")
-    assert _png_width(tmp_path / "both.png") == 2 * _png_width(tmp_path / "kl.png")
+def test_render_pareto_adds_a_planted_panel_when_there_is_planted_accuracy(summary):
+    both = render_pareto([e | {"planted_accuracy": 0.8} for e in summary])
+    assert _png_width(both) == 2 * _png_width(render_pareto(summary))
 
 
-def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
+def test_render_pareto_skips_entries_without_quality(summary, caplog):
     summary[1]["tf_kl"] = None
-    plot_pareto(summary, tmp_path / "p.png")
+    render_pareto(summary)
     assert "not plotting 'naive'" in caplog.text
 
 
@@ -113,10 +109,9 @@ def test_plot_pareto_skips_entries_without_quality(tmp_path, summary, caplog):
         ({"tf_kl": None}, "nothing to plot"),
     ],
 )
-def test_plot_pareto_errors(tmp_path, override, match):
+def test_render_pareto_errors(override, match):
     with pytest.raises(ValueError, match=match):
-        plot_pareto([_entry("full", {}, 0.8, 1.0) | override], tmp_path / "p.png")
-    assert not list(tmp_path.iterdir())
+        render_pareto([_entry("full", {}, 0.8, 1.0) | override])
 
 
 def test_write_report(tmp_path, summary):

@@ -588,16 +588,13 @@ def test_plan_reads_a_parameter_written_with_the_method():
     labels = [v.label for v in plan(settings, FusionConfig(ratio=0.15, epic_k=16), Config())]
     assert labels == ["full", "cacheblend r=0.15", "cacheblend r=0.5", "epic@neighbours k=24"]
     assert parse_variant("epic:k=24", FusionConfig(), Config()).fusion(FusionConfig()).epic_k == 24
-    bounded = parse_variant("cacheblend:drift=0.3", FusionConfig(ratio=0.15), Config())
-    assert bounded.label == "cacheblend r=0.15 drift=0.3"
-    assert (bounded.fusion(FusionConfig()).ratio, bounded.fusion(FusionConfig()).drift_limit) == (0.15, 0.3)
-    assert parse_variant("epic_match:drift=0.2", FusionConfig(), Config()).fusion(FusionConfig()).drift_limit == 0.2
+    assert parse_variant("epic_match:k=8", FusionConfig(), Config()).label == "epic_match k=8"
     for bad, message in [
         ("reuse:k=3", "reuse takes no parameter"),
         ("epic:r=0.1", "epic takes only k=VALUE"),
         ("epic:k=2.5", "k must be an int, got '2.5'"),
         ("cacheblend:r=x", "r must be a number"),
-        ("cacheblend:k=3", "cacheblend takes one of r=VALUE or drift=VALUE"),
+        ("cacheblend:k=3", "cacheblend takes only r=VALUE"),
     ]:
         with pytest.raises(ValueError, match=message):
             plan(BenchSettings(methods=("full", bad), baseline="full"), FusionConfig(), Config())

@@ -14,13 +14,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_fusion import ATOL
+from test_fusion import ATOL, rerotate
 from test_methods_neighbours import DOCS
 
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.engine.ops import rerotate_keys
 from rag_kvcache.errors import StorageFullError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import STORED_MEANS_KEY, KVIndex
@@ -157,7 +156,7 @@ def test_a_cache_moved_into_the_context_is_re_rotated(tiny, index):
         assert keys[layer].shape[1] == at + len(b)
         torch.testing.assert_close(
             keys[layer][:, at:],
-            rerotate_keys(kv_b.keys[layer], at - len(fmt.prefix_ids), tiny.inv_freq),
+            rerotate(kv_b.keys[layer], at - len(fmt.prefix_ids), tiny.inv_freq),
             atol=ATOL,
             rtol=0,
         )

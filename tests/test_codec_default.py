@@ -53,7 +53,9 @@ def test_a_default_index_stores_int8_keys_and_4_bit_values_and_says_the_size_fir
     # half a byte and a float32 scale and low end per channel (one group: chunks under 64 tokens); two caches,
     # neither at a sequence's start
     keys, values = 1 + 4 / CFG.index.chunk_tokens, 0.5 + 8 / CFG.index.chunk_tokens
-    assert index.kv_bytes_per_token == per_chunk * tiny.layout.bytes_per_token / 2 * (keys + values) / 4
+    layout = tiny.layout
+    raw = layout.n_layers * layout.n_kv_heads * layout.head_dim * layout.dtype.itemsize  # K (or V) of a token
+    assert index.kv_bytes_per_token == per_chunk * raw * (keys + values) / 4
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):

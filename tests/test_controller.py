@@ -73,7 +73,8 @@ def test_calibrate_saves_what_resolve_ratio_uses(tiny, tmp_path):
         resolve_ratio(auto, index.adapter)
     cal = calibrate(tiny, tmp_path / "idx", cfg.index.codec, cfg.runtime.cache_dir, n_tokens=32, entries=2, repeats=1)
     assert set(cal.read_bytes_per_s) == {"memory", "page_cache", "disk"} and cal.prefill_s_per_token_layer > 0
-    assert cal.bytes_per_token_layer > tiny.layout.bytes_per_token / tiny.layout.n_layers  # + header
+    layout = tiny.layout
+    assert cal.bytes_per_token_layer > 2 * layout.n_kv_heads * layout.head_dim * layout.dtype.itemsize  # + header
     assert load_calibration(cfg.runtime.cache_dir, tiny, "none") == cal
     resolved, decision = resolve_ratio(auto, index.adapter)
     assert (

@@ -15,8 +15,6 @@ from rag_kvcache.engine.ops import (
     causal_attend,
     causal_mask_for,
     query_blocks,
-    relative_deviation,
-    rerotate_keys,
     rotate_keys,
     rotation,
 )
@@ -57,22 +55,27 @@ def run(adapter, inp, method, **cfg):
     return get_method(method)(adapter, inp, FusionConfig(method=method, **{"epic_k": 16, **cfg}))
 
 
+def rerotate(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [H_kv, T, D] computed at positions p, moved to p + delta."""
+    return rotate_keys(keys, *rotation(delta, inv_freq))
+
+
 def test_rerotation_equals_computing_at_offset(tiny):
     ids = torch.randint(1000, 20000, (1, 20))
     at_zero = tiny.model(input_ids=ids, position_ids=torch.arange(20)[None], use_cache=True).cache
     offset = 137
     at_p = tiny.model(input_ids=ids, position_ids=torch.arange(offset, offset + 20)[None], use_cache=True).cache
     for a, b in zip(at_zero.layers, at_p.layers):
-        torch.testing.assert_close(rerotate_keys(a.keys[0], offset, tiny.inv_freq), b.keys[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(rerotate(a.keys[0], offset, tiny.inv_freq), b.keys[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(a.values[0], b.values[0], atol=ATOL, rtol=0)
 
 
 def test_rerotation_is_per_token_and_invertible(tiny):
     k = torch.randn(2, 5, 16)
     deltas = torch.tensor([0, 3, -7, 100, 2048])
-    moved = rerotate_keys(k, deltas, tiny.inv_freq)
+    moved = rerotate(k, deltas, tiny.inv_freq)
     torch.testing.assert_close(moved[:, 0], k[:, 0])
-    torch.testing.assert_close(rerotate_keys(moved, -deltas, tiny.inv_freq), k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rerotate(moved, -deltas, tiny.inv_freq), k, atol=1e-5, rtol=0)
 
 
 def test_rerotation_in_place_and_identity_are_exact(tiny):
@@ -288,69 +291,6 @@ def test_a_refine_that_drops_the_last_token_is_refused(tiny, keep):
     match = "kept no token" if keep == "none" else "dropped the last prompt token"
     with pytest.raises(ValueError, match=match):
         selective_prefill(tiny, inp, (inp.fresh | inp.reusable).nonzero()[:, 0], refine, settled=2)
-
-
-def test_cacheblend_drift_estimate_is_what_its_selection_leaves(tiny):
-    """The check layer's drift estimate: 0 when every reusable token is recomputed (ratio 1.0), the largest when
-    none is (ratio 0), falling as the ratio rises; recorded, and nothing bounded, without a limit."""
-    inp = rag_prompt(tiny, isolated=True)  # chunks cached without their prompt context: they deviate
-    drifts = [run(tiny, inp, "cacheblend", ratio=r) for r in (0.0, 0.15, 0.5, 1.0)]
-    assert [d.bounded for d in drifts] == [False] * 4
-    assert drifts[0].drift > drifts[1].drift > drifts[2].drift > drifts[3].drift == 0.0
-
-
-def test_epic_match_over_its_drift_limit_equals_prefix_and_under_it_is_its_own(tiny):
-    """epic_match's drift estimate (the K deviation of the chunk tokens it recomputes, over `drift_layers` layers
-    from the check layer): a question over the limit is answered as `prefix`, whose K/V and logits are full
-    prefill's; under it, epic_match's own tokens, its own K/V and logits."""
-    inp = rag_prompt(tiny, isolated=True)  # chunks cached without their prompt context: they deviate
-    plain = run(tiny, inp, "epic_match")
-    full = run(tiny, inp, "full")
-    under = run(tiny, inp, "epic_match", drift_limit=1e9, drift_layers=2)
-    assert under.drift > 0 and not under.bounded and plain.drift is None
-    assert under.active_per_layer == plain.active_per_layer
-    torch.testing.assert_close(under.logits, plain.logits, atol=ATOL, rtol=0)
-    over = run(tiny, inp, "epic_match", drift_limit=under.drift / 2, drift_layers=2)
-    assert over.bounded and over.drift == under.drift
-    torch.testing.assert_close(over.logits, full.logits, atol=ATOL, rtol=0)
-    for k, k_full in zip(over.keys, full.keys):
-        torch.testing.assert_close(k, k_full, atol=ATOL, rtol=0)
-
-
-def test_epic_match_drift_layers_beyond_the_model_are_refused(tiny):
-    inp = rag_prompt(tiny)
-    with pytest.raises(ValueError, match=r"reads layers 1\.\.4, beyond the model's 4 layers"):
-        run(tiny, inp, "epic_match", drift_limit=0.1, drift_layers=4)
-
-
-def test_relative_deviation_counts_only_the_tokens_it_is_given():
-    """0 for tokens equal to their caches, the relative norm of the difference otherwise; a token not counted
-    weighs nothing however far it is."""
-    cached = torch.ones(2, 3, 4)  # [H_kv, T, D]
-    fresh = cached.clone()
-    fresh[:, 2] = 100.0  # token 2 far off
-    fresh[:, 1] = 2.0  # token 1 off by its own norm
-    cached[:, 2] = float("nan")  # what an uncached token's memory may hold
-    counted = torch.tensor([True, True, False])
-    assert float(relative_deviation(fresh, cached, counted)) == pytest.approx((1 / 2) ** 0.5)
-    assert float(relative_deviation(cached, cached, counted)) == 0.0
-    assert float(relative_deviation(fresh, cached, torch.zeros(3, dtype=torch.bool))) == 0.0
-
-
-def test_cacheblend_over_its_drift_limit_equals_full(tiny):
-    """A question whose drift estimate exceeds the limit is recomputed from the check layer on: full prefill's
-    cache and logits (ratio 1.0's invariant); under the limit it is CacheBlend's own, bit for bit."""
-    inp = rag_prompt(tiny, isolated=True)
-    plain = run(tiny, inp, "cacheblend", ratio=0.15)
-    full = run(tiny, inp, "full")
-    over = run(tiny, inp, "cacheblend", ratio=0.15, drift_limit=plain.drift / 2)
-    assert over.bounded and over.drift == plain.drift
-    torch.testing.assert_close(over.logits, full.logits, atol=ATOL, rtol=0)
-    for k, k_full in zip(over.keys, full.keys):
-        torch.testing.assert_close(k, k_full, atol=ATOL, rtol=0)
-    under = run(tiny, inp, "cacheblend", ratio=0.15, drift_limit=plain.drift * 2)
-    assert not under.bounded and under.active_per_layer == plain.active_per_layer
-    assert torch.equal(under.logits, plain.logits)
 
 
 def test_an_unset_epic_k_is_an_eighth_of_the_chunk_size_and_a_method_refuses_it_unset(tiny):

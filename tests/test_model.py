@@ -113,10 +113,6 @@ def test_fingerprint_ignores_the_transformers_release_that_wrote_the_config(toke
     assert ModelAdapter(other_eps, tokenizer, "a").fingerprint != a
 
 
-def test_kv_bytes_per_token(tiny):
-    assert tiny.layout.bytes_per_token == 2 * 4 * 2 * 16 * 4
-
-
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
 def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
     """`finish` (o_proj, residuals, the MLP with its activation and product in place, gate and up in one

@@ -12,7 +12,7 @@ import torch
 
 from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.engine.ops import rerotate_keys
+from rag_kvcache.engine.ops import rotate_keys, rotation
 from rag_kvcache.index import KVIndex
 
 out = Path(sys.argv[1])
@@ -51,7 +51,7 @@ for chunk in nb.chunks.all_chunks():
         assert ref.position == mine.position == len(ctx)
         stats = []
         for layer in range(ref.n_layers):
-            bp_k = rerotate_keys(bp.keys[layer], ref.position - bp.position, adapter.inv_freq)
+            bp_k = rotate_keys(bp.keys[layer], *rotation(ref.position - bp.position, adapter.inv_freq))
             stats.append(
                 [
                     rel(mine.keys[layer], ref.keys[layer]),

@@ -19,6 +19,10 @@ Reads a `rag-kvcache bench` run with `full` and the method; its records carry ea
   full's, and its TTFT is taken as `full`'s measured TTFT on that question (the bounded run also did the
   method's own forward, CacheBlend's first layers or all of `epic_match`'s: an underestimate of the cost).
 - The same trade-off for every limit: mean KL against mean TTFT over all questions (the plot).
+
+The drift estimates and `drift_limit` have since been removed from the package (neither estimate predicted which
+questions drift: this script's finding); it reads the records of bench runs made before (each with `drift` and
+`bounded`), and a current run's records carry neither.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Does `epic_evidence` pick the planted fact's sentence? For each planted question of a `rag-kvcache bench`
+"""Does `epic_evidence` (a fusion method since removed from the package: EPIC plus the sentences the index's
+embedder finds closest to the question; `sentence_relevance` and `closest_sentences` below are its selection)
+pick the planted fact's sentence? For each planted question of a `rag-kvcache bench`
 run (its `--out` folder, reusing its index): the prompt's chunks as the bench lays them out (retrieved, the
 fact's chunk moved to its rank), the sentences the first chunk's cache does not make exact scored by the
-index's embedder (`sentences.sentence_relevance`), the `evidence_sentences` best taken (`closest_sentences`),
+index's embedder (`sentence_relevance`), the `N_SENTENCES` best taken (`closest_sentences`),
 and whether one of them holds the fact's answer; beside it, `full`'s and `epic_evidence`'s planted-fact hit.
 No model is run: the question is embedded from its own tokens (the bench's prompt wraps it in a template).
 
@@ -12,17 +14,64 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rag_kvcache.bench.corpus import place_evidence
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.config import FusionConfig
-from rag_kvcache.engine.sentences import Lexicon, closest_sentences, sentence_ids, sentence_relevance
+from rag_kvcache.engine.sentences import MAX_SENTENCE_TOKENS, Lexicon, sentence_ids
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.embedder import load_embedder
+
+N_SENTENCES = 2  # epic_evidence's default: sentences recomputed a prompt
+
+
+Embed = Callable[[list[str]], np.ndarray]  # texts -> [T, E] L2-normalised embeddings
+
+
+def sentence_relevance(
+    ids: torch.Tensor,
+    lexicon: Lexicon,
+    part: torch.Tensor,
+    candidate: torch.Tensor,
+    question: torch.Tensor,
+    tokenizer: PreTrainedTokenizerFast,
+    embed: Embed,
+) -> torch.Tensor:
+    """Each token's sentence's cosine similarity to the question [N], as `embed` reads both texts, for the
+    sentences within `candidate` tokens (no longer than MAX_SENTENCE_TOKENS); -inf for every other token.
+    One `embed` call for the question and every scored sentence. `ids`, `part` [N]: token ids and segment
+    numbers; `candidate`, `question` [N] bool."""
+    sentence = sentence_ids(lexicon.sentence_end[ids], part)  # [N]
+    lengths = torch.bincount(sentence)  # [S]
+    outside = torch.zeros_like(lengths).index_add_(0, sentence, (~candidate).long())  # [S], tokens not candidates
+    scored = ((outside == 0) & (lengths <= MAX_SENTENCE_TOKENS)).nonzero()[:, 0]  # [S']
+    relevance = torch.full(lengths.shape, -torch.inf, device=ids.device)  # [S]
+    if scored.numel():
+        words = torch.split(ids.cpu(), lengths.tolist())  # S tensors of token ids, the sentences in order
+        asked = str(tokenizer.decode(ids[question].tolist(), skip_special_tokens=True))
+        texts = [str(tokenizer.decode(words[s].tolist(), skip_special_tokens=True)) for s in scored.tolist()]
+        vectors = embed([asked, *texts])  # [1 + S', E]
+        cosine = torch.from_numpy(np.asarray(vectors[1:] @ vectors[0], dtype=np.float32))  # [S']
+        relevance[scored] = cosine.to(ids.device)
+    return relevance[sentence]  # [N]
+
+
+def closest_sentences(relevance: torch.Tensor, sentence: torch.Tensor, n: int) -> torch.Tensor:
+    """The tokens [N] of the `n` sentences of highest `relevance` ([N], each token its sentence's score, -inf:
+    never chosen); `sentence` [N] numbers each token's sentence (`sentence_ids`)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n!r}")
+    score = torch.full((int(sentence[-1]) + 1,), -torch.inf, device=relevance.device)  # [S]
+    score = score.scatter_reduce(0, sentence, relevance, "amax")  # [S]
+    best = score.topk(min(n, score.numel())).indices  # [n]
+    chosen = torch.zeros_like(score, dtype=torch.bool).index_fill_(0, best, True) & score.isfinite()  # [S]
+    return chosen[sentence]  # [N]
+
 
 kind, out, model_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 plan = json.loads((out / "plan.json").read_text())
@@ -34,7 +83,7 @@ records: dict[str, dict[str, dict]] = {}
 for line in (out / "records.jsonl").read_text().splitlines():
     r = json.loads(line)
     records.setdefault(r["id"], {})[r["method"]] = r
-n_sentences = FusionConfig().evidence_sentences
+n_sentences = N_SENTENCES
 rows = []
 for ex in load_dataset(f"{kind}:/work/shared/data/musique_dev.json", top_k=plan["top_k"])[: len(records)]:
     hits, found = place_evidence(chunks.search(ex.question, plan["top_k"]), ex)

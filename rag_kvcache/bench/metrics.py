@@ -49,13 +49,6 @@ def max_f1(prediction: str, answers: Sequence[str]) -> float:
     return max(f1_score(prediction, answer) for answer in answers)
 
 
-def exact_match(prediction: str, answers: Sequence[str]) -> float:
-    """1.0 if the normalised prediction equals any normalised reference answer, else 0.0."""
-    _require_answers(answers)
-    pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(answer) for answer in answers))
-
-
 def contains_answer(prediction: str, answers: Sequence[str]) -> bool:
     """Whether any normalised reference answer occurs, on word boundaries, in the normalised prediction."""
     _require_answers(answers)

@@ -207,7 +207,11 @@ LABEL_OFFSETS = ((5, 5, "left"), (5, -11, "left"), (-5, 5, "right"), (-5, -11, "
 KL_LINTHRESH = 1e-6  # symlog: exact methods (KL 0) stay on the axis, the rest is log-scaled
 
 
-def _render_pareto(summary: Sequence[Entry]) -> bytes:
+def render_pareto(summary: Sequence[Entry]) -> bytes:
+    """PNG of fidelity against median TTFT (log x), one colour per method: the teacher-forced KL from
+    full (symlog y, the bfloat16 noise floor as a dashed line), and beside it the planted-fact accuracy
+    when the entries have it. Entries without a fidelity are left out (logged); none left, or a TTFT
+    not above 0, is a ValueError."""
     from matplotlib.figure import Figure  # deferred: heavy import; Figure avoids pyplot global state
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -260,14 +264,6 @@ def _render_pareto(summary: Sequence[Entry]) -> bytes:
     return buf.getvalue()
 
 
-def plot_pareto(summary: Sequence[Entry], path: str | os.PathLike[str]) -> None:
-    """PNG of fidelity against median TTFT (log x), one colour per method: the teacher-forced KL from
-    full (symlog y, the bfloat16 noise floor as a dashed line), and beside it the planted-fact accuracy
-    when the entries have it."""
-    atomic_write(Path(path), _render_pareto(summary))
-    logger.info("wrote %s", path)
-
-
 def _json_default(value: Any) -> Any:
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
@@ -301,7 +297,7 @@ def write_report(
     files = {
         "results.json": (text + "\n").encode("utf-8"),
         "results.md": _markdown(summary, meta, "pareto.png").encode("utf-8"),
-        "pareto.png": _render_pareto(summary),
+        "pareto.png": render_pareto(summary),
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():

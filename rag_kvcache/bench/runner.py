@@ -96,8 +96,6 @@ def _record(
         "generation_s": answer.generation_s,
         "generated_tokens": answer.generated_tokens,
         "cache_misses": answer.cache_misses,
-        "drift": answer.drift,
-        "bounded": answer.bounded,
         "chunks": [c.id for c in answer.chunks],
         "stages": _stages(answer),
         "f1_gold": max_f1(answer.answer, example.answers) if example.answers else None,

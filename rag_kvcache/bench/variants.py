@@ -19,13 +19,12 @@ DEFAULT_METHODS = ("full", "prefix", "reuse", "cacheblend", "epic", "epic_match"
 ALL_METHODS = "all"  # --methods all: every registered method at its defaults
 DEFAULT_BASELINE = "cacheblend"
 NOISE_FLOOR = {"kv": "bfloat16"}  # the params of the noise-floor row: full with its K/V rounded to bfloat16
-PARAM_FIELDS = {"r": "ratio", "k": "epic_k", "drift": "drift_limit", "s": "evidence_sentences"}
-PARAM_TYPES = {"r": float, "k": int, "drift": float, "s": int}
+PARAM_FIELDS = {"r": "ratio", "k": "epic_k"}
+PARAM_TYPES = {"r": float, "k": int}
 METHOD_PARAMS = {  # the first is always shown
-    "cacheblend": ("r", "drift"),
+    "cacheblend": ("r",),
     "epic": ("k",),
-    "epic_match": ("k", "drift"),
-    "epic_evidence": ("k", "s"),
+    "epic_match": ("k",),
 }
 
 
@@ -104,7 +103,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
 def parse_variant(spec: str, base: FusionConfig, config: Config, value: float | int | None = None) -> Variant:
     """The variant `spec` names, written `METHOD[:PARAM=VALUE][@CACHES]`: `epic:k=24` sets one of the method's
     parameters (`METHOD_PARAMS`; its first, shown in every label, is otherwise `value`, else `base`'s), e.g.
-    `cacheblend:drift=0.3` CacheBlend at the base ratio with a drift limit; `@caches` runs it on the caches of
+    `cacheblend:r=0.3` CacheBlend at ratio 0.3; `@caches` runs it on the caches of
     an index built with that `chunk_prefill` or codec (`config`'s own are the default and are not written)."""
     spec, _, caches = spec.partition("@")
     method, _, setting = spec.partition(":")

@@ -48,9 +48,6 @@ def ask(
     ),
     epic_k: Annotated[int | None, option(FusionConfig, "epic_k", min=0)] = default(FusionConfig, "epic_k"),
     match_words: Annotated[int, option(FusionConfig, "match_words", min=1)] = default(FusionConfig, "match_words"),
-    evidence_sentences: Annotated[int, option(FusionConfig, "evidence_sentences", min=1)] = default(
-        FusionConfig, "evidence_sentences"
-    ),
     max_new_tokens: Annotated[int, option(GenerationConfig, "max_new_tokens", min=1)] = default(
         GenerationConfig, "max_new_tokens"
     ),
@@ -106,7 +103,6 @@ def ask(
             deviation=deviation.value,
             epic_k=epic_k,
             match_words=match_words,
-            evidence_sentences=evidence_sentences,
         )
         cfg = cfg.with_generation(
             max_new_tokens=max_new_tokens,

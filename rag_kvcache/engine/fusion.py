@@ -87,12 +87,11 @@ class SegmentKV:
 
 @dataclass(frozen=True)
 class FusionInput:
-    """The prompt's tokens and its segments' caches: a layout, and for a method that asks for it
-    (`Method.reads_relevance`) each token's sentence's similarity to the question (`sentences.sentence_relevance`)."""
+    """The prompt's tokens and its segments' caches, laid out in prompt order: `parts[i]` starts where
+    `parts[i - 1]` ends, and the last part (the question) has no cache."""
 
     ids: torch.Tensor  # [N]
     parts: tuple[SegmentKV, ...]
-    relevance: torch.Tensor | None = None  # [N] float, -inf where a sentence is not scored
 
     @classmethod
     def build(
@@ -304,8 +303,6 @@ class FusionResult:
     compute_fraction: float  # token-layers through attention and MLP / (N x layers): the work relative to `full`
     active_per_layer: list[int] = field(default_factory=list)  # tokens whose K/V each layer computes
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of the prefill
-    drift: float | None = None  # the method's drift estimate (`methods.hkvd_prefill`, `methods.epic_match`)
-    bounded: bool = False  # the estimate exceeded `FusionConfig.drift_limit`: the question recomputed
 
 
 class Refine(Protocol):
@@ -414,12 +411,12 @@ def selective_prefill(
             h = adapter.finish(layer, h, attn)  # [A, E]
         through += active.numel()
     rest = range(settled, layout.n_layers)  # the active set fixed from here
-    logits = drift = None  # [V], the step's output when the settled layers run as one; [], its picks' estimate
+    logits = None  # [V], the step's output when the settled layers run as one
     if rest and adapter.graphs is not None:
         with clock.stage("layers"):  # the reads that fill the step's buffers, and the model's head, included
             forced = inp.fresh[active] if picks else None  # [A]
             at = StepInput(settled, h, active, *rope[1:], n, picks, forced, which)
-            logits, kv, drift = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
+            logits, kv = adapter.graphs.run(at, lambda out: reader.fill(rest, out))  # [V], [L', 2, H_kv, N, D]
         keys_all.extend(kv[:, 0].unbind(0))  # L' x [H_kv, N, D]
         values_all.extend(kv[:, 1].unbind(0))
     elif rest:
@@ -452,5 +449,4 @@ def selective_prefill(
         through / (n * layout.n_layers),
         counts,
         dict(clock.seconds),
-        drift=None if drift is None else float(drift),  # a sync, once the forward is queued
     )

@@ -40,7 +40,6 @@ from .ops import (
     causal_attend,
     causal_mask_for,
     kv_deviation,
-    left_deviation,
     mask_bias,
     pick_rows,
 )
@@ -182,7 +181,7 @@ class LayerStep:
         self.last_bias = torch.zeros(group, n_keys, dtype=dt, device=dev)  # [G, K]
         last_splits = key_splits(group, layout.n_kv_heads, n_keys, processors)
         self.last_plan = AttentionPlan(self.active[-1:], n_keys, (QueryRun(0, 1, 0, self.last_bias, last_splits),))
-        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None = None  # graph, outputs
+        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # graph, its logits
         if capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -191,16 +190,14 @@ class LayerStep:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out, drift = self.layers()  # [1, V], [], in the graph's memory
-            self.captured = graph, out, drift
+                out = self.layers()  # [1, V], in the graph's memory
+            self.captured = graph, out
 
-    def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def layers(self) -> torch.Tensor:
         """`settled_layers` over the static buffers between the picks (each run's attention bias made from its
-        active positions: padded rows see every key), then the model's head: the last token's logits [1, V],
-        and the first pick's drift estimate (`ops.left_deviation`; 0 without picks) []."""
+        active positions: padded rows see every key), then the model's head: the last token's logits [1, V]."""
         adapter, start = self.adapter, self.start
         h, active, cos, sin, forced = self.h, self.active, self.cos, self.sin, self.forced
-        drift = torch.zeros((), dtype=torch.float32, device=h.device)  # []
         at = start
         for i, plan in enumerate(self.plans):
             self.aim(plan, active)
@@ -221,11 +218,9 @@ class LayerStep:
             )  # [A, E]; [1, E] after the last layer
             if end == adapter.layout.n_layers:
                 break
-            h, active, cos, sin, forced, left = self.pick(i, h, active, cos, sin, forced)
-            if i == 0:
-                drift = left
+            h, active, cos, sin, forced = self.pick(i, h, active, cos, sin, forced)
             at = end + 1
-        return adapter.logits(h), drift  # [1, V], []
+        return adapter.logits(h)  # [1, V]
 
     def aim(self, plan: AttentionPlan, active: torch.Tensor) -> None:
         """Point `plan` at the rows at prompt positions `active` [A]: its bias rows (padded rows see every key),
@@ -242,7 +237,7 @@ class LayerStep:
     ) -> tuple[torch.Tensor, ...]:
         """Pick `i`'s layer: the K/V of every active row, the rows that go on picked by their deviation from the
         cache (`ops.pick_rows`), then Q, attention and MLP for those. Returns their h, positions, cos, sin and
-        forced flags, and the pick's drift estimate []."""
+        forced flags."""
         adapter, scratch = self.adapter, self.keys.numel()
         layer, size = self.picks[i]
         keys, values = self.kv[layer - self.start].unbind(0)  # [H_kv, K + 1, D]
@@ -254,9 +249,6 @@ class LayerStep:
         values.index_copy_(1, active, v)
         real = active != scratch  # [A]
         picked, kept = pick_rows(scores, forced, real, self.keep[i], size)  # [S] x 2
-        reusable = real & ~forced  # [A]
-        left = reusable & ~torch.zeros_like(real).index_put_((picked,), kept)  # [A]
-        drift = left_deviation(scores, cached, reusable, left)  # []
         on = kept[:, None]  # [S, 1]
         h, x, cos, sin = (torch.where(on, t[picked], 0.0) for t in (h, x, cos, sin))  # [S, E] x 2, [S, D] x 2
         active = torch.where(kept, active[picked], scratch)  # [S]
@@ -265,15 +257,13 @@ class LayerStep:
         self.aim(plan, active)
         q = adapter.q(layer, x, cos, sin)  # [H_q, S, D]
         attn = causal_attend(q, keys, values, plan, adapter.scale)  # [S, H_q * D]
-        return adapter.finish(layer, h, attn), active, cos, sin, forced, drift
+        return adapter.finish(layer, h, attn), active, cos, sin, forced
 
-    def __call__(
-        self, at: StepInput, fill: Callable[[torch.Tensor], None]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def __call__(self, at: StepInput, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the layers from `at` (its active set padded to this step's size); `fill` writes the layers' cached
         K/V into the [L', 2, H_kv, n, D] it is given (`LayerReader.fill`). Returns the last token's next-token
-        logits [V], every layer's K/V from `start` with the computed tokens' written, [L', 2, H_kv, n, D] (new
-        memory), and with picks the first pick's drift estimate [] (else None)."""
+        logits [V] and every layer's K/V from `start` with the computed tokens' written, [L', 2, H_kv, n, D]
+        (new memory)."""
         n, pad = at.n, self.active.numel() - at.active.numel()
         self.h[pad:].copy_(at.h)
         self.h[:pad].zero_()
@@ -288,12 +278,12 @@ class LayerStep:
                 self.keep[i].fill_(p.keep)
         fill(self.kv[:, :, :, :n])  # [L', 2, H_kv, n, D]
         if self.captured is None:
-            out, drift = self.layers()  # [1, V], []
+            out = self.layers()  # [1, V]
         else:
-            graph, out, drift = self.captured
+            graph, out = self.captured
             graph.replay()
-            out, drift = out.clone(), drift.clone()  # [1, V], []
-        return out[0], self.kv[:, :, :, :n].clone(), drift if at.picks else None  # [V], [L', 2, H_kv, n, D], []
+            out = out.clone()  # [1, V]
+        return out[0], self.kv[:, :, :, :n].clone()  # [V], [L', 2, H_kv, n, D]
 
 
 class LayerGraphs:
@@ -321,9 +311,7 @@ class LayerGraphs:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def run(
-        self, at: StepInput, fill: Callable[[torch.Tensor], None]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def run(self, at: StepInput, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """`LayerStep.__call__` in the step of `at`'s bucket (made, and on CUDA captured, the first time the
         bucket is asked for). With picks, the rows before the first pick (most of the prompt, through whole
         layers) are rounded up to a multiple of 256, not to a power of two, and each pick's rows to no more

@@ -10,8 +10,6 @@ picks the tokens it computes:
 - `epic`       EPIC LegoLink-k: additionally the first k tokens of every inexact chunk.
 - `epic_match` EPIC, and every sentence of an inexact chunk that restates what the question asks about
                (`match_words` question words) after an earlier such sentence in the prompt.
-- `epic_evidence` EPIC, and the `evidence_sentences` sentences of inexact chunks closest in meaning to the
-               question (the index's embedder): the evidence, found when the question uses other words.
 - `cacheblend` CacheBlend: all non-exact tokens up to the check layer, then only the tokens whose
                K (or V) deviates most from the cache (HKVD), narrowed gradually over `filter_steps`.
 
@@ -31,9 +29,9 @@ from ..config import FusionConfig
 from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selective_prefill
 from .graphs import Pick
 from .model import ModelAdapter
-from .ops import kv_deviation, left_deviation, relative_deviation, select_tokens
+from .ops import kv_deviation, select_tokens
 from .profiling import StageClock
-from .sentences import closest_sentences, echo_sentences, sentence_ids
+from .sentences import echo_sentences
 
 MethodFn = Callable[[FusionModel, FusionInput, FusionConfig, "StageClock | None", "LayerReader | None"], FusionResult]
 
@@ -41,14 +39,12 @@ MethodFn = Callable[[FusionModel, FusionInput, FusionConfig, "StageClock | None"
 @dataclass(frozen=True)
 class Method:
     """A registered fusion method; `reads_cache` is False for methods that compute every token, `exact`
-    True for those whose K/V equal a full prefill's over the caches they read (to float rounding),
-    `reads_relevance` True for those that read `FusionInput.relevance`."""
+    True for those whose K/V equal a full prefill's over the caches they read (to float rounding)."""
 
     name: str
     fn: MethodFn
     reads_cache: bool = True
     exact: bool = False
-    reads_relevance: bool = False
 
     def __call__(
         self,
@@ -64,13 +60,11 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(
-    name: str, reads_cache: bool = True, exact: bool = False, reads_relevance: bool = False
-) -> Callable[[MethodFn], MethodFn]:
+def register(name: str, reads_cache: bool = True, exact: bool = False) -> Callable[[MethodFn], MethodFn]:
     """Register a fusion method under `name` (replacing any method of that name)."""
 
     def deco(fn: MethodFn) -> MethodFn:
-        METHODS[name] = Method(name, fn, reads_cache, exact, reads_relevance)
+        METHODS[name] = Method(name, fn, reads_cache, exact)
         return fn
 
     return deco
@@ -136,33 +130,10 @@ def epic(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, 
 def epic_match(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
     """EPIC, and the sentences of inexact chunks that echo the question (`sentences.echo_sentences`: they
     share `match_words` words with it and an earlier sentence of the prompt does too), recomputed so
-    that each attends to the earlier ones as in a full prefill and the question's subject binds to its own.
-    With `drift_limit`, its drift estimate is the K deviation of the chunk tokens it recomputes (fresh against
-    their caches: `ops.relative_deviation`), averaged over `drift_layers` layers from the check layer; a question
-    over the limit is answered as `prefix` (exact), after the fused forward that estimated it."""
-    active = epic_match_tokens(adapter, inp, cfg).nonzero()[:, 0]  # [A]
-    if cfg.drift_limit is None:
-        return selective_prefill(adapter, inp, active, clock=clock, reader=reader)
-    layers = range(cfg.check_layer, cfg.check_layer + cfg.drift_layers)
-    if layers[-1] >= adapter.layout.n_layers:
-        raise ValueError(
-            f"epic_match's drift estimate reads layers {layers[0]}..{layers[-1]}, beyond the model's "
-            f"{adapter.layout.n_layers} layers (check_layer {cfg.check_layer}, drift_layers {cfg.drift_layers})"
-        )
-    drift: list[torch.Tensor] = []
-
-    def record(layer: int, now: torch.Tensor, fresh_kv, layer_cache) -> None:  # `now`: the active set, unchanged
-        if layer in layers:
-            drift.append(relative_deviation(fresh_kv[0], layer_cache[0][:, now], inp.reusable[now]))  # []
-        return None  # the tokens stay epic_match's
-
-    result = selective_prefill(adapter, inp, active, record, clock=clock, reader=reader, settled=layers[-1] + 1)
-    estimate = float(torch.stack(drift).mean())  # the one sync, after the forward
-    if estimate > cfg.drift_limit:
-        result = prefix(adapter, inp, cfg, clock, None)  # the caches read again, in this thread
-        result.bounded = True
-    result.drift = estimate
-    return result
+    that each attends to the earlier ones as in a full prefill and the question's subject binds to its own."""
+    return selective_prefill(
+        adapter, inp, epic_match_tokens(adapter, inp, cfg).nonzero()[:, 0], clock=clock, reader=reader
+    )
 
 
 def epic_match_tokens(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig) -> torch.Tensor:
@@ -171,23 +142,6 @@ def epic_match_tokens(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig)
     question = inp.token_mask(lambda p: p is inp.parts[-1])  # [N]
     echoes = echo_sentences(inp.ids, adapter.lexicon, inp.segment_of, chunks, question, cfg.match_words)  # [N]
     return inp.fresh | chunk_heads(inp, cfg.epic_k) | (echoes & inp.reusable)  # [N]
-
-
-@register("epic_evidence", reads_relevance=True)
-def epic_evidence(adapter: FusionModel, inp: FusionInput, cfg: FusionConfig, clock=None, reader=None) -> FusionResult:
-    """EPIC, and the `evidence_sentences` sentences of inexact chunks closest in meaning to the question
-    (`inp.relevance`, from the index's embedder), recomputed so that each attends to the chunks before it as
-    in a full prefill: the evidence `epic_match` finds by the question's words, found when it uses others."""
-    if inp.relevance is None:
-        raise ValueError(
-            "epic_evidence reads each sentence's relevance to the question (FusionInput.relevance), "
-            "which this prompt was laid out without"
-        )
-    sentence = sentence_ids(adapter.lexicon.sentence_end[inp.ids], inp.segment_of)  # [N]
-    relevant = inp.relevance.masked_fill(~inp.reusable, -math.inf)  # [N]
-    evidence = closest_sentences(relevant, sentence, cfg.evidence_sentences)  # [N]
-    active = inp.fresh | chunk_heads(inp, cfg.epic_k) | evidence  # [N]
-    return selective_prefill(adapter, inp, active.nonzero()[:, 0], clock=clock, reader=reader)
 
 
 def filter_schedule(cfg: FusionConfig, n_layers: int) -> dict[int, float]:
@@ -217,7 +171,7 @@ def hkvd_prefill(
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
     uncached token; all non-exact tokens are computed up to the first such layer. With `adapter.graphs`
     the whole forward is one captured step (`graphs.Pick`: the counts kept are known before it starts),
-    unless `cfg.drift_limit` must be read within it or a pick is at the last layer."""
+    unless a pick is at the last layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_fresh, n_reusable = inp.count(lambda p: p.fresh), inp.count(lambda p: p.reusable)  # on the host: no sync
     which = 0 if cfg.deviation == "k" else 1
@@ -225,36 +179,18 @@ def hkvd_prefill(
     keeps, n = {}, n_fresh + n_reusable  # layer -> tokens kept from it; the active set only shrinks
     for layer in sorted(schedule):
         keeps[layer] = n = min(n, n_fresh + round(schedule[layer] * n_reusable))
-    if adapter.graphs is not None and cfg.drift_limit is None and max(schedule) < adapter.layout.n_layers - 1:
+    if adapter.graphs is not None and max(schedule) < adapter.layout.n_layers - 1:
         picks = tuple(Pick(layer, keep) for layer, keep in keeps.items())
         return selective_prefill(adapter, inp, initial, clock=clock, reader=reader, picks=picks, which=which)
-    check = min(schedule)
-    drift: list[torch.Tensor] = []  # the check layer's estimate, read once the forward is done
-    bounded = False
 
     def refine(layer: int, active: torch.Tensor, fresh_kv, layer_cache) -> torch.Tensor | None:
-        nonlocal bounded
-        if layer not in schedule or bounded:
+        if layer not in schedule:
             return None
-        forced = fresh[active]  # [A]
-        cached = layer_cache[which][:, active]  # [H_kv, A, D]
-        score = kv_deviation(fresh_kv[which], cached)  # [A]
-        score.masked_fill_(forced, math.inf)  # every uncached token is active, and kept
-        keep = select_tokens(score, keeps[layer])  # [A']
-        if layer == check:
-            reusable_here = ~forced  # [A]
-            left = reusable_here.clone()  # [A]
-            left[keep] = False
-            drift.append(left_deviation(score, cached, reusable_here, left))
-            if cfg.drift_limit is not None and drift[0].item() > cfg.drift_limit:  # the one sync, when bounded
-                bounded = True
-                return None  # every active token goes on: full prefill's K/V from here
-        return keep
+        score = kv_deviation(fresh_kv[which], layer_cache[which][:, active])  # [A]
+        score.masked_fill_(fresh[active], math.inf)  # every uncached token is active, and kept
+        return select_tokens(score, keeps[layer])  # [A']
 
-    result = selective_prefill(adapter, inp, initial, refine, clock=clock, reader=reader, settled=max(schedule) + 1)
-    result.drift = float(drift[0]) if drift else None
-    result.bounded = bounded
-    return result
+    return selective_prefill(adapter, inp, initial, refine, clock=clock, reader=reader, settled=max(schedule) + 1)
 
 
 @register("cacheblend")

@@ -68,11 +68,6 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
 
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
-
 
 def _fuse_rows(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight [sum of outputs, in] (and bias) for projections that read the same input, the modules'

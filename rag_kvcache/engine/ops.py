@@ -65,11 +65,6 @@ def rotate_keys(
     return turned.to(keys.dtype) if out is None else out.copy_(turned)
 
 
-def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Move keys [H_kv, T, D] computed at positions p to positions p + delta."""
-    return rotate_keys(keys, *rotation(delta, inv_freq.to(keys.device)))  # [H_kv, T, D]
-
-
 def causal_mask_for(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
     """Exact causal mask for scattered queries: query at position i sees key at j iff j <= i.
 
@@ -411,18 +406,6 @@ def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     return diff.square().sum(dim=(0, 2)).sqrt()  # [T]
 
 
-def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-    """sqrt(sum ||fresh - cached||^2 / sum ||cached||^2) over the tokens `counted` [T] (bool) picks, of K (or V)
-    [H_kv, T, D] computed afresh and read from a cache; 0 when it picks none. Selected with `where`, not indexed
-    (no sync), and not multiplied by a 0/1 weight: an uncounted token's memory may hold any bits (a token
-    without a cache is never written there), NaN among them."""
-    pick = counted[None, :, None]  # [1, T, 1]
-    c = cached.to(torch.float32)  # [H_kv, T, D]
-    deviation = torch.where(pick, fresh.to(torch.float32) - c, 0.0).square().sum()  # []
-    size = torch.where(pick, c, 0.0).square().sum()  # []
-    return (deviation / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []
-
-
 def select_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     """Indices of the `n_keep` highest scores [T], in ascending (prompt) order."""
     n_keep = max(0, min(n_keep, scores.numel()))
@@ -442,17 +425,3 @@ def pick_rows(
     picked = torch.arange(size, device=scores.device) < n_keep  # [size]
     order = torch.where(picked, top, -1).sort().indices  # [size]: padding first, then by row
     return top[order], picked[order]  # [size] x 2
-
-
-def left_deviation(
-    scores: torch.Tensor, cached: torch.Tensor, reusable: torch.Tensor, left: torch.Tensor
-) -> torch.Tensor:
-    """CacheBlend's drift estimate at its check layer: the deviation `scores` [A] (`kv_deviation`) of the tokens
-    its selection `left` [A] (bool) to the cache, relative to the cached K (or V) [H_kv, A, D] of every `reusable`
-    token [A] (bool): sqrt(sum of the left tokens' squared deviation / sum of the reusable tokens' squared cached
-    norm). 0 when the selection keeps every deviating token. Selected with `where`: other tokens' memory may
-    hold any bits."""
-    energy = torch.where(left, scores, 0.0).square().sum()  # [], the deviation left
-    c = cached.to(torch.float32)  # [H_kv, A, D]
-    size = torch.where(reusable[None, :, None], c, 0.0).square().sum()  # [], the reusable tokens'
-    return (energy / size.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()  # []

@@ -4,17 +4,13 @@ A chunk cached apart never saw the chunks before it in the prompt. Where two sen
 say the same kind of thing about different subjects (two catalogue entries, two founders), full
 prefill lets the later one attend to the earlier; its reused cache cannot, and the question's answer
 then binds to the wrong one. `echo_sentences` finds those later sentences: every sentence after the
-first in the prompt's chunks that shares enough words with the question. Where the question says it in
-other words, `sentence_relevance` scores every sentence by meaning (an embedder's cosine similarity to the
-question) and `closest_sentences` takes the best.
+first in the prompt's chunks that shares enough words with the question.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
@@ -113,46 +109,3 @@ def echo_sentences(
     echoes = (present.sum(1) >= min_shared) & (torch.bincount(sentence) <= MAX_SENTENCE_TOKENS)  # [S]
     echoes[echoes.nonzero()[:1, 0]] = False  # the first one stays as cached
     return echoes[sentence] & cached  # [N]
-
-
-Embed = Callable[[list[str]], np.ndarray]  # texts -> [T, E] L2-normalised embeddings
-
-
-def sentence_relevance(
-    ids: torch.Tensor,
-    lexicon: Lexicon,
-    part: torch.Tensor,
-    candidate: torch.Tensor,
-    question: torch.Tensor,
-    tokenizer: PreTrainedTokenizerFast,
-    embed: Embed,
-) -> torch.Tensor:
-    """Each token's sentence's cosine similarity to the question [N], as `embed` reads both texts, for the
-    sentences within `candidate` tokens (no longer than MAX_SENTENCE_TOKENS); -inf for every other token.
-    One `embed` call for the question and every scored sentence. `ids`, `part` [N]: token ids and segment
-    numbers; `candidate`, `question` [N] bool."""
-    sentence = sentence_ids(lexicon.sentence_end[ids], part)  # [N]
-    lengths = torch.bincount(sentence)  # [S]
-    outside = torch.zeros_like(lengths).index_add_(0, sentence, (~candidate).long())  # [S], tokens not candidates
-    scored = ((outside == 0) & (lengths <= MAX_SENTENCE_TOKENS)).nonzero()[:, 0]  # [S']
-    relevance = torch.full(lengths.shape, -torch.inf, device=ids.device)  # [S]
-    if scored.numel():
-        words = torch.split(ids.cpu(), lengths.tolist())  # S tensors of token ids, the sentences in order
-        asked = str(tokenizer.decode(ids[question].tolist(), skip_special_tokens=True))
-        texts = [str(tokenizer.decode(words[s].tolist(), skip_special_tokens=True)) for s in scored.tolist()]
-        vectors = embed([asked, *texts])  # [1 + S', E]
-        cosine = torch.from_numpy(np.asarray(vectors[1:] @ vectors[0], dtype=np.float32))  # [S']
-        relevance[scored] = cosine.to(ids.device)
-    return relevance[sentence]  # [N]
-
-
-def closest_sentences(relevance: torch.Tensor, sentence: torch.Tensor, n: int) -> torch.Tensor:
-    """The tokens [N] of the `n` sentences of highest `relevance` ([N], each token its sentence's score, -inf:
-    never chosen); `sentence` [N] numbers each token's sentence (`sentence_ids`)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n!r}")
-    score = torch.full((int(sentence[-1]) + 1,), -torch.inf, device=relevance.device)  # [S]
-    score = score.scatter_reduce(0, sentence, relevance, "amax")  # [S]
-    best = score.topk(min(n, score.numel())).indices  # [n]
-    chosen = torch.zeros_like(score, dtype=torch.bool).index_fill_(0, best, True) & score.isfinite()  # [S]
-    return chosen[sentence]  # [N]

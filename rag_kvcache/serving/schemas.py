@@ -51,7 +51,6 @@ class RagOptions(Strict):
     deviation: Literal["k", "v"] | None = None
     epic_k: int | None = Field(None, ge=0)
     match_words: int | None = Field(None, ge=1)
-    evidence_sentences: int | None = Field(None, ge=1)
     chunk_ids: list[str] | None = Field(None, min_length=1)
     top_k: int | None = Field(None, ge=1, le=64)
 
@@ -71,7 +70,6 @@ class RagOptions(Strict):
             "deviation",
             "epic_k",
             "match_words",
-            "evidence_sentences",
         )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
