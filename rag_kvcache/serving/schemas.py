@@ -86,14 +86,14 @@ class TextPart(Strict):
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None
+
     @field_validator("content")
     @classmethod
     def _some_parts(cls, value: str | list[TextPart]) -> str | list[TextPart]:
         if isinstance(value, list) and not value:
             raise ValueError("a list of content parts must hold at least one part")
         return value
-
-    name: str | None = None
 
     def text_parts(self) -> list[str]:
         return [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
