@@ -339,7 +339,7 @@ class IndexSettings:
         "the bytes of float32; the values of a cache at a sequence's start stay at 8 bits), int8 with "
         "per-channel scales (int8-channel: 0.26x; its caches' answers match float32 caches' within noise), "
         "int8 with per-token scales, fp8, or as computed (none: the only lossless one, with which `prefix` "
-        "and the first chunk are bit-exact). benchmarks/RESULTS.md (sessions 43-45) measures what each costs.",
+        "and the first chunk are bit-exact). docs/indexing-and-storage.md (Codecs) gives what each costs.",
     )
 
     def __post_init__(self) -> None:

@@ -1,43 +1,31 @@
 """The server's scheduler: continuous batching of concurrent requests' decoding steps.
 
-A request's fused prefill is its own (CacheBlend recomputes other tokens for every prompt), so
-prefills run one at a time; decoding is where requests share work. One loop, on the server's event
-loop, drives the engine's worker thread (where all model work runs) through ticks: it admits at
-most one waiting request's prefill (`FusedGenerator.start`, and its first token), then advances
-every decoding request by one token with one batched model step (`decode_together`: the weights
-are read once for all rows; their caches are slots of the scheduler's `DecodePool`, attended in one
-call a layer, each row over its own positions). A request leaves the batch when
-its answer is complete (end of sequence, stop string, `max_tokens`) or its client has gone, and a
-new one joins after its prefill, between two steps; at most `max_batch` decode together. With
-`max_batch` 1 a request is prefilled only when no other is decoding: one request at a time.
-
-Which waiting requests go first (`order`): `fcfs`, the oldest, one prefill a tick; or `cache_aware`, which
-first lets every waiting request whose prompt the conversation cache holds all of but a tail of at most
-`RIDE_TOKENS` (a chat's next turn, a question asked again, even while its first asking still decodes: a
-prompt's K/V are kept once its first token is out, `FusedGenerator.settle`) join the batch at once, without a
-prefill of its own: its held K/V go into its slot and its tail is fed by the next batched step, beside the
-decoding rows (`FusedGenerator.enter`: every method computes only that tail there), within `RIDE_TOKENS` tails
-a step and the batch's free places, of which the oldest request that needs a prefill keeps one (else a stream of cheap
-turns could fill the batch and hold a cold request back for as long as it lasts: only requests older than it
-go before it); the others are then prefilled oldest first
-(benchmarks/chat/trace.py and benchmarks/RESULTS.md: at 16 clients both the median and the p99 time to the
-first token fall under `fcfs`'s; least work first, tried, halves the median and lengthens the tail).
-
-With `prefetch`, a loader thread beside the engine's reads the chunk caches of the next waiting request to
-be prefilled from disk (or the remote tier) into the memory tier while the engine computes a prefill or a
-step (`FusedGenerator.load`, one request at a time, each once), so that its prefill reads them from memory; a
-load that fails is logged, and the prefill reads or recomputes the caches itself. The server turns it on where
-the caches wait on a network (`ServerConfig.prefetches`: a remote tier); from the local disk of a 2-core CPU the
-loader's reading competes with the engine's compute (benchmarks/RESULTS.md, sessions 33-34).
-
-Other engine work (building prompts, retrieval, documents) runs on the same worker between ticks.
-Work that no request waits for (`later`: a chat's shortened history prepared before its next turn
-needs it, `FusedGenerator.prepare_fit`) runs only when no request is waiting or decoding, one task at a
-time, at most `MAX_IDLE` queued (the oldest dropped first); a request that arrives meanwhile waits for
-the task in flight to finish. A task's failure is logged: no request depends on it.
-A failure in a prefill fails its request; one in a request's own sampling of a batched step fails
-that request alone, the others decode on as if it had not been there; one in the batched forward
-itself fails every request in that step (their rows shared it), each with the error.
+- Prefills run one at a time (each prompt's fusion is its own); decoding is shared. Each tick admits at most one
+  waiting request's prefill (`FusedGenerator.start`, which gives its first token), then advances every decoding
+  request by one token in one batched model step (`decode_together`: each request a slot of the scheduler's
+  `DecodePool`, attended in one call a layer over its own positions). At most `max_batch` requests decode
+  together; with `max_batch` 1 a request is prefilled only when none is decoding.
+- A request leaves the batch when its answer is complete (end of sequence, stop string, `max_tokens`) or its
+  client has gone; a new one joins after its prefill, between two steps.
+- `order="fcfs"`: the oldest waiting request is prefilled first, one a tick. `order="cache_aware"`: every waiting
+  request whose prompt the conversation cache holds all of but a tail of at most `RIDE_TOKENS` (a chat's next
+  turn, a question asked again, even while its first asking still decodes: `FusedGenerator.settle` keeps a
+  prompt's K/V once its first token is out) joins the batch without a prefill (`FusedGenerator.enter`: its held
+  K/V go into its slot, its tail is fed by the next batched step), within `RIDE_TOKENS` tail tokens a step and the
+  batch's free places; the oldest request that needs a prefill keeps one of those places, so only requests older
+  than it go before it; the others are then prefilled oldest first (time to first token against `fcfs`:
+  benchmarks/chat/trace.py).
+- `prefetch`: a loader thread reads the chunk caches of the next request to be prefilled into the memory tier
+  while the engine computes (`FusedGenerator.load`, one request at a time, each once); a load that fails is
+  logged, and the prefill reads or recomputes the caches itself. The server turns it on where the caches wait on
+  a network (`ServerConfig.prefetches`).
+- All model work runs on the engine's worker thread, between ticks. Work that no request waits for (`later`: a
+  chat's shortened history prepared before its next turn, `FusedGenerator.prepare_fit`) runs only when no request
+  is waiting or decoding, one task at a time, at most `MAX_IDLE` queued (the oldest dropped first); a request
+  that arrives meanwhile waits for the task in flight. A task's failure is logged: no request depends on it.
+- A failure in a prefill fails its request; one in a request's own sampling of a batched step fails that request
+  alone (the others decode on as if it had not been there); one in the batched forward fails every request in
+  that step, each with the error.
 """
 
 from __future__ import annotations
