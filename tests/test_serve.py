@@ -76,8 +76,8 @@ class Running:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
 
     def metrics(self) -> str:
-        """The server's /metrics page: one snapshot of every series."""
-        return httpx.get(f"{self.url}/metrics", headers=self.headers()).text
+        """The server's /metrics page as an admin key sees it (the whole server's): one snapshot of every series."""
+        return httpx.get(f"{self.url}/metrics", headers=self.admin_headers()).text
 
     def metric(self, name: str, **labels: str) -> float:
         return sample(self.metrics(), name, **labels)
@@ -860,7 +860,9 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(running, max_ba
     and decoded together, up to `max_batch` at once: each answer equals `ask`'s alone, a client that
     leaves mid-batch is dropped from it, and /metrics counts the batched steps (none above 1 request
     with max_batch=1, one of 3 with max_batch=3)."""
-    config = ServerConfig(api_keys=(KEY,), max_queue=8, max_batch=max_batch, max_prompt_tokens=400, max_tokens=LONG)
+    config = ServerConfig(
+        api_keys=(KEY,), admin_keys=(ADMIN,), max_queue=8, max_batch=max_batch, max_prompt_tokens=400, max_tokens=LONG
+    )
     server, thread, url = start_server(create_app(running.engine, config))
     batched = Running(url, running.engine, running.docs, running.model)
     ids = top_ids(running)

@@ -31,7 +31,7 @@ QUESTIONS = (
 @pytest.fixture(scope="module")
 def chatting(chat_adapter, tmp_path_factory) -> Iterator[Running]:  # noqa: F811
     root = tmp_path_factory.mktemp("chat")
-    config = ServerConfig(api_keys=(KEY, OTHER), max_prompt_tokens=1000)
+    config = ServerConfig(api_keys=(KEY, OTHER), admin_keys=(ADMIN,), max_prompt_tokens=1000)
     with serving(chat_adapter, root, config, conversation_bytes=64 << 20) as running:
         yield running
 
@@ -115,7 +115,7 @@ def test_a_chat_over_the_limit_drops_its_oldest_messages_once_and_the_next_turns
 
     from rag_kvcache.serving.openai_api import create_app
 
-    config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=260)
+    config = ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), max_prompt_tokens=260)
     server, thread, url = start_server(create_app(chatting.engine, config))
     refusing, rthread, rurl = start_server(create_app(chatting.engine, replace(config, history="refuse")))
     try:
@@ -155,7 +155,7 @@ def test_the_turn_that_outgrows_the_limit_reads_the_history_prepared_while_idle(
 
     from rag_kvcache.serving.openai_api import create_app
 
-    config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=260)
+    config = ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), max_prompt_tokens=260)
     server, thread, url = start_server(create_app(chatting.engine, config))
     running = replace(chatting, url=url)
     try:
