@@ -30,7 +30,7 @@ PathLike = str | os.PathLike[str]
 class Document:
     """One retrievable passage."""
 
-    title: str
+    title: str  # the passage's heading, written above its text in the corpus ("" for none)
     text: str
 
 

@@ -181,15 +181,15 @@ def _kind_matches_some(kind: object, schema: dict, productive: set[str]) -> bool
     """Whether some value of JSON type `kind` can match `schema`: an object's required properties and an array's
     first `minItems` items must each be satisfiable; other types always are."""
     if kind == "object":
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties = given if isinstance(given := schema.get("properties"), dict) else {}
         extra = schema.get("additionalProperties", True)
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        required = named if isinstance(named := schema.get("required"), list) else []
         return all(_matches_some(properties.get(name, extra), productive) for name in required if isinstance(name, str))
     if kind == "array":
         least = schema.get("minItems", 0)
         if not isinstance(least, int) or least < 1:
             return True
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        prefix = items if isinstance(items := schema.get("prefixItems"), list) else []
         if not all(_matches_some(item, productive) for item in prefix[:least]):
             return False
         return least <= len(prefix) or _matches_some(schema.get("items", True), productive)

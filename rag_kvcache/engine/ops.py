@@ -213,12 +213,12 @@ class RunCost:
     15.1 ns masked or not; a call 18-19 us, plus 0.20 (unmasked) / 0.55 (masked) us per query and
     0.06 / 0.08 us per key; merging two partial results by log-sum-exp ~15 us."""
 
-    call: float = 1_200
-    merge: float = 1_000
-    open_query: float = 13
-    open_key: float = 4
-    masked_query: float = 36
-    masked_key: float = 5
+    call: float = 1_200  # a call's fixed cost
+    merge: float = 1_000  # merging two partial results by log-sum-exp
+    open_query: float = 13  # each query of an unmasked call
+    open_key: float = 4  # each key of an unmasked call
+    masked_query: float = 36  # each query of a masked call
+    masked_key: float = 5  # each key of a masked call
 
     def run(self, n_queries: int, first: int, last: int, open_end: int) -> float:
         """Queries at positions first..last (ascending, `n_queries` of them) seeing keys [0, open_end)

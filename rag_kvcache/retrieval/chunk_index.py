@@ -61,28 +61,22 @@ class EmptyIndexError(RagKVCacheError, ValueError):
 
 
 @dataclass(frozen=True)
-class ChunkRecord:
+class ChunkRecord(Chunk):
     """An indexed chunk: a `Chunk` with its content-derived id."""
 
     id: str
-    source: str
-    ordinal: int
-    token_ids: tuple[int, ...]
-    char_start: int
-    char_end: int
-    text: str
 
     @classmethod
     def from_chunk(cls, chunk: Chunk) -> ChunkRecord:
         """The record of `chunk`, with its id derived from its source, ordinal and token ids."""
         return cls(
+            chunk.source,
+            chunk.ordinal,
+            chunk.token_ids,
+            chunk.char_start,
+            chunk.char_end,
+            chunk.text,
             id=chunk_id(chunk.source, chunk.ordinal, chunk.token_ids),
-            source=chunk.source,
-            ordinal=chunk.ordinal,
-            token_ids=chunk.token_ids,
-            char_start=chunk.char_start,
-            char_end=chunk.char_end,
-            text=chunk.text,
         )
 
 
@@ -91,7 +85,7 @@ class Hit:
     """A search result: the chunk and its cosine similarity to the query."""
 
     chunk: ChunkRecord
-    score: float
+    score: float  # in [-1, 1], higher is closer
 
 
 @dataclass(frozen=True)
@@ -524,4 +518,4 @@ def _record(row: Sequence) -> ChunkRecord:
     """A `ChunkRecord` from a row of `_RECORD_COLUMNS`."""
     chunk, source, ordinal, token_blob, char_start, char_end, text = row
     token_ids = tuple(np.frombuffer(token_blob, dtype=db.TOKEN_DTYPE).tolist())
-    return ChunkRecord(chunk, source, ordinal, token_ids, char_start, char_end, text)
+    return ChunkRecord(source, ordinal, token_ids, char_start, char_end, text, id=chunk)
