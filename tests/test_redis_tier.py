@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from redis_server import RedisServer, needs_redis_server
+from test_cli import model_dir  # noqa: F401 (a fixture: a saved tiny model for the CLI)
 from test_faults import CFG, QUESTION, write_docs
 from test_kvstore import make_kv
 from test_serve import start_server, stop_server
@@ -30,11 +31,13 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.serving.engine import Engine
 from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.serving.settings import ServerConfig
-from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError
+from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError, encode_entry
 from rag_kvcache.store.kvstore import KVStore
 from rag_kvcache.store.redis_tier import RedisTier
 
 pytestmark = needs_redis_server
+
+SECRET = b"cluster-secret-0123456789"
 
 
 @pytest.fixture()
@@ -44,8 +47,10 @@ def server(tmp_path):
     srv.stop()
 
 
-def remote_cfg(url: str) -> StorageConfig:
-    return replace(CFG.runtime.storage, remote=url)
+def remote_cfg(url: str, writable: bool = True) -> StorageConfig:
+    """The tests' storage over the remote tier at `url`, written by default (as by a trusted writer:
+    `remote_writable`; unset, a tier without a secret is read-only)."""
+    return replace(CFG.runtime.storage, remote=url, remote_writable=writable)
 
 
 def copy_without_caches(index_dir: Path, to: Path) -> Path:
@@ -69,12 +74,21 @@ def corpus(tiny, tmp_path_factory) -> tuple[Path, Answer]:
 @pytest.fixture()
 def shared(tiny, corpus, server, tmp_path) -> KVIndex:
     """The corpus's index on another machine: no disk caches; every cache in the remote tier."""
-    tier = RedisTier(remote_cfg(server.url), CFG.index.codec)
-    for path in (corpus[0] / "kv").rglob("*.safetensors"):
+    return on_another_machine(tiny, corpus[0], remote_cfg(server.url), tmp_path / "b")
+
+
+@pytest.fixture()
+def shared_with_secret(tiny, corpus, server, tmp_path) -> KVIndex:
+    """`shared`, its cluster sharing a secret: every remote entry authenticated."""
+    return on_another_machine(tiny, corpus[0], replace(remote_cfg(server.url), remote_secret=SECRET), tmp_path / "b")
+
+
+def on_another_machine(tiny, index_dir: Path, storage: StorageConfig, to: Path) -> KVIndex:
+    """The index at `index_dir` opened over `storage` with no disk caches, every cache in its remote tier."""
+    tier = RedisTier(replace(storage, remote_writable=True), CFG.index.codec)  # the machine that indexed, trusted
+    for path in (index_dir / "kv").rglob("*.safetensors"):
         tier.write(path.stem, path.read_bytes())
-    return KVIndex.open(
-        copy_without_caches(corpus[0], tmp_path / "b"), CFG.with_runtime(storage=remote_cfg(server.url)), adapter=tiny
-    )
+    return KVIndex.open(copy_without_caches(index_dir, to), CFG.with_runtime(storage=storage), adapter=tiny)
 
 
 def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
@@ -85,7 +99,7 @@ def remote_value(index: KVIndex, server: RedisServer) -> tuple[str, bytes]:
 
 @pytest.mark.parametrize("codec", ["none", "int8-channel"])
 def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
-    tier = RedisTier(StorageConfig(remote=server.url), codec)
+    tier = RedisTier(StorageConfig(remote=server.url, remote_writable=True), codec)
     kv = make_kv(layers=4, tokens=6)
     assert tier.open("k1") is None and "k1" not in tier
     assert tier.put("k1", kv) > 0 and "k1" in tier
@@ -95,7 +109,9 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
     torch.testing.assert_close(v, kv.values[2], atol=0.05 if codec != "none" else 0, rtol=0)
     layer_bytes = {"none": kv.keys[2].nbytes + kv.values[2].nbytes, "int8-channel": 2 * (2 * 6 * 8 + 2 * 8 * 4)}[codec]
     assert tier.stats.bytes_read == layer_bytes  # one layer's bytes crossed the network, not the entry's
-    other = RedisTier(StorageConfig(remote=server.url), "int8-token" if codec == "none" else "none")
+    other = RedisTier(
+        StorageConfig(remote=server.url, remote_writable=True), "int8-token" if codec == "none" else "none"
+    )
     assert other.open("k1") is None  # stored with another codec: a miss, never read as this codec
     tier.remove("k1")
     assert tier.open("k1") is None and (tier.stats.hits, tier.stats.misses, tier.stats.errors) == (1, 2, 0)
@@ -103,7 +119,8 @@ def test_a_remote_entry_is_read_one_layer_at_a_time(server, codec):
 
 def test_an_entry_is_written_once_by_the_first_writer(server, tmp_path):
     first, second = (
-        KVStore(tmp_path / name, "none", StorageConfig(memory_bytes=0, remote=server.url)) for name in "ab"
+        KVStore(tmp_path / name, "none", StorageConfig(memory_bytes=0, remote=server.url, remote_writable=True))
+        for name in "ab"
     )
     mine, theirs = make_kv(), make_kv(position=3)
     first.put("k1", mine)
@@ -146,7 +163,7 @@ def test_a_corrupt_remote_value_is_detected_and_repaired(shared, corpus, server,
 def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
     server = RedisServer(tmp_path / "redis", maxmemory="3mb")
     try:
-        tier = RedisTier(StorageConfig(remote=server.url), "none")
+        tier = RedisTier(StorageConfig(remote=server.url, remote_writable=True), "none")
         kvs = {f"k{i}": make_kv(layers=4, tokens=512, position=i) for i in range(24)}  # 256 KiB each
         for key, kv in kvs.items():
             tier.put(key, kv)
@@ -203,7 +220,7 @@ def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, 
 
 
 def test_an_entry_lost_mid_read_is_not_dropped(server):
-    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60), "none")
+    tier = RedisTier(StorageConfig(remote=server.url, remote_retry=60, remote_writable=True), "none")
     tier.put("k1", make_kv())
     entry = tier.open("k1")
     server.kill()
@@ -288,9 +305,6 @@ def test_an_entry_planted_in_the_shared_tier_before_indexing_is_not_taken_as_com
     torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
 
 
-SECRET = b"cluster-secret-0123456789"
-
-
 @pytest.mark.parametrize("forgery", ["another_chunk_entry", "moved_authenticated_value"])
 def test_with_a_shared_secret_a_forged_entry_is_dropped_and_recomputed(tiny, tmp_path, server, corpus, forgery, caplog):
     """With `remote_secret` every remote entry carries an HMAC over its key and bytes. A writer without
@@ -342,10 +356,12 @@ def test_an_index_built_with_the_shared_tier_warns_when_opened_without_it(tiny, 
     assert "shared tier" not in caplog.text
 
 
-def test_which_neighbour_caches_are_missing_is_one_request_to_the_shared_tier(shared, server, monkeypatch):
-    """An index whose caches are all in the shared tier (another machine's) asked which chunks lack a
-    neighbour cache: one request for every key, not one a key (about 13,000 round trips for the 4,472
-    chunks of the 88-question planted corpus); a key the server lost is found missing by it."""
+def test_which_neighbour_caches_are_missing_is_one_request_to_the_shared_tier(shared_with_secret, server, monkeypatch):
+    """An index whose caches are all in the shared tier (another machine's, authenticated with the cluster's
+    secret) asked which chunks lack a neighbour cache: one request reading every key's entry (verified), not
+    one a key (about 13,000 round trips for the 4,472 chunks of the 88-question planted corpus); a key the
+    server lost is found missing by it."""
+    shared = shared_with_secret
     remote = shared.store.remote
     requests = []
     ask_server = remote._request
@@ -359,9 +375,11 @@ def test_which_neighbour_caches_are_missing_is_one_request_to_the_shared_tier(sh
     assert len(requests) == 2
 
 
-def test_indexing_asks_the_shared_tier_once_which_neighbour_caches_to_compute(shared, server, monkeypatch):
-    """The neighbour pass over chunks whose caches are all in the shared tier computes none of them and asks the
-    server once for every chunk's caches, not once a cache; a cache the server lost is computed again."""
+def test_indexing_asks_the_shared_tier_once_which_neighbour_caches_to_compute(shared_with_secret, server, monkeypatch):
+    """The neighbour pass over chunks whose caches are all in the shared tier (authenticated) computes none of
+    them and asks the server once for every chunk's caches, not once a cache; a cache the server lost is
+    computed again."""
+    shared = shared_with_secret
     remote = shared.store.remote
     requests = []
     ask_server = remote._request
@@ -373,3 +391,114 @@ def test_indexing_asks_the_shared_tier_once_which_neighbour_caches_to_compute(sh
     server.client().delete(remote.redis_key(lost))
     assert shared.maker.precompute_neighbours(chunks, progress=False) == 1
     assert lost in shared.store
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no_secret", "secret"])
+def test_entries_planted_under_every_cache_key_before_indexing_are_computed_over(
+    tiny, tmp_path, server, corpus, secret, caplog
+):
+    """Validly encoded entries of other caches planted in the shared tier, before `index` ran, under the keys of
+    every cache the index will have (the prefix's, each chunk's own and its neighbour caches'), made the indexer
+    skip the neighbour caches (their keys EXISTed there), and the index then answered from the forgeries. Now
+    no cache is skipped for an entry that was not verified: every one is computed onto the index's disk, the
+    answer is the reference's; without a secret the tier is left as it was (read-only), with one the forgeries
+    fail their HMAC at indexing and are dropped."""
+    docs = write_docs(tmp_path / "docs", 3)
+    probe = KVIndex.build(docs, tmp_path / "probe", CFG, adapter=tiny, progress=False)  # the keys there will be
+    keys = sorted(probe.maker.live_keys())
+    assert len(keys) > 2 * len(probe.chunks)  # the neighbour caches are among them
+    planter = RedisTier(remote_cfg(server.url), CFG.index.codec)  # another writer, without the secret
+    for key, forged in zip(keys, keys[1:] + keys[:1]):
+        planter.write(key, probe.store.disk.path(forged).read_bytes())
+    planted = {k: server.client().get(planter.redis_key(k)) for k in keys}
+    storage = replace(remote_cfg(server.url, writable=False), remote_secret=secret)
+    with caplog.at_level(logging.WARNING):
+        index = KVIndex.build(docs, tmp_path / "idx", CFG.with_runtime(storage=storage), adapter=tiny, progress=False)
+    assert sorted(index.maker.live_keys()) == keys and all(key in index.store.disk for key in keys)
+    got = ask(index)
+    assert got.cache_misses == 0 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
+    remote = index.store.stats()["remote"]
+    if secret is None:  # read-only: nothing written, nothing deleted, no entry read (none could be trusted)
+        assert remote.bytes_written == 0 and remote.corrupt == 0 and remote.hits == 0
+        assert {k: server.client().get(planter.redis_key(k)) for k in keys} == planted
+    else:  # each forgery read once and dropped; the honest caches written in their place
+        assert remote.corrupt == len(keys) and "does not verify with this cluster's secret" in caplog.text
+        assert all(RedisTier(storage, CFG.index.codec).open(k) is not None for k in keys)
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["writable", "read_only"])
+@pytest.mark.parametrize("misfit", ["tokens", "heads"])
+def test_a_remote_entry_not_the_shape_its_key_names_is_dropped_and_recomputed(
+    tiny, corpus, server, tmp_path, misfit, writable, caplog
+):
+    """A remote entry, intact by its checksums, that is not the shape of the cache its key names (another
+    cache's token count, or K/V of other heads) failed every query that read it ("cache of segment 'chunk1'
+    has 126 tokens, segment has 119", or a shape error in the fusion). It is corrupt like any other: dropped,
+    recomputed, reported, and the answer is the reference's."""
+    shared = on_another_machine(tiny, corpus[0], remote_cfg(server.url, writable), tmp_path / "b")
+    key = shared.addressing.own_key(shared.search(QUESTION, 1)[0].chunk.token_ids)
+    name = shared.store.remote.redis_key(key)
+    entry = shared.store.remote.open(key)
+    if misfit == "tokens":  # the prefix's cache: another token count and position
+        forged = (
+            corpus[0]
+            / "kv"
+            / shared.store.path(shared.addressing.key(shared.format.prefix_ids, ())).relative_to(shared.store.root)
+        ).read_bytes()
+    else:  # a cache of the right tokens, position and layers, with one KV head more
+        layers = [entry.layer(i) for i in range(entry.n_layers)]
+        kv = ChunkKV(
+            [torch.cat([k, k[:1]]) for k, _ in layers], [torch.cat([v, v[:1]]) for _, v in layers], entry.position
+        )
+        forged = bytes(encode_entry(kv, shared.store.codec))
+    server.client().set(name, forged)
+    with caplog.at_level(logging.WARNING):
+        got = ask(shared)
+    assert "not the cache its key names" in caplog.text and "recomputed and rewrote" in caplog.text
+    assert got.cache_misses == 1 and got.answer == corpus[1].answer
+    torch.testing.assert_close(got.first_token_logits, corpus[1].first_token_logits, atol=1e-5, rtol=0)
+    assert shared.store.stats()["remote"].corrupt == 1 and key in shared.store.disk
+    left = server.client().get(name)
+    assert left == forged if not writable else left != forged  # read-only: left there, and read past
+    again = ask(shared)  # from the recomputed cache on this machine's disk, read before the shared tier
+    assert again.cache_misses == 0 and again.answer == corpus[1].answer
+
+
+def test_without_a_secret_the_shared_tier_is_read_only_unless_writable(tmp_path, server):
+    """No secret and no `remote_writable`: the store writes and deletes nothing in the shared tier, and says so
+    (`trust`, which `index` and `serve` print at start); `remote_writable` or a secret make it written."""
+    kv = make_kv()
+    stores = {
+        name: KVStore(tmp_path / name, "none", StorageConfig(memory_bytes=0, remote=server.url, **settings))
+        for name, settings in {
+            "read_only": {},
+            "writable": {"remote_writable": True},
+            "secret": {"remote_secret": SECRET},
+        }.items()
+    }
+    stores["read_only"].put("k1", kv)
+    assert server.client().dbsize() == 0 and "k1" in stores["read_only"].disk
+    assert "read-only (--kv-remote-writable to write it)" in stores["read_only"].trust()
+    stores["writable"].put("k1", kv)
+    assert server.client().dbsize() == 1 and "written too" in stores["writable"].trust()
+    stores["read_only"].discard("k1")
+    assert server.client().dbsize() == 1  # not deleted by the read-only store
+    stores["secret"].put("k2", kv)
+    assert server.client().dbsize() == 2 and "verify with the cluster's secret" in stores["secret"].trust()
+    assert stores["secret"].missing(["k1", "k2", "k3"]) == {"k1", "k3"}  # k1: not authenticated; k3: nowhere
+    assert stores["writable"].missing(["k1", "k2"]) == {"k2"}  # on its disk: k1; the shared tier vouches for none
+    assert "shared tier" not in KVStore(tmp_path / "local", "none").trust()
+
+
+def test_index_says_what_it_trusts_and_writes_the_shared_tier_only_when_told(tmp_path, server, model_dir):  # noqa: F811
+    """`index --kv-remote` without a secret prints that the tier is read-only and writes nothing there;
+    `--kv-remote-writable` writes it, and says so."""
+    docs = write_docs(tmp_path / "docs", 2)
+    args = ["index", str(docs), "--chunk-tokens", "128", "--model", str(model_dir), "--kv-remote", server.url]
+    read_only = CliRunner().invoke(app, [*args, "--index", str(tmp_path / "a")])
+    assert read_only.exit_code == 0, read_only.output
+    assert "read-only (--kv-remote-writable to write it)" in read_only.output and server.client().dbsize() == 0
+    writable = CliRunner().invoke(app, [*args, "--index", str(tmp_path / "b"), "--kv-remote-writable"])
+    assert writable.exit_code == 0, writable.output
+    assert "written too (--kv-remote-writable" in writable.output and server.client().dbsize() > 0

@@ -26,7 +26,11 @@ pytestmark = [pytest.mark.smollm2, needs_redis_server]
 def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_path: Path, caplog) -> None:
     server = RedisServer(tmp_path / "redis")
     try:
-        config = Config(index=IndexSettings(chunk_tokens=128)).with_index(codec="none").with_storage(remote=server.url)
+        config = (
+            Config(index=IndexSettings(chunk_tokens=128))
+            .with_index(codec="none")
+            .with_storage(remote=server.url, remote_writable=True)
+        )
         index = KVIndex.build(Path(rag_kvcache.__file__).parent / "demo", tmp_path / "a", config, progress=False)
         records = list(index.chunks.all_chunks())[:3]
         fmt = index.format

@@ -65,6 +65,7 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
 
 
 KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
+KVRemoteWritable = Annotated[bool, option(StorageConfig, "remote_writable", "--kv-remote-writable")]
 KVOnDevice = Annotated[bool, option(StorageConfig, "memory_on_device", "--kv-on-device/--kv-in-host")]
 # --device and --dtype of a command that opens an index: not given, the index's own setting stands
 PlacedDevice = Annotated[Optional[str], option(RuntimeConfig, "device")]

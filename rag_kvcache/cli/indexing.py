@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 import typer
 from rich.filesize import decimal
 
-from ..config import IndexSettings, RuntimeConfig
+from ..config import IndexSettings, RuntimeConfig, StorageConfig
 from .common import (
     ChunkPrefillName,
     DType,
     EmbedderDType,
     KVCodec,
     KVRemote,
+    KVRemoteWritable,
     base_config,
     default,
     err,
@@ -58,6 +59,7 @@ def index(
         RuntimeConfig, "max_documents"
     ),
     kv_remote: KVRemote = None,
+    kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
     ray: Annotated[Optional[str], option(RuntimeConfig, "ray")] = None,
     ray_workers: Annotated[int, option(RuntimeConfig, "ray_workers", min=0)] = default(RuntimeConfig, "ray_workers"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
@@ -113,7 +115,8 @@ def index(
             ray=ray,
             ray_workers=ray_workers,
         )
-        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote))
+        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote, remote_writable=kv_remote_writable))
+        err.print(idx.store.trust(), highlight=False)
         if ray is None:
             report = idx.update(docs_dir, prune=prune)
         else:

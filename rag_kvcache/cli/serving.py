@@ -21,6 +21,7 @@ from .common import (
     History,
     KVOnDevice,
     KVRemote,
+    KVRemoteWritable,
     Order,
     PlacedDevice,
     PlacedDType,
@@ -56,6 +57,7 @@ def serve(
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
+    kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
@@ -116,6 +118,7 @@ def serve(
             index_dir,
             cfg.with_storage(
                 remote=kv_remote,
+                remote_writable=kv_remote_writable,
                 memory_on_device=kv_on_device,
                 conversation_bytes=conversation_bytes,
                 request_bytes=request_bytes,
@@ -136,5 +139,6 @@ def serve(
     err.print(
         f"order {server_cfg.order}; prefetch {ahead} (remote tier: {storage.remote_address or 'none'})", highlight=False
     )
+    err.print(engine.index.store.trust(), highlight=False)
     with engine:
         run_server(engine, server_cfg)

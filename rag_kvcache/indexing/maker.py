@@ -311,7 +311,7 @@ class CacheMaker:
             chunks
             and self.config.index.chunk_prefill == "cached_neighbours"
             and sep
-            and key(sep, prefix) not in self.store
+            and self.store.missing([key(sep, prefix)])
         ):
             self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):

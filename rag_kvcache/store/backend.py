@@ -161,6 +161,12 @@ class Backend(Counted, ABC):
         """Those of `keys` stored here (a remote tier asks in one request)."""
         return {key for key in keys if key in self}
 
+    def trusted(self, keys: Collection[str]) -> set[str]:
+        """Those of `keys` stored here that may count as computed, so that indexing skips them: a tier only its
+        own index writes (the disk) vouches for what it holds; a tier others write (`RedisTier`) only for the
+        entries it read and authenticated."""
+        return self.held(keys)
+
     # ---- shared ---------------------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> int:
         """Encode `kv` with this tier's codec and store it under `key`; returns the bytes written."""
@@ -272,8 +278,32 @@ class Entry:
             for name in header:  # "k.3" (a payload), "k.3.scale" (its side data): layer -> kind -> suffix -> name
                 kind, layer, *suffix = name.split(".", 2)
                 self._parts[int(layer)][kind][suffix[0] if suffix else ""] = name
+            self._check_uniform()
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"malformed header ({type(err).__name__}: {err})") from err
+
+    def _check_uniform(self) -> None:
+        """Every layer has layer 0's parts, of the same dtypes and shapes (`ValueError` if not): a layer read
+        decodes as the first did, and the whole entry fits the one tensor it is decoded into."""
+        first = {
+            (kind, suffix): self._tensors[name]
+            for kind, names in self._parts[0].items()
+            for suffix, name in names.items()
+        }
+        for layer, parts in enumerate(self._parts):
+            for (kind, suffix), want in first.items():
+                got = self._tensors[parts[kind][suffix]]
+                if (got["dtype"], got["shape"]) != (want["dtype"], want["shape"]):
+                    raise ValueError(
+                        f"layer {layer}'s {kind} part {suffix or 'payload'!r} is {got['dtype']} {got['shape']}, "
+                        f"layer 0's {want['dtype']} {want['shape']}"
+                    )
+            if sum(map(len, parts.values())) != len(first):
+                raise ValueError(f"layer {layer} has {sum(map(len, parts.values()))} parts, layer 0 {len(first)}")
+
+    def reject(self, reason: str) -> None:
+        """Drop this entry from its tier as corrupt (logged and counted): it is not the cache its key names."""
+        self._tier.drop(self.key, reason)
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors (one layer's parts, laid out side by side), read as one byte range in one

@@ -70,12 +70,32 @@ class KVStore:
         return any(key in backend for backend in self.backends)
 
     def missing(self, keys: Iterable[str]) -> set[str]:
-        """Those of `keys` no backend holds: each backend asked once (`Backend.held`) for what those before it lack."""
+        """Those of `keys` that indexing must compute: none of the backends vouches for them (`Backend.trusted`:
+        this index's disk for what it holds; the remote tier only for entries it read and verified with the
+        cluster's secret, never for a bare key there). Each backend is asked once, for what those before it lack."""
         todo = set(keys)
         for backend in self.backends:
             if todo:
-                todo -= backend.held(todo)
+                todo -= backend.trusted(todo)
         return todo
+
+    def trust(self) -> str:
+        """What this store takes for computed and where it writes, in a sentence (`index` and `serve` log it)."""
+        own = f"KV caches: trusting the index's own disk {self.root}"
+        if self.config.remote is None:
+            return own
+        where = self.config.remote_address
+        if self.config.remote_secret is not None:
+            return f"{own}, and entries of the shared tier {where} that verify with the cluster's secret (HMAC); writing both"
+        access = (
+            "written too (--kv-remote-writable: its writers are trusted)"
+            if self.config.remote_writable
+            else "read-only (--kv-remote-writable to write it)"
+        )
+        return (
+            f"{own}; the shared tier {where} has no secret (RAG_KVCACHE_KV_REMOTE_SECRET): its entries never count "
+            f"as computed, are read with their shape checked, and the tier is {access}"
+        )
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Write `kv` to every backend, atomically in each (the remote tier keeps an entry another process

@@ -3,12 +3,15 @@ request text, from its tenant's memory), made when missing and remade when a lay
 
 `CacheOpener.open` hands the fusion intact caches whatever it finds: a missing entry is made and stored
 now, and one that fails a layer's check while the fusion reads it (`Repairing`) is made again then, so
-the answer is unchanged. Making a cache is the index's job (`indexing.maker.CacheMaker`, the `Maker`
-here): this module only opens and repairs.
+the answer is unchanged. An entry that is not the shape of the cache its key names (another token count,
+layer count or position, as a shared tier's writer may store; or a layer of other heads or head size) is
+corrupt like one that fails its checksum: dropped, counted, logged, and made again. Making a cache is the
+index's job (`indexing.maker.CacheMaker`, the `Maker` here): this module only opens and repairs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -17,12 +20,15 @@ from typing import Protocol
 import torch
 
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
+from ..engine.model import ModelSpec
 from ..engine.prompt import Segment
 from ..errors import RagKVCacheError
 from .addressing import CacheAddressing, Context, address
-from .backend import CorruptEntryError
+from .backend import CorruptEntryError, Entry
 from .kvstore import KVStore
 from .tiers import MemoryTier
+
+log = logging.getLogger(__name__)
 
 
 class Maker(Protocol):
@@ -30,6 +36,9 @@ class Maker(Protocol):
 
     @property
     def addressing(self) -> CacheAddressing: ...
+
+    @property
+    def adapter(self) -> ModelSpec: ...
 
     def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
 
@@ -65,15 +74,51 @@ class Unmade:
         raise RagKVCacheError(f"an unmade cache of {self.n_tokens} tokens has no layers: open it with make=True")
 
 
-class Repairing:
-    """A store entry that, should a layer fail its check mid-read, is recomputed and served from the
-    recomputation from then on (earlier layers passed their checks, so they were right)."""
+@dataclass(frozen=True)
+class Expected:
+    """The shape of the cache a key names: `n_tokens` tokens computed from `position` on, `n_layers` layers of
+    keys and values [`n_kv_heads`, `n_tokens`, `head_dim`]."""
 
-    def __init__(self, source: LayerSource, recompute: Callable[[], ChunkKV]) -> None:
+    n_tokens: int
+    position: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+    def misfit(self, source: LayerSource) -> str | None:
+        """Why `source` (as its header says) is not such a cache, or None."""
+        got = (source.n_tokens, source.position, source.n_layers)
+        want = (self.n_tokens, self.position, self.n_layers)
+        if got == want:
+            return None
+        return (
+            f"it holds {got[0]} tokens from position {got[1]} in {got[2]} layers, where its key names "
+            f"{want[0]} tokens from position {want[1]} in {want[2]} layers"
+        )
+
+    def layer_misfit(self, i: int, k: torch.Tensor, v: torch.Tensor) -> str | None:
+        """Why layer `i`'s keys `k` and values `v` are not [`n_kv_heads`, `n_tokens`, `head_dim`] each, or None."""
+        want = (self.n_kv_heads, self.n_tokens, self.head_dim)
+        if tuple(k.shape) == tuple(v.shape) == want:
+            return None
+        return f"layer {i} has keys {tuple(k.shape)} and values {tuple(v.shape)}, where its key names {want} each"
+
+
+class MisfitEntryError(CorruptEntryError):
+    """An entry intact by its checksums that is not the shape of the cache its key names (dropped)."""
+
+
+class Repairing:
+    """A store entry that, should a layer fail its check mid-read (or be of another shape than `expected`,
+    then dropped), is recomputed and served from the recomputation from then on (earlier layers passed their
+    checks, so they were right)."""
+
+    def __init__(self, source: LayerSource, recompute: Callable[[], ChunkKV], expected: Expected | None = None) -> None:
         self.source = source
         self.position = source.position
         self.repaired = False
         self._recompute = recompute
+        self._expected = expected
 
     @property
     def n_tokens(self) -> int:
@@ -85,17 +130,48 @@ class Repairing:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return self.source.layer(i)
+            return self._checked(i)
         except CorruptEntryError:
             self.source, self.repaired = self._recompute(), True
             return self.source.layer(i)
 
+    def _checked(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i` of the entry, `MisfitEntryError` (the entry dropped) when not of the expected shape."""
+        k, v = self.source.layer(i)
+        if self._expected is not None and (why := self._expected.layer_misfit(i, k, v)):
+            reject(self.source, why)
+            raise MisfitEntryError(why)
+        return k, v
 
-def open_repairing(store: KVStore, key: str, repair: Callable[[], ChunkKV], promote: bool = True) -> LayerSource | None:
+
+def reject(source: LayerSource, why: str) -> None:
+    """Drop a stored entry that is not the cache its key names from the tier it was read from (logged, counted
+    corrupt); one of the memory tier is left to the caller."""
+    if isinstance(source, Entry):
+        source.reject(f"not the cache its key names: {why}")
+
+
+def open_repairing(
+    store: KVStore, key: str, repair: Callable[[], ChunkKV], promote: bool = True, expected: Expected | None = None
+) -> LayerSource | None:
     """The store's entry under `key`, remade by `repair` should a layer fail its check while it is read
-    (`Repairing`); None when missing. `promote`: as `KVStore.open`."""
+    (`Repairing`); None when missing. `promote`: as `KVStore.open`. With `expected`, an entry of another shape
+    is dropped from every tier (logged and counted as corrupt) and is None, missing: its reader makes it."""
     entry = store.open(key, promote)
-    return entry if entry is None or isinstance(entry, ChunkKV) else Repairing(entry, repair)
+    if entry is not None and expected is not None and (why := _misfit(entry, expected)):
+        reject(entry, why)
+        if isinstance(entry, ChunkKV):
+            log.warning("dropping the KV cache %s from memory: not the cache its key names: %s", key, why)
+        store.memory.remove(key)
+        return None
+    return entry if entry is None or isinstance(entry, ChunkKV) else Repairing(entry, repair, expected)
+
+
+def _misfit(entry: LayerSource, expected: Expected) -> str | None:
+    """Why `entry` is not the cache `expected` describes: its header, and for a decoded cache its first layer."""
+    if why := expected.misfit(entry):
+        return why
+    return expected.layer_misfit(0, *entry.layer(0)) if isinstance(entry, ChunkKV) else None
 
 
 class CacheOpener:
@@ -180,7 +256,9 @@ class CacheOpener:
         check; None when missing."""
         if salt is not None:
             return self.request_tier(salt).get(key)
-        return open_repairing(self.store, key, partial(self.maker.repair, key, ids, contexts))
+        layout = self.maker.adapter.layout
+        expected = Expected(len(ids), len(contexts[0]), self.n_layers, layout.n_kv_heads, layout.head_dim)
+        return open_repairing(self.store, key, partial(self.maker.repair, key, ids, contexts), expected=expected)
 
     def _first_use(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context], salt: str) -> ChunkKV:
         """A cache of request text made on first use (a new prompt head, or a chunk behind it), kept in the

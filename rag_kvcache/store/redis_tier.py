@@ -18,6 +18,10 @@ each layer against its checksums when read, as on disk.
   who can write to the server can plant another chunk's valid entry under a key (the trust boundary is
   then the server's ACLs and TLS, docs/scaling.md). An entry that fails the check is dropped (and so
   may be written again by an honest process) and recomputed.
+- Trusted as computed (`trusted`, what indexing skips) only when read and verified with the secret; without
+  one, no entry is. Without a secret the tier is read-only (no `SET`, no `DEL`) unless
+  `StorageConfig.remote_writable`: a corrupt or mismatching entry is then left there, and read past (the
+  recomputed cache is on the reader's disk, which it reads first).
 - The server going away never fails an answer: a request that fails or times out is a miss (an entry
   being read raises `UnreachableEntryError`, which the index recomputes), counted in `errors`, logged
   once; the tier is then skipped for `remote_retry` seconds before it is tried again.
@@ -31,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -48,6 +53,7 @@ T = TypeVar("T")
 
 _DOWN = (redis.ConnectionError, redis.TimeoutError)  # the server is unreachable: skip it for a while
 _TAG_BYTES = hashlib.sha256().digest_size
+_VERIFY_BATCH = 64  # entries read per pipelined request by `trusted` (about 80 MB of 128-token SmolLM2 caches)
 
 
 class RedisTier(Backend):
@@ -68,6 +74,7 @@ class RedisTier(Backend):
         )
         self.retry = config.remote_retry
         self._secret = config.remote_secret
+        self.writable = config.remote_writes
         self._prefix = f"{FORMAT}:{codec}:"
         self._lock = threading.Lock()
         self._down_until: float | None = None  # monotonic time; None while the server answers
@@ -81,15 +88,33 @@ class RedisTier(Backend):
 
     # ---- the backend ------------------------------------------------------------------------------
     def write(self, key: str, data: bytes) -> int:
-        """Store `data` unless the key is already there (another process computed it first); returns
-        the bytes written, 0 when it was there or the server did not take it."""
+        """Store `data` unless the key is already there (another process computed it first); with a secret,
+        an entry there that does not verify (planted) is replaced. Returns the bytes written, 0 when it was
+        there, the server did not take it, or the tier is read-only."""
+        if not self.writable:
+            return 0
         name = self.redis_key(key)
         value = data if self._secret is None else bytes(data) + self._tag(name, data)
         written = self._request(lambda: self.client.set(name, value, nx=True), None)
+        if not written and self._secret is not None and self._forged(key):
+            written = self._request(lambda: self.client.set(name, value), None)
         if not written:
             return 0
         self.count(bytes_written=len(value))
         return len(value)
+
+    def _forged(self, key: str) -> bool:
+        """Whether the entry under `key` does not verify with the secret (then logged and counted corrupt)."""
+        value = self._request(lambda: self.client.get(self.redis_key(key)), None)
+        if value is None:
+            return False
+        try:
+            self._authentic(self.redis_key(key), value)
+        except ValueError as err:
+            log.warning("replacing the KV cache entry %s: %s", self.where(key), err)
+            self.count(corrupt=1)
+            return True
+        return False
 
     def blob(self, key: str) -> RedisBlob | VerifiedBlob | None:
         """The entry's bytes on the server, read by ranges; with a secret, read whole and verified
@@ -99,8 +124,10 @@ class RedisTier(Backend):
             size = self.client.strlen(name)
             return RedisBlob(self, name, size) if size else None
         value = self.client.get(name)
-        if value is None:
-            return None
+        return None if value is None else self._authentic(name, value)
+
+    def _authentic(self, name: str, value: bytes) -> VerifiedBlob:
+        """The entry `value` holds under Redis key `name`, its HMAC verified with the secret, or `ValueError`."""
         data, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
         if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, data)):
             raise ValueError(
@@ -131,8 +158,40 @@ class RedisTier(Backend):
         found = self._request(exists, [0] * len(order))
         return {key for key, n in zip(order, found) if n}
 
+    def trusted(self, keys: Collection[str]) -> set[str]:
+        """Those of `keys` whose entries were read here and verified with the cluster's secret (HMAC, then the
+        header), `_VERIFY_BATCH` to a pipelined request; an entry that fails is dropped. None without a secret
+        (an entry then proves only that someone who can write to the server stored it), nor of a batch the
+        server does not answer."""
+        if self._secret is None:
+            return set()
+        order, found = list(keys), set()
+        for start in range(0, len(order), _VERIFY_BATCH):
+            batch = order[start : start + _VERIFY_BATCH]
+            values = self._request(partial(self._get_all, batch), [None] * len(batch))
+            found |= {key for key, value in zip(batch, values) if value is not None and self._verifies(key, value)}
+        return found
+
+    def _get_all(self, keys: list[str]) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self.redis_key(key))
+        return pipe.execute()
+
+    def _verifies(self, key: str, value: bytes) -> bool:
+        """Whether `value`, read under `key`, is an authentic, well-formed entry (else it is dropped)."""
+        try:
+            Entry(self, key, self._authentic(self.redis_key(key), value))
+        except ValueError as err:
+            self.drop(key, err)
+            return False
+        self.count(bytes_read=len(value))
+        return True
+
     def remove(self, key: str) -> None:
-        self._request(lambda: self.client.delete(self.redis_key(key)), None)
+        """Delete the entry; nothing in a read-only tier (`writable` False)."""
+        if self.writable:
+            self._request(lambda: self.client.delete(self.redis_key(key)), None)
 
     def open(self, key: str) -> Entry | None:
         """The entry, or None when missing, corrupt (then removed) or the server does not answer."""
