@@ -118,3 +118,38 @@ def test_a_damaged_chunk_cache_is_recomputed_and_the_verdict_unchanged(tiny, tmp
     grown = [a.computed_tokens - b.computed_tokens for a, b in zip(after, before)]
     assert grown == [0, len(chunks[1].token_ids) if fault == "missing" else 0, 0]
     assert index.store.get(index.addressing.key(chunks[1].token_ids)) is not None  # rewritten, intact
+
+
+def test_a_text_is_checked_by_computing_it_never_from_a_cache(generator):
+    """A passage given as text is computed with the question (the full prefill of its check prompt), whatever
+    chunk of the index it resembles; a chunk's cache is read only for the chunk itself."""
+    index = generator.index
+    chunk = index.search(QUESTION, 1)[0].chunk
+    text = "Banana bread is baked with ripe bananas, flour, butter and a little caraway."
+    check = RelevanceCheck(generator)
+    read, computed = check(QUESTION, [chunk, text])
+    ids = tuple(index.adapter.tokenizer(text, add_special_tokens=False).input_ids)
+    question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    assert computed.chunk == text and computed.computed_tokens == len(ids) + len(question)
+    logits = generator.fuse(index.format.segments([ids], question), FusionConfig(method="full")).result.logits
+    p = torch.softmax(logits.float(), dim=-1)  # [V]
+    assert computed.p_yes == pytest.approx(
+        float(p[check.yes].sum() / (p[check.yes].sum() + p[check.no].sum())), abs=1e-4
+    )
+    assert read.chunk == chunk and read.computed_tokens == len(question) and read.p_yes != computed.p_yes
+
+
+@pytest.mark.parametrize("what", ["question", "passage"])
+def test_an_over_long_check_is_refused_naming_the_limit_before_computing(generator, what, monkeypatch):
+    """A 200,000-character question was computed whole, and OOM-killed at 17 GB. A check prompt over
+    `max_prompt_tokens` (8,192 by default, as the server's prompts; or the model's context) is refused, nothing
+    computed."""
+    long = " ".join(["telescope"] * 20_000)  # 199,999 characters
+    monkeypatch.setattr(generator.adapter, "extend_rows", lambda *a: pytest.fail("computed an over-long check"))
+    chunk = generator.index.search(QUESTION, 1)[0].chunk
+    question, passages = (long, [chunk]) if what == "question" else (QUESTION, [long])
+    limit = min(8192, generator.adapter.context_length)  # 4,096: the tiny model's context
+    with pytest.raises(ValueError, match=rf"check prompt of \d+ tokens, over the limit of {limit} tokens"):
+        RelevanceCheck(generator)(question, passages)
+    with pytest.raises(RagKVCacheError, match="over the limit of 40 tokens"):
+        RelevanceCheck(generator, max_prompt_tokens=40)(QUESTION, [QUESTION * 3])
