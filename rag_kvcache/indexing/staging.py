@@ -135,7 +135,7 @@ def _chunked(
     [C, E], and a document row (source, sha256, number of chunks) for each file."""
     chunks_by_source = {f.source: _chunk(f, chunker) for f in files}
     new_chunks = [record for records in chunks_by_source.values() for record in records]
-    embeddings = index.embed([record.text for record in new_chunks], batch_size, progress)
+    embeddings = index.embed_chunks([record.text for record in new_chunks], batch_size, progress)
     return new_chunks, embeddings, [(f.source, f.sha256, len(chunks_by_source[f.source])) for f in files]
 
 

@@ -42,7 +42,7 @@ from . import integrity
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .database import chunk_id
-from .embedder import unit_vectors
+from .embedder import chunk_vectors, unit_vectors
 from .integrity import Verified
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
@@ -289,9 +289,13 @@ class ChunkIndex:
             raise ValueError(f"k must be >= 1, got {k!r}")
         if not chunks:
             return []
-        queries = np.stack([self._stored_vector(c) for c in chunks])  # [C, E]
+        queries = self.vectors(chunks)  # [C, E]
         hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for copies
         return [_distinct(chunk, [h.chunk for h in found], k) for chunk, found in zip(chunks, hits, strict=True)]
+
+    def vectors(self, chunks: Sequence[ChunkRecord]) -> np.ndarray:
+        """The vectors the index holds for `chunks` (indexed ones) [C, E], unit rows, nothing embedded again."""
+        return np.stack([self._stored_vector(c) for c in chunks]) if chunks else self._none()
 
     def _stored_vector(self, chunk: ChunkRecord) -> np.ndarray:
         """The vector the index holds for `chunk` [E]; raises when it holds none (not an indexed chunk)."""
@@ -365,7 +369,7 @@ class ChunkIndex:
         """Recompute the stored embeddings of these chunks from their texts and rewrite `vectors.faiss`
         from SQLite (the repair of embeddings that `verify` found damaged); returns how many."""
         records = self._fetch("id", list(dict.fromkeys(chunk_ids)))
-        embeddings = self.embed([r.text for r in records.values()], batch_size, progress=False)
+        embeddings = self.embed_chunks([r.text for r in records.values()], batch_size, progress=False)
         conn = self._writable_conn(f"rewriting {len(records)} embeddings")
 
         def change() -> faiss.Index:
@@ -389,16 +393,35 @@ class ChunkIndex:
         )
 
     def embed(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
-        """L2-normalised float32 embeddings [T, E] of `texts`, as chunks and queries are embedded (a tqdm
-        bar over batches if `progress`)."""
+        """L2-normalised float32 embeddings [T, E] of `texts`, as queries are embedded: each text read up to
+        the embedder's limit (`unit_vectors`; a tqdm bar over batches if `progress`). A text under the limit
+        gets the vector `embed_chunks` gives it."""
         if not texts:
-            return np.empty((0, self._dim), dtype=np.float32)
+            return self._none()
+        return unit_vectors(self._own_embedder(len(texts)), texts, batch_size, progress)  # [T, E]
+
+    def embed_chunks(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        """L2-normalised float32 embeddings [T, E] of chunk `texts`, as the index stores them: each text
+        whole, in windows under the embedder's limit pooled into one vector (`embedder.chunk_vectors`; a
+        tqdm bar over the windows' batches if `progress`). Indexing and the repair of a damaged embedding
+        (`reembed`) both embed this way, so a repaired embedding is the one indexing stored."""
+        if not texts:
+            return self._none()
+        embedder = self._own_embedder(len(texts))
+        return chunk_vectors(embedder, texts, batch_size, progress, self._meta["embedder"])  # [T, E]
+
+    def _none(self) -> np.ndarray:
+        """No embeddings [0, E]."""
+        return np.empty((0, self._dim), dtype=np.float32)
+
+    def _own_embedder(self, asked: int) -> SentenceTransformer:
+        """The embedder this index was opened with; raises when it was opened without one (`asked` texts)."""
         if self._embedder is None:
             raise RagKVCacheError(
                 f"index {self._dir} was opened without its embedder {self._meta['embedder']!r}: it finds chunks by "
-                f"their tokens, and embeds nothing ({len(texts)} texts asked)"
+                f"their tokens, and embeds nothing ({asked} texts asked)"
             )
-        return unit_vectors(self._embedder, texts, batch_size, progress)  # [T, E]
+        return self._embedder
 
     def write(
         self,

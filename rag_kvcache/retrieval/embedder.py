@@ -1,9 +1,18 @@
 """The sentence embedder: any sentence-transformers model, the default one offline from its PyPI package, run in
-bfloat16 where the CPU computes it natively (`embedder_dtype`)."""
+bfloat16 where the CPU computes it natively (`embedder_dtype`).
+
+A query is embedded as one text, read up to the embedder's limit (`unit_vectors`). A chunk is embedded whole
+(`chunk_vectors`): a chunk longer than the embedder reads (all-MiniLM-L6-v2: 256 word pieces, against a default
+chunk of 512 LLM tokens) is cut into overlapping windows under the limit, and the windows' unit vectors are
+averaged into one unit vector, so a sentence in a chunk's second half moves its embedding as one in its first
+half does. A chunk under the limit is one window: its vector is the plain embedding of its text.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +20,14 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from ..config import DEFAULT_EMBEDDER
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_EMBEDDER_NAMES = frozenset({DEFAULT_EMBEDDER, f"sentence-transformers/{DEFAULT_EMBEDDER}"})
 _NATIVE_BFLOAT16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+WINDOW_OVERLAP = 32  # embedder tokens that consecutive windows of a long chunk share
+_WORD = re.compile(r"\S+")
 
 
 def native_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -66,3 +78,105 @@ def unit_vectors(
         texts, batch_size=batch_size, show_progress_bar=progress, convert_to_tensor=True
     )  # [T, E], in the embedder's dtype
     return torch.nn.functional.normalize(embeddings.float(), dim=-1).cpu().numpy()  # [T, E]
+
+
+def window_tokens(embedder: SentenceTransformer) -> int:
+    """How many of its own tokens of text `embedder` reads in one text: its `max_seq_length` less the special
+    tokens its tokenizer adds (all-MiniLM-L6-v2: 256 - 2)."""
+    limit = embedder.max_seq_length
+    if not limit:
+        raise ConfigError(f"embedder {embedder!r} has no max_seq_length ({limit!r}): its texts cannot be windowed")
+    room = limit - embedder.tokenizer.num_special_tokens_to_add(pair=False)
+    if room < 2 * WINDOW_OVERLAP:
+        raise ConfigError(
+            f"embedder max_seq_length {limit} leaves {room} tokens of text a window, fewer than twice the "
+            f"{WINDOW_OVERLAP}-token overlap of consecutive windows"
+        )
+    return room
+
+
+def token_spans(embedder: SentenceTransformer, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+    """The character span of every token of each of `texts` in `embedder`'s tokenisation (no special tokens, no
+    truncation). A tokenizer without offsets (a slow one) is read word by word: each whitespace-separated word's
+    tokens, the first spanning the word and the rest empty at its end."""
+    tokenizer = embedder.tokenizer
+    if getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(
+            list(texts), add_special_tokens=False, return_offsets_mapping=True, truncation=False, verbose=False
+        )
+        return [[(int(a), int(b)) for a, b in offsets] for offsets in encoded["offset_mapping"]]
+    spans: list[list[tuple[int, int]]] = []
+    for text in texts:
+        words = [(m.start(), m.end()) for m in _WORD.finditer(text)]
+        counts = [len(t) for t in tokenizer([text[a:b] for a, b in words], add_special_tokens=False)["input_ids"]]
+        spans.append([(a, b) if i == 0 else (b, b) for (a, b), n in zip(words, counts, strict=True) for i in range(n)])
+    return spans
+
+
+def windows(
+    text: str, spans: Sequence[tuple[int, int]], size: int, overlap: int = WINDOW_OVERLAP
+) -> list[tuple[int, int]]:
+    """Character ranges of the windows `text` is embedded in, given its tokens' character `spans`: `text`
+    whole, `(0, len(text))`, when it has at most `size` tokens; otherwise consecutive windows of at most `size`
+    tokens covering every token, each starting about `overlap` tokens before the previous one ends. A window
+    starts and ends at whitespace between words where there is one in reach (its text, tokenised again, is
+    then the same tokens), and is cut inside a word only when a word is longer than the reach."""
+    if size < 1 or not 0 <= overlap < size:
+        raise ConfigError(f"windows need size >= 1 and 0 <= overlap < size, got size {size!r}, overlap {overlap!r}")
+    n = len(spans)
+    if n <= size:
+        return [(0, len(text))]
+    cuts = [i for i in range(1, n) if spans[i][0] > spans[i - 1][1]]  # tokens that start a word after whitespace
+    ranges: list[tuple[int, int]] = []
+    begin = 0
+    while True:
+        end = begin + size
+        if end >= n:
+            ranges.append((spans[begin][0], spans[n - 1][1]))
+            return ranges
+        end = max((c for c in cuts if begin < c <= end), default=end)
+        ranges.append((spans[begin][0], spans[end - 1][1]))
+        begin = min((c for c in cuts if max(end - overlap, begin + 1) <= c <= end), default=end)
+
+
+def chunk_vectors(
+    embedder: SentenceTransformer,
+    texts: list[str],
+    batch_size: int = 64,
+    progress: bool = False,
+    name: str = DEFAULT_EMBEDDER,
+) -> np.ndarray:
+    """`texts` (chunks) embedded whole by `embedder` (`name`, for the log) as L2-normalised float32 vectors
+    [T, E]: each cut into `windows` under the embedder's limit (`window_tokens`), every window of every text
+    embedded in one batched `unit_vectors` call (a tqdm bar over its batches if `progress`), and a text's window
+    vectors averaged and normalised again. A text under the limit is one window and gets exactly its
+    `unit_vectors` vector. Logs a warning naming the limit when a chunk exceeds that of an embedder other than
+    the default (whose limit the docs state)."""
+    if not texts:
+        return np.empty((0, embedder.get_embedding_dimension() or 0), dtype=np.float32)
+    size = window_tokens(embedder)
+    spans = token_spans(embedder, texts)
+    ranges = [windows(text, s, size) for text, s in zip(texts, spans, strict=True)]
+    longest = max(len(s) for s in spans)
+    if longest > size:
+        split = sum(len(r) > 1 for r in ranges)
+        (log.debug if name in _DEFAULT_EMBEDDER_NAMES else log.warning)(
+            "embedder %s reads at most %d tokens of text (max_seq_length %d): %d of %d chunks are longer (up to "
+            "%d of its tokens) and are embedded as overlapping windows under that limit averaged into one vector; "
+            "smaller chunks or an embedder with a longer limit keep a chunk's parts sharper",
+            name,
+            size,
+            embedder.max_seq_length,
+            split,
+            len(texts),
+            longest,
+        )
+    pieces = [text[a:b] for text, rs in zip(texts, ranges, strict=True) for a, b in rs]
+    vectors = unit_vectors(embedder, pieces, batch_size, progress)  # [W, E]
+    owners = np.repeat(np.arange(len(texts)), [len(r) for r in ranges])  # [W]
+    pooled = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)  # [T, E]
+    np.add.at(pooled, owners, vectors)
+    counts = np.bincount(owners, minlength=len(texts))  # [T]
+    several = counts > 1
+    pooled[several] /= np.linalg.norm(pooled[several], axis=1, keepdims=True)
+    return pooled
