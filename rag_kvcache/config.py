@@ -223,8 +223,10 @@ class StorageConfig:
     `remote_retry` seconds. With `remote_secret` (a key every process of the cluster shares: the CLI reads
     it from `RAG_KVCACHE_KV_REMOTE_SECRET`, never from its arguments) each remote entry carries an
     HMAC-SHA256 over its key and bytes, and an entry that does not verify (forged by another writer,
-    moved from another key, or written without the secret) is dropped and recomputed; without one, the
-    tier trusts whoever can write to the server. `conversation_bytes` bounds the conversation cache of the engines that
+    moved from another key, or written without the secret) is dropped and recomputed. Without one, an entry
+    there proves only that someone who can write to the server stored it: indexing computes every cache not
+    on its own disk, and the tier is read-only (this process writes and deletes nothing there) unless
+    `remote_writable`. `conversation_bytes` bounds the conversation cache of the engines that
     serve chats (`serving.engine.Engine`: the server and the integrations), which keeps answered
     prompts' K/V for the turns that continue them (`store.conversations`).
     """
@@ -247,11 +249,18 @@ class StorageConfig:
     remote: str | None = setting(
         None,
         "Shared KV tier on a Redis or Valkey server, redis://[user:password@]host:port/db (rediss:// for "
-        "TLS, unix:///path.sock): every process that opens the index reads and writes the same entries there.",
+        "TLS, unix:///path.sock): every process that opens the index reads the same entries there, and writes them "
+        "with a shared secret (RAG_KVCACHE_KV_REMOTE_SECRET) or --kv-remote-writable.",
     )
     remote_timeout: float = 5.0
     remote_retry: float = 30.0
     remote_secret: bytes | None = field(default=None, repr=False)  # authenticates the remote tier's entries (HMAC)
+    remote_writable: bool = setting(
+        False,
+        "Without a shared secret (RAG_KVCACHE_KV_REMOTE_SECRET), write and delete entries in the shared KV tier "
+        "(--kv-remote) all the same, trusting whoever else can write to the server (its ACLs and TLS are then the "
+        "whole boundary). Unset, a tier without a secret is only read. With a secret the tier is always written.",
+    )
     request_bytes: int = setting(
         256 << 20,
         "Memory per API key for the caches of request text (a prompt head: a pipeline's instructions "
@@ -271,6 +280,12 @@ class StorageConfig:
             return None
         url = urlsplit(self.remote)
         return f"{url.scheme}://{url.hostname or ''}{f':{url.port}' if url.port else ''}{url.path}"
+
+    @property
+    def remote_writes(self) -> bool:
+        """Whether this process writes and deletes entries in the remote tier: with `remote_secret` (its entries
+        are authenticated), or when `remote_writable` says so."""
+        return self.remote_secret is not None or self.remote_writable
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0:

@@ -289,13 +289,9 @@ class ChunkIndex:
             raise ValueError(f"k must be >= 1, got {k!r}")
         if not chunks:
             return []
-        queries = self.vectors(chunks)  # [C, E]
+        queries = np.stack([self._stored_vector(c) for c in chunks])  # [C, E]
         hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for copies
         return [_distinct(chunk, [h.chunk for h in found], k) for chunk, found in zip(chunks, hits, strict=True)]
-
-    def vectors(self, chunks: Sequence[ChunkRecord]) -> np.ndarray:
-        """The vectors the index holds for `chunks` (indexed ones) [C, E], unit rows, nothing embedded again."""
-        return np.stack([self._stored_vector(c) for c in chunks]) if chunks else self._none()
 
     def _stored_vector(self, chunk: ChunkRecord) -> np.ndarray:
         """The vector the index holds for `chunk` [E]; raises when it holds none (not an indexed chunk)."""
