@@ -211,8 +211,9 @@ class StorageConfig:
     """Where chunk caches live and how they are read at query time.
 
     A memory tier (`memory_bytes`, 0 disables it; in host memory, or on the model's device with
-    `memory_on_device`) sits over the disk tier (`disk_bytes`, None for no
-    limit); both evict by `eviction` (least recently or least frequently used) when over budget.
+    `memory_on_device`; evicting by `eviction`, least recently or least frequently used) sits over the disk
+    tier, whose byte budget `disk_bytes` is the index's (`store.ledger`: recorded, shared by every process,
+    popularity- and cost-aware; None keeps the recorded one).
     How entries are encoded is the index's (`IndexSettings.codec`). `prefetch_layers` is how many layers the
     background reader may run ahead of the fusion (0: each layer is read when the fusion needs it, no overlap;
     on a CPU, a prompt whose caches are all in the memory tier is assembled at once, without a reader).
@@ -242,7 +243,12 @@ class StorageConfig:
         "a query reads them in place, with no host-to-device copy per layer. Else in host memory, pinned when the "
         "model is on a GPU (read by DMA). On a CPU it changes nothing.",
     )
-    disk_bytes: int | None = None
+    disk_bytes: int | None = setting(
+        None,
+        "Byte budget of the chunk caches on disk (e.g. 20GB, 512MiB), recorded by the index: every process that "
+        "opens it keeps to it, popular and costly caches kept first (GDSF), indexing stops at it, a chunk without "
+        "a cache is computed when a question needs it. Not given: the index's recorded budget (none: unbounded).",
+    )
     eviction: Eviction = "lru"
     prefetch_layers: int = 2
     quality_floor: float = 0.15

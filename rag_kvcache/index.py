@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequenc
 import numpy as np
 import xxhash
 from filelock import FileLock, Timeout
+from rich.filesize import decimal
 
 from .config import Config, IndexSettings
 from .engine.model import ModelAdapter, ModelSpec
@@ -39,7 +40,7 @@ from .indexing import staging
 from .indexing.maker import CacheMaker
 from .indexing.staging import Chunker, SyncReport
 from .retrieval import vectors as faiss_file
-from .retrieval.chunk_index import ChunkIndex, Hit, TextDocument
+from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, TextDocument
 from .retrieval.chunking import chunk_document
 from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
@@ -249,8 +250,11 @@ class KVIndex:
         self, stage: Callable[[Chunker], staging.Staged], progress: bool, workers: RayWorkers | None = None
     ) -> SyncReport:
         """The indexing pipeline after what `stage` reads, diffs, chunks (with the chunker it is given) and
-        embeds: the new chunks' caches stored, then the chunks committed (a committed chunk always has its
-        cache), then neighbour caches and what no chunk reads any more collected; all under the writer lock."""
+        embeds, in passes, all under the writer lock: the chunks committed (searchable from then on: a chunk
+        without a cache is computed when a prompt needs it), then the caches of the chunks most likely to be
+        retrieved, behind the prefix (`CacheMaker.hot_set`, within the store's budget), then their neighbour
+        caches, then what no chunk reads any more collected. `grouped` caches are named by their group, so they
+        are made before their chunks are committed. Each pass resumes where a killed run stopped."""
         if self.foreign:
             raise ForeignModelError(
                 f"index {self.path} was built with model fingerprint {self.built_with}, "
@@ -258,22 +262,52 @@ class KVIndex:
                 "would not be the index's. Index with the model the index was built with, or build a new index"
             )
         tok, n = self.model.tokenizer, self.config.index.chunk_tokens
+        maker = self.maker
         with _writer_lock(self.path):
-            used = self.maker.live_keys()
+            used = maker.live_keys()
             staged = stage(lambda text, src: chunk_document(text, src, tok, n))
-            if self.maker.grouped:
-                self.maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress, workers)
-            else:
-                self.maker.precompute(
-                    [c.token_ids for c in staged.report.new_chunks], progress=progress, workers=workers
-                )
+            if maker.grouped:
+                maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress, workers)
             report = staging.commit(self.chunks, staged)
-            self.maker.committed()
-            if self.maker.with_neighbours:
-                self.maker.precompute_neighbours(self.maker.chunks_without_neighbour_caches(), progress)
+            if not maker.grouped:
+                hot = maker.hot_set()
+                self._announce(hot)
+                maker.precompute([c.token_ids for c in hot], progress=progress, workers=workers)
+                if maker.with_neighbours:
+                    have = {c.id for c in maker.chunks_without_neighbour_caches()}
+                    maker.precompute_neighbours(
+                        [c for c in hot if c.id in have and maker.addressing.own_key(c.token_ids) in self.store.disk],
+                        progress,
+                    )
+            maker.committed()
             self.collect(used)
         self.flush_stats()
         return report
+
+    def _announce(self, hot: Sequence[ChunkRecord]) -> None:
+        """Log that the index answers now, and the cache passes to come: how many chunks and tokens each
+        computes and the bytes they take (within the budget, if any)."""
+        tokens = sum(len(c.token_ids) for c in hot)
+        budget = None if self.store.ledger is None else self.store.ledger.budget
+        log.info(
+            "%s: %d chunks searchable; questions are answered from now on (a chunk without a cache is computed "
+            "when a question needs it)",
+            self.path,
+            len(self.chunks),
+        )
+        passes = ["behind the system prefix"] + (
+            ["behind each chunk's nearest neighbours"] if self.maker.with_neighbours else []
+        )
+        log.info(
+            "KV cache passes: %s, for the %d of %d chunks most likely to be retrieved (%d tokens a pass, at most %s "
+            "on disk%s)",
+            " then ".join(passes),
+            len(hot),
+            len(self.chunks),
+            tokens,
+            decimal(self.kv_bytes(len(c.token_ids) for c in hot)),
+            "" if budget is None else f"; budget {decimal(budget)}",
+        )
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""

@@ -2,11 +2,12 @@
 
 `check` reads everything an index holds: SQLite (its own `integrity_check`, then every chunk row
 against what it was derived from), `vectors.faiss` (its recorded checksum and its id set), and every
-KV cache the index uses (each tensor's checksum, by reading it whole), and counts the orphan caches
-and temporary files `gc` would delete. With `repair` it fixes what it found, and only that: a chunk
+KV cache the index holds (each tensor's checksum, by reading it whole), and counts the caches not made
+(yet, or evicted by the store's budget: made when a prompt needs them, no damage), the orphan caches and the
+temporary files `gc` would delete. With `repair` it fixes what it found, and only that: a chunk
 row whose embedding alone is damaged is re-embedded from its text; a row that is not what its id
 says is dropped with its document (the next `index` run of its folder reads it again); `vectors.faiss`
-is rebuilt from SQLite's stored embeddings (no re-embedding); a missing or corrupt cache is recomputed;
+is rebuilt from SQLite's stored embeddings (no re-embedding); a corrupt cache is recomputed;
 orphans and temporary files are collected. SQLite's own corruption (a failed `integrity_check`)
 cannot be repaired here: the report says to re-index.
 """
@@ -35,6 +36,7 @@ class CheckReport:
     repaired: list[str] = field(default_factory=list)
     unrepaired: list[str] = field(default_factory=list)
     caches_checked: int = 0
+    caches_cold: int = 0  # caches the index names and does not hold (not made yet, or evicted by its budget)
     reembedded: int = 0  # chunk embeddings recomputed
     recomputed: int = 0  # KV caches recomputed
     collected: Collected | None = None
@@ -86,11 +88,16 @@ def _check(index: KVIndex, report: CheckReport, repair: bool, progress: bool) ->
         )
     if verified.vectors is not None:
         report.problems.append(f"{faiss_file.VECTORS_FILE} {verified.vectors}")
+    if verified.orphan_windows:
+        report.problems.append(f"index.sqlite: {verified.orphan_windows} window embeddings of chunks it does not hold")
     if repair and not verified.integrity:
         _repair_rows(index, verified.bad_rows, report)
-        if verified.vectors is not None and not verified.bad_rows:  # the row repairs rewrote it already
+        if verified.orphan_windows or (verified.vectors is not None and not verified.bad_rows):  # else rewritten
             index.chunks.rewrite_vectors()
-            report.repaired.append(f"rebuilt {faiss_file.VECTORS_FILE} from the stored embeddings (no re-embedding)")
+            report.repaired.append(
+                f"rebuilt {faiss_file.VECTORS_FILE} from the stored window embeddings (no re-embedding)"
+                + (f", dropping {verified.orphan_windows} orphan window rows" if verified.orphan_windows else "")
+            )
     _check_caches(index, report, repair, progress)
     _count_garbage(index, report)
 
@@ -110,28 +117,29 @@ def _repair_rows(index: KVIndex, bad_rows, report: CheckReport) -> None:
 
 
 def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:
-    """Read every cache the index uses whole (each tensor's checksum verified); a corrupt one is removed
-    by the store as it is found; with `repair`, the missing and corrupt ones are recomputed."""
+    """Read every cache the index holds whole (each tensor's checksum verified); a corrupt one is removed by the
+    store as it is found; with `repair`, the corrupt ones are recomputed (where the budget admits them). A cache
+    the index names and does not hold is cold, not damage: it is made when a prompt needs it."""
     live = index.maker.live_keys()
     bad: list[str] = []
     for key, (ids, _) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
-        if (problem := _cache_problem(index, key)) is not None:
+        if key not in index.store.disk:
+            report.caches_cold += 1
+        elif (problem := _cache_problem(index, key)) is not None:
             report.problems.append(f"KV cache {key} ({len(ids)} tokens): {problem}")
             bad.append(key)
-    report.caches_checked = len(live)
+    report.caches_checked = len(live) - report.caches_cold
     if not repair:
         return
     for key in bad:  # made as the index makes each (a neighbour cache behind cached K/V, a stored mean)
         index.store.put(key, index.maker.make(*live[key]))
         report.recomputed += 1
     if report.recomputed:
-        report.repaired.append(f"recomputed {report.recomputed} missing or corrupt KV caches")
+        report.repaired.append(f"recomputed {report.recomputed} corrupt KV caches")
 
 
 def _cache_problem(index: KVIndex, key: str) -> str | None:
     """What is wrong with the disk cache `key`, or None: every layer read and verified."""
-    if key not in index.store.disk:
-        return "missing"
     entry = index.store.disk.open(key)  # None: the header failed its check (the entry is removed)
     if entry is None:
         return "corrupt header (removed)"

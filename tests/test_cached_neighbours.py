@@ -273,19 +273,24 @@ def test_a_prompt_laid_out_as_a_chunks_neighbour_context_reads_its_mean_inexact(
 
 
 def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, caplog):
-    """Faults: a stored mean gone when a query reads it is remade (the neighbour cache computed again, averaged
-    with the stored behind-prefix one), stored and logged; one corrupted on disk is found by `check` and
-    remade by its repair. Either way it comes back as indexing made it."""
+    """Faults: a stored mean gone when a query reads it is not computed while the prompt waits: the chunk reads
+    its behind-prefix cache (as one without neighbours does), and the mean is remade off the request path
+    (`backfill`: the neighbour cache computed again, averaged with the stored behind-prefix one); one corrupted
+    on disk is found by `check` and remade by its repair. Either way it comes back as indexing made it."""
     from rag_kvcache.maintenance import check
 
     segments = question_segments(index)
-    (key,) = address(index.addressing, segments)[3].keys  # the second chunk's: its mean
+    named = address(index.addressing, segments)[3]  # the second chunk's: its mean
+    (key,) = named.keys
     before = index.store.get(key)
     index.store.memory.remove(key)
     index.store.disk.remove(key)
-    with caplog.at_level(logging.WARNING):
-        assert index.caches.open(segments).missing == 1
-    assert f"recomputed and rewrote the missing or corrupt KV cache {key}" in caplog.text
+    caches = index.caches.open(segments)
+    own = index.addressing.key(named.whole)
+    assert caches.missing == 0 and caches.contexts[3] == index.addressing.chunk_context
+    assert_same(caches.sources[3], index.store.get(own))  # the behind-prefix cache, read as it is stored
+    assert key in index.caches.wanted and key not in index.store
+    assert index.caches.backfill() == 1 and not index.caches.wanted
     assert_same(index.store.disk.open(key), before)
     index.store.memory.remove(key)
     path = index.store.path(key)
@@ -299,9 +304,11 @@ def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, c
 
 
 def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, monkeypatch):
-    """A run killed after some neighbour caches were stored (and before the table was written) is completed
-    by the next: it finds the same neighbours, keeps what was stored and computes the rest; the caches equal
-    those of an uninterrupted run."""
+    """A run killed after some neighbour caches were stored is completed by the next: the neighbours were
+    recorded before any of their caches was computed, so what was stored is the index's (no orphan, nothing
+    for `gc`), the next run keeps it and computes the rest; the caches equal those of an uninterrupted run."""
+    from rag_kvcache.maintenance import check
+
     write_docs(tmp_path / "docs")
     whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
     index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
@@ -317,9 +324,11 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
-    assert not (index.path / "neighbours.json").exists()
+    assert (index.path / "neighbours.json").exists() and index.maker.made >= 3
     reopened = KVIndex.open(index.path, adapter=tiny)
-    assert len(reopened.maker.chunks_without_neighbour_caches()) == len(list(reopened.chunks.all_chunks()))
+    assert reopened.orphans() == [] and check(reopened, progress=False).ok  # kept work, not garbage or damage
+    n_chunks = len(list(reopened.chunks.all_chunks()))
+    assert len(reopened.maker.chunks_without_neighbour_caches()) == n_chunks - 3
     done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
     total = sum(
         len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
@@ -372,8 +381,8 @@ def test_a_deleted_documents_texts_leave_the_neighbour_table(index, tiny, tmp_pa
 
 def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_completes(tiny, tmp_path, monkeypatch):
     """The neighbour caches are written behind the compute: a write that fails (a full disk) is raised by the
-    run, every other write it made is whole in the store, no table is recorded, and the next run computes
-    only what is missing; the caches equal an uninterrupted run's."""
+    run, every other write it made is whole in the store and named by the recorded table (the index's, not
+    garbage), and the next run computes only what is missing; the caches equal an uninterrupted run's."""
     write_docs(tmp_path / "docs")
     whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
     neighbour_caches = {
@@ -382,11 +391,11 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
     real_pass, real_write, writes = index.maker.precompute_neighbours, index.store.write, []
 
-    def disk_full_on_the_third(key, data):
+    def disk_full_on_the_third(key, data, cost=None):
         writes.append(key)
         if len(writes) == 3:
             raise StorageFullError(errno.ENOSPC, "No space left on device")
-        real_write(key, data)
+        return real_write(key, data, cost)
 
     def pass_on_a_filling_disk(chunks, progress=True):
         monkeypatch.setattr(index.store, "write", disk_full_on_the_third)
@@ -396,10 +405,11 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     with pytest.raises(StorageFullError):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
-    assert not (index.path / "neighbours.json").exists() and writes[2] not in index.store
+    assert (index.path / "neighbours.json").exists() and writes[2] not in index.store
     written = [key for i, key in enumerate(writes) if i != 2]
     assert all(key in index.store for key in written)
     reopened = KVIndex.open(index.path, adapter=tiny)
+    assert reopened.orphans() == []
     done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
     assert done == len(neighbour_caches - set(written)) and done < len(neighbour_caches)
     assert_same_caches(reopened, whole)

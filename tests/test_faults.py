@@ -45,6 +45,12 @@ delay = float(sys.argv[3])
 if delay:
     replace = os.replace
     os.replace = lambda a, b: (time.sleep(delay), replace(a, b))[1]
+if len(sys.argv) > 4:  # stall in the embedding stage, after saying so in this file
+    from sentence_transformers import SentenceTransformer
+    def stalled(self, *args, **kwargs):
+        open(sys.argv[4], "w").close()
+        time.sleep(600)
+    SentenceTransformer.encode = stalled
 adapter = ModelAdapter(tiny_llama(), AutoTokenizer.from_pretrained(MINILM_DIR), name="tiny-llama")
 KVIndex.build(sys.argv[1], sys.argv[2], Config(index=IndexSettings(chunk_tokens=24, codec="none")), adapter=adapter,
               progress=False)
@@ -61,8 +67,10 @@ def write_docs(root: Path, n: int, seed: int = 0) -> Path:
     return root
 
 
-def run_indexer(docs: Path, index: Path, delay: float = 0.0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", INDEXER, str(docs), str(index), str(delay)], stderr=subprocess.PIPE)
+def run_indexer(docs: Path, index: Path, delay: float = 0.0, embedding: Path | None = None) -> subprocess.Popen:
+    """The indexer in its own process; `embedding`: it stalls when it starts embedding, having created that file."""
+    args = [str(docs), str(index), str(delay)] + ([str(embedding)] if embedding else [])
+    return subprocess.Popen([sys.executable, "-c", INDEXER, *args], stderr=subprocess.PIPE)
 
 
 def assert_consistent(index_dir: Path, adapter) -> KVIndex:
@@ -178,23 +186,50 @@ def wait_for_entries(proc: subprocess.Popen, idx: Path, n: int) -> None:
         time.sleep(0.02)
 
 
-def test_kill_9_mid_indexing_then_resume(tiny, tmp_path):
+@pytest.mark.parametrize("stage", ["behind_prefix", "neighbours"])
+def test_kill_9_mid_a_cache_pass_leaves_the_index_searchable_then_resumes(tiny, tmp_path, stage):
+    """The chunks are committed before any chunk cache is made: killed during the behind-prefix pass or the
+    neighbour pass, the index holds every chunk and answers (making what a question needs); what the run stored
+    is the index's (no orphan, nothing damaged), and the same command completes it."""
+    from rag_kvcache.maintenance import check
+
     docs, idx = write_docs(tmp_path / "docs", 12), tmp_path / "idx"
+    reference = KVIndex.build(docs, tmp_path / "clean", CFG, adapter=tiny, progress=False)
+    n_chunks = len(reference.chunks)
     proc = run_indexer(docs, idx, delay=0.2)
-    wait_for_entries(proc, idx, 3)  # killed in the middle of storing caches
+    wait_for_entries(proc, idx, 3 if stage == "behind_prefix" else n_chunks + 3)  # + the prefix's and separator's
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert list((idx / "kv").rglob(".tmp-*"))  # it died mid-write ...
-    store = KVIndex.open(idx, CFG, adapter=tiny).store
-    for path in store.root.glob("??/*.safetensors"):  # ... but every entry under its real name is whole
-        assert path.name.startswith(".tmp-") or store.get(path.stem) is not None
-    assert len(KVIndex.open(idx, CFG, adapter=tiny).chunks) == 0  # nothing committed without its cache
+    index = KVIndex.open(idx, CFG, adapter=tiny)
+    for path in index.store.root.glob("??/*.safetensors"):  # ... but every entry under its real name is whole
+        assert path.name.startswith(".tmp-") or index.store.get(path.stem) is not None
+    assert len(index.chunks) == n_chunks and index.orphans() == []  # searchable, and nothing called garbage
+    report = check(index, progress=False)
+    assert report.ok and report.caches_cold > 0, report.problems
+    asked = FusedGenerator(index).ask(QUESTION)  # a chunk without its caches read behind the prefix, made now
+    assert asked.chunks and asked.ttft_s > 0
 
     index = KVIndex.build(docs, idx, CFG, adapter=tiny, progress=False)  # the same command again
     assert_consistent(idx, tiny)
-    reference = KVIndex.build(docs, tmp_path / "clean", CFG, adapter=tiny, progress=False)
     assert {c.id for c in index.chunks.all_chunks()} == {c.id for c in reference.chunks.all_chunks()}
-    assert FusedGenerator(index).ask(QUESTION).cache_misses == 0
+    assert FusedGenerator(index).ask(QUESTION).cache_misses == 0 and check(index, progress=False).caches_cold == 0
+
+
+def test_kill_9_while_embedding_commits_nothing(tiny, tmp_path):
+    """Killed in the embedding stage (before its chunks are committed), the index holds nothing of the run, and
+    the same command builds it whole."""
+    docs, idx, embedding = write_docs(tmp_path / "docs", 4), tmp_path / "idx", tmp_path / "embedding"
+    proc = run_indexer(docs, idx, embedding=embedding)
+    deadline = time.monotonic() + 120
+    while not embedding.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(KVIndex.open(idx, CFG, adapter=tiny).chunks) == 0
+    KVIndex.build(docs, idx, CFG, adapter=tiny, progress=False)
+    assert_consistent(idx, tiny)
 
 
 def test_two_indexers_at_once(tiny, tmp_path, caplog):

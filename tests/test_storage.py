@@ -67,19 +67,6 @@ def test_lfu_and_lru_differ():
         EvictionPolicy("mru")
 
 
-def test_disk_tier_evicts_to_its_budget_across_restarts(tmp_path):
-    kv = make_kv()
-    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0))
-    store.put(KEYS[0], kv)
-    entry_bytes = store.path(KEYS[0]).stat().st_size
-    budget = 2 * entry_bytes
-    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=budget))  # learns KEYS[0]
-    store.put(KEYS[1], kv)
-    store.put(KEYS[2], kv)
-    assert KEYS[0] not in store and KEYS[1] in store and KEYS[2] in store
-    assert store.disk.stats.evictions == 1
-
-
 def test_counters_persist_across_processes(tmp_path):
     store = KVStore(tmp_path, "none")
     store.put(KEYS[0], make_kv())

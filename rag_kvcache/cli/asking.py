@@ -16,6 +16,7 @@ from .common import (
     INDEX_HELP,
     ChunkOrderName,
     DeviationName,
+    KVBudget,
     KVRemote,
     PlacedDevice,
     PlacedDType,
@@ -68,6 +69,7 @@ def ask(
         ),
     ] = None,
     kv_remote: KVRemote = None,
+    kv_budget: KVBudget = None,
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as one JSON object.")] = False,
@@ -113,7 +115,7 @@ def ask(
             json_schema=schema,
             draft_tokens=draft_tokens,
         )
-        idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote))
+        idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote, disk_bytes=kv_budget))
         cfg, decision = resolve_ratio(cfg, idx.adapter)
         if decision is not None:
             err.print(f"[dim]loading controller: {decision.explain()}[/dim]", highlight=False)
@@ -159,6 +161,7 @@ def chat(
         StorageConfig, "conversation_bytes"
     ),
     kv_remote: KVRemote = None,
+    kv_budget: KVBudget = None,
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
 ) -> None:
@@ -177,7 +180,7 @@ def chat(
         check_method(method)
         cfg = placed(KVIndex.config_of(index_dir, base_config()), device, dtype).with_fusion(method=method)
         cfg = cfg.with_query(chunk_order=chunk_order.value)
-        cfg = cfg.with_generation(max_new_tokens=max_new_tokens).with_storage(remote=kv_remote)
+        cfg = cfg.with_generation(max_new_tokens=max_new_tokens).with_storage(remote=kv_remote, disk_bytes=kv_budget)
         idx = KVIndex.open(index_dir, cfg)
     except (OSError, ValueError) as e:
         fail(str(e))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional, get_args, get_type_hints
@@ -64,6 +65,23 @@ def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
     return typer.Option(*decls, help=cls.__dataclass_fields__[name].metadata["help"], **kwargs)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as people write one: 2000000, 500MB, 1.5GiB, 20G (decimal units; 'i' for binary ones)."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if found is None:
+        raise typer.BadParameter(f"{text!r} is not a size: write bytes, or a number with a unit (500MB, 1.5GiB)")
+    value = int(float(found[1]) * _UNITS[(found[2] or "").lower()])
+    if value < 1:
+        raise typer.BadParameter(f"{text!r} is not a positive size")
+    return value
+
+
+KVBudget = Annotated[
+    Optional[int], option(StorageConfig, "disk_bytes", "--kv-budget", parser=parse_bytes, metavar="SIZE")
+]
 KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
 KVRemoteWritable = Annotated[bool, option(StorageConfig, "remote_writable", "--kv-remote-writable")]
 KVOnDevice = Annotated[bool, option(StorageConfig, "memory_on_device", "--kv-on-device/--kv-in-host")]

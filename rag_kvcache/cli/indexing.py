@@ -13,6 +13,7 @@ from .common import (
     ChunkPrefillName,
     DType,
     EmbedderDType,
+    KVBudget,
     KVCodec,
     KVRemote,
     KVRemoteWritable,
@@ -60,6 +61,7 @@ def index(
     ),
     kv_remote: KVRemote = None,
     kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
+    kv_budget: KVBudget = None,
     ray: Annotated[Optional[str], option(RuntimeConfig, "ray")] = None,
     ray_workers: Annotated[int, option(RuntimeConfig, "ray_workers", min=0)] = default(RuntimeConfig, "ray_workers"),
     device: Annotated[str, option(RuntimeConfig, "device")] = default(RuntimeConfig, "device"),
@@ -115,7 +117,9 @@ def index(
             ray=ray,
             ray_workers=ray_workers,
         )
-        idx = KVIndex.create(index_dir, cfg.with_storage(remote=kv_remote, remote_writable=kv_remote_writable))
+        idx = KVIndex.create(
+            index_dir, cfg.with_storage(remote=kv_remote, remote_writable=kv_remote_writable, disk_bytes=kv_budget)
+        )
         err.print(idx.store.trust(), highlight=False)
         if ray is None:
             report = idx.update(docs_dir, prune=prune)
@@ -123,10 +127,10 @@ def index(
             with idx.ray_workers() as workers:
                 report = idx.update(docs_dir, prune=prune, workers=workers)
     except KeyboardInterrupt:
-        kept = 0 if idx is None else sum(key in idx.store.disk for key in idx.maker.pending())
+        kept = 0 if idx is None else idx.maker.made
         err.print(
-            f"interrupted: {index_dir} holds what it held before this run; the {kept} KV caches this run "
-            "computed are kept, and running the same command again resumes with them",
+            f"interrupted: {index_dir} keeps the chunks this run committed (searchable) and the {kept} KV caches "
+            "it computed; running the same command again resumes with the caches still to make",
             highlight=False,
         )
         raise typer.Exit(130) from None

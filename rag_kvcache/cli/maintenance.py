@@ -48,13 +48,29 @@ def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], 
         )
     out.print(table)
     sizes = [p.stat().st_size for p in store.disk.files()]
-    budget = "unbounded" if cfg.runtime.storage.disk_bytes is None else _mib(cfg.runtime.storage.disk_bytes)
+    ledger = None if store.ledger is None else store.ledger.stats()
+    budget = "unbounded" if ledger is None or ledger.budget is None else _mib(ledger.budget)
     out.print(
         f"disk tier: {len(sizes)} entries, {_mib(sum(sizes))} (budget {budget}), codec {cfg.index.codec}; "
         f"memory tier budget {_mib(cfg.runtime.storage.memory_bytes)} per process, eviction {cfg.runtime.storage.eviction}"
     )
+    if ledger is not None:
+        _print_ledger(ledger)
     if store.remote is not None:
         _print_remote(store.remote)
+
+
+def _print_ledger(ledger) -> None:
+    """The disk tier's budget at work: what prompts read from it, what it refused and evicted, its hot set."""
+    out.print(
+        f"chunk caches prompts read from disk: {ledger.hits} hits, {ledger.misses} misses, byte hit ratio "
+        f"{ledger.hit_ratio:.1%}; {ledger.refused} writes refused and {ledger.evictions} entries evicted by the budget"
+    )
+    if ledger.hot:
+        hot = Table("hot set: key", "reads", "size", "priority (GDSF)")
+        for key, uses, nbytes, priority in ledger.hot:
+            hot.add_row(key, str(uses), _mib(nbytes), f"{priority:.3g}")
+        out.print(hot)
 
 
 def _print_remote(remote) -> None:
@@ -108,6 +124,7 @@ def check(
         out.print(f"[red]not repaired:[/red] {left}", highlight=False)
     out.print(
         f"{index_dir}: {'ok' if report.ok else 'damaged'}; {report.caches_checked} KV caches checked, "
+        f"{report.caches_cold} not made (made when a question needs them), "
         f"{report.reembedded} chunks re-embedded, {report.recomputed} KV caches recomputed",
         highlight=False,
     )

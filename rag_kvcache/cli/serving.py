@@ -19,6 +19,7 @@ from .common import (
     INDEX_HELP,
     ChunkOrderName,
     History,
+    KVBudget,
     KVOnDevice,
     KVRemote,
     KVRemoteWritable,
@@ -40,10 +41,10 @@ def serve(
     host: Annotated[str, option(ServerConfig, "host")] = default(ServerConfig, "host"),
     port: Annotated[int, option(ServerConfig, "port", min=0, max=65535)] = default(ServerConfig, "port"),
     api_key: Annotated[Optional[list[str]], option(ServerConfig, "api_keys", envvar="RAG_KVCACHE_API_KEY")] = None,
-    docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
     admin_key: Annotated[
         Optional[list[str]], option(ServerConfig, "admin_keys", "--admin-key", envvar="RAG_KVCACHE_ADMIN_KEY")
     ] = None,
+    docs: Annotated[Optional[Path], option(ServerConfig, "docs_dir")] = None,
     max_queue: Annotated[int, option(ServerConfig, "max_queue", min=0)] = default(ServerConfig, "max_queue"),
     max_batch: Annotated[int, option(ServerConfig, "max_batch", min=1)] = default(ServerConfig, "max_batch"),
     max_prompt_tokens: Annotated[int, option(ServerConfig, "max_prompt_tokens", min=1)] = default(
@@ -58,6 +59,7 @@ def serve(
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     kv_remote: KVRemote = None,
     kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
+    kv_budget: KVBudget = None,
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     device: PlacedDevice = None,
     dtype: PlacedDType = None,
@@ -96,9 +98,9 @@ def serve(
             host=host,
             port=port,
             api_keys=tuple(api_key or ()),
+            admin_keys=tuple(admin_key or ()),
             docs_dir=docs,
             max_queue=max_queue,
-            admin_keys=tuple(admin_key or ()),
             max_batch=max_batch,
             max_prompt_tokens=max_prompt_tokens,
             max_tokens=max_tokens,
@@ -119,6 +121,7 @@ def serve(
             cfg.with_storage(
                 remote=kv_remote,
                 remote_writable=kv_remote_writable,
+                disk_bytes=kv_budget,
                 memory_on_device=kv_on_device,
                 conversation_bytes=conversation_bytes,
                 request_bytes=request_bytes,

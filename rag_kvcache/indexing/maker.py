@@ -98,6 +98,7 @@ class CacheMaker:
     ) -> None:
         self.path, self.config, self.adapter, self.store = path, config, adapter, store
         self.chunks, self.format, self.foreign = chunks, format, foreign
+        self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
         self._neighbours: dict[str, list[list[int]]] = (  # chunk (by `neighbour_key`) -> its neighbours' ids
             json.loads(self._neighbours_path.read_text(encoding="utf-8"))
             if (self.with_neighbours or self.grouped) and self._neighbours_path.exists()
@@ -141,6 +142,10 @@ class CacheMaker:
         position = len(self.addressing.chunk_context)  # 0 for `isolated`: computed behind nothing
         return cache_nbytes(self.store.codec, self.adapter.layout, lengths, position) * self.caches_per_chunk
 
+    def cache_bytes(self, n_tokens: int) -> int:
+        """Bytes on disk of one cache of a chunk of `n_tokens` tokens."""
+        return self.disk_bytes([n_tokens]) // self.caches_per_chunk
+
     def live_keys(self) -> Live:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
         before it in its group) and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each
@@ -155,6 +160,38 @@ class CacheMaker:
             for key, contexts in self.addressing.neighbour_reads(ids) if self.with_neighbours else ():
                 live[key] = (ids, contexts)
         return live
+
+    # ---- what indexing makes, in what order -----------------------------------------------------------
+    def hot_set(self) -> list[ChunkRecord]:
+        """The indexed chunks whose caches indexing makes, most likely to be retrieved first, within the store's
+        budget (`store.ledger`): by how central each chunk is among the corpus' embeddings (cosine to their
+        mean: the chunks many questions land near), each taking the bytes of the caches it lacks
+        (`caches_per_chunk`), until the budget's free room is spent. Without a budget, every chunk."""
+        chunks = list(self.chunks.all_chunks())
+        if not chunks:
+            return []
+        vectors = self.chunks.vectors(chunks)  # [C, E], unit rows
+        centre = vectors.mean(axis=0)  # [E]
+        order = np.argsort(-(vectors @ centre), kind="stable")  # [C], most central first
+        ranked = [chunks[i] for i in order]
+        room = None if self.store.ledger is None else self.store.ledger.room()
+        if room is None:
+            return ranked
+        hot = []
+        for chunk in ranked:
+            held = sum(key in self.store.disk for key in self.chunk_keys(chunk.token_ids))
+            need = (self.caches_per_chunk - held) * self.cache_bytes(len(chunk.token_ids))
+            if need > room:
+                break
+            room -= need
+            hot.append(chunk)
+        return hot
+
+    def chunk_keys(self, ids: tuple[int, ...]) -> list[str]:
+        """The store keys of chunk `ids`'s caches: its own and, once its neighbours are recorded, theirs."""
+        return [self.addressing.own_key(ids), *(k for k, _ in self.addressing.neighbour_reads(ids))][
+            : self.caches_per_chunk
+        ]
 
     # ---- indexing -------------------------------------------------------------------------------------
     def precompute(
@@ -172,7 +209,7 @@ class CacheMaker:
         held = self.store.disk if workers is None else self.store
         if key(prefix, ()) not in held:
             self.store.put(key(prefix, ()), next(self.compute([prefix], ()))[1])
-        todo = list({ids for ids in chunks if key(ids) not in held})
+        todo = list(dict.fromkeys(ids for ids in chunks if key(ids) not in held))  # in the caller's order
         self._record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.addressing.chunk_context, progress)
@@ -184,6 +221,7 @@ class CacheMaker:
         with WriteBehind(self.store) as writer:
             for i, kv in self.compute(todo, self.addressing.chunk_context):
                 writer.put(key(todo[i]), kv)
+                self.made += 1
                 bar.update(len(todo[i]))
         bar.close()
         return len(todo)
@@ -237,6 +275,7 @@ class CacheMaker:
         with WriteBehind(self.store) as writer:
             for ids, kv in compute_grouped(self.adapter, groups, past, sep, pack_tokens(self.config)):
                 writer.put(keys[ids], kv)
+                self.made += 1
                 bar.update(len(ids))
         bar.close()
         return len(todo)
@@ -298,13 +337,15 @@ class CacheMaker:
         ]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
-        """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index),
-        find its `context_chunks` most similar other chunks, store its caches computed behind the prefix and
-        them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j; `cached_neighbours`,
-        all of them; with `stored_means`, each averaged with its behind-prefix cache), made by `make`, and
-        record them in `neighbours.json`; returns how many caches were computed. A run killed midway leaves
-        whole cache entries and the old table: the next run finds the same neighbours and skips the caches
-        already stored."""
+        """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index, in the
+        order given), find its `context_chunks` most similar other chunks, store its caches computed behind the
+        prefix and them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j;
+        `cached_neighbours`, all of them; with `stored_means`, each averaged with its behind-prefix cache), made
+        by `make`; returns how many caches were computed. The neighbours are recorded in `neighbours.json` before
+        any of their caches is computed, so a run killed midway leaves caches the index names (kept, not
+        garbage), and the next run skips those stored; a chunk whose neighbour cache is not stored reads its
+        behind-prefix one meanwhile (`store.opening`). Stops at the first cache the store's budget does not
+        admit."""
         table, key = self._neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
         if (
@@ -316,21 +357,32 @@ class CacheMaker:
             self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
         for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
+        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         reads = [self.addressing.neighbour_reads(chunk.token_ids) for chunk in chunks]
         todo = self.store.missing(at for chunk_reads in reads for at, _ in chunk_reads)  # one request to a remote tier
         made = 0
-        bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute behind neighbours", disable=not progress)
+        bar = tqdm(total=len(chunks), unit="chunk", desc="KV caches behind neighbours", disable=not progress)
         with WriteBehind(self.store) as writer:
             for chunk, chunk_reads in zip(chunks, reads, strict=True):
-                for at, contexts in chunk_reads:
-                    if at in todo:
-                        writer.put(at, self.make(chunk.token_ids, contexts))
-                        todo.discard(at)
-                        made += 1
+                lacking = [(at, contexts) for at, contexts in chunk_reads if at in todo]
+                if lacking and not self._room_for(len(lacking) * self.cache_bytes(len(chunk.token_ids))):
+                    log.info(
+                        "the KV store's budget is spent: %d chunks left without neighbour caches", len(chunks) - bar.n
+                    )
+                    break
+                for at, contexts in lacking:
+                    writer.put(at, self.make(chunk.token_ids, contexts))
+                    todo.discard(at)
+                    made += 1
+                    self.made += 1
                 bar.update(1)
         bar.close()
-        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
         return made
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether the store's budget has `nbytes` free (always, without a budget)."""
+        room = None if self.store.ledger is None else self.store.ledger.room()
+        return room is None or nbytes <= room
 
     def forget_unindexed(self, kept: Iterable[tuple[int, ...]]) -> int:
         """Drop the neighbour table's entries of texts no cache the index keeps holds any more (deleted or edited

@@ -188,13 +188,13 @@ class WriteBehind:
         self.store = store
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[Future[bool]] = deque()
 
     def put(self, key: str, kv: ChunkKV) -> None:
         while len(self._pending) >= self.depth:
             self._pending.popleft().result()
         data = encode_entry(kv, self.store.codec)  # on the caller's thread: see the class's docstring
-        self._pending.append(self._pool.submit(self.store.write, key, data))
+        self._pending.append(self._pool.submit(self.store.write, key, data, kv.n_tokens))
 
     def flush(self) -> None:
         while self._pending:

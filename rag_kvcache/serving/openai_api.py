@@ -141,6 +141,13 @@ class Server:
             )
         )
 
+    def _backfill(self) -> None:
+        """Neighbour caches the prompts wanted and did not find, made while the server is idle
+        (`CacheOpener.backfill`: one per answered request, each only if the index's budget would keep it)."""
+        caches = self.engine.index.caches
+        if caches.wanted:
+            self.scheduler.later(caches.backfill)
+
     def check_model(self, model: str) -> None:
         if model != self.model_id:
             raise APIError(
@@ -172,6 +179,7 @@ class Server:
                         for metrics in (self.metrics, self.metrics_of(ticket.tenant)):
                             metrics.observe(step, time.perf_counter() - ticket.admitted_at)
                         self._prepare_fit(prompt, "".join(pieces))
+                        self._backfill()
                     else:
                         pieces.append(step)
                     yield step

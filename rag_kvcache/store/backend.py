@@ -76,6 +76,7 @@ class TierStats:
     evictions: int = 0
     corrupt: int = 0
     errors: int = 0  # requests to a remote tier that failed (server down, refused, timed out)
+    refused: int = 0  # writes the disk tier's budget did not admit (`store.ledger`)
 
     def __add__(self, other: TierStats) -> TierStats:
         return TierStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

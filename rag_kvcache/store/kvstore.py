@@ -59,7 +59,8 @@ class KVStore:
             pinned=gpu and not config.memory_on_device,
         )
         promote = self.memory.put if config.memory_bytes > 0 else None
-        self.disk = DiskTier(self.root, self.codec, config.disk_bytes, config.eviction, on_loaded=promote)
+        self.disk = DiskTier(self.root, self.codec, config.disk_bytes, on_loaded=promote)
+        self.ledger = self.disk.ledger  # the disk tier's budget and popularity, shared by every process
         self.remote = _remote_tier(config, codec, promote) if config.remote is not None else None
         self.backends: list[Backend] = [self.disk] + ([self.remote] if self.remote is not None else [])
 
@@ -97,16 +98,20 @@ class KVStore:
             f"as computed, are read with their shape checked, and the tier is {access}"
         )
 
-    def put(self, key: str, kv: ChunkKV) -> None:
+    def put(self, key: str, kv: ChunkKV) -> bool:
         """Write `kv` to every backend, atomically in each (the remote tier keeps an entry another process
-        stored first, and skips the write when its server does not answer). Raises `StorageFullError`.
+        stored first, and skips the write when its server does not answer); the disk tier only if its budget
+        admits it (`store.ledger`). True when the disk holds it now. Raises `StorageFullError`.
         The memory tier is a read cache: entries enter it when read whole, so indexing does not churn it."""
-        self.write(key, encode_entry(kv, self.codec))
+        return self.write(key, encode_entry(kv, self.codec), kv.n_tokens)
 
-    def write(self, key: str, data: bytearray) -> None:
-        """Write an entry `encode_entry` made with this store's codec to every backend, as `put` does."""
-        for backend in self.backends:
+    def write(self, key: str, data: bytearray, cost: float | None = None) -> bool:
+        """Write an entry `encode_entry` made with this store's codec to every backend, as `put` does; `cost`
+        is what recomputing it costs, in tokens (its priority for the disk budget)."""
+        stored = self.disk.write(key, data, cost) > 0
+        for backend in self.backends[1:]:
             backend.write(key, data)
+        return stored
 
     def open(self, key: str, promote: bool = True) -> LayerSource | None:
         """The entry, layers read on demand, or None when missing or corrupt in every tier (a corrupt

@@ -12,6 +12,8 @@ index's job (`indexing.maker.CacheMaker`, the `Maker` here): this module only op
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -23,12 +25,14 @@ from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from ..engine.model import ModelSpec
 from ..engine.prompt import Segment
 from ..errors import RagKVCacheError
-from .addressing import CacheAddressing, Context, address
+from .addressing import CacheAddressing, Context, SegmentAddress, address, without_neighbours
 from .backend import CorruptEntryError, Entry
 from .kvstore import KVStore
 from .tiers import MemoryTier
 
 log = logging.getLogger(__name__)
+
+MAX_WANTED = 4096  # neighbour caches remembered for `CacheOpener.backfill`; more forget the least recently wanted
 
 
 class Maker(Protocol):
@@ -43,6 +47,8 @@ class Maker(Protocol):
     def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
+
+    def cache_bytes(self, n_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,9 @@ class CacheOpener:
         self.store, self.maker, self.request_bytes, self.inv_freq = store, maker, request_bytes, inv_freq
         self.n_layers = n_layers
         self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text
+        # neighbour caches prompts wanted and did not find: key -> (token ids, contexts), made by `backfill`
+        self.wanted: OrderedDict[str, tuple[tuple[int, ...], tuple[Context, ...]]] = OrderedDict()
+        self._wanted_lock = threading.Lock()
 
     def open(self, segments: Sequence[Segment], salt: str = "", make: bool = True) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
@@ -199,7 +208,9 @@ class CacheOpener:
         With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
         as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
         """
-        addresses = address(self.maker.addressing, segments, salt)
+        named = address(self.maker.addressing, segments, salt)
+        addresses = [self._stored_or_behind_prefix(seg, at) for seg, at in zip(segments, named)] if make else named
+        self._count_uses([*named, *addresses])
         sources: list[LayerSource | None] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
@@ -229,6 +240,49 @@ class CacheOpener:
                 SliceKV(source, seg.offset, seg.offset + len(seg.ids)) if len(seg.ids) < len(at.whole) else source
             )
         return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
+
+    def _stored_or_behind_prefix(self, seg: Segment, at: SegmentAddress) -> SegmentAddress:
+        """`at`, or where it reads a neighbour cache that is not stored (not made yet, or evicted by the store's
+        budget), the chunk's cache behind the prefix instead (`without_neighbours`): a neighbour cache is made
+        off the request path (`wanted`, `backfill`), never while a prompt waits."""
+        fallback = without_neighbours(self.maker.addressing, at, seg)
+        if fallback is None or all(key in self.store.memory or key in self.store for key in at.keys):
+            return at
+        with self._wanted_lock:
+            for key, contexts in at.reads:
+                self.wanted[key] = (at.whole, contexts)
+                self.wanted.move_to_end(key)
+            while len(self.wanted) > MAX_WANTED:
+                self.wanted.popitem(last=False)
+        return fallback
+
+    def _count_uses(self, addresses: Sequence[SegmentAddress]) -> None:
+        """Count every chunk cache the prompt reads (and every neighbour cache it would have read) with the
+        store's ledger: the popularity its budget keeps the hot set by."""
+        if self.store.ledger is None:
+            return
+        reads = {
+            key: self.maker.cache_bytes(len(at.whole)) for at in addresses if not at.request_text for key in at.keys
+        }
+        self.store.ledger.used(reads)
+
+    def backfill(self, limit: int = 1) -> int:
+        """Make up to `limit` of the neighbour caches prompts wanted and did not find (most recently wanted first),
+        each only if the store's budget would keep it; returns how many were stored. For idle moments: the
+        server runs it when no request waits."""
+        made = 0
+        while made < limit:
+            with self._wanted_lock:
+                if not self.wanted:
+                    return made
+                key, (ids, contexts) = self.wanted.popitem()
+            ledger = self.store.ledger
+            if key in self.store or (
+                ledger is not None and not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
+            ):
+                continue
+            made += self.store.put(key, self.maker.make(ids, contexts))
+        return made
 
     def load(self, segments: Sequence[Segment], salt: str = "") -> int:
         """Read the stored chunk caches the prompt's segments will read into the store's memory tier ahead of

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import re
+import sqlite3
 import threading
 import weakref
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from ..engine.cache import ChunkKV
 from ..errors import ConfigError, StorageFullError
 from .backend import Backend, Counted
 from .codecs import Codec
+from .ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +158,13 @@ class MemoryTier(Counted):
 
 
 class DiskTier(Backend):
-    """A directory of `<key[:2]>/<key>.safetensors` files, within `budget` bytes (None: no limit).
+    """A directory of `<key[:2]>/<key>.safetensors` files, within the store's byte budget.
 
-    With a budget, the tier learns the sizes of the entries already there when it opens (recency
-    from their modification times) and evicts after each write; reads refresh an entry's recency.
-    Use counts (for `lfu`) are kept per process: across restarts, ties fall back to recency.
+    Which entries the directory keeps is its `Ledger` (`ledger.sqlite`, shared by every process that opens
+    the store): a write is admitted only if it fits the budget once entries of lower GDSF priority are
+    evicted, else it is not stored (`TierStats.refused`). `budget` (bytes) sets the store's budget, recorded
+    in the ledger; None keeps the recorded one (none: unbounded). A store this process may not write (a
+    read-only mount) has no ledger and is read as it is.
     """
 
     def __init__(
@@ -168,20 +172,18 @@ class DiskTier(Backend):
         root: Path,
         codec: Codec,
         budget: int | None,
-        eviction: Eviction,
         on_loaded: Callable[[str, ChunkKV], None] | None = None,
     ) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.budget = budget
         super().__init__(codec, on_loaded)
-        self._policy = EvictionPolicy(eviction)
-        self._lock = threading.Lock()
-        if budget is not None:
-            for path in sorted(
-                self.files(), key=lambda p: (p.stat().st_mtime_ns, p.name)
-            ):  # ties: not by directory order
-                self._policy.add(path.stem, path.stat().st_size)
+        self.ledger: Ledger | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.ledger = Ledger(self.root, self.path, budget)
+        except (OSError, sqlite3.OperationalError) as err:
+            if budget is not None:
+                raise ConfigError(f"cannot keep the KV store {self.root} to a budget of {budget} bytes: {err}") from err
+            log.debug("KV store %s is read as it is, without its ledger: %s", self.root, err)
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.safetensors"
@@ -195,9 +197,13 @@ class DiskTier(Backend):
     def files(self) -> Iterator[Path]:
         return (p for p in self.root.glob("??/*.safetensors") if not p.name.startswith(_TMP_PREFIX))
 
-    def write(self, key: str, data: bytes) -> int:
-        """Store `data` under `key` atomically (replacing what was there); returns the bytes written.
+    def write(self, key: str, data: bytes, cost: float | None = None) -> int:
+        """Store `data` under `key` atomically (replacing what was there) if the ledger admits it (`cost`: what
+        recomputing it costs, in tokens; default its bytes); returns the bytes written, 0 when not admitted.
         Raises `StorageFullError`."""
+        if self.ledger is not None and not self.ledger.reserve(key, len(data), len(data) if cost is None else cost):
+            self.count(refused=1)
+            return 0
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key}.safetensors"
@@ -210,22 +216,18 @@ class DiskTier(Backend):
             _fsync_dir(target.parent)
         except OSError as err:
             tmp.unlink(missing_ok=True)
+            if self.ledger is not None:
+                self.ledger.abandon(key)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFullError(
                     err.errno,
                     f"no space left on the device of {self.root} while writing a {len(data)}-byte KV cache "
-                    "entry: free space, or give the store a disk budget (StorageConfig.disk_bytes)",
+                    "entry: free space, or give the store a disk budget (--kv-budget, StorageConfig.disk_bytes)",
                 ) from err
             raise
-        with self._lock:
-            self.count(bytes_written=len(data))
-            self._policy.add(key, len(data))
-            victims = self._policy.victims(self.budget, keep=key) if self.budget is not None else []
-            for victim in victims:
-                self._policy.remove(victim)
-        for victim in victims:
-            self.path(victim).unlink(missing_ok=True)
-            self.count(evictions=1)
+        if self.ledger is not None:
+            self.ledger.landed(key)
+        self.count(bytes_written=len(data))
         return len(data)
 
     def blob(self, key: str) -> FileBlob | None:
@@ -234,19 +236,10 @@ class DiskTier(Backend):
         except FileNotFoundError:
             return None
 
-    def opened(self, key: str) -> None:
-        with self._lock:
-            self._policy.touch(key)
-        if self.budget is not None:
-            try:
-                os.utime(self.path(key))  # recency survives restarts
-            except OSError as err:  # a read-only index: the recency is this process's only
-                log.debug("could not record the use of %s: %s", self.path(key), err)
-
     def remove(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
-        with self._lock:
-            self._policy.remove(key)
+        if self.ledger is not None:
+            self.ledger.forget(key)
 
     def remove_stale_temp_files(self) -> int:
         """Delete temporary files left by writers that died (a `kill -9` mid-write); returns how many."""

@@ -1,0 +1,193 @@
+"""The disk tier's byte budget (`store.ledger`): GDSF admission and eviction, shared by processes, recorded by the
+store, and held under concurrent writers and after `kill -9`."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rag_kvcache.config import StorageConfig
+from rag_kvcache.store.addressing import cache_key
+from rag_kvcache.store.kvstore import ChunkKV, KVStore
+from rag_kvcache.store.ledger import Ledger
+
+
+def make_kv(seed: int = 0, tokens: int = 5) -> ChunkKV:
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(
+        [torch.randn(2, tokens, 8, generator=g) for _ in range(2)],
+        [torch.randn(2, tokens, 8, generator=g) for _ in range(2)],
+        0,
+    )
+
+
+def key(i: int) -> str:
+    return cache_key("ns", (), (i,))
+
+
+def entry_bytes(tmp_path) -> int:
+    probe = KVStore(tmp_path / "probe", "none", StorageConfig(memory_bytes=0))
+    probe.put(key(0), make_kv())
+    return probe.path(key(0)).stat().st_size
+
+
+def disk_bytes(store: KVStore) -> int:
+    return sum(p.stat().st_size for p in store.root.glob("??/*.safetensors"))
+
+
+def test_popular_entries_survive_a_stream_of_one_off_entries(tmp_path):
+    size = entry_bytes(tmp_path)
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=3 * size))
+    hot = [key(i) for i in range(3)]
+    for k in hot:
+        assert store.put(k, make_kv())
+    for _ in range(3):
+        store.ledger.used({k: size for k in hot})
+    for i in range(100, 120):  # each read once, then written: never above a hot entry's priority
+        store.ledger.used({key(i): size})
+        assert not store.put(key(i), make_kv(i))
+    assert all(k in store for k in hot) and disk_bytes(store) <= 3 * size
+    stats = store.ledger.stats()
+    assert stats.refused == 20 and stats.hits == 9 and stats.misses == 20 and stats.entries == 3
+    assert stats.hit_ratio == pytest.approx(9 / 29)
+    assert {(k, uses, nbytes) for k, uses, nbytes, _ in stats.hot} == {(k, 3, size) for k in hot}
+
+
+def test_an_entry_used_more_evicts_the_least_valuable(tmp_path):
+    size = entry_bytes(tmp_path)
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=2 * size))
+    store.put(key(0), make_kv())
+    store.put(key(1), make_kv())
+    store.ledger.used({key(0): size})  # key(1) is now the least valuable
+    store.ledger.used({key(2): size})
+    store.ledger.used({key(2): size})  # key(2), missed twice, is worth more than key(1)
+    assert store.put(key(2), make_kv(2))
+    assert key(0) in store and key(1) not in store and key(2) in store
+    assert store.ledger.stats().evictions == 1 and disk_bytes(store) <= 2 * size
+
+
+def test_the_budget_is_the_stores_recorded_and_shrinking_it_evicts(tmp_path):
+    size = entry_bytes(tmp_path)
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=4 * size))
+    for i in range(4):
+        store.put(key(i), make_kv(i))
+    store.ledger.used({key(3): size})
+    again = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0))  # no budget given: the recorded one
+    assert again.ledger.budget == 4 * size
+    smaller = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=size))
+    assert smaller.ledger.budget == size and disk_bytes(smaller) <= size and key(3) in smaller  # the used one stays
+
+
+def test_files_without_rows_are_counted_and_rows_without_files_dropped(tmp_path):
+    size = entry_bytes(tmp_path)
+    store = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0))
+    for i in range(3):
+        store.put(key(i), make_kv(i))
+    (tmp_path / "s" / "ledger.sqlite").unlink()  # an index made before the store had a ledger
+    for extra in ("ledger.sqlite-wal", "ledger.sqlite-shm"):
+        (tmp_path / "s" / extra).unlink(missing_ok=True)
+    store.path(key(0)).unlink()
+    again = KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=10 * size))
+    assert again.ledger.keys() == {key(1), key(2)} and again.ledger.stats().bytes == 2 * size
+
+
+def _writer(root, budget: int, worker: int, n: int) -> None:
+    store = KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=budget))
+    for i in range(n):
+        k = key(1000 * worker + i)
+        for _ in range(1 + i % 4):  # popularity to fight over: later keys evict the entries used less
+            store.ledger.used({k: 1})
+        store.put(k, make_kv(i))
+
+
+def test_a_budget_of_a_few_entries_holds_under_concurrent_writers(tmp_path):
+    size = entry_bytes(tmp_path)
+    budget, root = 3 * size, tmp_path / "s"
+    KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=budget))
+    peak, done = [0], threading.Event()
+
+    def size(path) -> int:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:  # renamed or evicted since the listing
+            return 0
+
+    def sample() -> None:  # every file, a writer's temporary ones too
+        while not done.is_set():
+            peak[0] = max(peak[0], sum(map(size, root.glob("??/*.safetensors"))))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(root, budget, w, 15)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    done.set()
+    sampler.join()
+    assert all(p.exitcode == 0 for p in procs)
+    store = KVStore(root, "none", StorageConfig(memory_bytes=0))
+    assert peak[0] <= budget and disk_bytes(store) <= budget
+    assert store.ledger.keys() == {p.stem for p in root.glob("??/*.safetensors")}
+    assert store.ledger.stats().evictions > 0  # the budget was fought over, not merely never reached
+
+
+def _killed_mid_eviction(root, budget: int) -> None:
+    store = KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=budget))
+    store.ledger.used({key(99): 1})
+    store.ledger.used({key(99): 1})
+    real_unlink = type(root).unlink
+
+    def unlink_then_die(self, missing_ok=False):
+        real_unlink(self, missing_ok=missing_ok)
+        os.kill(os.getpid(), signal.SIGKILL)  # the victim's file is gone, its row (in the open transaction) not
+
+    type(root).unlink = unlink_then_die
+    store.put(key(99), make_kv(99))
+
+
+def test_kill_9_during_an_eviction_leaves_the_budget_held_and_the_ledger_true(tmp_path):
+    size = entry_bytes(tmp_path)
+    root = tmp_path / "s"
+    store = KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=2 * size))
+    store.put(key(0), make_kv(0))
+    store.put(key(1), make_kv(1))
+    store.ledger.close()
+    proc = mp.get_context("spawn").Process(target=_killed_mid_eviction, args=(root, 2 * size))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert len(list(root.glob("??/*.safetensors"))) == 1  # one victim deleted, then the process died
+    again = KVStore(root, "none", StorageConfig(memory_bytes=0))  # reconciles: the victim's row goes
+    assert again.ledger.keys() == {p.stem for p in root.glob("??/*.safetensors")}
+    assert again.ledger.stats().bytes == size
+    again.ledger.used({key(99): 1})
+    again.ledger.used({key(99): 1})
+    assert again.put(key(99), make_kv(99)) and disk_bytes(again) <= 2 * size  # the lock died with its holder
+
+
+def test_a_writer_killed_before_its_file_landed_frees_its_bytes(tmp_path):
+    size = entry_bytes(tmp_path)
+    root = tmp_path / "s"
+    store = KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=2 * size))
+    ledger = store.ledger
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+    assert ledger.reserve(key(5), size, 5)
+    ledger._db.execute("UPDATE entries SET writer = ? WHERE key = ?", (child.pid, key(5)))  # reserved by a dead pid
+    ledger.close()
+    again = Ledger(root, store.path)
+    assert again.keys() == set() and again.room() == 2 * size
+
+
+def test_a_budget_below_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="-5"):
+        KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=-5))
