@@ -113,7 +113,9 @@ def test_ask_cacheblend_knobs(built):
     # gradual filtering starts wider and ends at --ratio: the same number of tokens reach the last layer
     assert json.loads(gradual.stdout)["recomputed_tokens"] == json.loads(one_step.stdout)["recomputed_tokens"]
     result = runner.invoke(app, [*base, "--check-layer", "2", "--filter-steps", "3"])
-    assert result.exit_code == 2 and "filter_steps must be at most 2 (the model's 4 layers" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "filter_steps must be at most 2 (the model's 4 layers" in " ".join(
+        result.output.split()
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,6 +123,7 @@ def test_ask_cacheblend_knobs(built):
     [
         (["ask", "  ", "--index", "IDX"], "the question is empty"),
         (["ask", "q", "--index", "MISSING"], "not found"),
+        (["ask", "q", "--index", "MISSING"], "make one with `rag-kvcache index DOCS --index"),  # names the command
         (["index", "MISSING", "--index", "IDX"], "MISSING"),
     ],
 )
@@ -261,7 +264,10 @@ def test_a_registered_method_is_reachable_and_an_unknown_one_is_listed(built):
         del METHODS["reuse-again"]
     result = runner.invoke(app, [*base, "--method", "nope"])
     assert result.exit_code == 2
-    assert f"unknown fusion method 'nope'; registered: {', '.join(METHODS)}" in " ".join(result.output.split())
+    assert f"unknown fusion method 'nope' (registered: {', '.join(METHODS)})" in " ".join(result.output.split())
+    result = runner.invoke(app, [*base, "--method", "cacheblnd"])  # a typo: the closest name is offered
+    assert result.exit_code == 2
+    assert "unknown fusion method 'cacheblnd'; did you mean 'cacheblend'?" in " ".join(result.output.split())
 
 
 def test_stream_json_emits_json_lines(built):

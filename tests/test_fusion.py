@@ -1,4 +1,5 @@
-"""The invariants of DESIGN.md on a tiny random-weight Llama."""
+"""The fusion invariants on a tiny random-weight Llama: `prefix` exact, CacheBlend at ratio 1.0 equal to `full`,
+re-rotation equal to computing at the offset, generation from an injected cache, the exact causal mask."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from the config fields, and the configuration read from the environment (this CL
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -174,4 +175,6 @@ def check_method(name: str) -> None:
     from ..engine.methods import METHODS
 
     if name not in METHODS:
-        raise ValueError(f"unknown fusion method {name!r}; registered: {', '.join(METHODS)}")
+        close = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown fusion method {name!r}{hint} (registered: {', '.join(METHODS)})")
