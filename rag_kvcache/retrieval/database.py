@@ -80,7 +80,9 @@ def connect_existing(index_dir: Path, write: bool = False) -> sqlite3.Connection
     which a full disk or a read-only folder cannot hold) opens it immutable, provided its write-ahead
     log holds no commits the file lacks; a writer gets `StorageFullError` (or the `OSError`)."""
     if not index_dir.is_dir():
-        raise FileNotFoundError(f"index folder not found: {index_dir}")
+        raise FileNotFoundError(
+            f"index folder not found: {index_dir}; make one with `rag-kvcache index DOCS --index {index_dir}`"
+        )
     db_path = index_dir / DB_FILE
     if not exists(index_dir):
         raise ForeignIndexError(
