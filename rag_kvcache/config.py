@@ -331,7 +331,7 @@ class IndexSettings:
         DEFAULT_EMBEDDER,
         "sentence-transformers model that embeds the chunks and questions. It reads at most its max_seq_length "
         "tokens of a text (all-MiniLM-L6-v2, the default: 256 word pieces, about half a 512-token chunk): a longer "
-        "chunk is embedded whole, as overlapping windows under that limit averaged into one vector, and a longer "
+        "chunk is embedded whole, as overlapping windows under that limit, and scores as its best window; a longer "
         "question is cut at it. Indexing logs the limit of another embedder whose chunks exceed it.",
     )
     chunk_tokens: int = setting(512, "Chunk size in LLM tokens (typically 128 or 512).")

@@ -19,6 +19,7 @@ from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord, TextDocument
 from ..retrieval.chunking import Chunk
 from ..retrieval.documents import Skipped, SourceFile, read_documents
+from ..retrieval.embedder import ChunkEmbeddings
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ class Staged:
     report: SyncReport
     stale: list[str]  # the sources whose rows go: removed and changed
     documents: list[tuple[str, str, int]]  # the document rows to add: (source, sha256, number of chunks)
-    embeddings: np.ndarray  # [C, E], one per `report.new_chunks`
+    embedded: ChunkEmbeddings  # one chunk per `report.new_chunks`: its windows and its own vector
     texts: list[tuple[str, str, str]] = field(default_factory=list)  # given as text: (source, text, metadata JSON)
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        """The new chunks' own vectors [C, E], one per `report.new_chunks` (their windows' normalised mean)."""
+        return self.embedded.chunks
 
 
 def stage_sync(
@@ -113,7 +119,7 @@ def commit(index: ChunkIndex, staged: Staged) -> SyncReport:
     """Write what `stage_sync` or `stage_texts` staged into `index` (`ChunkIndex.write`: one SQLite
     transaction and a swap of `vectors.faiss`); returns its report."""
     if staged.documents or staged.stale:
-        index.write(staged.stale, staged.documents, staged.report.new_chunks, staged.embeddings, staged.texts)
+        index.write(staged.stale, staged.documents, staged.report.new_chunks, staged.embedded, staged.texts)
     r = staged.report
     logger.info(
         "committed into %s: %d added, %d changed, %d removed, %d unchanged, %d skipped, %d new chunks",
@@ -130,9 +136,9 @@ def commit(index: ChunkIndex, staged: Staged) -> SyncReport:
 
 def _chunked(
     index: ChunkIndex, files: Sequence[SourceFile], chunker: Chunker, batch_size: int, progress: bool
-) -> tuple[list[ChunkRecord], np.ndarray, list[tuple[str, str, int]]]:
+) -> tuple[list[ChunkRecord], ChunkEmbeddings, list[tuple[str, str, int]]]:
     """`files` chunked and embedded by `index`'s embedder: their chunks in order, the chunks' embeddings
-    [C, E], and a document row (source, sha256, number of chunks) for each file."""
+    (`ChunkIndex.embed_chunks`), and a document row (source, sha256, number of chunks) for each file."""
     chunks_by_source = {f.source: _chunk(f, chunker) for f in files}
     new_chunks = [record for records in chunks_by_source.values() for record in records]
     embeddings = index.embed_chunks([record.text for record in new_chunks], batch_size, progress)

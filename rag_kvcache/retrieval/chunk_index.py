@@ -1,9 +1,12 @@
 """The chunk index: embeddings in FAISS, chunk metadata and token ids in SQLite.
 
 An index directory holds `index.sqlite` (the source of truth: documents, chunks with their token ids
-and embeddings, and free-form metadata; plus the table of chunk n-grams that `match` finds chunks
-in any prompt with, written in the same transactions as the chunks) and `vectors.faiss` (derived
-from it). Documents are staged outside it (`indexing.staging`: read, diffed, chunked, embedded; nothing
+and embeddings, each chunk's window embeddings, and free-form metadata; plus the table of chunk n-grams that
+`match` finds chunks in any prompt with, written in the same transactions as the chunks) and `vectors.faiss`
+(derived from it: one vector a window). A chunk longer than the embedder reads is searched as its windows
+(`embedder.chunk_embeddings`): a query's hits are windows, a chunk scores as its best window, and `search`
+returns distinct chunks; a chunk's own stored embedding (its windows' normalised mean) is its vector for
+chunk-to-chunk similarity (`vectors`, `nearest`). Documents are staged outside it (`indexing.staging`: read, diffed, chunked, embedded; nothing
 written: the caller computes the new chunks' KV caches then), then written (`write`). A write
 and fsyncs the new FAISS file under a temporary name, commits SQLite in one
 transaction (with that file's sha256), then renames the file into place; a failure before the
@@ -28,7 +31,7 @@ import errno
 import json
 import logging
 import sqlite3
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -42,7 +45,7 @@ from . import integrity
 from . import vectors as faiss_file
 from .chunking import Chunk
 from .database import chunk_id
-from .embedder import chunk_vectors, unit_vectors
+from .embedder import ChunkEmbeddings, chunk_embeddings, unit_vectors
 from .integrity import Verified
 from .matching import MAX_CANDIDATES, MIN_SPAN, Span, find_spans, prompt_ngrams
 from .vectors import EMBEDDING_DTYPE, IndexType
@@ -82,7 +85,7 @@ class ChunkRecord(Chunk):
 
 @dataclass(frozen=True)
 class Hit:
-    """A search result: the chunk and its cosine similarity to the query."""
+    """A search result: the chunk and its cosine similarity to the query (that of its best window)."""
 
     chunk: ChunkRecord
     score: float  # in [-1, 1], higher is closer
@@ -122,6 +125,7 @@ class ChunkIndex:
         self._embedder = embedder
         self._meta = meta
         self._dim = int(meta["embedding_dim"])
+        self._chunk_count, self._most_windows = db.window_shape(conn)
 
     @classmethod
     def create(
@@ -203,7 +207,7 @@ class ChunkIndex:
             conn.execute("BEGIN")  # the checksum and the chunk ids of one snapshot
             try:
                 recorded = db.recorded_vectors_sha256(conn)
-                expected = np.fromiter((fid for (fid,) in conn.execute("SELECT faiss_id FROM chunks")), dtype=np.int64)
+                expected = db.window_ids(conn)  # [W]
             finally:
                 conn.execute("COMMIT")
             vectors = faiss_file.load(index_dir, expected, dim, recorded)
@@ -234,7 +238,8 @@ class ChunkIndex:
         return dict(self._meta)
 
     def __len__(self) -> int:
-        return self._vectors.ntotal
+        """How many chunks the index holds."""
+        return self._chunk_count
 
     def close(self) -> None:
         self._conn.close()
@@ -254,7 +259,7 @@ class ChunkIndex:
         indexed = self.documents()
         removed = [s for s in dict.fromkeys(sources) if s in indexed]
         if removed:
-            self.write(removed, [], [], np.zeros((0, self._dim), dtype=np.float32))
+            self.write(removed, [], [], ChunkEmbeddings.empty(self._dim))
         logger.info("deleted %d documents from %s", len(removed), self._dir)
         return removed
 
@@ -269,7 +274,8 @@ class ChunkIndex:
         return {source: TextDocument(source, text, json.loads(metadata)) for source, text, metadata in rows}
 
     def search(self, query: str, k: int) -> list[Hit]:
-        """The `k` chunks most similar to `query`, best first (all chunks, with a warning, if fewer)."""
+        """The `k` distinct chunks most similar to `query`, each scored by its best window, best first (all
+        chunks, with a warning, if fewer)."""
         if not query.strip():
             raise ValueError(f"query must not be empty, got {query!r}")
         if k < 1:
@@ -282,33 +288,50 @@ class ChunkIndex:
         return self._hits(self.embed([query], batch_size=1, progress=False), k)[0]
 
     def nearest(self, chunks: Sequence[ChunkRecord], k: int) -> list[list[ChunkRecord]]:
-        """For each of `chunks` (indexed ones), the at most `k` other chunks most similar to it by its stored
-        vector, best first, each text once: a chunk with the same tokens as the chunk or as one taken before it
-        (the same passage in another document) is skipped. One search for all of them, nothing embedded again."""
+        """For each of `chunks` (indexed ones), the at most `k` other chunks most similar to it (its own vector,
+        `vectors`, against their windows), best first, each text once: a chunk with the same tokens as the chunk
+        or as one taken before it (the same passage in another document) is skipped. One search for all of
+        them, nothing embedded again."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k!r}")
         if not chunks:
             return []
-        queries = np.stack([self._stored_vector(c) for c in chunks])  # [C, E]
+        queries = self.vectors(chunks)  # [C, E]
         hits = self._hits(queries, min(2 * k + 1, len(self)))  # room for copies
         return [_distinct(chunk, [h.chunk for h in found], k) for chunk, found in zip(chunks, hits, strict=True)]
 
-    def _stored_vector(self, chunk: ChunkRecord) -> np.ndarray:
-        """The vector the index holds for `chunk` [E]; raises when it holds none (not an indexed chunk)."""
-        try:
-            return np.asarray(self._vectors.reconstruct(db.faiss_id(chunk.id)))  # [E]
-        except RuntimeError as err:  # FAISS: the id is not in the index
-            raise RagKVCacheError(f"nearest needs indexed chunks; {chunk.id!r} is not in {self._dir}") from err
+    def vectors(self, chunks: Sequence[ChunkRecord]) -> np.ndarray:
+        """The stored vectors of `chunks` (indexed ones) [C, E], unit rows, nothing embedded again: each chunk's
+        own vector, its windows' normalised mean (a chunk of one window: that window's). Raises
+        `RagKVCacheError` naming a chunk the index does not hold."""
+        if not chunks:
+            return self._none()
+        ids = list(dict.fromkeys(c.id for c in chunks))
+        blobs: dict[str, bytes] = {}
+        for start in range(0, len(ids), db.LOOKUP_BATCH):
+            batch = ids[start : start + db.LOOKUP_BATCH]
+            rows = self._conn.execute(
+                f"SELECT id, embedding FROM chunks WHERE id IN ({', '.join('?' * len(batch))})", batch
+            )
+            blobs.update(rows)
+        if missing := [c.id for c in chunks if c.id not in blobs]:
+            raise RagKVCacheError(f"chunks {missing!r} are not in {self._dir}: only indexed chunks have stored vectors")
+        return np.stack([np.frombuffer(blobs[c.id], dtype=EMBEDDING_DTYPE) for c in chunks])  # [C, E]
 
     def _hits(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
-        """The `k` chunks most similar to each of `queries` [Q, E] (unit vectors), best first."""
-        scores, faiss_ids = self._vectors.search(queries, k)  # [Q, k] x 2
+        """The `k` distinct chunks most similar to each of `queries` [Q, E] (unit vectors), best first, each scored
+        by its best window. Searches the (k - 1) * m + 1 best windows (m: the most windows a chunk has), which
+        hold the k best chunks' best windows (exactly so in a flat index)."""
+        if k < 1:
+            return [[] for _ in queries]
+        n_windows = min((k - 1) * self._most_windows + 1, self._vectors.ntotal)
+        scores, faiss_ids = self._vectors.search(queries, n_windows)  # [Q, n_windows] x 2
         found = [
             [(int(i), float(s)) for i, s in zip(row_ids, row, strict=True) if i != -1]
             for row_ids, row in zip(faiss_ids, scores, strict=True)
         ]
         ids = [i for row in found for i, _ in row]
-        records = self._fetch("faiss_id", list(set(ids)))
+        records = self._fetch_windows(list(set(ids)))
         removed = sum(i not in records for i in ids)
         if removed:  # another process synced since this index was opened
             logger.warning(
@@ -318,7 +341,7 @@ class ChunkIndex:
                 len(ids),
                 self._dir,
             )
-        return [[Hit(records[i], score) for i, score in row if i in records] for row in found]
+        return [_best_windows(((records[i], score) for i, score in row if i in records), k) for row in found]
 
     def match(self, ids: Sequence[int], min_span: int = MIN_SPAN) -> list[tuple[Span, ChunkRecord]]:
         """Every run of at least `min_span` tokens of `ids` (a prompt's token ids) that equals a run of an
@@ -365,28 +388,38 @@ class ChunkIndex:
         """Recompute the stored embeddings of these chunks from their texts and rewrite `vectors.faiss`
         from SQLite (the repair of embeddings that `verify` found damaged); returns how many."""
         records = self._fetch("id", list(dict.fromkeys(chunk_ids)))
-        embeddings = self.embed_chunks([r.text for r in records.values()], batch_size, progress=False)
+        embedded = self.embed_chunks([r.text for r in records.values()], batch_size, progress=False)
         conn = self._writable_conn(f"rewriting {len(records)} embeddings")
 
         def change() -> faiss.Index:
+            db.ensure_windows(conn)
             conn.executemany(
                 "UPDATE chunks SET embedding = ? WHERE id = ?",
-                ((e.astype(EMBEDDING_DTYPE).tobytes(), chunk) for chunk, e in zip(records, embeddings, strict=True)),
+                (
+                    (e.astype(EMBEDDING_DTYPE).tobytes(), chunk)
+                    for chunk, e in zip(records, embedded.chunks, strict=True)
+                ),
             )
+            conn.executemany(f"DELETE FROM {db.WINDOWS} WHERE chunk = ?", ((chunk,) for chunk in records))
+            db.insert_windows(conn, list(records), [embedded.of_chunk(i) for i in range(len(embedded))])
             return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
 
         self._vectors, self._vectors_sha256 = db.commit(conn, self._dir, "rewriting embeddings", change)
+        self._chunk_count, self._most_windows = db.window_shape(conn)
         return len(records)
 
     def rewrite_vectors(self) -> None:
-        """Rebuild `vectors.faiss` from SQLite's stored embeddings (no re-embedding) and write it."""
+        """Rebuild `vectors.faiss` from SQLite's stored window embeddings (no re-embedding) and write it; window
+        rows of chunks the index does not hold (`Verified.orphan_windows`) are deleted."""
         conn = self._writable_conn("rewriting vectors.faiss")
-        self._vectors, self._vectors_sha256 = db.commit(
-            conn,
-            self._dir,
-            "rewriting vectors.faiss",
-            lambda: db.vectors_from_db(conn, self._dim, self._meta["index_type"]),
-        )
+
+        def change() -> faiss.Index:
+            if db.has_windows(conn):
+                conn.execute(f"DELETE FROM {db.WINDOWS} WHERE chunk NOT IN (SELECT id FROM chunks)")
+            return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
+
+        self._vectors, self._vectors_sha256 = db.commit(conn, self._dir, "rewriting vectors.faiss", change)
+        self._chunk_count, self._most_windows = db.window_shape(conn)
 
     def embed(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
         """L2-normalised float32 embeddings [T, E] of `texts`, as queries are embedded: each text read up to
@@ -396,15 +429,15 @@ class ChunkIndex:
             return self._none()
         return unit_vectors(self._own_embedder(len(texts)), texts, batch_size, progress)  # [T, E]
 
-    def embed_chunks(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
-        """L2-normalised float32 embeddings [T, E] of chunk `texts`, as the index stores them: each text
-        whole, in windows under the embedder's limit pooled into one vector (`embedder.chunk_vectors`; a
-        tqdm bar over the windows' batches if `progress`). Indexing and the repair of a damaged embedding
-        (`reembed`) both embed this way, so a repaired embedding is the one indexing stored."""
+    def embed_chunks(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> ChunkEmbeddings:
+        """Chunk `texts` embedded as the index stores them: each text whole, its windows under the embedder's
+        limit and its own vector (`embedder.chunk_embeddings`; a tqdm bar over the windows' batches if
+        `progress`). Indexing and the repair of a damaged embedding (`reembed`) both embed this way, so a
+        repaired embedding is the one indexing stored."""
         if not texts:
-            return self._none()
+            return ChunkEmbeddings.empty(self._dim)
         embedder = self._own_embedder(len(texts))
-        return chunk_vectors(embedder, texts, batch_size, progress, self._meta["embedder"])  # [T, E]
+        return chunk_embeddings(embedder, texts, batch_size, progress, self._meta["embedder"])
 
     def _none(self) -> np.ndarray:
         """No embeddings [0, E]."""
@@ -424,20 +457,24 @@ class ChunkIndex:
         stale_sources: list[str],
         documents: list[tuple[str, str, int]],
         new_chunks: list[ChunkRecord],
-        embeddings: np.ndarray,
+        embeddings: ChunkEmbeddings,
         texts: Sequence[tuple[str, str, str]] = (),
     ) -> None:
-        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks`, and
-        `texts` (source, text, metadata JSON) of documents added as text.
+        """Drop the stale sources, add `documents` (source, sha256, n_chunks) and their `new_chunks` (embedded as
+        `embeddings`: their own vectors and windows), and `texts` (source, text, metadata JSON) of documents
+        added as text.
 
         SQLite changes in one transaction; FAISS is updated on a copy, written, and swapped in after
         the commit (`db.commit`).
         """
-        new_faiss_ids = np.array([db.faiss_id(record.id) for record in new_chunks], dtype=np.int64)
+        if len(embeddings) != len(new_chunks):
+            raise ValueError(f"{len(embeddings)} chunk embeddings for {len(new_chunks)} new chunks")
+        new_faiss_ids = np.array([db.faiss_id(record.id) for record in new_chunks], dtype=np.int64)  # [C]
         what = f"committing {len(new_chunks)} new chunks and dropping {len(stale_sources)} documents"
         conn = self._writable_conn(what)
 
         def change() -> faiss.Index:
+            db.ensure_windows(conn)
             old_faiss_ids = np.array(
                 [
                     faiss_id
@@ -445,8 +482,23 @@ class ChunkIndex:
                     for (faiss_id,) in conn.execute("SELECT faiss_id FROM chunks WHERE source = ?", (source,))
                 ],
                 dtype=np.int64,
-            )
+            )  # [C_old]
+            old_window_ids = np.array(
+                [
+                    faiss_id
+                    for source in stale_sources
+                    for (faiss_id,) in conn.execute(
+                        f"SELECT w.faiss_id FROM {db.WINDOWS} AS w JOIN chunks c ON c.id = w.chunk WHERE c.source = ?",
+                        (source,),
+                    )
+                ],
+                dtype=np.int64,
+            )  # [W_old]
             conn.executemany("DELETE FROM ngrams WHERE faiss_id = ?", ((int(f),) for f in old_faiss_ids))
+            conn.executemany(
+                f"DELETE FROM {db.WINDOWS} WHERE chunk IN (SELECT id FROM chunks WHERE source = ?)",
+                ((s,) for s in stale_sources),
+            )
             conn.executemany("DELETE FROM chunks WHERE source = ?", ((s,) for s in stale_sources))
             conn.executemany("DELETE FROM documents WHERE source = ?", ((s,) for s in stale_sources))
             conn.execute(db.TEXTS_SCHEMA)
@@ -468,9 +520,12 @@ class ChunkIndex:
                         r.text,
                         emb.astype(EMBEDDING_DTYPE).tobytes(),
                     )
-                    for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings, strict=True)
+                    for r, fid, emb in zip(new_chunks, new_faiss_ids, embeddings.chunks, strict=True)
                 ),
             )
+            new_window_ids = db.insert_windows(
+                conn, [r.id for r in new_chunks], [embeddings.of_chunk(i) for i in range(len(new_chunks))]
+            )  # [W]
             db.insert_ngrams(conn, zip(new_faiss_ids.tolist(), (r.token_ids for r in new_chunks)))
             if (recorded := db.recorded_vectors_sha256(conn)) != self._vectors_sha256:
                 logger.warning(
@@ -481,16 +536,17 @@ class ChunkIndex:
                     self._vectors_sha256,
                 )
                 return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
-            if len(old_faiss_ids) and self._meta["index_type"] == "hnsw":
+            if len(old_window_ids) and self._meta["index_type"] == "hnsw":
                 # HNSW graphs cannot drop vectors: rebuild from the rows this transaction leaves.
                 return db.vectors_from_db(conn, self._dim, self._meta["index_type"])
             vectors = faiss_file.clone(self._vectors)
-            if len(old_faiss_ids):
-                vectors.remove_ids(old_faiss_ids)
-            vectors.add_with_ids(embeddings, new_faiss_ids)
+            if len(old_window_ids):
+                vectors.remove_ids(old_window_ids)
+            vectors.add_with_ids(embeddings.windows, new_window_ids)
             return vectors
 
         self._vectors, self._vectors_sha256 = db.commit(conn, self._dir, what, change)
+        self._chunk_count, self._most_windows = db.window_shape(conn)
 
     def _writable_conn(self, what: str) -> sqlite3.Connection:
         """The connection, reopened for writing if it was opened read-only (a reader that now writes,
@@ -507,6 +563,22 @@ class ChunkIndex:
             self._conn, self._writing = db.connect_existing(self._dir, write=True), True
         return self._conn
 
+    def _fetch_windows(self, window_ids: Sequence[int]) -> dict[int, ChunkRecord]:
+        """The chunks of the windows with these FAISS ids, keyed by window id (in batches under SQLite's
+        bound-parameter limit); a window whose chunk the index no longer holds is left out."""
+        records: dict[int, ChunkRecord] = {}
+        columns = ", ".join(f"c.{name.strip()}" for name in _RECORD_COLUMNS.split(","))
+        windows = db.window_rows(self._conn)
+        for start in range(0, len(window_ids), db.LOOKUP_BATCH):
+            batch = list(window_ids[start : start + db.LOOKUP_BATCH])
+            rows = self._conn.execute(
+                f"SELECT w.faiss_id, {columns} FROM {windows} AS w JOIN chunks c ON c.id = w.chunk"
+                f" WHERE w.faiss_id IN ({', '.join('?' * len(batch))})",
+                batch,
+            )
+            records.update((row[0], _record(row[1:])) for row in rows)
+        return records
+
     def _fetch(self, column: Literal["id", "faiss_id"], keys: Sequence[str | int]) -> dict[str | int, ChunkRecord]:
         """Chunks whose `column` is in `keys`, keyed by it (in batches under SQLite's bound-parameter limit)."""
         records: dict[str | int, ChunkRecord] = {}
@@ -518,6 +590,18 @@ class ChunkIndex:
             )
             records.update((row[0], _record(row[1:])) for row in rows)
         return records
+
+
+def _best_windows(hits: Iterable[tuple[ChunkRecord, float]], k: int) -> list[Hit]:
+    """The first `k` distinct chunks of window `hits` (each window's chunk and score, best first), each scored by
+    its first (best) window."""
+    best: dict[str, Hit] = {}
+    for record, score in hits:
+        if record.id not in best:
+            best[record.id] = Hit(record, score)
+            if len(best) == k:
+                break
+    return list(best.values())
 
 
 def _distinct(chunk: ChunkRecord, found: Sequence[ChunkRecord], k: int) -> list[ChunkRecord]:

@@ -2,6 +2,12 @@
 transaction at a time, typed errors for a full disk) and the protocol that keeps `vectors.faiss` the file
 SQLite records (`commit`: staged before the transaction commits, published after; `rebuild_vectors`
 when it is not).
+
+FAISS holds one vector a window (`WINDOWS`: a chunk's windows under the embedder's limit, keyed by chunk id and
+ordinal, each with the FAISS id `window_faiss_id` gives it), written in the transactions that write their chunks.
+A chunk's window 0 has the chunk's own FAISS id, so an index made before the table existed reads as one window a
+chunk, its stored embedding (`window_rows`), and its `vectors.faiss` stays valid; its first write adds the table
+(`ensure_windows`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ NGRAM_SCHEMA = (
     " PRIMARY KEY (hash, faiss_id, offset)) WITHOUT ROWID",
     "CREATE INDEX ngrams_by_chunk ON ngrams (faiss_id)",
 )
+WINDOWS = "windows"  # a chunk's window vectors: the units FAISS searches
+WINDOWS_SCHEMA = (
+    f"CREATE TABLE {WINDOWS} (chunk TEXT NOT NULL, ordinal INTEGER NOT NULL, faiss_id INTEGER NOT NULL UNIQUE,"
+    " embedding BLOB NOT NULL, PRIMARY KEY (chunk, ordinal)) WITHOUT ROWID"
+)
 SCHEMA = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE documents (source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, n_chunks INTEGER NOT NULL)",
@@ -44,6 +55,7 @@ SCHEMA = (
     " char_end INTEGER NOT NULL, text TEXT NOT NULL, embedding BLOB NOT NULL)",
     "CREATE INDEX chunks_by_source ON chunks (source)",
     *NGRAM_SCHEMA,
+    WINDOWS_SCHEMA,
 )
 TEXTS = "texts"  # documents added as text (a vector store's): their whole text and metadata
 TEXTS_SCHEMA = (
@@ -198,11 +210,61 @@ def rebuild_vectors(
 
 
 def vectors_from_db(conn: sqlite3.Connection, dim: int, index_type: IndexType) -> faiss.Index:
-    """The FAISS index of every chunk embedding in SQLite."""
-    rows = conn.execute("SELECT faiss_id, embedding FROM chunks").fetchall()
-    ids = np.array([fid for fid, _ in rows], dtype=np.int64)
-    embeddings = np.frombuffer(b"".join(blob for _, blob in rows), dtype=EMBEDDING_DTYPE)
+    """The FAISS index of every window vector of every chunk in SQLite (`window_rows`), keyed by window."""
+    rows = conn.execute(f"SELECT w.faiss_id, w.embedding FROM {window_rows(conn)} AS w JOIN chunks c ON c.id = w.chunk")
+    pairs = rows.fetchall()
+    ids = np.array([fid for fid, _ in pairs], dtype=np.int64)  # [W]
+    embeddings = np.frombuffer(b"".join(blob for _, blob in pairs), dtype=EMBEDDING_DTYPE)  # [W * E]
     return faiss_file.build(ids, embeddings, dim, index_type)
+
+
+def has_windows(conn: sqlite3.Connection) -> bool:
+    """Whether the index has its window table (indexes made before it existed have none until written)."""
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (WINDOWS,)).fetchone() is not None
+
+
+def window_rows(conn: sqlite3.Connection) -> str:
+    """SQL naming the window rows (chunk, ordinal, faiss_id, embedding): the window table, or in an index without
+    one each chunk as its one window (ordinal 0, its FAISS id and stored embedding)."""
+    if has_windows(conn):
+        return WINDOWS
+    return "(SELECT id AS chunk, 0 AS ordinal, faiss_id, embedding FROM chunks)"
+
+
+def ensure_windows(conn: sqlite3.Connection) -> None:
+    """Inside the caller's write transaction: add the window table to an index without one, each chunk its one
+    window (what `window_rows` read it as), so that the write can add chunks of several windows."""
+    if has_windows(conn):
+        return
+    conn.execute(WINDOWS_SCHEMA)
+    conn.execute(
+        f"INSERT INTO {WINDOWS} (chunk, ordinal, faiss_id, embedding) SELECT id, 0, faiss_id, embedding FROM chunks"
+    )
+
+
+def window_ids(conn: sqlite3.Connection) -> np.ndarray:
+    """The FAISS ids of every indexed chunk's windows [W]: what `vectors.faiss` must hold."""
+    rows = conn.execute(f"SELECT w.faiss_id FROM {window_rows(conn)} AS w JOIN chunks c ON c.id = w.chunk")
+    return np.fromiter((fid for (fid,) in rows), dtype=np.int64)
+
+
+def window_shape(conn: sqlite3.Connection) -> tuple[int, int]:
+    """How many chunks the index holds, and the most windows any one of them has (1 for none)."""
+    (chunks,) = conn.execute("SELECT COUNT(*) FROM chunks").fetchone()
+    (most,) = conn.execute(f"SELECT MAX(ordinal) + 1 FROM {window_rows(conn)}").fetchone()
+    return int(chunks), max(1, int(most or 1))
+
+
+def insert_windows(conn: sqlite3.Connection, chunks: Sequence[str], windows: Sequence[np.ndarray]) -> np.ndarray:
+    """Add the window vectors of `chunks` (ids; `windows[i]` [n_i, E] chunk i's, in order) to the window table
+    (inside the caller's transaction, after `ensure_windows`); returns their FAISS ids [sum n_i], in that order."""
+    rows = [
+        (chunk, j, window_faiss_id(chunk, j), vector.astype(EMBEDDING_DTYPE).tobytes())
+        for chunk, vectors in zip(chunks, windows, strict=True)
+        for j, vector in enumerate(vectors)
+    ]
+    conn.executemany(f"INSERT INTO {WINDOWS} (chunk, ordinal, faiss_id, embedding) VALUES (?, ?, ?, ?)", rows)
+    return np.array([fid for _, _, fid, _ in rows], dtype=np.int64)
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -290,3 +352,12 @@ def faiss_id(chunk: str) -> int:
     Being content-derived, a FAISS file holding the same ids as SQLite holds the same vectors.
     """
     return int(chunk, 16) >> 1
+
+
+def window_faiss_id(chunk: str, ordinal: int) -> int:
+    """The FAISS id of window `ordinal` of a chunk: the chunk's own (`faiss_id`) for window 0, so an index of one
+    window a chunk holds the ids it held before windows existed; 63 bits of a hash of the chunk id and the
+    ordinal for the others."""
+    if ordinal == 0:
+        return faiss_id(chunk)
+    return int(hashlib.sha256(f"{chunk}\0{ordinal}".encode()).hexdigest()[:16], 16) >> 1

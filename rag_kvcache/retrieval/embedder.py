@@ -2,10 +2,11 @@
 bfloat16 where the CPU computes it natively (`embedder_dtype`).
 
 A query is embedded as one text, read up to the embedder's limit (`unit_vectors`). A chunk is embedded whole
-(`chunk_vectors`): a chunk longer than the embedder reads (all-MiniLM-L6-v2: 256 word pieces, against a default
-chunk of 512 LLM tokens) is cut into overlapping windows under the limit, and the windows' unit vectors are
-averaged into one unit vector, so a sentence in a chunk's second half moves its embedding as one in its first
-half does. A chunk under the limit is one window: its vector is the plain embedding of its text.
+(`chunk_embeddings`): a chunk longer than the embedder reads (all-MiniLM-L6-v2: 256 word pieces, against a default
+chunk of 512 LLM tokens) is cut into overlapping windows under the limit, each embedded as a unit vector. The
+windows are the retrieval units (a chunk scores as its best window, so a sentence in its second half is found
+as one in its first half is); the chunk's own vector, for chunk-to-chunk similarity, is the normalised mean of its
+windows. A chunk under the limit is one window: both vectors are the plain embedding of its text.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -139,21 +141,73 @@ def windows(
         begin = min((c for c in cuts if max(end - overlap, begin + 1) <= c <= end), default=end)
 
 
-def chunk_vectors(
+@dataclass(frozen=True)
+class ChunkEmbeddings:
+    """Chunks embedded whole (`chunk_embeddings`): every chunk's window vectors, in chunk order, and each chunk's
+    own vector. Window `j` of chunk `i` is row `starts[i] + j` of `windows`."""
+
+    windows: np.ndarray  # [W, E] float32 unit rows: chunk 0's windows in order, then chunk 1's, ...
+    counts: np.ndarray  # [C] int64, windows a chunk (each >= 1), summing to W
+    chunks: np.ndarray  # [C, E] float32 unit rows: each chunk's windows averaged and normalised (`pool`)
+
+    def __post_init__(self) -> None:
+        if self.counts.ndim != 1 or (self.counts < 1).any() or int(self.counts.sum()) != len(self.windows):
+            raise ValueError(f"{len(self.windows)} windows cannot be {self.counts.tolist()} a chunk")
+        if len(self.chunks) != len(self.counts) or self.chunks.shape[1:] != self.windows.shape[1:]:
+            raise ValueError(f"{self.chunks.shape} chunk vectors for {len(self.counts)} chunks of {self.windows.shape}")
+
+    @classmethod
+    def of(cls, windows: np.ndarray, counts: np.ndarray) -> ChunkEmbeddings:
+        """The embeddings of chunks with these `windows` [W, E] (unit rows), `counts` [C] of them a chunk."""
+        counts = np.asarray(counts, dtype=np.int64)  # [C]
+        return cls(windows, counts, pool(windows, counts))
+
+    @classmethod
+    def empty(cls, dim: int) -> ChunkEmbeddings:
+        """No chunks, of `dim`-d vectors."""
+        none = np.empty((0, dim), dtype=np.float32)  # [0, E]
+        return cls(none, np.empty(0, dtype=np.int64), none)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Each chunk's first row in `windows` [C]."""
+        return np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.int64) if len(self) else self.counts
+
+    def of_chunk(self, i: int) -> np.ndarray:
+        """Chunk `i`'s window vectors [n_i, E]."""
+        start = int(self.starts[i])
+        return self.windows[start : start + int(self.counts[i])]
+
+
+def pool(windows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each chunk's own vector [C, E] from its window vectors (`windows` [W, E], `counts` [C] a chunk): the
+    windows' mean, normalised; a chunk of one window gets that window's vector exactly."""
+    owners = np.repeat(np.arange(len(counts)), counts)  # [W]
+    pooled = np.zeros((len(counts), windows.shape[1]), dtype=np.float32)  # [C, E]
+    np.add.at(pooled, owners, windows)
+    several = counts > 1
+    pooled[several] /= np.linalg.norm(pooled[several], axis=1, keepdims=True)
+    return pooled
+
+
+def chunk_embeddings(
     embedder: SentenceTransformer,
     texts: list[str],
     batch_size: int = 64,
     progress: bool = False,
     name: str = DEFAULT_EMBEDDER,
-) -> np.ndarray:
-    """`texts` (chunks) embedded whole by `embedder` (`name`, for the log) as L2-normalised float32 vectors
-    [T, E]: each cut into `windows` under the embedder's limit (`window_tokens`), every window of every text
-    embedded in one batched `unit_vectors` call (a tqdm bar over its batches if `progress`), and a text's window
-    vectors averaged and normalised again. A text under the limit is one window and gets exactly its
-    `unit_vectors` vector. Logs a warning naming the limit when a chunk exceeds that of an embedder other than
-    the default (whose limit the docs state)."""
+) -> ChunkEmbeddings:
+    """`texts` (chunks) embedded whole by `embedder` (`name`, for the log): each cut into `windows` under the
+    embedder's limit (`window_tokens`), every window of every text embedded in one batched `unit_vectors` call
+    (a tqdm bar over its batches if `progress`), with each text's own vector `pool`ed from its windows. A text
+    under the limit is one window and gets exactly its `unit_vectors` vector. Logs a warning naming the limit
+    when a chunk exceeds that of an embedder other than the default (whose limit the docs state)."""
+    dim = embedder.get_embedding_dimension() or 0
     if not texts:
-        return np.empty((0, embedder.get_embedding_dimension() or 0), dtype=np.float32)
+        return ChunkEmbeddings.empty(dim)
     size = window_tokens(embedder)
     spans = token_spans(embedder, texts)
     ranges = [windows(text, s, size) for text, s in zip(texts, spans, strict=True)]
@@ -162,8 +216,8 @@ def chunk_vectors(
         split = sum(len(r) > 1 for r in ranges)
         (log.debug if name in _DEFAULT_EMBEDDER_NAMES else log.warning)(
             "embedder %s reads at most %d tokens of text (max_seq_length %d): %d of %d chunks are longer (up to "
-            "%d of its tokens) and are embedded as overlapping windows under that limit averaged into one vector; "
-            "smaller chunks or an embedder with a longer limit keep a chunk's parts sharper",
+            "%d of its tokens) and are searched as overlapping windows under that limit, a chunk scoring as its "
+            "best window; smaller chunks or an embedder with a longer limit keep a chunk in fewer windows",
             name,
             size,
             embedder.max_seq_length,
@@ -173,10 +227,4 @@ def chunk_vectors(
         )
     pieces = [text[a:b] for text, rs in zip(texts, ranges, strict=True) for a, b in rs]
     vectors = unit_vectors(embedder, pieces, batch_size, progress)  # [W, E]
-    owners = np.repeat(np.arange(len(texts)), [len(r) for r in ranges])  # [W]
-    pooled = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)  # [T, E]
-    np.add.at(pooled, owners, vectors)
-    counts = np.bincount(owners, minlength=len(texts))  # [T]
-    several = counts > 1
-    pooled[several] /= np.linalg.norm(pooled[several], axis=1, keepdims=True)
-    return pooled
+    return ChunkEmbeddings.of(vectors, np.array([len(r) for r in ranges], dtype=np.int64))

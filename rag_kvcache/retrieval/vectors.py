@@ -1,9 +1,10 @@
-"""The FAISS side of the chunk index: inner-product search over normalised embeddings, keyed by chunk.
+"""The FAISS side of the chunk index: inner-product search over normalised embeddings, keyed by window (a
+chunk's windows under the embedder's limit, `database.window_faiss_id`).
 
 `vectors.faiss` is derived from SQLite (the source of truth): every write records the file's sha256
 in SQLite's meta table (in the transaction that commits the chunks it holds), and a file whose bytes
-do not match that checksum, or that does not hold exactly the indexed chunks, is rebuilt from the
-stored embeddings. It is replaced atomically in two steps, so the caller can commit SQLite in
+do not match that checksum, or that does not hold exactly the indexed chunks' windows, is rebuilt from the
+stored window embeddings. It is replaced atomically in two steps, so the caller can commit SQLite in
 between: `stage` writes and fsyncs a temporary file (created like any file, with the umask's mode),
 `publish` renames it over. A full disk is a `StorageFullError` naming the file.
 
@@ -90,7 +91,7 @@ def check(
         and np.array_equal(np.sort(faiss.vector_to_array(vectors.id_map)), np.sort(expected_ids))
     ):
         return vectors, None
-    return None, f"is stale ({vectors.ntotal} vectors for {len(expected_ids)} chunks)"
+    return None, f"is stale ({vectors.ntotal} vectors for {len(expected_ids)} windows)"
 
 
 def build(ids: np.ndarray, embeddings: np.ndarray, dim: int, index_type: IndexType) -> faiss.Index:
