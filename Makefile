@@ -1,7 +1,7 @@
 # The two commands of the README. Both install what they need first: .venv (scripts/setup.sh), and for
 # the tests also .venv-vllm (scripts/setup-vllm.sh: vLLM's CPU build pins a transformers older than
 # .venv's), where the vLLM connector's tests run; in .venv they skip.
-.PHONY: setup demo test
+.PHONY: setup demo test bench-docs
 
 setup:
 	bash scripts/setup.sh
@@ -18,3 +18,20 @@ test: setup
 	.venv/bin/python -m pytest -q
 	bash scripts/setup-vllm.sh
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_prefix_cache.py tests/test_vllm_remote.py
+
+# The CPU tables docs/benchmarks.md quotes, re-run at a reduced size (about 40-60 minutes on 2 cores; results under
+# bench-docs/): the methods on MuSiQue (10 questions, not 50), the default against CacheBlend (10, not 40), the
+# planted facts left where retrieval ranks them (20, not 40), and the conversation cache (as published). Not here:
+# the GPU table (benchmarks/gpu/run.sh, on a device) and the vLLM connector's (benchmarks/vllm/, in .venv-vllm).
+# MUSIQUE: the MuSiQue dev set in CacheBlend's layout (datasets/musique.md).
+MUSIQUE ?= ../shared/data/musique_dev.json
+BENCH_DOCS ?= bench-docs
+bench-docs: setup
+	.venv/bin/rag-kvcache bench --dataset $(MUSIQUE) --limit 10 --chunk-prefill behind_prefix \
+		--methods full,reuse,cacheblend,epic:k=16,cacheblend_repick --out $(BENCH_DOCS)/methods
+	.venv/bin/rag-kvcache bench --dataset $(MUSIQUE) --limit 10 --chunk-tokens 512 \
+		--methods full,cacheblend@behind_prefix,epic_match --baseline cacheblend@behind_prefix --chunk-order best_last \
+		--out $(BENCH_DOCS)/default
+	.venv/bin/rag-kvcache bench --dataset planted:$(MUSIQUE) --limit 20 --chunk-tokens 512 --methods full,epic_match \
+		--baseline epic_match --evidence retrieved --chunk-order best_last --out $(BENCH_DOCS)/planted
+	.venv/bin/python benchmarks/chat/conversation.py --index $(BENCH_DOCS)/chat-idx --out $(BENCH_DOCS)/conversation.json

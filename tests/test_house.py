@@ -58,7 +58,6 @@ def test_source_names_no_session_and_no_machine_path(path: Path) -> None:
     assert offences(path) == []
 
 
-@pytest.mark.xfail(strict=False, reason=REWRITTEN_LAST)
 def test_readme_and_docs_name_no_session_and_no_machine_path() -> None:
     found = [hit for path in [ROOT / "README.md", *text_files(ROOT / "docs")] for hit in offences(path)]
     assert found == []
