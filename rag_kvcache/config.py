@@ -389,8 +389,10 @@ class IndexSettings:
     @classmethod
     def from_json(cls, text: str) -> IndexSettings:
         """Settings `to_json` wrote (a field a later release added takes its default); raises ConfigError
-        naming a key this release does not know."""
+        naming a key this release does not know, or for a value that is not a JSON object."""
         values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ConfigError(f"index settings must be a JSON object, got {text[:60]!r}")
         if unknown := values.keys() - {f.name for f in fields(cls)}:
             raise ConfigError(f"index settings hold keys this release does not know: {sorted(unknown)!r}")
         return cls(**values)

@@ -13,3 +13,8 @@ class ConfigError(RagKVCacheError, ValueError):
 
 class StorageFullError(RagKVCacheError, OSError):
     """The disk holding the store or the index is full (or over quota)."""
+
+
+class IndexFileError(RagKVCacheError, ValueError):
+    """A file of an index (or a value recorded in one) that does not parse or does not hold what it should; the
+    message names the file and what is wrong."""

@@ -35,14 +35,14 @@ from rich.filesize import decimal
 from .config import Config, IndexSettings
 from .engine.model import ModelAdapter, ModelSpec
 from .engine.prompt import PromptFormat
-from .errors import RagKVCacheError
+from .errors import IndexFileError, RagKVCacheError
 from .indexing import staging
 from .indexing.maker import CacheMaker
 from .indexing.staging import Chunker, SyncReport
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, TextDocument
 from .retrieval.chunking import chunk_document
-from .retrieval.database import exists
+from .retrieval.database import DB_FILE, exists
 from .retrieval.embedder import load_embedder
 from .store.kvstore import KVStore
 from .store.opening import CacheOpener
@@ -60,12 +60,19 @@ SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as
 STORED_MEANS_KEY = "stored_means"
 
 
-def recorded_settings(meta: Mapping[str, str]) -> IndexSettings:
-    """The `IndexSettings` an index's metadata records. Indexes made before the settings were one JSON value
-    recorded each as its own string, the codec as `kv_codec` (none recorded: stored as computed); those are
+def recorded_settings(meta: Mapping[str, str], index_dir: Path | None = None) -> IndexSettings:
+    """The `IndexSettings` an index's metadata records (of the index at `index_dir`, which errors name). Settings
+    that do not parse raise `IndexFileError` naming the meta key. Indexes made before the settings were one JSON
+    value recorded each as its own string, the codec as `kv_codec` (none recorded: stored as computed); those are
     read by the fields' types."""
     if SETTINGS_KEY in meta:
-        return IndexSettings.from_json(meta[SETTINGS_KEY])
+        where = f"{(index_dir or Path('<index>')) / DB_FILE} meta key {SETTINGS_KEY!r}"
+        try:
+            return IndexSettings.from_json(meta[SETTINGS_KEY])
+        except json.JSONDecodeError as e:
+            raise IndexFileError(f"{where} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except (ValueError, TypeError) as e:
+            raise IndexFileError(f"{where} does not hold index settings: {e}") from e
     types = {f.name: f.type for f in fields(IndexSettings) if f.name in meta}
     return IndexSettings(
         **{k: int(meta[k]) if t == "int" else meta[k] for k, t in types.items()}, codec=meta.get("kv_codec", "none")
@@ -82,7 +89,7 @@ class KVIndex:
         connector's worker passes vLLM's (`VllmAdapter`), its scheduler a bare `ModelSpec` (no weights: it
         opens caches without making any, `CacheOpener.open(make=False)`)."""
         self.path = path
-        self.recorded = recorded_settings(chunks.meta)  # what the index was built with
+        self.recorded = recorded_settings(chunks.meta, path)  # what the index was built with
         if differs := {  # what the index records wins, but for the model and dtype a caller reads it with
             f.name: getattr(self.recorded, f.name)
             for f in fields(IndexSettings)
@@ -196,7 +203,7 @@ class KVIndex:
     @staticmethod
     def config_of(path: Path, base: Config = Config()) -> Config:
         """`base` with the settings the index at `path` records (`IndexSettings`)."""
-        return replace(base, index=recorded_settings(ChunkIndex.read_meta(Path(path))))
+        return replace(base, index=recorded_settings(ChunkIndex.read_meta(Path(path)), Path(path)))
 
     @classmethod
     def open(

@@ -10,17 +10,27 @@ says is dropped with its document (the next `index` run of its folder reads it a
 is rebuilt from SQLite's stored embeddings (no re-embedding); a corrupt cache is recomputed;
 orphans and temporary files are collected. SQLite's own corruption (a failed `integrity_check`)
 cannot be repaired here: the report says to re-index.
+
+The records an index is opened with are checked first (`check_records`, which `rag-kvcache check` runs before
+it opens the index): its recorded settings (`index.sqlite`'s meta) and `neighbours.json` and `pending.json`. One
+that does not parse is named with what is wrong; `repair` drops `neighbours.json` or `pending.json` (the index
+stays sound without them: `indexing.records`), and cannot rebuild the settings (the report says to re-index).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .index import Collected, KVIndex
+from .errors import IndexFileError
+from .index import Collected, KVIndex, _writer_lock, recorded_settings
+from .indexing.records import NEIGHBOURS_FILE, PENDING_FILE, read_neighbours, read_pending
 from .retrieval import vectors as faiss_file
+from .retrieval.chunk_index import ChunkIndex
+from .retrieval.database import DB_FILE
 from .store.backend import CorruptEntryError
 
 log = logging.getLogger(__name__)
@@ -49,18 +59,39 @@ class CheckReport:
         return not self.unrepaired and (self.repair or not self.problems)
 
 
-def check(index: KVIndex, repair: bool = False, progress: bool = True) -> CheckReport:
-    """Verify every file of `index`; with `repair`, fix what was found (holding its writer lock)."""
+def check_records(index_dir: Path, repair: bool = False) -> CheckReport:
+    """Check the records the index at `index_dir` is opened with, before it is opened (one that does not parse
+    fails the opening): its recorded settings, `neighbours.json` and `pending.json`; with `repair`, drop those of
+    the last two that do not parse (holding its writer lock), after which the index opens. `check` continues the
+    report this returns (its `found`)."""
+    report = CheckReport(repair=repair)
+    if not repair:
+        _check_records(Path(index_dir), report, repair)
+        return report
+    with _writer_lock(Path(index_dir)):
+        _check_records(Path(index_dir), report, repair)
+    return report
+
+
+def check(index: KVIndex, repair: bool = False, progress: bool = True, found: CheckReport | None = None) -> CheckReport:
+    """Verify every file of `index`; with `repair`, fix what was found (holding its writer lock). `found`: what
+    `check_records` found before the index was opened, continued. A record that does not parse and is not
+    repaired ends the check there (the rest reads it)."""
     if index.foreign:
         raise ValueError(
             f"{index.path} was built with model {index.recorded.model!r}, not {index.config.index.model!r}: "
             "check it with its own model (KVIndex.open without a config), which addresses its caches"
         )
-    report = CheckReport(repair=repair)
+    report = found or CheckReport(repair=repair)
     if not repair:
-        _check(index, report, repair, progress)
+        _check_records(index.path, report, repair)
+        if not report.problems:
+            _check(index, report, repair, progress)
         return report
     with index.writer_lock():
+        _check_records(index.path, report, repair)
+        if report.unrepaired:
+            return report
         _check(index, report, repair, progress)
         report.collected = collected = index.collect()
     if collected:
@@ -72,6 +103,35 @@ def gc(index: KVIndex) -> Collected:
     """Delete the orphan caches and the temporary files of killed writers (`KVIndex.collect`)."""
     with index.writer_lock():
         return index.collect()
+
+
+def _check_records(index_dir: Path, report: CheckReport, repair: bool) -> None:
+    """`check_records` (the caller holds the writer lock when `repair`)."""
+    try:
+        recorded_settings(ChunkIndex.read_meta(index_dir), index_dir)
+    except IndexFileError as e:
+        report.problems.append(str(e))
+        report.unrepaired.append(
+            f"the settings {DB_FILE} records cannot be rebuilt: restore the index from a backup or build a new one "
+            "from the documents (`rag-kvcache index`)"
+        )
+    for name, read, consequence in (
+        (
+            NEIGHBOURS_FILE,
+            read_neighbours,
+            "chunks read their behind-prefix caches until the next `rag-kvcache index` records their neighbours",
+        ),
+        (PENDING_FILE, read_pending, "an interrupted run's caches are orphans now: `gc` deletes them"),
+    ):
+        path = index_dir / name
+        try:
+            if path.is_file():
+                read(path)
+        except IndexFileError as e:
+            report.problems.append(str(e))
+            if repair:
+                path.unlink()
+                report.repaired.append(f"dropped {path} ({consequence})")
 
 
 def _check(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:

@@ -97,19 +97,24 @@ def check(
         typer.Option(
             help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
             "damaged embeddings by re-embedding, missing or corrupt KV caches by "
-            "recomputing; collect orphans. What is intact is not recomputed."
+            "recomputing; a neighbours.json or pending.json that does not parse dropped; collect orphans. "
+            "What is intact is not recomputed."
         ),
     ] = False,
 ) -> None:
-    """Verify every file of an index: SQLite (integrity and every chunk row), vectors.faiss (checksum and ids)
-    and every KV cache (every tensor's checksum). Exits 1 when something is wrong and not repaired."""
+    """Verify every file of an index: the records it is opened with (its settings, neighbours.json, pending.json),
+    SQLite (integrity and every chunk row), vectors.faiss (checksum and ids) and every KV cache (every tensor's
+    checksum). Exits 1 when something is wrong and not repaired."""
     from ..index import KVIndex
     from ..maintenance import check as check_index
+    from ..maintenance import check_records
 
     model_process()
     try:
-        index = KVIndex.open(index_dir, KVIndex.config_of(index_dir, base_config()), rewrite=False)  # as it is
-        report = check_index(index, repair=repair)
+        report = check_records(index_dir, repair=repair)  # what the index cannot open without
+        if opened := report.ok:
+            index = KVIndex.open(index_dir, KVIndex.config_of(index_dir, base_config()), rewrite=False)  # as it is
+            report = check_index(index, repair=repair, found=report)
     except (OSError, ValueError) as e:
         fail(str(e))
     for problem in report.problems:
@@ -122,6 +127,13 @@ def check(
         out.print(f"[green]repaired:[/green] {done}", highlight=False)
     for left in report.unrepaired:
         out.print(f"[red]not repaired:[/red] {left}", highlight=False)
+    if not opened:
+        out.print(
+            f"{index_dir}: damaged; it cannot open until what was found is repaired "
+            + ("(`rag-kvcache check --repair`)" if not report.unrepaired else "(see above)"),
+            highlight=False,
+        )
+        raise typer.Exit(1)
     out.print(
         f"{index_dir}: {'ok' if report.ok else 'damaged'}; {report.caches_checked} KV caches checked, "
         f"{report.caches_cold} not made (made when a question needs them), "

@@ -67,6 +67,7 @@ from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
 from .grouping import similar_groups
 from .precompute import WriteBehind, compute_behind_cached, compute_caches, compute_grouped, pack_tokens
+from .records import NEIGHBOURS_FILE, PENDING_FILE, read_neighbours, read_pending
 
 if TYPE_CHECKING:
     from .cluster import RayWorkers
@@ -100,7 +101,7 @@ class CacheMaker:
         self.chunks, self.format, self.foreign = chunks, format, foreign
         self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
         self._neighbours: dict[str, list[list[int]]] = (  # chunk (by `neighbour_key`) -> its neighbours' ids
-            json.loads(self._neighbours_path.read_text(encoding="utf-8"))
+            read_neighbours(self._neighbours_path)
             if (self.with_neighbours or self.grouped) and self._neighbours_path.exists()
             else {}
         )
@@ -308,8 +309,7 @@ class CacheMaker:
         a crash): kept (not orphans), and read again by the next run."""
         if not self._pending_path.is_file():
             return {}
-        table = json.loads(self._pending_path.read_text(encoding="utf-8"))
-        return {key: (tuple(ids), tuple(ctx)) for key, (ids, ctx) in table.items()}
+        return read_pending(self._pending_path)  # IndexFileError naming it when it does not parse
 
     def kept(self) -> dict[str, tuple[int, ...]]:
         """Every cache the index keeps, store key -> token ids: its chunks' (`live_keys`) and an interrupted run's
@@ -467,7 +467,7 @@ class CacheMaker:
     # ---- the records beside the caches --------------------------------------------------------------
     @property
     def _pending_path(self) -> Path:
-        return self.path / "pending.json"
+        return self.path / PENDING_FILE
 
     def _record_pending(self, pending: Table) -> None:
         """Record a run's caches before it computes them: until it commits they are resumable work, not garbage."""
@@ -475,7 +475,7 @@ class CacheMaker:
 
     @property
     def _neighbours_path(self) -> Path:
-        return self.path / "neighbours.json"
+        return self.path / NEIGHBOURS_FILE
 
 
 def _write_json(path: Path, data: object) -> None:

@@ -1,0 +1,79 @@
+"""The files an index is opened with (issue 75): one that fails to parse is named in the error (the file and
+what is wrong), `check` reports it and `check --repair` drops what can be rebuilt (neighbours.json,
+pending.json) so that the index opens; the recorded settings carry a checksum, so settings edited after the
+index was built are refused; the index's own files are never indexed as documents, whatever the documents
+folder is."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from test_faults import CFG, QUESTION, replace_model, tiny_model_dir, write_docs  # noqa: F401
+from typer.testing import CliRunner
+
+from rag_kvcache.cli import app
+from rag_kvcache.errors import IndexFileError, RagKVCacheError
+from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.index import SETTINGS_KEY, KVIndex
+
+
+@pytest.fixture()
+def built(tiny_model_dir, tmp_path):  # noqa: F811
+    """An index of the tiny model (cached_neighbours: neighbours.json recorded) in a folder, closed."""
+    KVIndex.build(
+        write_docs(tmp_path / "docs", 3), tmp_path / "idx", replace_model(CFG, tiny_model_dir), progress=False
+    ).close()
+    return tmp_path / "idx"
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """The command's exit code and output, without white space (Rich wraps lines within paths)."""
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, "".join(result.output.split())
+
+
+def squeezed(text: str) -> str:
+    return "".join(text.split())
+
+
+def set_settings(index_dir, text: str) -> None:
+    with sqlite3.connect(index_dir / "index.sqlite") as conn:
+        conn.execute("UPDATE meta SET value = ? WHERE key = ?", (text, SETTINGS_KEY))
+
+
+@pytest.mark.parametrize("name", ["neighbours.json", "pending.json"])
+def test_a_corrupt_record_is_named_and_check_repair_drops_it_so_the_index_opens(built, tmp_path, name):
+    assert (built / "neighbours.json").is_file()
+    (built / name).write_text('{"abc": [[1, 2], ')  # cut mid-write
+    with pytest.raises(IndexFileError, match=rf"{name}.*not JSON") as raised:
+        KVIndex.open(built).maker.pending()  # neighbours.json is read at open, pending.json when asked
+    assert isinstance(raised.value, RagKVCacheError) and str(built / name) in str(raised.value)
+    code, out = cli("check", "--index", str(built))
+    assert code == 1 and f"found:{built / name}isnotJSON" in out and "--repair" in out, out
+    code, out = cli("check", "--index", str(built), "--repair")
+    assert code == 0 and squeezed(f"repaired: dropped {built / name}") in out, out
+    assert not (built / name).exists()
+    index = KVIndex.open(built)
+    assert FusedGenerator(index).ask(QUESTION).answer  # chunks without neighbour records read their own caches
+    index.update(tmp_path / "docs", progress=False)  # the next index run records the neighbours again
+    assert json.loads((built / "neighbours.json").read_text())
+    assert cli("check", "--index", str(built))[0] == 0
+
+
+def test_a_record_of_the_wrong_shape_is_named(built):
+    (built / "neighbours.json").write_text('["not", "a", "table"]')
+    with pytest.raises(IndexFileError, match="neighbours.json holds .*not a table"):
+        KVIndex.open(built)
+
+
+def test_corrupt_recorded_settings_are_named_and_check_cannot_rebuild_them(built):
+    set_settings(built, '{"chunk_tokens": 24,')
+    with pytest.raises(IndexFileError, match=r"index.sqlite.*'settings'.*not JSON"):
+        KVIndex.config_of(built)
+    code, out = cli("check", "--index", str(built), "--repair")
+    assert code == 1 and squeezed(f"{built}/index.sqlite meta key 'settings' is not JSON") in out, out
+    assert "notrepaired:" in out
+    code, out = cli("ask", QUESTION, "--index", str(built))
+    assert code != 0 and squeezed(f"{built}/index.sqlite meta key 'settings' is not JSON") in out, out
