@@ -55,24 +55,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as JSON
+SETTINGS_CHECKSUM_KEY = "settings_xxh3"  # beside it: the xxh3-64 of that JSON, recorded with it (`settings_checksum`)
 # the meta key recording that neighbour caches are stored averaged with the behind-prefix ones (`CacheMaker`):
 # every index this release creates; one created before stores the neighbour cache itself, averaged per query
 STORED_MEANS_KEY = "stored_means"
 
 
+def settings_checksum(settings_json: str) -> str:
+    """The checksum an index records beside its settings JSON (`SETTINGS_CHECKSUM_KEY`): xxh3-64, hex."""
+    return xxhash.xxh3_64_hexdigest(settings_json.encode())
+
+
 def recorded_settings(meta: Mapping[str, str], index_dir: Path | None = None) -> IndexSettings:
     """The `IndexSettings` an index's metadata records (of the index at `index_dir`, which errors name). Settings
-    that do not parse raise `IndexFileError` naming the meta key. Indexes made before the settings were one JSON
-    value recorded each as its own string, the codec as `kv_codec` (none recorded: stored as computed); those are
-    read by the fields' types."""
+    that do not parse, or do not match the checksum recorded beside them (edited after the index was built: its
+    caches were made with others), raise `IndexFileError` naming the meta key; an index made before the checksum
+    was recorded is read without it. Indexes made before the settings were one JSON value recorded each as its own
+    string, the codec as `kv_codec` (none recorded: stored as computed); those are read by the fields' types."""
     if SETTINGS_KEY in meta:
         where = f"{(index_dir or Path('<index>')) / DB_FILE} meta key {SETTINGS_KEY!r}"
         try:
-            return IndexSettings.from_json(meta[SETTINGS_KEY])
+            settings = IndexSettings.from_json(text := meta[SETTINGS_KEY])
         except json.JSONDecodeError as e:
             raise IndexFileError(f"{where} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         except (ValueError, TypeError) as e:
             raise IndexFileError(f"{where} does not hold index settings: {e}") from e
+        if (recorded := meta.get(SETTINGS_CHECKSUM_KEY)) is not None and recorded != settings_checksum(text):
+            raise IndexFileError(
+                f"{where} was edited after the index was built: it hashes to {settings_checksum(text)}, the index "
+                f"recorded {recorded} ({SETTINGS_CHECKSUM_KEY!r}), and its chunks and caches were made with the "
+                "settings it recorded then. Restore them, or build a new index with the new settings"
+            )
+        return settings
     types = {f.name: f.type for f in fields(IndexSettings) if f.name in meta}
     return IndexSettings(
         **{k: int(meta[k]) if t == "int" else meta[k] for k, t in types.items()}, codec=meta.get("kv_codec", "none")
@@ -179,6 +193,7 @@ class KVIndex:
                 return cls(path, config, ChunkIndex.open(path, embedder), adapter)
             meta = {
                 SETTINGS_KEY: config.index.to_json(),
+                SETTINGS_CHECKSUM_KEY: settings_checksum(config.index.to_json()),
                 "model_fingerprint": adapter.fingerprint,
                 "tokenizer": _tokenizer_id(adapter.tokenizer),
                 STORED_MEANS_KEY: "1",

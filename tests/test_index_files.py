@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from rag_kvcache.cli import app
 from rag_kvcache.errors import IndexFileError, RagKVCacheError
 from rag_kvcache.generator import FusedGenerator
-from rag_kvcache.index import SETTINGS_KEY, KVIndex
+from rag_kvcache.index import SETTINGS_CHECKSUM_KEY, SETTINGS_KEY, KVIndex
 
 
 @pytest.fixture()
@@ -77,3 +77,22 @@ def test_corrupt_recorded_settings_are_named_and_check_cannot_rebuild_them(built
     assert "notrepaired:" in out
     code, out = cli("ask", QUESTION, "--index", str(built))
     assert code != 0 and squeezed(f"{built}/index.sqlite meta key 'settings' is not JSON") in out, out
+
+
+def test_recorded_settings_edited_after_the_index_was_built_are_refused(built):
+    with sqlite3.connect(built / "index.sqlite") as conn:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    assert SETTINGS_CHECKSUM_KEY in meta  # recorded when the index was created
+    edited = json.loads(meta[SETTINGS_KEY]) | {"chunk_prefill": "behind_prefix"}
+    set_settings(built, json.dumps(edited, sort_keys=True))
+    with pytest.raises(IndexFileError, match=r"'settings'.*edited after the index was built"):
+        KVIndex.open(built)
+    code, out = cli("check", "--index", str(built))
+    assert code == 1 and "editedaftertheindexwasbuilt" in out, out
+
+
+def test_an_index_made_before_the_settings_checksum_opens(built):
+    with sqlite3.connect(built / "index.sqlite") as conn:
+        conn.execute("DELETE FROM meta WHERE key = ?", (SETTINGS_CHECKSUM_KEY,))
+    assert KVIndex.open(built).recorded.chunk_tokens == 24
+    assert cli("check", "--index", str(built))[0] == 0
