@@ -17,6 +17,7 @@ from rag_kvcache.cli import app
 from rag_kvcache.errors import IndexFileError, RagKVCacheError
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import SETTINGS_CHECKSUM_KEY, SETTINGS_KEY, KVIndex
+from rag_kvcache.retrieval.documents import INDEX_ENTRIES, read_documents
 
 
 @pytest.fixture()
@@ -96,3 +97,30 @@ def test_an_index_made_before_the_settings_checksum_opens(built):
         conn.execute("DELETE FROM meta WHERE key = ?", (SETTINGS_CHECKSUM_KEY,))
     assert KVIndex.open(built).recorded.chunk_tokens == 24
     assert cli("check", "--index", str(built))[0] == 0
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_the_index_files_are_never_indexed_as_documents(tiny_model_dir, tmp_path, where):  # noqa: F811
+    docs = write_docs(tmp_path / "docs", 2)
+    index_dir = docs if where == "same" else docs / "idx"
+    cfg = replace_model(CFG, tiny_model_dir)
+    KVIndex.build(docs, index_dir, cfg, progress=False).close()
+    index = KVIndex.open(index_dir)
+    (docs / "doc000.txt").write_text("A changed document about the harbour ferry.")
+    report = index.update(docs, progress=False)  # neighbours.json, kv/ and the rest exist now
+    sources = set(index.chunks.documents())
+    assert sources == {"doc000.txt", "doc001.txt", "observatory.txt"}, sources
+    skipped = {s.source: s.reason for s in report.skipped}
+    assert ("idx" in skipped) if where == "inside" else {"neighbours.json", "kv", "index.sqlite"} <= skipped.keys()
+    assert all("index" in reason for reason in skipped.values()), skipped
+
+
+def test_every_entry_an_index_folder_holds_is_known_as_the_indexs_own(built):
+    (built / "pending.json").write_text("{}")  # a run in progress
+    assert {p.name for p in built.iterdir() if not p.name.startswith(".")} <= set(INDEX_ENTRIES)
+    (built / "notes").mkdir()
+    (built / "notes" / "a.txt").write_text("A note kept in a folder inside the index folder.")
+    files, skipped = read_documents(built / "notes", exclude=(built,))
+    assert [f.source for f in files] == ["a.txt"] and skipped == []  # not the index's own: read
+    with pytest.raises(ValueError, match="no readable text files"):
+        read_documents(built / "kv", exclude=(built,))  # the caches' folder: every file the index's own

@@ -3,7 +3,9 @@
 Limits: a file larger than `max_file_bytes` is skipped before it is read (a 200 MB file once aborted
 the tokenizer), a binary file is recognised from its first bytes without reading the rest, and a
 folder with more than `max_documents` files is refused before any is read. Symbolic links that lead
-out of the folder and the folders in `exclude` (an index kept inside its documents folder) are skipped.
+out of the folder are skipped. The folders in `exclude` are index folders, never read as documents: one kept
+inside the documents folder is skipped whole, and where the documents folder is an index folder (or inside one)
+every entry the index writes there (`INDEX_ENTRIES`) is skipped, whatever else the folder holds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ from ..errors import RagKVCacheError
 logger = logging.getLogger(__name__)
 
 _BINARY_SNIFF_BYTES = 8192
+
+# what an index writes in its folder (its hidden files, `.writer.lock` and `.vectors.faiss.*`, are skipped as hidden);
+# `<name>.tmp` of each is a write in progress
+INDEX_ENTRIES = (
+    "index.sqlite",
+    "index.sqlite-wal",
+    "index.sqlite-shm",
+    "index.sqlite-journal",
+    "vectors.faiss",
+    "neighbours.json",
+    "pending.json",
+    "kv",
+)
 
 
 class DocumentLimitError(RagKVCacheError, ValueError):
@@ -54,7 +69,8 @@ def read_documents(
     """Read every non-hidden text file under `docs_dir`, recursively and in sorted order.
 
     Binary, non-UTF-8, unreadable, empty and over-`max_file_bytes` files, symbolic links leading out
-    of `docs_dir` and the folders in `exclude` are skipped with a warning and reported. Raises
+    of `docs_dir` and the index folders in `exclude` (their own entries, `INDEX_ENTRIES`, where `docs_dir` is one
+    of them or inside one) are skipped with a warning and reported. Raises
     `DocumentLimitError` when `docs_dir` holds more than `max_documents` files, before reading any.
     """
     docs_dir = Path(docs_dir)
@@ -80,15 +96,32 @@ def read_documents(
     def skip_folder(error: OSError) -> None:
         skip(Path(error.filename), f"unreadable folder ({error.strerror})")
 
+    def index_entry(folder: Path, name: str) -> Path | None:
+        """The index folder of `exclude` whose own entry `folder/name` is (`folder` holding the documents folder)."""
+        path = folder.resolve() / name
+        for index_dir in excluded:
+            if path.is_relative_to(index_dir) and path != index_dir:
+                first = path.relative_to(index_dir).parts[0]
+                if first in INDEX_ENTRIES or (first.endswith(".tmp") and first[: -len(".tmp")] in INDEX_ENTRIES):
+                    return index_dir
+        return None
+
+    def own(folder: str, name: str) -> bool:
+        """Whether `folder/name` is an index's: skipped (and reported) if so."""
+        if Path(folder, name).resolve() in excluded:
+            skip(Path(folder, name), "the index itself (kept inside its documents folder)")
+            return True
+        if (index_dir := index_entry(Path(folder), name)) is not None:
+            skip(
+                Path(folder, name), f"a file of the index {index_dir} (the documents folder is its folder or inside it)"
+            )
+            return True
+        return False
+
     paths: list[Path] = []
     for folder, subfolders, names in os.walk(docs_dir, onerror=skip_folder):
-        for name in sorted(subfolders):
-            if not name.startswith(".") and Path(folder, name).resolve() in excluded:
-                skip(Path(folder, name), "the index itself (kept inside its documents folder)")
-        subfolders[:] = sorted(
-            name for name in subfolders if not name.startswith(".") and Path(folder, name).resolve() not in excluded
-        )
-        paths.extend(Path(folder, name) for name in sorted(names) if not name.startswith("."))
+        subfolders[:] = [name for name in sorted(subfolders) if not name.startswith(".") and not own(folder, name)]
+        paths.extend(Path(folder, name) for name in sorted(names) if not name.startswith(".") and not own(folder, name))
         if len(paths) > max_documents:
             raise DocumentLimitError(
                 f"{docs_dir} holds more than {max_documents} files (max_documents); index it in parts or raise the limit"
