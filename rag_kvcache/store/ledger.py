@@ -27,6 +27,7 @@ The budget is the store's, recorded in the ledger: a process that opens the stor
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+
+from ..errors import StorageFullError
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,18 @@ class Ledger:
         """Make room for a `nbytes`-byte entry under `key` that costs `cost` to recompute, evicting (deleting the
         files of) entries of lower priority; True when the entry may be written (its row now counts its bytes,
         so call `landed` or `abandon` after the write). False: it does not fit without evicting an entry of at
-        least its priority, or is larger than the whole budget; nothing changed."""
+        least its priority, or is larger than the whole budget; nothing changed. A full disk raises `StorageFullError`."""
+        try:
+            return self._reserve(key, nbytes, cost)
+        except sqlite3.OperationalError as err:
+            if "full" in str(err):
+                raise StorageFullError(
+                    errno.ENOSPC, f"no space left for the ledger {self.root / LEDGER_FILE}: {err}"
+                ) from err
+            raise
+
+    def _reserve(self, key: str, nbytes: int, cost: float) -> bool:
+        """`reserve` in one transaction under the admission lock."""
         with self._admitting():
             budget = self._get("budget")
             clock = self._get("clock") or 0.0
@@ -198,6 +212,12 @@ class Ledger:
         priority of those on disk raised, and the reads counted as hits (on disk) or misses."""
         if not reads:
             return
+        try:
+            self._count(reads)
+        except sqlite3.OperationalError as err:  # a full disk, a read-only mount: no answer is lost for its counts
+            log.warning("could not count the reads of %d KV caches in %s: %s", len(reads), self.root / LEDGER_FILE, err)
+
+    def _count(self, reads: Mapping[str, int]) -> None:
         now = time.time()
         with self._transaction():
             clock = self._get("clock") or 0.0
