@@ -119,7 +119,8 @@ def _check_records(index_dir: Path, report: CheckReport, repair: bool) -> None:
         (
             NEIGHBOURS_FILE,
             read_neighbours,
-            "chunks read their behind-prefix caches until the next `rag-kvcache index` records their neighbours",
+            "chunks read their behind-prefix caches until the next `rag-kvcache index` records their neighbours and "
+            "makes their neighbour caches again",
         ),
         (PENDING_FILE, read_pending, "an interrupted run's caches are orphans now: `gc` deletes them"),
     ):
