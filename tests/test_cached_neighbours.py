@@ -8,6 +8,7 @@ averages the two."""
 from __future__ import annotations
 
 import errno
+import os
 import json
 import logging
 from dataclasses import replace
@@ -496,3 +497,19 @@ def test_bench_and_cli_name_it():
     assert parse_variant("reuse@cached_neighbours", FusionConfig(), replace(CACHED)).caches is None  # the run's own
     result = CliRunner().invoke(app, ["index", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "cached_neighbours" in result.output
+
+
+def test_a_reader_reads_the_neighbours_an_index_run_records_after_it_opened(index, tiny):
+    """A server opened before an `index` run's neighbour pass reads each chunk behind the prefix alone; once the
+    run records the neighbours (another process rewrites neighbours.json), the reader's next prompt reads the
+    neighbour caches, without a restart."""
+    table = (index.path / "neighbours.json").read_text()
+    (index.path / "neighbours.json").write_text("{}")  # the state before the neighbour pass
+    reader = KVIndex.open(index.path, adapter=tiny)
+    segments = question_segments(reader)
+    assert reader.caches.open(segments).contexts[3] == reader.addressing.chunk_context
+    (index.path / "neighbours.json").write_text(table)  # the pass recorded them
+    stat = (index.path / "neighbours.json").stat()
+    os.utime(index.path / "neighbours.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a coarse clock
+    caches = reader.caches.open(segments)
+    assert caches.contexts[3] is None and caches.missing == 0  # the stored mean of two contexts, read as one

@@ -100,11 +100,9 @@ class CacheMaker:
         self.path, self.config, self.adapter, self.store = path, config, adapter, store
         self.chunks, self.format, self.foreign = chunks, format, foreign
         self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
-        self._neighbours: dict[str, list[list[int]]] = (  # chunk (by `neighbour_key`) -> its neighbours' ids
-            read_neighbours(self._neighbours_path)
-            if (self.with_neighbours or self.grouped) and self._neighbours_path.exists()
-            else {}
-        )
+        self._neighbours: dict[str, list[list[int]]] = {}  # chunk (by `neighbour_key`) -> its neighbours' ids
+        self._neighbours_read: int | None = None  # the mtime of the neighbours.json `_neighbours` holds
+        self.refresh()
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
         self.addressing = CacheAddressing(
@@ -117,6 +115,22 @@ class CacheMaker:
             by_depth=config.index.chunk_prefill != "cached_neighbours",
             stored_means=stored_means,
         )
+
+    def refresh(self) -> None:
+        """Read `neighbours.json` (again, if another process rewrote it since): a server opened before an `index`
+        run's neighbour pass reads the neighbour caches it records from then on. One `stat` when nothing changed."""
+        if not (self.with_neighbours or self.grouped):
+            return
+        try:
+            mtime = self._neighbours_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime != self._neighbours_read:
+            table = read_neighbours(self._neighbours_path)
+            self._neighbours.update(table)  # in place, new entries before stale ones go: the addressing reads it
+            for stale in self._neighbours.keys() - table.keys():
+                del self._neighbours[stale]
+            self._neighbours_read = mtime
 
     # ---- names ----------------------------------------------------------------------------------------
     @property

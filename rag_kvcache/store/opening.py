@@ -50,6 +50,8 @@ class Maker(Protocol):
 
     def cache_bytes(self, n_tokens: int) -> int: ...
 
+    def refresh(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class PromptCaches:
@@ -208,6 +210,7 @@ class CacheOpener:
         With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
         as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
         """
+        self.maker.refresh()  # what an `index` run in another process recorded since
         named = address(self.maker.addressing, segments, salt)
         addresses = [self._stored_or_behind_prefix(seg, at) for seg, at in zip(segments, named)] if make else named
         self._count_uses([*named, *addresses])
