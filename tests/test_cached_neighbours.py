@@ -8,9 +8,9 @@ averages the two."""
 from __future__ import annotations
 
 import errno
-import os
 import json
 import logging
+import os
 from dataclasses import replace
 
 import pytest
