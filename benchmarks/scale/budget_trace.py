@@ -157,9 +157,8 @@ def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
     and how many chunks."""
     from rag_kvcache.config import Config
     from rag_kvcache.engine.model import ModelAdapter
-    from rag_kvcache.retrieval.chunk_index import ChunkIndex
     from rag_kvcache.retrieval.chunking import chunk_document
-    from rag_kvcache.retrieval.embedder import load_embedder
+    from rag_kvcache.retrieval.embedder import chunk_embeddings, load_embedder
 
     config = Config()
     tokenizer = ModelAdapter.load(config).tokenizer
@@ -170,7 +169,7 @@ def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
     ]
     embedder = load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
     t0 = time.perf_counter()
-    ChunkIndex.embed_texts(embedder, texts, config.index.embedder)
+    chunk_embeddings(embedder, texts, name=config.index.embedder)
     return time.perf_counter() - t0, len(texts)
 
 
@@ -254,6 +253,7 @@ def main() -> None:
             rows.append(row)
             if i % 50 == 0:
                 print(f"{i}/{len(stream)}: ttft {got['ttft_s']:.2f} s, disk {samples[-1][1] / 1e9:.2f} GB", flush=True)
+                args.out.with_suffix(".partial.json").write_text(json.dumps({"rows": rows, "disk_samples": samples}))
     finally:
         stop.set()
         sampler.join()
