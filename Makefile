@@ -9,13 +9,18 @@ setup:
 demo: setup
 	.venv/bin/rag-kvcache demo
 
+# The suite runs twice: in file order, then in one fixed shuffled order (pytest-randomly, seed TEST_SEED), so that a
+# test depending on another's state (an engine, a cache, a module global left behind) fails here, reproducibly:
+# `.venv/bin/python -m pytest -p randomly --randomly-seed=$(TEST_SEED)` repeats the order.
+TEST_SEED ?= 4242
 test: setup
 	.venv/bin/ruff format --check rag_kvcache integrations tests benchmarks datasets  # the layout ruff format gives (pyproject)
 	.venv/bin/ruff check rag_kvcache integrations tests benchmarks datasets  # pyflakes, errors, import order (pyproject)
 	.venv/bin/mypy  # the package's types, at the strictness of pyproject's [tool.mypy]
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link fails
 	.venv/bin/python -m pip wheel -q --no-deps -w dist . integrations/langchain integrations/llamaindex  # the three pip packages
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -p no:randomly  # in file order
+	.venv/bin/python -m pytest -q -p randomly -p no:cacheprovider --randomly-seed=$(TEST_SEED)  # one fixed shuffled order
 	bash scripts/setup-vllm.sh
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_prefix_cache.py tests/test_vllm_remote.py
 

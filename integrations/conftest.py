@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rag_kvcache import Config, Engine, IndexSettings, KVIndex
+from rag_kvcache import Config, IndexSettings, KVIndex, ServingEngine
 
 from .testing import DEMO_DOCS
 
@@ -20,7 +20,7 @@ def demo_index(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def demo_engine(demo_index: str) -> Iterator[Engine]:
+def demo_engine(demo_index: str) -> Iterator[ServingEngine]:
     """One opened demo index and model, shared by the session's models and retrievers."""
-    with Engine(demo_index) as engine:
+    with ServingEngine(demo_index) as engine:
         yield engine

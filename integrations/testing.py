@@ -6,15 +6,15 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from rag_kvcache import Config, Engine, IndexSettings, KVIndex
+from rag_kvcache import Config, IndexSettings, KVIndex, ServingEngine
 
 DEMO_DOCS = files("rag_kvcache") / "demo"
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
-def empty_engine(path: Path, demo_engine: Engine) -> Engine:
+def empty_engine(path: Path, demo_engine: ServingEngine) -> ServingEngine:
     """An empty index at `path` sharing the demo engine's loaded model, opened."""
     config = Config(index=IndexSettings(chunk_tokens=128))
     adapter = demo_engine.index.adapter
     demo_engine.run(lambda: KVIndex.create(path, config, adapter).close())
-    return Engine(path, config, adapter)
+    return ServingEngine(path, config, adapter)

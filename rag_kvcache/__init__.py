@@ -35,7 +35,7 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "ChunkPart": ".engine.prompt",
     "chat_segments": ".engine.prompt",
     "Hit": ".retrieval.chunk_index",
-    "Engine": ".serving.engine",
+    "ServingEngine": ".serving.engine",
     "EngineHandle": ".serving.engine",
     "RagKVCacheError": ".errors",
     "ConfigError": ".errors",
@@ -52,7 +52,6 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConversationCache",
-    "Engine",
     "EngineHandle",
     "FusedGenerator",
     "FusionConfig",
@@ -71,6 +70,7 @@ __all__ = [
     "RequestError",
     "RuntimeConfig",
     "Segment",
+    "ServingEngine",
     "StorageConfig",
     "UnsupportedModelError",
     "Verdict",
@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from .relevance import RelevanceCheck, Verdict
     from .request import RequestError
     from .retrieval.chunk_index import Hit
-    from .serving.engine import Engine, EngineHandle
+    from .serving.engine import EngineHandle, ServingEngine
     from .store.conversations import ConversationCache
     from .store.kvstore import KVStore
 

@@ -228,7 +228,7 @@ class StorageConfig:
     there proves only that someone who can write to the server stored it: indexing computes every cache not
     on its own disk, and the tier is read-only (this process writes and deletes nothing there) unless
     `remote_writable`. `conversation_bytes` bounds the conversation cache of the engines that
-    serve chats (`serving.engine.Engine`: the server and the integrations), which keeps answered
+    serve chats (`serving.engine.ServingEngine`: the server and the integrations), which keeps answered
     prompts' K/V for the turns that continue them (`store.conversations`).
     """
 

@@ -162,9 +162,9 @@ def test_index_can_be_copied_and_reopened(index, tmp_path):
 
 
 def test_engine_serves_on_its_thread_and_closes(index):
-    from rag_kvcache import Engine
+    from rag_kvcache import ServingEngine
 
-    with Engine(index.path, index.config, index.adapter) as engine:
+    with ServingEngine(index.path, index.config, index.adapter) as engine:
         hits = engine.search("Who kept the lighthouse diary?", 2)
         steps = list(
             engine.stream(

@@ -28,7 +28,7 @@ from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.cache import ChunkKV
 from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.serving.engine import Engine
+from rag_kvcache.serving.engine import ServingEngine
 from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.serving.settings import ServerConfig
 from rag_kvcache.store.backend import CorruptEntryError, UnreachableEntryError, encode_entry
@@ -246,7 +246,7 @@ def test_a_failed_server_shows_in_the_metrics(tiny, shared, server):
     """`GET /metrics` of a real `rag-kvcache serve` app: the remote tier's hits and bytes read while its
     server answers, then the failed requests once the server is killed."""
     no_memory = shared.config.with_storage(memory_bytes=0)  # every read remote
-    with Engine(shared.path, no_memory, tiny) as engine:
+    with ServingEngine(shared.path, no_memory, tiny) as engine:
         http, thread, url = start_server(create_app(engine))
         try:
 
@@ -273,7 +273,7 @@ def test_the_server_prefetches_by_default_when_it_reads_a_remote_tier(tiny, corp
     """`serve --prefetch` unset is on over a remote tier (the caches wait on the network; benchmarks/RESULTS.md,
     session 34) and off over the local disk alone; given, it is as given."""
     for index_dir, cfg, remote in ((shared.path, shared.config, True), (corpus[0], CFG, False)):
-        with Engine(index_dir, cfg, tiny) as engine:
+        with ServingEngine(index_dir, cfg, tiny) as engine:
             server = create_app(engine, ServerConfig(prefetch=setting)).state.server
             try:
                 assert (server.scheduler.loader is not None) == (remote if setting is None else setting)

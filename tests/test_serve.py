@@ -1,7 +1,7 @@
 """`rag-kvcache serve` on the tiny Llama: a real uvicorn server on a free loopback port, driven by
 the official `openai` client, LangChain's `ChatOpenAI`, LlamaIndex's `OpenAILike` and raw httpx.
 
-Answers are compared with the engine's own (`ask` / `Engine.stream`) for the same prompt and method.
+Answers are compared with the engine's own (`ask` / `ServingEngine.stream`) for the same prompt and method.
 The tiny model's tokenizer has no chat template; the tests give a copy of it ChatML's.
 """
 
@@ -34,7 +34,7 @@ from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.index import KVIndex
-from rag_kvcache.serving.engine import Engine
+from rag_kvcache.serving.engine import ServingEngine
 from rag_kvcache.serving.metrics import ServerMetrics
 from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.serving.scheduler import Scheduler
@@ -62,7 +62,7 @@ LONG = 600  # tokens: a generation long enough to be interrupted
 @dataclass
 class Running:
     url: str
-    engine: Engine
+    engine: ServingEngine
     docs: Path
     model: str
 
@@ -130,7 +130,7 @@ def serving(adapter: ModelAdapter, root: Path, config: ServerConfig, conversatio
     for name, text in DOCS.items():
         (docs / name).write_text(text)
     KVIndex.build(docs, root / "idx", CFG, adapter=adapter, progress=False).close()
-    with Engine(root / "idx", CFG.with_storage(conversation_bytes=conversation_bytes), adapter) as engine:
+    with ServingEngine(root / "idx", CFG.with_storage(conversation_bytes=conversation_bytes), adapter) as engine:
         server, thread, url = start_server(create_app(engine, config))
         try:
             yield Running(url, engine, docs, engine.index.config.index.model)
@@ -153,7 +153,7 @@ def running(chat_adapter, tmp_path_factory) -> Iterator[Running]:
         yield running
 
 
-def reference(engine: Engine, question: str, method: str, chunk_ids: list[str], max_tokens: int = 6) -> Answer:
+def reference(engine: ServingEngine, question: str, method: str, chunk_ids: list[str], max_tokens: int = 6) -> Answer:
     """`ask`'s answer on the engine, for the given chunks in order."""
 
     def ask() -> Answer:
@@ -1042,7 +1042,9 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
     KVIndex.build(docs, tmp_path / "idx", cfg, adapter=smollm2, progress=False).close()
     question = "What is the name of the main telescope of the Veldmark Observatory?"
     fusion, generation = FusionConfig(), GenerationConfig(max_new_tokens=16)  # the default method
-    with Engine(tmp_path / "idx", cfg.with_storage(conversation_bytes=0), smollm2) as engine:  # each prompt alone
+    with ServingEngine(
+        tmp_path / "idx", cfg.with_storage(conversation_bytes=0), smollm2
+    ) as engine:  # each prompt alone
         hits = engine.search(question, 3)
         context = "\n\n".join(h.chunk.text for h in hits)
         quoted = [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]

@@ -45,7 +45,7 @@ from langchain_rag_kvcache import (
 from langchain_rag_kvcache.chat_models import _prompt
 from langchain_rag_kvcache.graph import create_agentic_rag_graph, create_shared_prompt_rag_graph
 
-from rag_kvcache import Config, Engine, FusionConfig, GenerationConfig, IndexSettings, KVIndex
+from rag_kvcache import Config, FusionConfig, GenerationConfig, IndexSettings, KVIndex, ServingEngine
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.corpus import build_index
 from rag_kvcache.bench.datasets import load_dataset
@@ -116,7 +116,7 @@ def main() -> None:
     questions, index_dir = questions_and_index(args)
     config = KVIndex.config_of(index_dir).with_storage(conversation_bytes=0)
     rows = []
-    with Engine(index_dir, config) as engine:
+    with ServingEngine(index_dir, config) as engine:
         retriever = RagKVCacheRetriever(engine=engine, k=4)
         cached_model = ChatRagKVCache(engine=engine, max_tokens=MAX_TOKENS)
         plain_model = ChatRagKVCache(engine=engine, fusion=FULL, max_tokens=MAX_TOKENS)
@@ -206,7 +206,7 @@ def scored(reference: torch.Tensor, got: torch.Tensor, answer: list[int]) -> dic
     return {"tf_kl": scores["tf_kl"], "tf_top1": scores["tf_top1"]}
 
 
-def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig) -> dict:
+def fidelity(engine: ServingEngine, messages: list[HumanMessage], fusion: FusionConfig) -> dict:
     """The plain run's answer (full prefill, greedy) forced through the cached run's fused prompt."""
     generator = engine.generator
     segments = _prompt(generator, messages, Options(fusion=fusion)).segments
@@ -217,7 +217,9 @@ def fidelity(engine: Engine, messages: list[HumanMessage], fusion: FusionConfig)
     return scored(ref, forced(generator, fused, answer), answer)
 
 
-def shared_fidelity(engine: Engine, question: str, ids: list[str], keep: list[int], fusion: FusionConfig) -> dict:
+def shared_fidelity(
+    engine: ServingEngine, question: str, ids: list[str], keep: list[int], fusion: FusionConfig
+) -> dict:
     """The plain run's answer (full prefill of the kept documents, greedy) forced through the shared prompt with
     the others hidden: the question computed again over the kept chunks, then the answer a token at a time (on
     the engine's thread)."""

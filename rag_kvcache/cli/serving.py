@@ -57,6 +57,7 @@ def serve(
     max_per_key: Annotated[int, option(ServerConfig, "max_per_key", min=0)] = default(ServerConfig, "max_per_key"),
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
+    top_k: Annotated[Optional[int], option(ServerConfig, "top_k", "--top-k", min=1, max=64)] = None,
     kv_remote: KVRemote = None,
     kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
     kv_budget: KVBudget = None,
@@ -89,7 +90,7 @@ def serve(
     if missing:
         fail(f"`rag-kvcache serve` needs {', '.join(missing)}: pip install 'rag-kvcache[serve]'")
     from ..index import KVIndex
-    from ..serving.engine import Engine
+    from ..serving.engine import ServingEngine
     from ..serving.openai_api import serve as run_server
 
     model_process()
@@ -109,6 +110,7 @@ def serve(
             order=order.value,
             history=history.value,
             prefetch=prefetch,
+            top_k=top_k,
         )
         cfg = (
             placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
@@ -116,7 +118,7 @@ def serve(
             .with_generation(draft_tokens=draft_tokens)
             .with_query(chunk_order=chunk_order.value)
         )
-        engine = Engine(
+        engine = ServingEngine(
             index_dir,
             cfg.with_storage(
                 remote=kv_remote,
@@ -142,6 +144,10 @@ def serve(
     err.print(
         f"order {server_cfg.order}; prefetch {ahead} (remote tier: {storage.remote_address or 'none'})", highlight=False
     )
+    if server_cfg.top_k is not None:
+        err.print(
+            f"a chat naming no chunks of its own is fused with the top {server_cfg.top_k} retrieved", highlight=False
+        )
     err.print(engine.index.store.trust(), highlight=False)
     with engine:
         run_server(engine, server_cfg)

@@ -1,4 +1,4 @@
-"""`Engine`: an opened index and its generator, confined to one worker thread.
+"""`ServingEngine`: an opened index and its generator, confined to one worker thread.
 
 A chat's turns share work through the engine: its generator keeps fused prompts' K/V
 (`ConversationCache`, `StorageConfig.conversation_bytes`), read by the turns that continue them.
@@ -30,7 +30,7 @@ from ..store.conversations import ConversationCache
 T = TypeVar("T")
 
 
-class Engine:
+class ServingEngine:
     """An opened `KVIndex` and its `FusedGenerator`, confined to one worker thread."""
 
     def __init__(self, path: str | Path, config: Config | None = None, adapter: ModelAdapter | None = None) -> None:
@@ -47,7 +47,7 @@ class Engine:
         budget = self.index.config.runtime.storage.conversation_bytes
         self.generator = FusedGenerator(self.index, ConversationCache(budget) if budget else None)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> ServingEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -92,11 +92,15 @@ class EngineHandle:
     and `dtype` (None: the index's settings) are how an engine opened for `index` loads the model."""
 
     def __init__(
-        self, engine: Engine | None, index: str | Path | None, device: str | None = None, dtype: str | None = None
+        self,
+        engine: ServingEngine | None,
+        index: str | Path | None,
+        device: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         if (engine is None) == (index is None):
             raise ValueError(
-                "give either engine= (an opened Engine, to share) or index= (an index folder), not "
+                "give either engine= (an opened ServingEngine, to share) or index= (an index folder), not "
                 f"{'both' if engine is not None else 'neither'}"
             )
         if engine is not None and (device, dtype) != (None, None):
@@ -105,7 +109,7 @@ class EngineHandle:
                 f"engine= of {engine.path} is already loaded on {engine.index.config.runtime.device}"
             )
         self._given = engine
-        self._own: Engine | None = None
+        self._own: ServingEngine | None = None
         self.index_path = engine.path if engine is not None else Path(index).expanduser().resolve()
         config = (
             engine.index.config if engine is not None else KVIndex.config_of(self.index_path)
@@ -113,11 +117,11 @@ class EngineHandle:
         self._config = config.placed(device, dtype)  # a dtype it does not know is refused here (ConfigError)
         self.model_name = config.index.model
 
-    def get(self) -> Engine:
+    def get(self) -> ServingEngine:
         if self._given is not None:
             return self._given
         if self._own is None:
-            self._own = Engine(self.index_path, self._config)
+            self._own = ServingEngine(self.index_path, self._config)
         return self._own
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""`rag-kvcache serve`: an OpenAI-compatible HTTP server over one `Engine` (model loaded once).
+"""`rag-kvcache serve`: an OpenAI-compatible HTTP server over one `ServingEngine` (model loaded once).
 
 Routes: `POST /v1/chat/completions` and `POST /v1/completions` (server-sent events when `stream`,
 with `stream_options.include_usage`), `GET /v1/models`, `POST /v1/retrieve` (top-k chunks),
@@ -57,7 +57,7 @@ from ..request import Prompt
 from ..version import __version__
 from .admission import Admission, Ticket
 from .documents import checked_documents, write_and_sync
-from .engine import Engine
+from .engine import ServingEngine
 from .errors import APIError, ClientGone, validation_error
 from .metrics import RequestMetrics, ServerMetrics
 from .middleware import CountRequests, LimitBody
@@ -88,7 +88,7 @@ def _tenant_of(key: str) -> str:
 class Server:
     """The routes' shared state: the engine, the admission queue, the metrics."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: ServingEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.model_id = engine.index.config.index.model
@@ -194,7 +194,7 @@ class Server:
             ticket.close()
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: ServingEngine, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (which the caller opened and closes), with `config`'s limits
     (default: `ServerConfig()`)."""
     config = config or ServerConfig()
@@ -382,7 +382,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def serve(engine: Engine, config: ServerConfig) -> None:
+def serve(engine: ServingEngine, config: ServerConfig) -> None:
     """Run the server until interrupted (uvicorn; logs through `logging`)."""
     import uvicorn
 

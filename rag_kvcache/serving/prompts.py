@@ -23,11 +23,15 @@ _PARAMS = {
 }
 
 
-def _options(request: Sampling, config: ServerConfig) -> Options:
+def _options(request: Sampling, config: ServerConfig, retrieve: int | None = None) -> Options:
+    """The request's options; `retrieve`: the top-k for a request that names no chunks of its own."""
     extension = request.rag_kvcache
+    top_k = extension.top_k
+    if extension.chunk_ids is None and top_k is None:
+        top_k = retrieve
     return Options(
         chunk_ids=extension.chunk_ids,
-        top_k=extension.top_k,
+        top_k=top_k or None,  # 0: the request opts out of retrieval
         fusion=extension.fusion_changes(),
         max_tokens=request.completion_limit(),
         max_tokens_limit=config.max_tokens,
@@ -58,7 +62,7 @@ def chat_prompt(generator: FusedGenerator, request: ChatCompletionRequest, confi
         prompt = build_chat_prompt(
             generator,
             turns,
-            _options(request, config),
+            _options(request, config, retrieve=config.top_k),  # `serve --top-k`: a plain client's chat retrieves
             salt,
             fit=config.max_prompt_tokens if config.history == "halve" else None,
         )

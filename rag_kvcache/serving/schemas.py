@@ -52,7 +52,7 @@ class RagOptions(Strict):
     epic_k: int | None = Field(None, ge=0)
     match_words: int | None = Field(None, ge=1)
     chunk_ids: list[str] | None = Field(None, min_length=1)
-    top_k: int | None = Field(None, ge=1, le=64)
+    top_k: int | None = Field(None, ge=0, le=64)  # 0: none retrieved, whatever `serve --top-k` says
 
     @model_validator(mode="after")
     def _one_source_of_chunks(self) -> RagOptions:

@@ -69,6 +69,13 @@ class ServerConfig:
         "on when the index reads a remote tier (a trace over a Redis 2.4 ms away ran 18-19% faster with it), off "
         "otherwise (from the local disk on 2 cores it ran 2-8% slower; benchmarks/RESULTS.md, sessions 33-34).",
     )
+    top_k: int | None = setting(
+        None,
+        "Retrieve the index's top K chunks for the last user message of every chat request that names no chunks "
+        "of its own (no `rag_kvcache.chunk_ids` or `top_k`: a plain OpenAI client's chat) and fuse them, as "
+        '`rag_kvcache: {"top_k": K}` does; a request opts out with `"top_k": 0`. Completions keep their prompt '
+        "as given. Unset: no retrieval unless a request asks for it.",
+    )
     history: Literal["halve", "refuse"] = setting(
         "halve",
         "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
@@ -86,6 +93,8 @@ class ServerConfig:
             raise ConfigError("api_keys and admin_keys must not be empty strings (give none for no authentication)")
         if both := set(self.api_keys) & set(self.admin_keys):
             raise ConfigError(f"{len(both)} key(s) given both as an api key and as an admin key: give each once")
+        if self.top_k is not None and not 1 <= self.top_k <= 64:
+            raise ConfigError(f"top_k must be in [1, 64] (or unset: no retrieval), got {self.top_k!r}")
         for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
             least = 0 if name in ("max_queue", "max_per_key") else 1
             if getattr(self, name) < least:

@@ -15,7 +15,7 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 from rag_kvcache.relevance import CHECK, MAX_PROMPT_TOKENS, RelevanceCheck, Verdict
 from rag_kvcache.request import RequestError
 from rag_kvcache.retrieval.chunk_index import ChunkRecord
@@ -93,7 +93,7 @@ class ChatModelGrader(RunnableSerializable[dict, list[Document]]):
         return [d for d in documents if model.invoke([rag_message([d], check)]).text.strip().lower().startswith("yes")]
 
 
-def _passages(engine: Engine, documents: list[Document]) -> list[ChunkRecord | str]:
+def _passages(engine: ServingEngine, documents: list[Document]) -> list[ChunkRecord | str]:
     """What each document is judged as (on the engine's thread): the indexed chunk its chunk id names when the
     document's text is that chunk's (its cache is read), else its text (computed)."""
     ids = {i for d in documents if isinstance(i := d.metadata.get(CHUNK_ID_KEY), str)}
@@ -106,7 +106,7 @@ def _passages(engine: Engine, documents: list[Document]) -> list[ChunkRecord | s
     return passages
 
 
-def _indexed(engine: Engine, ids: set[str]) -> list[ChunkRecord]:
+def _indexed(engine: ServingEngine, ids: set[str]) -> list[ChunkRecord]:
     """The chunks of the index among `ids` (an id it does not hold is left out)."""
     found = []
     for chunk_id in ids:

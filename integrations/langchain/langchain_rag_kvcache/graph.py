@@ -24,7 +24,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
-from rag_kvcache import Engine, FusionConfig, RagKVCacheError
+from rag_kvcache import FusionConfig, RagKVCacheError, ServingEngine
 from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.config import ChunkOrder, QueryConfig
 from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
@@ -95,7 +95,7 @@ class SharedPromptState(AgenticRAGState, total=False):
 
 def create_shared_prompt_rag_graph(
     retriever: BaseRetriever,
-    engine: Engine,
+    engine: ServingEngine,
     *,
     fusion: FusionConfig | None = None,
     max_tokens: int | None = None,

@@ -16,7 +16,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from rag_kvcache import Engine, EngineHandle, Hit, KVIndex
+from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine
 from rag_kvcache.retrieval.chunk_index import TextDocument
 
 
@@ -26,7 +26,7 @@ class RagKVCacheVectorStore(VectorStore):
     ```python
     from langchain_rag_kvcache import RagKVCacheVectorStore
 
-    store = RagKVCacheVectorStore.from_documents(docs, index="demo-index")  # or engine=Engine("demo-index")
+    store = RagKVCacheVectorStore.from_documents(docs, index="demo-index")  # or engine=ServingEngine("demo-index")
     retriever = store.as_retriever(search_kwargs={"k": 4})
     ```
 
@@ -41,7 +41,7 @@ class RagKVCacheVectorStore(VectorStore):
         self,
         index: str | Path | None = None,
         *,
-        engine: Engine | None = None,
+        engine: ServingEngine | None = None,
         device: str | None = None,
         dtype: str | None = None,
     ) -> None:
@@ -118,7 +118,7 @@ class RagKVCacheVectorStore(VectorStore):
         *,
         ids: list[str] | None = None,
         index: str | Path | None = None,
-        engine: Engine | None = None,
+        engine: ServingEngine | None = None,
         device: str | None = None,
         dtype: str | None = None,
         **kwargs: Any,

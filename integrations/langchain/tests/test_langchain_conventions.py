@@ -10,7 +10,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever, rag_message
 from pydantic import BaseModel, Field, ValidationError
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -25,17 +25,17 @@ class Telescope(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def model(demo_engine: Engine) -> ChatRagKVCache:
+def model(demo_engine: ServingEngine) -> ChatRagKVCache:
     return ChatRagKVCache(engine=demo_engine, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def rag_question(demo_engine: Engine) -> HumanMessage:
+def rag_question(demo_engine: ServingEngine) -> HumanMessage:
     return rag_message(RagKVCacheRetriever(engine=demo_engine, k=3).invoke(QUESTION), QUESTION)
 
 
 def test_token_counts_use_the_index_tokenizer(
-    model: ChatRagKVCache, demo_engine: Engine, rag_question: HumanMessage
+    model: ChatRagKVCache, demo_engine: ServingEngine, rag_question: HumanMessage
 ) -> None:
     """No GPT-2 tokenizer download (it took 5 minutes of network errors offline, then counted 0)."""
     tokenizer = demo_engine.index.adapter.tokenizer
@@ -75,7 +75,7 @@ def test_structured_output_is_decoded_under_the_schema(model: ChatRagKVCache, ra
 
 
 def test_structured_output_cut_short_fails_loudly(
-    demo_engine: Engine, model: ChatRagKVCache, rag_question: HumanMessage
+    demo_engine: ServingEngine, model: ChatRagKVCache, rag_question: HumanMessage
 ) -> None:
     """An answer that runs out of tokens before its JSON closes is refused, never returned half-built."""
     with pytest.raises(OutputParserException):
@@ -84,7 +84,7 @@ def test_structured_output_cut_short_fails_loudly(
         model.invoke([rag_question], response_format={"type": "xml"})
 
 
-def test_standard_parameters(demo_engine: Engine, demo_index: str, rag_question: HumanMessage) -> None:
+def test_standard_parameters(demo_engine: ServingEngine, demo_index: str, rag_question: HumanMessage) -> None:
     model = ChatRagKVCache(engine=demo_engine, max_retries=2, timeout=60)
     assert model.invoke([rag_question], max_tokens=2).text
     with pytest.raises(TimeoutError, match="timeout=1e-09"):
@@ -106,7 +106,7 @@ def test_device_and_dtype_choose_how_the_model_loads(demo_index: str) -> None:
 
 
 @pytest.mark.parametrize("component", [ChatRagKVCache, RagKVCacheRetriever, RagKVCacheGrader])
-def test_an_unknown_argument_is_refused(component, demo_engine: Engine) -> None:
+def test_an_unknown_argument_is_refused(component, demo_engine: ServingEngine) -> None:
     """The retriever and the grader once took `extra="ignore"` from their LangChain base and dropped a mistyped
     argument (`kk=2`) without a word."""
     with pytest.raises(ValidationError, match="kk"):

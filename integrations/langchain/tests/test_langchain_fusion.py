@@ -10,7 +10,7 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from langchain_rag_kvcache.chat_models import _prompt
 
-from rag_kvcache import Engine, FusionConfig, GenerationConfig, KVIndex
+from rag_kvcache import FusionConfig, GenerationConfig, KVIndex, ServingEngine
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.request import Options
 
@@ -20,16 +20,16 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
 @pytest.fixture(scope="module")
-def model(demo_engine: Engine) -> ChatRagKVCache:
+def model(demo_engine: ServingEngine) -> ChatRagKVCache:
     return ChatRagKVCache(engine=demo_engine, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def retriever(demo_engine: Engine) -> RagKVCacheRetriever:
+def retriever(demo_engine: ServingEngine) -> RagKVCacheRetriever:
     return RagKVCacheRetriever(engine=demo_engine, k=3)
 
 
-def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_engine: Engine) -> None:
+def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_engine: ServingEngine) -> None:
     docs = retriever.invoke(QUESTION)
     engine = demo_engine
     records = engine.run(engine.index.chunks.get, [doc.id for doc in docs])
@@ -69,7 +69,7 @@ def test_model_prompt_equals_the_core_fused_prompt(demo_index: str) -> None:
     prompt tokens and tokens recomputed. On an engine of its own with no conversation cache, so that neither reads
     what the other, or an earlier test, left there."""
     config = KVIndex.config_of(demo_index).with_storage(conversation_bytes=0)
-    with Engine(demo_index, config) as engine:
+    with ServingEngine(demo_index, config) as engine:
         hits = engine.search(QUESTION, 3)
         core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
         docs = RagKVCacheRetriever(engine=engine, k=3).invoke(QUESTION)
@@ -137,7 +137,7 @@ def _chunk_tokens(model: ChatRagKVCache, docs) -> int:
     return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, [d.id for d in docs]))
 
 
-def test_full_method_reads_no_chunk_cache(demo_engine: Engine, retriever: RagKVCacheRetriever) -> None:
+def test_full_method_reads_no_chunk_cache(demo_engine: ServingEngine, retriever: RagKVCacheRetriever) -> None:
     """`full` reads no chunk cache: what it does not compute comes from the conversation cache, where only an
     earlier `full` prompt of this engine put exact K/V (any test's: the engine is the session's). Asked twice,
     the second reads the first's prompt from there and answers the same."""
@@ -171,7 +171,7 @@ def test_tool_messages_are_refused(model: ChatRagKVCache) -> None:
         model.invoke([HumanMessage("hi"), ToolMessage("3", tool_call_id="t1")])
 
 
-def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_engine: Engine, tmp_path) -> None:
+def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_engine: ServingEngine, tmp_path) -> None:
     with pytest.raises(TypeError, match="frequency_penalty"):
         model.invoke("hi", frequency_penalty=1.0)
     with pytest.raises(ValueError, match="another model needs its own index"):
@@ -186,7 +186,7 @@ def test_bad_arguments_fail_loudly(model: ChatRagKVCache, demo_engine: Engine, t
         ChatRagKVCache()
 
 
-def test_a_model_given_an_index_opens_and_closes_its_own_engine(demo_engine: Engine) -> None:
+def test_a_model_given_an_index_opens_and_closes_its_own_engine(demo_engine: ServingEngine) -> None:
     own = ChatRagKVCache(index=str(demo_engine.path), max_tokens=4)
     assert own.invoke("Veldmark telescope?").usage_metadata["output_tokens"] >= 1
     engine = own._handle.get()

@@ -8,7 +8,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_rag_kvcache import RELEVANCE_KEY, RagKVCacheGrader, RagKVCacheRetriever
 
-from rag_kvcache import Engine, RagKVCacheError
+from rag_kvcache import RagKVCacheError, ServingEngine
 from rag_kvcache.relevance import RelevanceCheck
 
 pytestmark = pytest.mark.smollm2  # the demo index built with SmolLM2-135M
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.smollm2  # the demo index built with SmolLM2-135M
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
-def test_the_grader_keeps_what_the_core_check_judges_relevant(demo_engine: Engine) -> None:
+def test_the_grader_keeps_what_the_core_check_judges_relevant(demo_engine: ServingEngine) -> None:
     docs = RagKVCacheRetriever(engine=demo_engine, k=4).invoke(QUESTION)
     every = RagKVCacheGrader(engine=demo_engine, threshold=0.0).invoke({"question": QUESTION, "documents": docs})
     assert [d.id for d in every] == [d.id for d in docs]
@@ -32,7 +32,7 @@ def test_the_grader_keeps_what_the_core_check_judges_relevant(demo_engine: Engin
     assert [d.id for d in kept] == [d.id for d, v in zip(docs, verdicts) if v.p_yes >= threshold]
 
 
-def test_a_foreign_text_under_a_real_chunk_id_is_graded_on_its_own_text(demo_engine: Engine) -> None:
+def test_a_foreign_text_under_a_real_chunk_id_is_graded_on_its_own_text(demo_engine: ServingEngine) -> None:
     """A Document of other text carrying a real chunk id got that chunk's relevance ("Banana bread..." kept with
     the telescope chunk's 0.2326), the grader reading the chunk's cache, not the text it was given. Now a chunk's
     cache is read only when the Document's text is that chunk's; another text is computed, and graded as itself."""
@@ -52,7 +52,7 @@ def test_a_foreign_text_under_a_real_chunk_id_is_graded_on_its_own_text(demo_eng
     assert banana.computed_tokens > chunk.computed_tokens  # the text computed with the question
 
 
-def test_an_over_long_question_or_too_many_documents_is_refused_naming_the_limit(demo_engine: Engine) -> None:
+def test_an_over_long_question_or_too_many_documents_is_refused_naming_the_limit(demo_engine: ServingEngine) -> None:
     """A 200,000-character question was computed whole, and OOM-killed at 17-18 GB. The grader's question and
     documents are bounded as the server's requests are: a ValueError naming the limit, nothing computed."""
     docs = RagKVCacheRetriever(engine=demo_engine, k=2).invoke(QUESTION)

@@ -18,13 +18,13 @@ from langchain_rag_kvcache import (
     rag_message,
 )
 
-from rag_kvcache import Engine, FusionConfig, RagKVCacheError
+from rag_kvcache import FusionConfig, RagKVCacheError, ServingEngine
 
 QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 
 
 @pytest.mark.smollm2
-def test_the_graph_answers_from_the_documents_its_grader_keeps(demo_engine: Engine) -> None:
+def test_the_graph_answers_from_the_documents_its_grader_keeps(demo_engine: ServingEngine) -> None:
     from langchain_rag_kvcache.graph import create_agentic_rag_graph
 
     retriever, grader = RagKVCacheRetriever(engine=demo_engine, k=4), RagKVCacheGrader(engine=demo_engine)
@@ -51,7 +51,7 @@ def test_the_graph_refuses_an_unknown_chunk_order() -> None:
 
 
 @pytest.mark.smollm2
-def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: Engine) -> None:
+def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: ServingEngine) -> None:
     """The same graph on full prefills: a document the plain model answers "yes" about (its greedy first token) has
     P(yes) >= 1/2 in the cached check of the same prompt, whose logits are a full prefill's."""
     from langchain_rag_kvcache.graph import create_agentic_rag_graph
@@ -67,7 +67,7 @@ def test_a_plain_chat_model_grades_as_the_cached_check_reads(demo_engine: Engine
 
 
 @pytest.mark.smollm2
-def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_model(demo_engine: Engine) -> None:
+def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_model(demo_engine: ServingEngine) -> None:
     """Every document judged relevant (threshold 0): nothing is hidden, and the answer decoded from the shared
     prompt is `ChatRagKVCache`'s over the same documents laid out in the index's chunk order, the best last (the
     index's layout is the chat model's)."""
@@ -85,7 +85,7 @@ def test_the_shared_prompt_graph_keeping_every_document_answers_as_the_chat_mode
 
 
 @pytest.mark.smollm2
-def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engine: Engine) -> None:
+def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engine: ServingEngine) -> None:
     """A threshold between the documents' P(yes): those under it are hidden, the answer is `SharedPrompt`'s over
     the kept ones, laid out best last as the graph lays them out."""
     from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
@@ -119,7 +119,7 @@ def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engi
 
 
 @pytest.mark.smollm2
-def test_the_shared_prompt_graph_refuses_documents_without_a_chunk_id(demo_engine: Engine) -> None:
+def test_the_shared_prompt_graph_refuses_documents_without_a_chunk_id(demo_engine: ServingEngine) -> None:
     from langchain_core.documents import Document
     from langchain_core.retrievers import BaseRetriever
     from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph

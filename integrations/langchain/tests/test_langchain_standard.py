@@ -10,7 +10,7 @@ from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, rag_messa
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -20,10 +20,10 @@ QUESTION = "What is the main telescope of the Veldmark Observatory called?"
 class _OnDemoIndex:
     """Points the suite's constructor parameters at the session's demo index."""
 
-    engine: Engine
+    engine: ServingEngine
 
     @pytest.fixture(autouse=True)
-    def _use_demo_engine(self, demo_engine: Engine) -> None:
+    def _use_demo_engine(self, demo_engine: ServingEngine) -> None:
         self.engine = demo_engine
 
 

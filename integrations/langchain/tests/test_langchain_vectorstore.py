@@ -15,7 +15,7 @@ from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheVectorStore
 from langchain_rag_kvcache.chat_models import _prompt
 from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 from rag_kvcache.request import Options
 
 from ...testing import DEMO_DOCS, QUESTION, empty_engine
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolL
 
 
 @pytest.fixture(scope="module")
-def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
+def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: ServingEngine) -> Iterator[ServingEngine]:
     with empty_engine(tmp_path_factory.mktemp("store") / "index", demo_engine) as engine:
         yield engine
 
@@ -39,7 +39,7 @@ def demo_documents() -> list[Document]:
 
 
 @pytest.fixture(scope="module")
-def store(store_engine: Engine, demo_documents: list[Document]) -> RagKVCacheVectorStore:
+def store(store_engine: ServingEngine, demo_documents: list[Document]) -> RagKVCacheVectorStore:
     return RagKVCacheVectorStore.from_documents(demo_documents, engine=store_engine)
 
 
@@ -53,7 +53,7 @@ def test_documents_keep_their_ids_and_metadata(store: RagKVCacheVectorStore, dem
     assert store.get_by_ids(["demo/observatory.md", "missing"]) == [by_id["demo/observatory.md"]]
 
 
-def test_added_documents_are_chunk_cached(store: RagKVCacheVectorStore, store_engine: Engine) -> None:
+def test_added_documents_are_chunk_cached(store: RagKVCacheVectorStore, store_engine: ServingEngine) -> None:
     chunks = store_engine.run(lambda: list(store_engine.index.chunks.all_chunks()))
     assert chunks and all(c.source.startswith("demo/") for c in chunks)
     index = store_engine.index
@@ -61,7 +61,7 @@ def test_added_documents_are_chunk_cached(store: RagKVCacheVectorStore, store_en
 
 
 def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
-    store: RagKVCacheVectorStore, store_engine: Engine
+    store: RagKVCacheVectorStore, store_engine: ServingEngine
 ) -> None:
     """LangChain's RAG tutorial chain with the store's retriever: `format_docs` into a prompt template."""
     model = ChatRagKVCache(engine=store_engine, max_tokens=24)
@@ -93,7 +93,7 @@ def test_tutorial_chain_over_the_store_reads_the_chunks_from_cache(
     assert matched >= 0.9 * chunk_tokens
 
 
-def test_replace_and_delete(demo_engine: Engine, tmp_path: Path) -> None:
+def test_replace_and_delete(demo_engine: ServingEngine, tmp_path: Path) -> None:
     with empty_engine(tmp_path / "index", demo_engine) as engine:
         store = RagKVCacheVectorStore(engine=engine)
         store.add_texts(["The Harrow telescope has a 2.4 m mirror."], [{"v": 1}], ids=["t"])
@@ -115,7 +115,7 @@ class TestRagKVCacheVectorStoreStandard(VectorStoreIntegrationTests):
     embedder, so the suite's fake embeddings are not used."""
 
     @pytest.fixture
-    def vectorstore(self, store_engine_empty: Engine) -> Iterator[RagKVCacheVectorStore]:  # type: ignore[override]
+    def vectorstore(self, store_engine_empty: ServingEngine) -> Iterator[RagKVCacheVectorStore]:  # type: ignore[override]
         store = RagKVCacheVectorStore(engine=store_engine_empty)
         try:
             yield store
@@ -124,6 +124,8 @@ class TestRagKVCacheVectorStoreStandard(VectorStoreIntegrationTests):
             store.delete(sources)
 
     @pytest.fixture(scope="class")
-    def store_engine_empty(self, tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
+    def store_engine_empty(
+        self, tmp_path_factory: pytest.TempPathFactory, demo_engine: ServingEngine
+    ) -> Iterator[ServingEngine]:
         with empty_engine(tmp_path_factory.mktemp("standard") / "index", demo_engine) as engine:
             yield engine

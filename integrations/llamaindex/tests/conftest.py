@@ -9,13 +9,13 @@ import pytest
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 
 from .support import QUESTION, Prompts
 
 
 @pytest.fixture(scope="session")
-def chunk_ids(demo_engine: Engine) -> list[str]:
+def chunk_ids(demo_engine: ServingEngine) -> list[str]:
     """The demo question's 3 retrieved chunks."""
     return [n.node_id for n in RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3).retrieve(QUESTION)]
 

@@ -11,7 +11,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, create_kv_query_engine
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
-from rag_kvcache import ChatTurn, Engine, GenerationConfig, RequestError
+from rag_kvcache import ChatTurn, GenerationConfig, RequestError, ServingEngine
 from rag_kvcache.request import chat_prompt
 
 from .support import QUESTION, Prompts, matched_tokens
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with
 
 
 @pytest.fixture(scope="module")
-def llm(demo_engine: Engine) -> RagKVCacheLLM:
+def llm(demo_engine: ServingEngine) -> RagKVCacheLLM:
     return RagKVCacheLLM(engine=demo_engine, max_tokens=24)
 
 
@@ -34,13 +34,15 @@ def test_query_engine_answers_with_source_nodes(llm: RagKVCacheLLM) -> None:
     assert set(response.metadata) == {n.node_id for n in response.source_nodes}
 
 
-def test_retrieved_node_ids_are_chunk_ids(demo_engine: Engine, chunk_ids: list[str]) -> None:
+def test_retrieved_node_ids_are_chunk_ids(demo_engine: ServingEngine, chunk_ids: list[str]) -> None:
     engine = demo_engine
     hits = engine.search(QUESTION, 3)
     assert chunk_ids == [hit.chunk.id for hit in hits]
 
 
-def test_complete_fuses_the_chunks_like_the_core(llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]) -> None:
+def test_complete_fuses_the_chunks_like_the_core(
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str]
+) -> None:
     engine = demo_engine
     hits = engine.search(QUESTION, 3)
     core = engine.run(lambda: engine.generator.ask(QUESTION, hits, generation=GenerationConfig(max_new_tokens=24)))
@@ -88,7 +90,7 @@ def test_chat_merges_turns_and_takes_chunks_in_the_last_user_message(llm: RagKVC
     assert streamed.strip() == response.message.content
 
 
-def test_plain_chat_reads_no_chunk_cache(llm: RagKVCacheLLM, demo_engine: Engine) -> None:
+def test_plain_chat_reads_no_chunk_cache(llm: RagKVCacheLLM, demo_engine: ServingEngine) -> None:
     """A chat with no chunks reads no chunk cache. What it does not compute is its head (the chat template's system
     turn: an exact cache of request text, made by the first prompt that has it) or what the conversation cache holds
     of an earlier chat it begins as: whichever other tests ran before on the session's engine."""
@@ -107,7 +109,7 @@ def test_metadata(llm: RagKVCacheLLM) -> None:
     assert meta.num_output == 24
 
 
-def test_refusals(llm: RagKVCacheLLM, demo_engine: Engine, tmp_path) -> None:
+def test_refusals(llm: RagKVCacheLLM, demo_engine: ServingEngine, tmp_path) -> None:
     with pytest.raises(RequestError, match="0123456789abcdef") as refused:  # the parameter at fault named
         llm.complete(QUESTION, chunk_ids=["0123456789abcdef"])
     assert (refused.value.param, refused.value.code) == ("chunk_ids", "unknown_chunk")
@@ -132,7 +134,7 @@ def _chunk_tokens(llm: RagKVCacheLLM, ids: list[str]) -> int:
 
 
 def test_default_query_engine_reads_the_chunks_from_cache(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     """LlamaIndex's own synthesizer (default response mode, its own prompt template) with our LLM."""
     engine = RetrieverQueryEngine.from_args(RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3), llm=llm)
@@ -145,7 +147,7 @@ def test_default_query_engine_reads_the_chunks_from_cache(
 
 @pytest.mark.parametrize("mode", ["refine", "tree_summarize"])
 def test_other_response_modes_read_the_chunks_from_cache(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts, mode: str
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str], prompts: Prompts, mode: str
 ) -> None:
     retriever = RagKVCacheRetriever(engine=demo_engine, similarity_top_k=3)
     RetrieverQueryEngine.from_args(retriever, llm=llm, response_mode=mode).query(QUESTION)
@@ -153,7 +155,7 @@ def test_other_response_modes_read_the_chunks_from_cache(
 
 
 def test_plain_completion_with_chunk_text_is_fused(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str]
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str]
 ) -> None:
     texts = [r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids)]
     prompt = "\n\n".join([*texts, QUESTION])
@@ -175,7 +177,7 @@ def test_synthesizer_lays_the_nodes_out_in_the_chunk_order(llm: RagKVCacheLLM, c
 
 
 def test_synthesizer_over_foreign_node_ids_matches_by_text(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     """Nodes from another store (ids that are no chunk ids) holding indexed text: found by matching."""
     records = demo_engine.run(demo_engine.index.chunks.get, chunk_ids)
@@ -187,7 +189,7 @@ def test_synthesizer_over_foreign_node_ids_matches_by_text(
 
 
 def test_synthesizer_takes_prompt_templates(
-    llm: RagKVCacheLLM, demo_engine: Engine, chunk_ids: list[str], prompts: Prompts
+    llm: RagKVCacheLLM, demo_engine: ServingEngine, chunk_ids: list[str], prompts: Prompts
 ) -> None:
     first = PromptTemplate("Context:\n{context_str}\n\nQuestion: {query_str}\nAnswer:")
     synthesizer = KVCacheSynthesizer(llm=llm, text_qa_template=first)

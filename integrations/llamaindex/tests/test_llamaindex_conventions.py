@@ -12,7 +12,7 @@ from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 from pydantic import BaseModel, Field
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 
 from .support import QUESTION
 
@@ -27,11 +27,11 @@ class Telescope(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def llm(demo_engine: Engine) -> RagKVCacheLLM:
+def llm(demo_engine: ServingEngine) -> RagKVCacheLLM:
     return RagKVCacheLLM(engine=demo_engine, max_tokens=48)
 
 
-def test_token_counting_handler_reads_the_usage(demo_engine: Engine, chunk_ids: list[str]) -> None:
+def test_token_counting_handler_reads_the_usage(demo_engine: ServingEngine, chunk_ids: list[str]) -> None:
     counter = TokenCountingHandler(tokenizer=RagKVCacheLLM(engine=demo_engine).tokenizer)
     llm = RagKVCacheLLM(engine=demo_engine, max_tokens=8, callback_manager=CallbackManager([counter]))
     completion = llm.complete(QUESTION, chunk_ids=chunk_ids)
@@ -63,7 +63,7 @@ def test_per_call_settings(llm: RagKVCacheLLM, chunk_ids: list[str]) -> None:
 
 
 def test_structured_predict_returns_validated_objects(
-    llm: RagKVCacheLLM, chunk_ids: list[str], demo_engine: Engine
+    llm: RagKVCacheLLM, chunk_ids: list[str], demo_engine: ServingEngine
 ) -> None:
     context = "\n\n".join(r.text for r in demo_engine.run(demo_engine.index.chunks.get, chunk_ids))
     prompt = PromptTemplate("{context}\n\nWhich telescope is the main telescope of the Veldmark Observatory?")
@@ -79,7 +79,7 @@ async def test_async_structured_predict(llm: RagKVCacheLLM) -> None:
     assert isinstance(city, Telescope)
 
 
-def test_standard_parameters_and_device(demo_engine: Engine, demo_index: str) -> None:
+def test_standard_parameters_and_device(demo_engine: ServingEngine, demo_index: str) -> None:
     assert RagKVCacheLLM(engine=demo_engine, max_retries=2, timeout=60, max_tokens=2).complete("Hi").text
     with pytest.raises(TimeoutError, match="timeout=1e-09"):
         RagKVCacheLLM(engine=demo_engine, timeout=1e-9).complete("Hi")

@@ -12,7 +12,7 @@ from llama_index.core.vector_stores.types import VectorStoreQuery
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 
-from rag_kvcache import Engine
+from rag_kvcache import ServingEngine
 from rag_kvcache.retrieval.embedder import embedder_dtype, load_embedder, unit_vectors
 
 from ...testing import empty_engine
@@ -22,13 +22,13 @@ pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolL
 
 
 @pytest.fixture(scope="module")
-def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: Engine) -> Iterator[Engine]:
+def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: ServingEngine) -> Iterator[ServingEngine]:
     with empty_engine(tmp_path_factory.mktemp("li-store") / "index", demo_engine) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def vector_index(store_engine: Engine) -> VectorStoreIndex:
+def vector_index(store_engine: ServingEngine) -> VectorStoreIndex:
     documents = [
         Document(text=f.read_text(), id_=f"demo/{f.name}", metadata={"file": f.name})
         for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name)
@@ -43,7 +43,7 @@ def vector_index(store_engine: Engine) -> VectorStoreIndex:
 
 
 def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
-    vector_index: VectorStoreIndex, store_engine: Engine, prompts: Prompts
+    vector_index: VectorStoreIndex, store_engine: ServingEngine, prompts: Prompts
 ) -> None:
     llm = RagKVCacheLLM(engine=store_engine, max_tokens=24)
     response = vector_index.as_query_engine(llm=llm, similarity_top_k=3).query(QUESTION)
@@ -56,7 +56,7 @@ def test_vector_store_index_default_query_engine_reads_the_chunks_from_cache(
     assert matched_tokens(llm, turns) >= 0.9 * chunk_tokens
 
 
-def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store_engine: Engine) -> None:
+def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store_engine: ServingEngine) -> None:
     """Retrieval is all-MiniLM-L6-v2's, the index's own embedder: the `MockEmbedding` LlamaIndex is given
     above only fills its `embed_model` slot (the store embeds texts and queries itself). The ranking
     equals cosine similarity computed here with the real model over every stored chunk."""
@@ -75,14 +75,14 @@ def test_queries_rank_by_the_real_embedder(vector_index: VectorStoreIndex, store
     assert result.similarities == pytest.approx([float(similarities[i]) for i in top], abs=tolerance)
 
 
-def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engine: Engine) -> None:
+def test_added_nodes_are_chunk_cached(vector_index: VectorStoreIndex, store_engine: ServingEngine) -> None:
     index = store_engine.index
     chunks = store_engine.run(lambda: list(index.chunks.all_chunks()))
     assert len({c.source for c in chunks}) >= 5
     assert all(index.addressing.own_key(c.token_ids) in index.store for c in chunks)
 
 
-def test_delete_by_document_and_by_node(demo_engine: Engine, tmp_path: Path) -> None:
+def test_delete_by_document_and_by_node(demo_engine: ServingEngine, tmp_path: Path) -> None:
     with empty_engine(tmp_path / "index", demo_engine) as engine:
         store = RagKVCacheVectorStore(engine=engine)
         index = VectorStoreIndex.from_documents(

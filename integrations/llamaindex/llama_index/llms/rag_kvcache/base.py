@@ -39,9 +39,9 @@ from typing_extensions import Self
 from rag_kvcache import (
     Answer,
     ChatTurn,
-    Engine,
     EngineHandle,
     FusionConfig,
+    ServingEngine,
 )
 from rag_kvcache.request import Options, chat_prompt, generation_of
 
@@ -73,8 +73,8 @@ class RagKVCacheLLM(CustomLLM):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    engine: Engine | None = Field(
-        default=None, exclude=True, description="An opened `Engine`, shared with a retriever."
+    engine: ServingEngine | None = Field(
+        default=None, exclude=True, description="An opened `ServingEngine`, shared with a retriever."
     )
     index: str | None = Field(
         default=None,
@@ -112,7 +112,7 @@ class RagKVCacheLLM(CustomLLM):
         return self
 
     @property
-    def serving_engine(self) -> Engine:
+    def serving_engine(self) -> ServingEngine:
         """The engine this LLM serves from (opened on first use when it was given `index`)."""
         return self._handle.get()
 

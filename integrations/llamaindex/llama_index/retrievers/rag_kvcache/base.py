@@ -8,7 +8,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from rag_kvcache import Engine, EngineHandle
+from rag_kvcache import EngineHandle, ServingEngine
 
 
 class RagKVCacheRetriever(BaseRetriever):
@@ -20,7 +20,7 @@ class RagKVCacheRetriever(BaseRetriever):
         index: str | Path | None = None,
         similarity_top_k: int = 4,
         *,
-        engine: Engine | None = None,
+        engine: ServingEngine | None = None,
         device: str | None = None,
         dtype: str | None = None,
         callback_manager: CallbackManager | None = None,

@@ -20,7 +20,7 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 from typing_extensions import Self
 
-from rag_kvcache import Engine, EngineHandle, Hit, KVIndex
+from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine
 from rag_kvcache.retrieval.chunk_index import TextDocument
 
 
@@ -54,7 +54,9 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
 
     stores_text: bool = True
     is_embedding_query: bool = False
-    engine: Engine | None = Field(default=None, exclude=True, description="An opened `Engine`, shared with an LLM.")
+    engine: ServingEngine | None = Field(
+        default=None, exclude=True, description="An opened `ServingEngine`, shared with an LLM."
+    )
     index: str | None = Field(
         default=None,
         description="Or the folder of a rag-kvcache index; the store opens its own engine on first use.",
@@ -76,7 +78,7 @@ class RagKVCacheVectorStore(BasePydanticVectorStore):
         return "RagKVCacheVectorStore"
 
     @property
-    def client(self) -> Engine:
+    def client(self) -> ServingEngine:
         """The engine this store serves from."""
         return self._handle.get()
 
