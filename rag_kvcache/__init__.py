@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__ as __version__
 
 _EXPORTS = {  # name -> module it is imported from on first use
-    "Answer": ".answers",
+    "Answer": ".query.answers",
     "ChunkKV": ".engine.cache",
     "Config": ".config",
-    "FusedGenerator": ".generator",
+    "FusedGenerator": ".query.generator",
     "FusionConfig": ".config",
     "FusionInput": ".engine.fusion",
     "FusionResult": ".engine.fusion",
@@ -40,9 +40,9 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "RagKVCacheError": ".errors",
     "ConfigError": ".errors",
     "ConversationCache": ".store.conversations",
-    "RelevanceCheck": ".relevance",
-    "Verdict": ".relevance",
-    "RequestError": ".request",
+    "RelevanceCheck": ".query.relevance",
+    "Verdict": ".query.relevance",
+    "RequestError": ".query.request",
 }
 __all__ = [
     "Answer",
@@ -79,7 +79,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .answers import Answer
     from .config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
     from .engine.cache import ChunkKV
     from .engine.fusion import FusionInput, FusionResult
@@ -87,10 +86,11 @@ if TYPE_CHECKING:
     from .engine.model import ModelAdapter, UnsupportedModelError
     from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
     from .errors import ConfigError, RagKVCacheError
-    from .generator import FusedGenerator
     from .index import KVIndex
-    from .relevance import RelevanceCheck, Verdict
-    from .request import RequestError
+    from .query.answers import Answer
+    from .query.generator import FusedGenerator
+    from .query.relevance import RelevanceCheck, Verdict
+    from .query.request import RequestError
     from .retrieval.chunk_index import Hit
     from .serving.engine import EngineHandle, ServingEngine
     from .store.conversations import ConversationCache

@@ -1,4 +1,4 @@
-"""One fused prompt for an agent's relevance checks and its answer (`rag_kvcache.agent.SharedPrompt`): hiding a
+"""One fused prompt for an agent's relevance checks and its answer (`rag_kvcache.query.agent.SharedPrompt`): hiding a
 chunk is an attention mask over its tokens. Over a `full` prefill both steps equal the model run over the same
 tokens with that mask; keeping every chunk decodes the fused prompt as it is; what is left visible is the prompt of
 the kept chunks alone; the masked K/V are never kept as the prompt's own."""
@@ -9,14 +9,14 @@ import pytest
 import torch
 from test_faults import CFG, QUESTION, write_docs
 
-from rag_kvcache.agent import SharedPrompt
-from rag_kvcache.answers import PromptTooLongError
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.errors import RagKVCacheError
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.agent import SharedPrompt
+from rag_kvcache.query.answers import PromptTooLongError
+from rag_kvcache.query.generator import FusedGenerator
+from rag_kvcache.query.relevance import CHECK, RelevanceCheck
 from rag_kvcache.store.conversations import ConversationCache
 
 FULL = FusionConfig(method="full")

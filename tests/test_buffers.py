@@ -14,7 +14,7 @@ from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.buffers import KVBufferPool
 from rag_kvcache.engine.fusion import DirectReader
 from rag_kvcache.engine.methods import get_method
-from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.query.generator import FusedGenerator
 
 SHAPE = (2, 3, 40, 8)
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_faults import CFG, QUESTION, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.maintenance import check
+from rag_kvcache.query.generator import FusedGenerator
 
 
 @pytest.fixture()

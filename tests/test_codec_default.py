@@ -12,8 +12,8 @@ import torch
 from rich.filesize import decimal
 
 from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.codecs import cache_nbytes
 
 CFG = Config(

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, RuntimeConfig
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.controller import (
     Calibration,
     NotCalibratedError,

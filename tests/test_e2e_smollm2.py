@@ -7,8 +7,8 @@ from importlib.resources import files
 import pytest
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 pytestmark = pytest.mark.smollm2
 

@@ -19,8 +19,8 @@ import torch
 
 from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from rag_kvcache.errors import StorageFullError
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 TESTS = Path(__file__).resolve().parent
 CFG = Config(
@@ -296,7 +296,7 @@ def test_a_stray_temp_file_that_is_not_ours_blocks_nothing(index, tmp_path):
 
 
 def test_a_prompt_beyond_the_model_context_is_refused(index):
-    from rag_kvcache.answers import PromptTooLongError
+    from rag_kvcache.query.answers import PromptTooLongError
 
     question = "telescope " * (index.adapter.context_length + 10)
     with pytest.raises(PromptTooLongError, match=f"beyond the {index.adapter.context_length} positions"):

@@ -17,9 +17,9 @@ from test_fusion import ATOL
 from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.grouping import similar_groups
+from rag_kvcache.query.generator import FusedGenerator
 
 # caches stored as computed: the exactness checks compare K/V to float tolerance; groups of three
 GROUPED = Config(

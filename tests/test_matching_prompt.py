@@ -14,8 +14,8 @@ from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.profiling import StageClock
 from rag_kvcache.engine.prompt import Segment
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 DOCS = {
     "lighthouse.txt": "The lighthouse on Tessaly was lit in 1856 and its keeper Ada Rennick kept a diary of every "

@@ -13,8 +13,8 @@ import torch
 from test_matching_prompt import CFG, DOCS
 
 from rag_kvcache.config import FusionConfig
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.templates import TemplateSpans, _contains
 
 HEAD = "You are an expert Q&A system that is trusted around the world. Always answer the query using the context.\n"

@@ -17,8 +17,8 @@ from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rotate_keys, rotation
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 NEIGHBOURS = Config(
     index=IndexSettings(chunk_tokens=24, chunk_prefill="neighbours", context_chunks=2), query=QueryConfig(top_k=3)

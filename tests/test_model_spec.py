@@ -14,8 +14,8 @@ from test_faults import CFG, QUESTION, replace_model, tiny_model_dir, write_docs
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.model import ModelAdapter, ModelSpec
 from rag_kvcache.errors import RagKVCacheError
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.opening import Unmade
 
 

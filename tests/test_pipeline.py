@@ -12,8 +12,8 @@ from conftest import tiny_llama
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.database import ForeignIndexError
 
 DOCS = {

@@ -17,9 +17,9 @@ ray = pytest.importorskip("ray")
 from rag_kvcache.cli import app  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig  # noqa: E402
 from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
-from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.indexing import cluster  # noqa: E402
+from rag_kvcache.query.generator import FusedGenerator  # noqa: E402
 
 
 @pytest.fixture(scope="module")

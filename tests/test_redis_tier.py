@@ -22,12 +22,12 @@ from test_kvstore import make_kv
 from test_serve import start_server, stop_server
 from typer.testing import CliRunner
 
-from rag_kvcache.answers import Answer
 from rag_kvcache.cli import app
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.engine.cache import ChunkKV
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.answers import Answer
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.serving.engine import ServingEngine
 from rag_kvcache.serving.openai_api import create_app
 from rag_kvcache.serving.settings import ServerConfig

@@ -1,4 +1,4 @@
-"""Relevance checks that read the chunk caches (`rag_kvcache.relevance`): every chunk checked in one batched
+"""Relevance checks that read the chunk caches (`rag_kvcache.query.relevance`): every chunk checked in one batched
 forward, only the check's question computed; each verdict what a full prefill of its check prompt gives where the
 chunk's cache is exact there, `reuse`'s where it is not, and `prefix`'s with `exact=True`."""
 
@@ -11,9 +11,9 @@ from test_faults import CFG, QUESTION, write_docs
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.errors import RagKVCacheError
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.generator import FusedGenerator
+from rag_kvcache.query.relevance import CHECK, RelevanceCheck
 
 BEHIND = CFG.with_index(chunk_prefill="behind_prefix")  # each chunk's cache exact right after the prefix, as in a check
 

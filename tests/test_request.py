@@ -1,4 +1,4 @@
-"""`rag_kvcache.request`: the one place a front end's request becomes a prompt. What it builds is what the
+"""`rag_kvcache.query.request`: the one place a front end's request becomes a prompt. What it builds is what the
 generator's own layout functions build; every refusal is a `RequestError` naming the parameter at fault."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from test_serve import CHATML
 
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
-from rag_kvcache.request import Options, RequestError, chat_prompt, completion_prompt
+from rag_kvcache.query.generator import FusedGenerator
+from rag_kvcache.query.request import Options, RequestError, chat_prompt, completion_prompt
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,13 @@ import torch
 import uvicorn
 from conftest import tiny_llama
 
-from rag_kvcache.answers import Answer
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.generation import Decoder, sample_token
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.answers import Answer
 from rag_kvcache.serving.engine import ServingEngine
 from rag_kvcache.serving.metrics import ServerMetrics
 from rag_kvcache.serving.openai_api import create_app

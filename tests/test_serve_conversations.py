@@ -16,7 +16,7 @@ import pytest
 from test_serve import ADMIN, KEY, Running, chat_adapter, sample, serving  # noqa: F401
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
-from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.serving.settings import ServerConfig
 
 OTHER = "other-key"

@@ -381,7 +381,7 @@ def test_a_prompt_whose_caches_are_in_memory_is_assembled_at_once_and_fuses_as_w
     memory tier and assembles every layer at once (`WholeReader`): the same fused prompt, bit for bit."""
     from test_cached_neighbours import write_docs
 
-    import rag_kvcache.generator as generator
+    import rag_kvcache.query.generator as generator
     from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
     from rag_kvcache.index import KVIndex
 

@@ -39,8 +39,8 @@ from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
 from rag_kvcache.engine.model import ModelSpec  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
 from rag_kvcache.errors import RagKVCacheError  # noqa: E402
-from rag_kvcache.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
+from rag_kvcache.query.generator import FusedGenerator  # noqa: E402
 from rag_kvcache.serving.vllm_connector import RagKVCacheConnector  # noqa: E402
 from rag_kvcache.store.controller import calibration_path  # noqa: E402
 

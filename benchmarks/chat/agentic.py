@@ -46,7 +46,6 @@ from langchain_rag_kvcache.chat_models import _prompt
 from langchain_rag_kvcache.graph import create_agentic_rag_graph, create_shared_prompt_rag_graph
 
 from rag_kvcache import Config, FusionConfig, GenerationConfig, IndexSettings, KVIndex, ServingEngine
-from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.bench.corpus import build_index
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.fidelity import greedy_answer_ids
@@ -56,8 +55,9 @@ from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import Segment
-from rag_kvcache.generator import FusedGenerator
-from rag_kvcache.request import Options
+from rag_kvcache.query.agent import SharedPrompt
+from rag_kvcache.query.generator import FusedGenerator
+from rag_kvcache.query.request import Options
 
 QUESTIONS = (
     "What is the main telescope of the Veldmark Observatory named?",

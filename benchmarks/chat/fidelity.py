@@ -26,8 +26,8 @@ from conversation import QUESTIONS, build_index  # noqa: E402
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.generation import teacher_forced_logits
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.conversations import ConversationCache
 
 

@@ -29,7 +29,7 @@ from rag_kvcache.bench.corpus import question_index
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import spearman
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.relevance import CHECK, RelevanceCheck
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from rag_kvcache.bench.metrics import contains_answer
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.fusion import selective_prefill
 from rag_kvcache.engine.methods import chunk_heads, register
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 kind, out = sys.argv[1], Path(sys.argv[2])
 plan = json.loads((out / "plan.json").read_text())

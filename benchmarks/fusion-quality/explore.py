@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_kvcache.answers import Fused
 from rag_kvcache.bench.corpus import build_index, place_evidence
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.fidelity import greedy_answer_ids
@@ -37,6 +36,7 @@ from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import get_method
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.ops import kv_deviation
+from rag_kvcache.query.answers import Fused
 
 
 def context_caches(index, hits, mode: str, filler: list[tuple[int, ...]]):

@@ -24,8 +24,8 @@ from rag_kvcache.bench.corpus import place_evidence
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.bench.metrics import contains_answer
 from rag_kvcache.config import FusionConfig
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 
 def main() -> None:

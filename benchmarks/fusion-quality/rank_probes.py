@@ -36,8 +36,8 @@ from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.fusion import DirectReader, FusionInput, LayerReader, SegmentKV, selective_prefill
 from rag_kvcache.engine.generation import teacher_forced_logits
 from rag_kvcache.engine.methods import register
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 
 def inexact(inp: FusionInput) -> list[SegmentKV]:

@@ -26,8 +26,8 @@ from rag_kvcache.bench.metrics import contains_answer
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.fusion import FusionResult
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 
 def greedy_over(adapter: ModelAdapter, keys, values, start: int, suffix: list[int], max_new_tokens: int) -> str:

@@ -163,8 +163,8 @@ def reader(out: Path, url: str, question: str, repeats: int, threads: int) -> No
 
     from rag_kvcache.config import FusionConfig, GenerationConfig
     from rag_kvcache.engine.model import ModelAdapter
-    from rag_kvcache.generator import FusedGenerator
     from rag_kvcache.index import KVIndex
+    from rag_kvcache.query.generator import FusedGenerator
 
     torch.set_num_threads(threads)
     a_path = out / "a"

@@ -43,8 +43,8 @@ from rag_kvcache.config import (
     StorageConfig,
 )
 from rag_kvcache.engine.cache import LayerSource
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.codecs import CODECS
 from rag_kvcache.store.kvstore import KVStore
 

@@ -36,7 +36,7 @@ from rag_kvcache.bench.prompts import style_messages
 from rag_kvcache.bench.variants import REFERENCE, Variant
 from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
-from rag_kvcache.generator import FusedGenerator
+from rag_kvcache.query.generator import FusedGenerator
 
 
 def _ci(values: np.ndarray) -> str:

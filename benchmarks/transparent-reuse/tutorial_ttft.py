@@ -59,8 +59,8 @@ from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSett
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.database import exists
 
 TUTORIAL_SYSTEM = (  # the system prompt of the integration's tutorial-chain tests

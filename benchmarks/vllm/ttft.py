@@ -29,8 +29,8 @@ from vllm.inputs import TokensPrompt
 from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_dataset
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings
-from rag_kvcache.generator import FusedGenerator
 from rag_kvcache.index import KVIndex
+from rag_kvcache.query.generator import FusedGenerator
 
 ROWS: dict[str, dict | None] = {  # row -> the request's kv_transfer_params (None: vLLM alone)
     "vLLM alone": None,

@@ -12,12 +12,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..answers import Fused
 from ..config import Config, GenerationConfig
 from ..engine.generation import Decoder, sample_token, teacher_forced_logits
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
-from ..generator import FusedGenerator
+from ..query.answers import Fused
+from ..query.generator import FusedGenerator
 from .metrics import teacher_forced
 from .variants import REFERENCE, Variant
 

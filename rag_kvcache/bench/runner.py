@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..answers import Answer
 from ..config import Config
 from ..engine.methods import filter_schedule
 from ..engine.model import ModelAdapter
-from ..generator import FusedGenerator
+from ..query.answers import Answer
+from ..query.generator import FusedGenerator
 from ..retrieval.chunk_index import Hit
 from ..store.controller import machine_id, resolve_ratio
 from .corpus import build_index, chunk_tokens_matched, distractors_in, place_evidence

@@ -82,8 +82,8 @@ def ask(
     ] = False,
 ) -> None:
     """Answer QUESTION from the index, fusing the retrieved chunks' KV caches."""
-    from ..generator import FusedGenerator
     from ..index import KVIndex
+    from ..query.generator import FusedGenerator
     from ..store.controller import resolve_ratio
 
     model_process()
@@ -169,10 +169,10 @@ def chat(
     ends the chat). Each message gets the chunks retrieved for it that the chat does not hold yet; they stay in
     the conversation, and each turn reads the turns before it from the conversation cache, so only the new
     message and its new chunks are computed. A chat that outgrows the model's context drops its oldest half."""
-    from ..answers import Answer
     from ..engine.prompt import ChatTurn, ChunkPart
-    from ..generator import FusedGenerator
     from ..index import KVIndex
+    from ..query.answers import Answer
+    from ..query.generator import FusedGenerator
     from ..store.conversations import ConversationCache
 
     model_process()

@@ -49,8 +49,8 @@ def demo(
 ) -> None:
     """Index the bundled demo folder, then answer with the default method and `epic`, and compare their TTFT
     with `full`."""
-    from ..generator import FusedGenerator
     from ..index import KVIndex
+    from ..query.generator import FusedGenerator
 
     model_process()
     cfg = base_config().with_index(chunk_tokens=128, dtype=dtype.value).with_query(top_k=4).with_runtime(device=device)

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from ..answers import Answer
 from ..config import Config, FusionConfig, GenerationConfig
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
-from ..generator import FusedGenerator
 from ..index import KVIndex
+from ..query.answers import Answer
+from ..query.generator import FusedGenerator
 from ..retrieval.chunk_index import Hit
 from ..store.conversations import ConversationCache
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..answers import Answer
+from ..query.answers import Answer
 from ..store.backend import TierStats
 from ..store.conversations import ConversationStats
 

@@ -51,9 +51,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..answers import Answer
 from ..engine.prompt import ChatTurn
-from ..request import Prompt
+from ..query.answers import Answer
+from ..query.request import Prompt
 from ..version import __version__
 from .admission import Admission, Ticket
 from .documents import checked_documents, write_and_sync

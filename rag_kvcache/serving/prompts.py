@@ -1,15 +1,15 @@
 """A request's prompt: an OpenAI chat or completion request translated into the library's request
-(`rag_kvcache.request`: turns and `Options`), made into a prompt on the engine's thread; every refusal an
+(`rag_kvcache.query.request`: turns and `Options`), made into a prompt on the engine's thread; every refusal an
 `APIError` naming this API's parameter, and the server's own limits checked."""
 
 from __future__ import annotations
 
 from ..engine.prompt import ChatTurn
-from ..generator import FusedGenerator
 from ..index import KVIndex
-from ..request import Options, Prompt, RequestError
-from ..request import chat_prompt as build_chat_prompt
-from ..request import completion_prompt as build_completion_prompt
+from ..query.generator import FusedGenerator
+from ..query.request import Options, Prompt, RequestError
+from ..query.request import chat_prompt as build_chat_prompt
+from ..query.request import completion_prompt as build_completion_prompt
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from .settings import ServerConfig

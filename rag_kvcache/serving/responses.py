@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..answers import Answer
-from ..request import Prompt
+from ..query.answers import Answer
+from ..query.request import Prompt
 from .errors import APIError, ClientGone
 from .schemas import Sampling
 

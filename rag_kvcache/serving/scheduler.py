@@ -39,12 +39,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..answers import Answer, Generation
 from ..config import FusionConfig, GenerationConfig
 from ..engine.decoding import DecodePool
 from ..engine.generation import Step, decode_together
 from ..engine.prompt import Segment
-from ..generator import FusedGenerator
+from ..query.answers import Answer, Generation
+from ..query.generator import FusedGenerator
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -60,9 +60,9 @@ from ..engine.model import ModelSpec
 from ..engine.prompt import Segment, prefix_head
 from ..engine.sources import resolve_model_source
 from ..engine.vllm_model import VllmAdapter
-from ..generator import FusedGenerator
 from ..index import KVIndex
-from ..layout import PromptLayout
+from ..query.generator import FusedGenerator
+from ..query.layout import PromptLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

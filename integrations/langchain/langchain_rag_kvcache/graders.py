@@ -16,8 +16,8 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field
 
 from rag_kvcache import ServingEngine
-from rag_kvcache.relevance import CHECK, MAX_PROMPT_TOKENS, RelevanceCheck, Verdict
-from rag_kvcache.request import RequestError
+from rag_kvcache.query.relevance import CHECK, MAX_PROMPT_TOKENS, RelevanceCheck, Verdict
+from rag_kvcache.query.request import RequestError
 from rag_kvcache.retrieval.chunk_index import ChunkRecord
 
 from .chains import rag_message

@@ -7,7 +7,7 @@ kept documents' caches. With a plain chat model and `ChatModelGrader` it is the 
 elsewhere (each grading prompt and the answer prefilled in full): the baseline `benchmarks/chat/agentic.py`
 measures it against.
 
-`create_shared_prompt_rag_graph`: the same three steps over one fused prompt (`rag_kvcache.agent.SharedPrompt`):
+`create_shared_prompt_rag_graph`: the same three steps over one fused prompt (`rag_kvcache.query.agent.SharedPrompt`):
 `grade` fuses the answer's prompt over every retrieved document and checks each one over it, `generate` answers
 from that prompt with the documents judged irrelevant hidden by an attention mask, computing only the question
 again, instead of fusing the kept documents a second time.
@@ -25,9 +25,9 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
 from rag_kvcache import FusionConfig, RagKVCacheError, ServingEngine
-from rag_kvcache.agent import SharedPrompt
 from rag_kvcache.config import ChunkOrder, QueryConfig
-from rag_kvcache.relevance import CHECK, RelevanceCheck, Verdict
+from rag_kvcache.query.agent import SharedPrompt
+from rag_kvcache.query.relevance import CHECK, RelevanceCheck, Verdict
 
 from .chains import rag_message
 from .chat_models import CHUNK_ID_KEY, answer_metadata

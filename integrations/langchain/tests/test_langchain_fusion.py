@@ -12,7 +12,7 @@ from langchain_rag_kvcache.chat_models import _prompt
 
 from rag_kvcache import FusionConfig, GenerationConfig, KVIndex, ServingEngine
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.request import Options
+from rag_kvcache.query.request import Options
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 

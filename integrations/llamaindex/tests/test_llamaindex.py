@@ -12,7 +12,7 @@ from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, crea
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
 from rag_kvcache import ChatTurn, GenerationConfig, RequestError, ServingEngine
-from rag_kvcache.request import chat_prompt
+from rag_kvcache.query.request import chat_prompt
 
 from .support import QUESTION, Prompts, matched_tokens
 

@@ -28,15 +28,15 @@ from itertools import takewhile
 
 import torch
 
+from ..engine.decoding import DecodeCache, DecodePool
+from ..engine.fusion import FusionInput, SegmentKV
+from ..engine.ops import rotate_keys, rotation
+from ..engine.prompt import Segment
+from ..errors import RagKVCacheError
+from ..index import KVIndex
+from ..retrieval.chunk_index import ChunkRecord
 from .answers import PromptTooLongError
-from .engine.decoding import DecodeCache, DecodePool
-from .engine.fusion import FusionInput, SegmentKV
-from .engine.ops import rotate_keys, rotation
-from .engine.prompt import Segment
-from .errors import RagKVCacheError
 from .generator import FusedGenerator
-from .index import KVIndex
-from .retrieval.chunk_index import ChunkRecord
 
 CHECK = "Is the document above relevant to answering this question? Question: {question}\nAnswer with yes or no."
 MAX_PROMPT_TOKENS = 8192  # the longest check prompt by default: the server's default limit on a prompt

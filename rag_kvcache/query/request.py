@@ -14,16 +14,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..config import FusionConfig, GenerationConfig
+from ..engine.generation import JsonSchemaConstraint
+from ..engine.methods import METHODS
+from ..engine.prompt import ChatTurn, Segment
+from ..errors import RagKVCacheError
+from ..index import KVIndex
+from ..retrieval.chunk_index import ChunkRecord
 from .answers import PromptTooLongError
-from .config import FusionConfig, GenerationConfig
-from .engine.generation import JsonSchemaConstraint
-from .engine.methods import METHODS
-from .engine.prompt import ChatTurn, Segment
-from .errors import RagKVCacheError
 from .generator import FusedGenerator
-from .index import KVIndex
 from .layout import warn_unquoted
-from .retrieval.chunk_index import ChunkRecord
 
 
 class RequestError(RagKVCacheError, ValueError):

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .engine.decoding import DecodePool
-from .engine.fusion import FusionResult
-from .engine.generation import Decoder
-from .errors import RagKVCacheError
+from ..engine.decoding import DecodePool
+from ..engine.fusion import FusionResult
+from ..engine.generation import Decoder
+from ..errors import RagKVCacheError
 
 
 class PromptTooLongError(RagKVCacheError, ValueError):

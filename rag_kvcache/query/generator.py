@@ -18,23 +18,23 @@ from dataclasses import replace
 
 import torch
 
+from ..config import FusionConfig, GenerationConfig
+from ..engine.buffers import KVBufferPool
+from ..engine.cache import resident
+from ..engine.decoding import DecodePool
+from ..engine.fusion import DirectReader, FusionInput, FusionResult, LayerReader, WholeReader
+from ..engine.generation import Decoder
+from ..engine.methods import Method, get_method
+from ..engine.model import ModelAdapter
+from ..engine.profiling import StageClock
+from ..engine.prompt import ChatTurn, Segment
+from ..index import KVIndex
+from ..retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
+from ..store.controller import resolve_ratio
+from ..store.conversations import ConversationCache, ConversationHit
+from ..store.loading import LayerFeed
 from .answers import Answer, Fused, Generation, PendingKV, PromptTooLongError, RetrievedChunk
-from .config import FusionConfig, GenerationConfig
-from .engine.buffers import KVBufferPool
-from .engine.cache import resident
-from .engine.decoding import DecodePool
-from .engine.fusion import DirectReader, FusionInput, FusionResult, LayerReader, WholeReader
-from .engine.generation import Decoder
-from .engine.methods import Method, get_method
-from .engine.model import ModelAdapter
-from .engine.profiling import StageClock
-from .engine.prompt import ChatTurn, Segment
-from .index import KVIndex
 from .layout import PromptLayout, n_tokens, prompt_ids, system_turns, warn_unquoted
-from .retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
-from .store.controller import resolve_ratio
-from .store.conversations import ConversationCache, ConversationHit
-from .store.loading import LayerFeed
 
 log = logging.getLogger(__name__)
 

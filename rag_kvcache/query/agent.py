@@ -26,15 +26,15 @@ from dataclasses import replace
 
 import torch
 
+from ..config import FusionConfig, GenerationConfig
+from ..engine.decoding import DecodePool
+from ..engine.generation import Decoder
+from ..errors import RagKVCacheError
+from ..retrieval.chunk_index import ChunkRecord
 from .answers import Answer, Generation, PromptTooLongError
-from .config import FusionConfig, GenerationConfig
-from .engine.decoding import DecodePool
-from .engine.generation import Decoder
-from .errors import RagKVCacheError
 from .generator import FusedGenerator, collect_answer
 from .layout import prompt_ids
 from .relevance import RelevanceCheck, Verdict
-from .retrieval.chunk_index import ChunkRecord
 
 
 class SharedPrompt:

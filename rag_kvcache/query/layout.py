@@ -11,13 +11,22 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-from .config import FusionConfig
-from .engine.methods import get_method
-from .engine.prompt import ChatTurn, ChunkPart, Segment, StoredRun, chat_segments, prefix_head, render_prompt, with_runs
-from .index import KVIndex
-from .retrieval.chunk_index import ChunkRecord
-from .retrieval.matching import MIN_SPAN
-from .retrieval.templates import TemplateSpans
+from ..config import FusionConfig
+from ..engine.methods import get_method
+from ..engine.prompt import (
+    ChatTurn,
+    ChunkPart,
+    Segment,
+    StoredRun,
+    chat_segments,
+    prefix_head,
+    render_prompt,
+    with_runs,
+)
+from ..index import KVIndex
+from ..retrieval.chunk_index import ChunkRecord
+from ..retrieval.matching import MIN_SPAN
+from ..retrieval.templates import TemplateSpans
 
 log = logging.getLogger(__name__)
 
