@@ -191,3 +191,12 @@ def test_a_writer_killed_before_its_file_landed_frees_its_bytes(tmp_path):
 def test_a_budget_below_zero_is_refused(tmp_path):
     with pytest.raises(ValueError, match="-5"):
         KVStore(tmp_path / "s", "none", StorageConfig(memory_bytes=0, disk_bytes=-5))
+
+
+def test_cached_tokens_are_never_negative_when_a_cold_chunk_is_also_recomputed():
+    """A chunk computed for the prompt (cold) whose first tokens the fusion recomputes too was counted twice, and
+    cached tokens went negative: the server's metrics refused the count and the request failed with a 500."""
+    from rag_kvcache.query.answers import Answer
+
+    answer = Answer("a", "epic_match", 0.1, 0.0, 100, 40, 0.5, 0.0, 1, 2, cache_computed_tokens=80)
+    assert answer.cached_tokens == 0 and answer.usage["cached_tokens"] == 0

@@ -46,8 +46,10 @@ class Answer:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens whose K/V came from the cache (never computed at query time)."""
-        return self.prompt_tokens - self.recomputed_tokens - self.cache_computed_tokens
+        """Prompt tokens whose K/V came from the cache (never computed at query time). A cache computed for this
+        prompt (a cold chunk) may hold tokens the fusion recomputes too, counted in both: then this is a lower
+        bound, never below 0."""
+        return max(0, self.prompt_tokens - self.recomputed_tokens - self.cache_computed_tokens)
 
     @property
     def usage(self) -> dict[str, int]:
