@@ -173,23 +173,10 @@ def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(texts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, required=True, help="folder for the corpus and the index")
-    ap.add_argument("--out", type=Path, required=True, help="JSON results (the plot beside it, .png)")
-    ap.add_argument("--budget-share", type=float, default=0.10)
-    ap.add_argument("--distinct", type=int, default=500)
-    ap.add_argument("--wordings", type=int, default=len(WORDINGS))
-    ap.add_argument("--draws", type=int, default=2000)
-    ap.add_argument("--full-every", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=100, help="requests left out of the first half's median")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    docs, index = fetch_corpus(args.work), args.work / "index"
-    corpus_bytes = sum(p.stat().st_size for p in docs.rglob("*.txt"))
-    print(f"corpus: {corpus_bytes / 1e6:.1f} MB in {sum(1 for _ in docs.rglob('*.txt'))} files", flush=True)
-
+def first_answer(docs: Path, index: Path, share: float) -> tuple[dict, int]:
+    """Index `docs` into `index` at default settings within `share` of the caches the whole corpus would take, and
+    time it: embedding alone, then the index's time until searchable, its first answer (`ask` in another process
+    once the chunks are committed) and its end. Returns the timings and the budget."""
     from rag_kvcache.config import Config
     from rag_kvcache.index import KVIndex
 
@@ -198,10 +185,10 @@ def main() -> None:
     print(f"embedding the {n_chunks} chunks alone: {embed_s:.0f} s", flush=True)
 
     # the caches the whole corpus would take at the default settings: the bytes a chunk of each length takes
-    probe = KVIndex.create(args.work / "probe")
+    probe = KVIndex.create(index.parent / "probe")
     per_token = probe.kv_bytes_per_token
     tokens = n_chunks * chunk_tokens  # an upper bound: the last chunk of a file is shorter
-    budget = int(args.budget_share * per_token * tokens)
+    budget = int(share * per_token * tokens)
     print(f"full caches ~{per_token * tokens / 1e9:.1f} GB; budget {budget / 1e9:.2f} GB", flush=True)
 
     t0 = time.perf_counter()
@@ -221,7 +208,66 @@ def main() -> None:
     indexer.wait()
     index_s = time.perf_counter() - t0
     print(f"index done after {index_s:.0f} s", flush=True)
+    timings = {
+        "chunks": n_chunks,
+        "embed_alone_s": embed_s,
+        "searchable_s": searchable_s,
+        "first_answer_s": first_answer_s,
+        "first_answer_over_embedding": first_answer_s / embed_s,
+        "index_s": index_s,
+    }
+    return timings, budget
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, required=True, help="folder for the corpus and the index")
+    ap.add_argument("--out", type=Path, required=True, help="JSON results (the plot beside it, .png)")
+    ap.add_argument("--budget-share", type=float, default=0.10)
+    ap.add_argument("--distinct", type=int, default=500)
+    ap.add_argument("--wordings", type=int, default=len(WORDINGS))
+    ap.add_argument("--draws", type=int, default=2000)
+    ap.add_argument("--full-every", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=100, help="requests left out of the first half's median")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--stream-only",
+        action="store_true",
+        help="the index in --work is built (its budget recorded): run the stream alone; the time to the first "
+        "answer is then the one an earlier run wrote to --work/first-answer.json, if any",
+    )
+    ap.add_argument(
+        "--from-partial", action="store_true", help="summarize the last run's partial results (a run cut short)"
+    )
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    docs, index = fetch_corpus(args.work), args.work / "index"
+    corpus_bytes = sum(p.stat().st_size for p in docs.rglob("*.txt"))
+    print(f"corpus: {corpus_bytes / 1e6:.1f} MB in {sum(1 for _ in docs.rglob('*.txt'))} files", flush=True)
+
+    first = args.work / "first-answer.json"
+    if args.stream_only:
+        (budget,) = ledger_rows(index, "SELECT value FROM meta WHERE name = 'budget'")[0]
+        timings = json.loads(first.read_text()) if first.exists() else {}
+    else:
+        timings, budget = first_answer(docs, index, args.budget_share)
+        first.write_text(json.dumps(timings, indent=1))
+    budget = int(budget)
+    if args.from_partial:
+        p = json.loads(args.out.with_suffix(".partial.json").read_text())
+        summarize(
+            p["rows"],
+            p["disk_samples"],
+            p["trace_t0"],
+            p["start"],
+            budget,
+            index,
+            timings,
+            args.distinct,
+            corpus_bytes,
+            args,
+        )
+        return
     rng = random.Random(args.seed)
     all_titles = titles(docs)
     chosen = rng.sample(all_titles, min(args.distinct, len(all_titles)))
@@ -253,13 +299,31 @@ def main() -> None:
             rows.append(row)
             if i % 50 == 0:
                 print(f"{i}/{len(stream)}: ttft {got['ttft_s']:.2f} s, disk {samples[-1][1] / 1e9:.2f} GB", flush=True)
-                args.out.with_suffix(".partial.json").write_text(json.dumps({"rows": rows, "disk_samples": samples}))
+                partial = {"rows": rows, "disk_samples": samples, "trace_t0": trace_t0, "start": start_keys}
+                args.out.with_suffix(".partial.json").write_text(json.dumps(partial))
     finally:
         stop.set()
         sampler.join()
         server.proc.terminate()
         server.proc.wait()
 
+    summarize(rows, samples, trace_t0, start_keys, budget, index, timings, len(chosen), corpus_bytes, args)
+
+
+def summarize(
+    rows: list[dict],
+    samples: list,
+    trace_t0: float,
+    start_keys: dict[str, int],
+    budget: int,
+    index: Path,
+    timings: dict,
+    distinct: int,
+    corpus_bytes: int,
+    args: argparse.Namespace,
+) -> None:
+    """The stream's figures (`rows` of requests, `samples` of disk bytes) against Belady's on the ledger's reads
+    since `trace_t0` from the resident set `start_keys`; written to `args.out` and plotted beside it."""
     accesses = [
         (k, b)
         for k, b in ledger_rows(index, "SELECT key, bytes FROM accesses WHERE t >= ? ORDER BY rowid", (trace_t0,))
@@ -272,17 +336,12 @@ def main() -> None:
     full = [r["full_ttft_s"] for r in rows if "full_ttft_s" in r]
     full_second = [r["full_ttft_s"] for r in rows[half:] if "full_ttft_s" in r]
     result = {
-        "reduced": args.draws < 2000 or args.distinct < 500,
+        "reduced": len(rows) < 2000 or distinct < 500,
         "corpus_mb": corpus_bytes / 1e6,
-        "chunks": n_chunks,
         "budget_bytes": budget,
-        "embed_alone_s": embed_s,
-        "searchable_s": searchable_s,
-        "first_answer_s": first_answer_s,
-        "first_answer_over_embedding": first_answer_s / embed_s,
-        "index_s": index_s,
+        **timings,
         "draws": len(rows),
-        "distinct": len(chosen),
+        "distinct": distinct,
         "median_ttft_first_half_s": statistics.median(first),
         "median_ttft_second_half_s": statistics.median(second),
         "median_full_ttft_s": statistics.median(full),
