@@ -1074,3 +1074,39 @@ def test_smollm2_server_answers_a_rag_prompt_from_cache_as_ask_does(smollm2, tmp
     assert found.choices[0].message.content.strip() == want_quoted.answer
     chunk_tokens = sum(len(h.chunk.token_ids) for h in hits)
     assert found.usage.prompt_tokens_details.cached_tokens == want_quoted.cached_tokens >= 0.8 * chunk_tokens
+
+
+def test_a_neighbour_cache_a_prompt_wanted_is_made_when_the_server_is_quiet(chat_adapter, tmp_path):
+    """A neighbour cache a prompt wanted and did not find (`CacheOpener.wanted`) is made by the server once it has
+    been quiet for a moment after a request, not while a request waits."""
+    from rag_kvcache.serving.openai_api import BACKFILL_QUIET_S
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    cfg = CFG.with_index(chunk_prefill="cached_neighbours")
+    KVIndex.build(docs, tmp_path / "idx", cfg, adapter=chat_adapter, progress=False).close()
+    with ServingEngine(tmp_path / "idx", cfg, chat_adapter) as engine:
+        server, thread, url = start_server(create_app(engine, ServerConfig(api_keys=(KEY,), max_prompt_tokens=400)))
+        try:
+            running = Running(url, engine, docs, engine.index.config.index.model)
+            index = engine.index
+            live = engine.run(index.maker.live_keys)
+            gone = {key: read for key, read in live.items() if len(read[1]) > 1}  # every stored mean
+            assert gone
+            for key, read in gone.items():
+                index.store.memory.remove(key)
+                index.store.disk.remove(key)
+                index.caches.wanted[key] = read  # as a prompt that read the chunk's behind-prefix cache leaves it
+            reply = running.client().chat.completions.create(
+                model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=2
+            )
+            assert reply.choices[0].message.content is not None
+            deadline = time.monotonic() + 60 + BACKFILL_QUIET_S
+            while index.caches.wanted:
+                assert time.monotonic() < deadline, f"{len(index.caches.wanted)} wanted caches never made"
+                time.sleep(0.1)
+            assert all(key in index.store.disk for key in gone)
+        finally:
+            stop_server(server, thread)

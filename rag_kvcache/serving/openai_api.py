@@ -85,6 +85,9 @@ def _tenant_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+BACKFILL_QUIET_S = 0.5  # how long the server is quiet (no request started) before it makes caches in the background
+
+
 class Server:
     """The routes' shared state: the engine, the admission queue, the metrics."""
 
@@ -103,6 +106,7 @@ class Server:
             None if conversations is None else conversations.tenants,
         )
         self._tenant_metrics: dict[str, RequestMetrics] = {}
+        self._last_request = time.monotonic()  # when the latest request started (background work waits for quiet)
         self.admission = Admission(config.max_queue, config.max_batch, self.metrics, config.max_per_key)
         # Threads that wait on the engine's worker for one step each (the worker does the work).
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rag-kvcache-serve")
@@ -142,11 +146,21 @@ class Server:
         )
 
     def _backfill(self) -> None:
-        """Neighbour caches the prompts wanted and did not find, made while the server is idle
-        (`CacheOpener.backfill`: one per answered request, each only if the index's budget would keep it)."""
-        caches = self.engine.index.caches
-        if caches.wanted:
-            self.scheduler.later(caches.backfill)
+        """Neighbour caches the prompts wanted and did not find (`CacheOpener.backfill`, each only if the index's
+        budget would keep it), made once the server has been quiet for `BACKFILL_QUIET_S` (no request started
+        since), one at a time, until one starts: under steady load a request never waits for one."""
+        if self.engine.index.caches.wanted:
+            loop = asyncio.get_running_loop()
+            loop.call_later(BACKFILL_QUIET_S, self._backfill_if_quiet, loop)
+
+    def _backfill_if_quiet(self, loop: asyncio.AbstractEventLoop) -> None:
+        if time.monotonic() - self._last_request >= BACKFILL_QUIET_S and self.engine.index.caches.wanted:
+            self.scheduler.later(partial(self._backfill_one, loop))
+
+    def _backfill_one(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One wanted cache made (on the engine's thread), then the next one if the server is still quiet."""
+        self.engine.index.caches.backfill()
+        loop.call_soon_threadsafe(self._backfill_if_quiet, loop)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -164,6 +178,7 @@ class Server:
         records the metrics. Closing the stream early (the client left) takes the request out before
         the scheduler's next step. `request` (non-streaming responses) is polled for a disconnect before
         each step; a streaming response learns of one when the server cancels it."""
+        self._last_request = time.monotonic()
         try:
             async with (
                 ticket.serve(slot=False),
