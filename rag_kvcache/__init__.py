@@ -43,12 +43,25 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "RelevanceCheck": ".query.relevance",
     "Verdict": ".query.relevance",
     "RequestError": ".query.request",
+    "ChunkOrder": ".config",
+    "ChunkRecord": ".retrieval.chunk_index",
+    "TextDocument": ".retrieval.chunk_index",
+    "Options": ".query.request",
+    "Prompt": ".query.request",
+    "chat_prompt": ".query.request",
+    "completion_prompt": ".query.request",
+    "generation_of": ".query.request",
+    "SharedPrompt": ".query.agent",
+    "RELEVANCE_CHECK": ".query.relevance",
+    "MAX_CHECK_PROMPT_TOKENS": ".query.relevance",
 }
 __all__ = [
     "Answer",
     "ChatTurn",
     "ChunkKV",
+    "ChunkOrder",
     "ChunkPart",
+    "ChunkRecord",
     "Config",
     "ConfigError",
     "ConversationCache",
@@ -62,24 +75,42 @@ __all__ = [
     "IndexSettings",
     "KVIndex",
     "KVStore",
+    "MAX_CHECK_PROMPT_TOKENS",
     "METHODS",
     "ModelAdapter",
+    "Options",
+    "Prompt",
     "QueryConfig",
+    "RELEVANCE_CHECK",
     "RagKVCacheError",
     "RelevanceCheck",
     "RequestError",
     "RuntimeConfig",
     "Segment",
     "ServingEngine",
+    "SharedPrompt",
     "StorageConfig",
+    "TextDocument",
     "UnsupportedModelError",
     "Verdict",
+    "chat_prompt",
     "chat_segments",
+    "completion_prompt",
+    "generation_of",
     "register",
 ]
 
 if TYPE_CHECKING:
-    from .config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
+    from .config import (
+        ChunkOrder,
+        Config,
+        FusionConfig,
+        GenerationConfig,
+        IndexSettings,
+        QueryConfig,
+        RuntimeConfig,
+        StorageConfig,
+    )
     from .engine.cache import ChunkKV
     from .engine.fusion import FusionInput, FusionResult
     from .engine.methods import METHODS, register
@@ -87,11 +118,12 @@ if TYPE_CHECKING:
     from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
     from .errors import ConfigError, RagKVCacheError
     from .index import KVIndex
+    from .query.agent import SharedPrompt
     from .query.answers import Answer
     from .query.generator import FusedGenerator
-    from .query.relevance import RelevanceCheck, Verdict
-    from .query.request import RequestError
-    from .retrieval.chunk_index import Hit
+    from .query.relevance import MAX_CHECK_PROMPT_TOKENS, RELEVANCE_CHECK, RelevanceCheck, Verdict
+    from .query.request import Options, Prompt, RequestError, chat_prompt, completion_prompt, generation_of
+    from .retrieval.chunk_index import ChunkRecord, Hit, TextDocument
     from .serving.engine import EngineHandle, ServingEngine
     from .store.conversations import ConversationCache
     from .store.kvstore import KVStore

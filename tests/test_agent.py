@@ -16,7 +16,7 @@ from rag_kvcache.index import KVIndex
 from rag_kvcache.query.agent import SharedPrompt
 from rag_kvcache.query.answers import PromptTooLongError
 from rag_kvcache.query.generator import FusedGenerator
-from rag_kvcache.query.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.relevance import RELEVANCE_CHECK, RelevanceCheck
 from rag_kvcache.store.conversations import ConversationCache
 
 FULL = FusionConfig(method="full")
@@ -81,7 +81,7 @@ def test_each_check_sees_its_chunk_alone_in_the_shared_prompt(generator, chunks)
     check = RelevanceCheck(generator)
     verdicts = prompt.check(check)
     fmt, tokenizer = generator.index.format, generator.adapter.tokenizer
-    question = list(fmt.question_ids(tokenizer, CHECK.format(question=QUESTION)))
+    question = list(fmt.question_ids(tokenizer, RELEVANCE_CHECK.format(question=QUESTION)))
     head = ids_of(prompt)[: prompt.head]
     assert [v.chunk for v in verdicts] == chunks
     for i, verdict in enumerate(verdicts):

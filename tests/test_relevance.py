@@ -13,7 +13,7 @@ from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.index import KVIndex
 from rag_kvcache.query.generator import FusedGenerator
-from rag_kvcache.query.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.relevance import RELEVANCE_CHECK, RelevanceCheck
 
 BEHIND = CFG.with_index(chunk_prefill="behind_prefix")  # each chunk's cache exact right after the prefix, as in a check
 
@@ -31,7 +31,7 @@ def test_a_check_computes_only_its_question_and_equals_a_full_prefill(generator)
     chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
     check = RelevanceCheck(generator)
     verdicts = check(QUESTION, chunks)
-    question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    question = index.format.question_ids(index.adapter.tokenizer, RELEVANCE_CHECK.format(question=QUESTION))
     assert [v.chunk for v in verdicts] == chunks
     for verdict, chunk in zip(verdicts, chunks):
         assert verdict.computed_tokens == len(question)  # the prefix and the chunk read from their caches
@@ -48,7 +48,7 @@ def test_a_check_computes_only_its_question_and_equals_a_full_prefill(generator)
     "template,threshold,message",
     [
         ("Is it relevant?", 0.5, "must contain '{question}'"),
-        (CHECK, 1.5, "threshold must be in"),
+        (RELEVANCE_CHECK, 1.5, "threshold must be in"),
     ],
 )
 def test_a_bad_check_is_refused(generator, template, threshold, message):
@@ -82,7 +82,7 @@ def test_chunk_caches_that_are_not_exact_are_read_as_reuse_reads_them_or_compute
     generator = FusedGenerator(index)
     chunks = [hit.chunk for hit in index.search(QUESTION, 3)]
     check = RelevanceCheck(generator, exact=exact)
-    question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    question = index.format.question_ids(index.adapter.tokenizer, RELEVANCE_CHECK.format(question=QUESTION))
     moved = 0
     for verdict, chunk in zip(check(QUESTION, chunks), chunks):
         segments = index.format.segments([chunk.token_ids], question)
@@ -129,7 +129,7 @@ def test_a_text_is_checked_by_computing_it_never_from_a_cache(generator):
     check = RelevanceCheck(generator)
     read, computed = check(QUESTION, [chunk, text])
     ids = tuple(index.adapter.tokenizer(text, add_special_tokens=False).input_ids)
-    question = index.format.question_ids(index.adapter.tokenizer, CHECK.format(question=QUESTION))
+    question = index.format.question_ids(index.adapter.tokenizer, RELEVANCE_CHECK.format(question=QUESTION))
     assert computed.chunk == text and computed.computed_tokens == len(ids) + len(question)
     logits = generator.fuse(index.format.segments([ids], question), FusionConfig(method="full")).result.logits
     p = torch.softmax(logits.float(), dim=-1)  # [V]

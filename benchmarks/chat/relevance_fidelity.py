@@ -29,7 +29,7 @@ from rag_kvcache.bench.corpus import question_index
 from rag_kvcache.bench.datasets import load_musique
 from rag_kvcache.bench.metrics import spearman
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.query.relevance import CHECK, RelevanceCheck
+from rag_kvcache.query.relevance import RELEVANCE_CHECK, RelevanceCheck
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
             verdicts[name] = check(example.question, chunks)
             seconds[name].append(time.perf_counter() - t0)
         answers = [a.lower() for a in example.answers]
-        check_ids = fmt.question_ids(tokenizer, CHECK.format(question=example.question))
+        check_ids = fmt.question_ids(tokenizer, RELEVANCE_CHECK.format(question=example.question))
         for chunk, r, e in zip(chunks, verdicts["read"], verdicts["exact"]):
             segments = fmt.segments([chunk.token_ids], check_ids)
             opened = index.caches.open(segments)

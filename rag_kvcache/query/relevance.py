@@ -38,8 +38,10 @@ from ..retrieval.chunk_index import ChunkRecord
 from .answers import PromptTooLongError
 from .generator import FusedGenerator
 
-CHECK = "Is the document above relevant to answering this question? Question: {question}\nAnswer with yes or no."
-MAX_PROMPT_TOKENS = 8192  # the longest check prompt by default: the server's default limit on a prompt
+RELEVANCE_CHECK = (
+    "Is the document above relevant to answering this question? Question: {question}\nAnswer with yes or no."
+)
+MAX_CHECK_PROMPT_TOKENS = 8192  # the longest check prompt by default: the server's default limit on a prompt
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,10 @@ class RelevanceCheck:
     def __init__(
         self,
         generator: FusedGenerator,
-        template: str = CHECK,
+        template: str = RELEVANCE_CHECK,
         threshold: float = 0.5,
         exact: bool = False,
-        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        max_prompt_tokens: int = MAX_CHECK_PROMPT_TOKENS,
     ) -> None:
         if "{question}" not in template:
             raise RagKVCacheError(f"the check template must contain '{{question}}', got {template!r}")

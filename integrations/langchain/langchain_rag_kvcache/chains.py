@@ -8,7 +8,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
 
-from rag_kvcache.config import ChunkOrder, QueryConfig
+from rag_kvcache import ChunkOrder, QueryConfig
 
 from .chat_models import chunk_block
 

@@ -40,8 +40,10 @@ from rag_kvcache import (
     FusedGenerator,
     FusionConfig,
     KVIndex,
+    Options,
+    Prompt,
+    chat_prompt,
 )
-from rag_kvcache.query.request import Options, Prompt, chat_prompt
 
 from .engines import EngineBacked
 
@@ -272,7 +274,7 @@ def _json_schema(response_format: Mapping[str, Any] | type[BaseModel] | None) ->
 
 
 def _prompt(generator: FusedGenerator, messages: Sequence[BaseMessage], options: Options) -> Prompt:
-    """The prompt of `messages` (on the engine's thread; `rag_kvcache.query.request.chat_prompt`): chunk blocks as
+    """The prompt of `messages` (on the engine's thread; `rag_kvcache.chat_prompt`): chunk blocks as
     their stored token ids, and the indexed chunks found in the rest of the text read from their caches too."""
     turns = [ChatTurn(_role(message), tuple(_parts(generator.index, message))) for message in messages]
     return chat_prompt(generator, turns, options)

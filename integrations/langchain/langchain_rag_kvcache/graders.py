@@ -15,10 +15,15 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field
 
-from rag_kvcache import ServingEngine
-from rag_kvcache.query.relevance import CHECK, MAX_PROMPT_TOKENS, RelevanceCheck, Verdict
-from rag_kvcache.query.request import RequestError
-from rag_kvcache.retrieval.chunk_index import ChunkRecord
+from rag_kvcache import (
+    MAX_CHECK_PROMPT_TOKENS,
+    RELEVANCE_CHECK,
+    ChunkRecord,
+    RelevanceCheck,
+    RequestError,
+    ServingEngine,
+    Verdict,
+)
 
 from .chains import rag_message
 from .chat_models import CHUNK_ID_KEY
@@ -36,7 +41,9 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
     `max_prompt_tokens` tokens: more is a `ValueError` (`RequestError`, `PromptTooLongError`) naming the limit,
     before anything is computed."""
 
-    template: str = Field(default=CHECK, description="The check question; `{question}` is replaced by the question.")
+    template: str = Field(
+        default=RELEVANCE_CHECK, description="The check question; `{question}` is replaced by the question."
+    )
     threshold: float = Field(
         default=0.5, ge=0.0, le=1.0, description="Least probability of 'yes' that keeps a document."
     )
@@ -46,7 +53,7 @@ class RagKVCacheGrader(RunnableSerializable[dict, list[Document]], EngineBacked)
         "(on grouped caches, those not first in their group), so that every verdict is a full prefill's.",
     )
     max_prompt_tokens: int = Field(
-        default=MAX_PROMPT_TOKENS,
+        default=MAX_CHECK_PROMPT_TOKENS,
         ge=1,
         description="Longest check prompt (system prefix, document and question), in tokens: longer is refused.",
     )
@@ -82,7 +89,9 @@ class ChatModelGrader(RunnableSerializable[dict, list[Document]]):
     token, and a document is kept when the answer begins with "yes". Any chat model; no cache is read."""
 
     model: BaseChatModel
-    template: str = Field(default=CHECK, description="The check question; `{question}` is replaced by the question.")
+    template: str = Field(
+        default=RELEVANCE_CHECK, description="The check question; `{question}` is replaced by the question."
+    )
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         return self._call_with_config(self._grade, input, config, run_type="parser", **kwargs)

@@ -7,7 +7,7 @@ kept documents' caches. With a plain chat model and `ChatModelGrader` it is the 
 elsewhere (each grading prompt and the answer prefilled in full): the baseline `benchmarks/chat/agentic.py`
 measures it against.
 
-`create_shared_prompt_rag_graph`: the same three steps over one fused prompt (`rag_kvcache.query.agent.SharedPrompt`):
+`create_shared_prompt_rag_graph`: the same three steps over one fused prompt (`rag_kvcache.SharedPrompt`):
 `grade` fuses the answer's prompt over every retrieved document and checks each one over it, `generate` answers
 from that prompt with the documents judged irrelevant hidden by an attention mask, computing only the question
 again, instead of fusing the kept documents a second time.
@@ -24,10 +24,17 @@ from langchain_core.messages import AIMessage
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
-from rag_kvcache import FusionConfig, RagKVCacheError, ServingEngine
-from rag_kvcache.config import ChunkOrder, QueryConfig
-from rag_kvcache.query.agent import SharedPrompt
-from rag_kvcache.query.relevance import CHECK, RelevanceCheck, Verdict
+from rag_kvcache import (
+    RELEVANCE_CHECK,
+    ChunkOrder,
+    FusionConfig,
+    QueryConfig,
+    RagKVCacheError,
+    RelevanceCheck,
+    ServingEngine,
+    SharedPrompt,
+    Verdict,
+)
 
 from .chains import rag_message
 from .chat_models import CHUNK_ID_KEY, answer_metadata
@@ -99,7 +106,7 @@ def create_shared_prompt_rag_graph(
     *,
     fusion: FusionConfig | None = None,
     max_tokens: int | None = None,
-    template: str = CHECK,
+    template: str = RELEVANCE_CHECK,
     threshold: float = 0.5,
 ) -> Any:
     """A compiled LangGraph graph, retrieve -> grade -> generate as `create_agentic_rag_graph`'s, over one fused

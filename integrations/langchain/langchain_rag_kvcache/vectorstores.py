@@ -16,8 +16,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine
-from rag_kvcache.retrieval.chunk_index import TextDocument
+from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine, TextDocument
 
 
 class RagKVCacheVectorStore(VectorStore):

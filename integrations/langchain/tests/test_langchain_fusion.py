@@ -10,9 +10,7 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheRetriever, create_kv_rag_chain, rag_message
 from langchain_rag_kvcache.chat_models import _prompt
 
-from rag_kvcache import FusionConfig, GenerationConfig, KVIndex, ServingEngine
-from rag_kvcache.errors import ConfigError
-from rag_kvcache.query.request import Options
+from rag_kvcache import ConfigError, FusionConfig, GenerationConfig, KVIndex, Options, ServingEngine
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 

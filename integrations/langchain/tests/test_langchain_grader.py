@@ -8,8 +8,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_rag_kvcache import RELEVANCE_KEY, RagKVCacheGrader, RagKVCacheRetriever
 
-from rag_kvcache import RagKVCacheError, ServingEngine
-from rag_kvcache.query.relevance import RelevanceCheck
+from rag_kvcache import RagKVCacheError, RelevanceCheck, ServingEngine
 
 pytestmark = pytest.mark.smollm2  # the demo index built with SmolLM2-135M
 

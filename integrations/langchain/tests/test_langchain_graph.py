@@ -90,8 +90,7 @@ def test_the_shared_prompt_graph_hides_the_documents_its_check_rejects(demo_engi
     the kept ones, laid out best last as the graph lays them out."""
     from langchain_rag_kvcache.graph import create_shared_prompt_rag_graph
 
-    from rag_kvcache.query.agent import SharedPrompt
-    from rag_kvcache.query.relevance import RelevanceCheck
+    from rag_kvcache import RelevanceCheck, SharedPrompt
 
     retriever = RagKVCacheRetriever(engine=demo_engine, k=4)
     docs = retriever.invoke(QUESTION)

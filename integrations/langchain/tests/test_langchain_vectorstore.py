@@ -15,8 +15,7 @@ from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheVectorStore
 from langchain_rag_kvcache.chat_models import _prompt
 from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
-from rag_kvcache import ServingEngine
-from rag_kvcache.query.request import Options
+from rag_kvcache import Options, ServingEngine
 
 from ...testing import DEMO_DOCS, QUESTION, empty_engine
 

@@ -12,8 +12,7 @@ from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCo
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.llms.rag_kvcache.base import _role, _texts
 
-from rag_kvcache import ChatTurn
-from rag_kvcache.query.request import chat_prompt
+from rag_kvcache import ChatTurn, chat_prompt
 
 from ...testing import DEMO_DOCS, QUESTION  # noqa: F401 (re-exported for the LlamaIndex tests)
 

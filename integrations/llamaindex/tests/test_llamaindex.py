@@ -11,8 +11,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from llama_index.llms.rag_kvcache import KVCacheSynthesizer, RagKVCacheLLM, create_kv_query_engine
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 
-from rag_kvcache import ChatTurn, GenerationConfig, RequestError, ServingEngine
-from rag_kvcache.query.request import chat_prompt
+from rag_kvcache import ChatTurn, GenerationConfig, RequestError, ServingEngine, chat_prompt
 
 from .support import QUESTION, Prompts, matched_tokens
 

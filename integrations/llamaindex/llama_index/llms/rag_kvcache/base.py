@@ -41,9 +41,11 @@ from rag_kvcache import (
     ChatTurn,
     EngineHandle,
     FusionConfig,
+    Options,
     ServingEngine,
+    chat_prompt,
+    generation_of,
 )
-from rag_kvcache.query.request import Options, chat_prompt, generation_of
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 _CALL_OPTIONS = frozenset({"temperature", "max_tokens", "top_p", "seed", "stop", "json_schema"})

@@ -20,8 +20,7 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 from typing_extensions import Self
 
-from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine
-from rag_kvcache.retrieval.chunk_index import TextDocument
+from rag_kvcache import EngineHandle, Hit, KVIndex, ServingEngine, TextDocument
 
 
 class RagKVCacheVectorStore(BasePydanticVectorStore):
