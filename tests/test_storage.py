@@ -179,7 +179,7 @@ def test_an_entry_at_a_sequences_start_keeps_its_values_at_8_bits(tmp_path):
     (at 4 bits they moved the fused answers' teacher-forced KL by +29%): int8k-int4v stores the values of an
     entry at position 0 as int8-channel does, those of any other entry at 4 bits, and each reads back as stored
     (the entry's header says its position); `cache_nbytes` counts each as stored."""
-    from rag_kvcache.engine.model import KVLayout
+    from rag_kvcache.engine.interface import KVLayout
     from rag_kvcache.store.codecs import cache_nbytes
 
     g = torch.Generator().manual_seed(3)

@@ -25,40 +25,11 @@ import torch
 
 from .buffers import KVBufferPool
 from .cache import LayerSource, all_layers, pack_layer, pack_layers
-from .graphs import LayerGraphs, Pick, StepInput, settled_layers
-from .model import KVLayout
+from .graphs import settled_layers
+from .interface import FusionModel, Pick, StepInput
 from .ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
 from .profiling import StageClock
 from .prompt import Segment
-from .sentences import Lexicon
-
-
-class FusionModel(Protocol):
-    """What the fusion methods run on: a model's per-layer pieces. `model.ModelAdapter` (transformers) and
-    `vllm_model.VllmAdapter` (vLLM's loaded layers) are the two."""
-
-    layout: KVLayout
-    device: torch.device
-    dtype: torch.dtype
-    inv_freq: torch.Tensor  # [D/2], float32
-    scale: float
-    sliding_window: int | None
-    n_q_heads: int
-    graphs: LayerGraphs | None  # the settled layers as one captured step (None: op by op)
-
-    @property
-    def lexicon(self) -> Lexicon: ...
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, E]
-    def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, E]
-    def qkv(
-        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # [H_q, T, D], [H_kv, T, D] x 2
-    def kv(
-        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # [H_kv, T, D] x 2
-    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...  # [H_q, T, D]
-    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...  # [T, E]
-    def logits(self, h: torch.Tensor) -> torch.Tensor: ...  # [T, E] -> [T, V]
 
 
 @dataclass(frozen=True)
@@ -347,7 +318,7 @@ def selective_prefill(
     with `adapter.graphs` as one step over static buffers, the model's head included (`graphs.LayerGraphs`:
     on CUDA one captured graph), the stage `layers`. The checks of the active set (one device sync), the
     RoPE tables and the embedding before the first layer are the stage `setup`.
-    `picks` (with `adapter.graphs` only; no `refine`): the active set narrowed at fixed counts (`graphs.Pick`,
+    `picks` (with `adapter.graphs` only; no `refine`): the active set narrowed at fixed counts (`interface.Pick`,
     by the deviation of K, `which` 0, or V), every layer one captured step from the first.
     """
     if picks and (refine is not None or adapter.graphs is None):

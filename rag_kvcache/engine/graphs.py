@@ -29,11 +29,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from .interface import FusionModel, StepInput
 from .ops import (
     AttentionPlan,
     QueryRun,
@@ -44,9 +43,6 @@ from .ops import (
     pick_rows,
 )
 from .profiling import StageClock
-
-if TYPE_CHECKING:  # fusion imports this module
-    from .fusion import FusionModel
 
 
 def settled_layers(
@@ -86,35 +82,6 @@ def settled_layers(
         with clock.stage("mlp"):
             h = adapter.finish(layer, h, attn)  # [A, E]
     return h
-
-
-@dataclass(frozen=True)
-class Pick:
-    """CacheBlend's selection at `layer`, its count known before the forward: after the layer's K/V projection,
-    the `keep` active tokens whose fresh K (or V) deviates most from their cache go on through its attention
-    and every later layer (the uncached ones first)."""
-
-    layer: int
-    keep: int
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """Where a captured step takes over a fused prefill: its first layer, the active tokens' prompt positions
-    (ascending, the last prompt token last), their hidden states and RoPE tables, and the prompt's length.
-    With `picks` (the step starts at layer 0) the active set is narrowed at each pick's layer (`Pick`),
-    by the deviation of K (`which` 0) or V (1), every `forced` token [A] kept: CacheBlend's whole forward
-    as one step. Without, the active set is settled: the same in every layer from `start`."""
-
-    start: int
-    h: torch.Tensor  # [A, E]
-    active: torch.Tensor  # [A]
-    cos: torch.Tensor  # [A, D]
-    sin: torch.Tensor  # [A, D]
-    n: int
-    picks: tuple[Pick, ...] = ()
-    forced: torch.Tensor | None = None  # [A] bool, with picks
-    which: int = 0
 
 
 def bucket(n: int, floor: int, step: int) -> int:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FusionConfig
-from .fusion import FusionInput, FusionModel, FusionResult, LayerReader, selective_prefill
-from .graphs import Pick
+from .fusion import FusionInput, FusionResult, LayerReader, selective_prefill
+from .interface import FusionModel, Pick
 from .model import ModelAdapter
 from .ops import kv_deviation, select_tokens
 from .profiling import StageClock
@@ -170,7 +170,7 @@ def hkvd_prefill(
     """Selective prefill that, at each layer of `schedule`, keeps its fraction of the reusable tokens whose
     fresh K (or V, `cfg.deviation`) deviates most from the cache there (the HKVD tokens), plus every
     uncached token; all non-exact tokens are computed up to the first such layer. With `adapter.graphs`
-    the whole forward is one captured step (`graphs.Pick`: the counts kept are known before it starts),
+    the whole forward is one captured step (`interface.Pick`: the counts kept are known before it starts),
     unless a pick is at the last layer."""
     fresh, reusable = inp.fresh, inp.reusable  # [N]
     n_fresh, n_reusable = inp.count(lambda p: p.fresh), inp.count(lambda p: p.reusable)  # on the host: no sync

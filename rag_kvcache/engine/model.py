@@ -44,6 +44,7 @@ from ..config import Config
 from ..errors import RagKVCacheError
 from .decoding import DecodeCache, RowStep, attend_rows
 from .graphs import LayerGraphs
+from .interface import KVLayout
 from .ops import apply_rope, attend, attention_plan, causal_attend, rope_cos_sin
 from .sentences import Lexicon
 from .sources import resolve_model_source
@@ -57,16 +58,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 class UnsupportedModelError(RagKVCacheError, ValueError):
     """The model cannot have its chunk caches fused exactly."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one token's KV across the model."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
 
 
 def _fuse_rows(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

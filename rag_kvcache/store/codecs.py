@@ -25,7 +25,7 @@ import torch
 from ..config import CodecName
 
 if TYPE_CHECKING:
-    from ..engine.model import KVLayout
+    from ..engine.interface import KVLayout
 
 
 class TensorCodec(Protocol):
