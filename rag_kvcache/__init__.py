@@ -28,7 +28,7 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "KVStore": ".store.kvstore",
     "METHODS": ".engine.methods",
     "ModelAdapter": ".engine.model",
-    "UnsupportedModelError": ".engine.model",
+    "UnsupportedModelError": ".engine.spec",
     "register": ".engine.methods",
     "Segment": ".engine.prompt",
     "ChatTurn": ".engine.prompt",
@@ -114,8 +114,9 @@ if TYPE_CHECKING:
     from .engine.cache import ChunkKV
     from .engine.fusion import FusionInput, FusionResult
     from .engine.methods import METHODS, register
-    from .engine.model import ModelAdapter, UnsupportedModelError
+    from .engine.model import ModelAdapter
     from .engine.prompt import ChatTurn, ChunkPart, Segment, chat_segments
+    from .engine.spec import UnsupportedModelError
     from .errors import ConfigError, RagKVCacheError
     from .index import KVIndex
     from .query.agent import SharedPrompt

@@ -33,8 +33,9 @@ from filelock import FileLock, Timeout
 from rich.filesize import decimal
 
 from .config import Config, IndexSettings
-from .engine.model import ModelAdapter, ModelSpec
+from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
+from .engine.spec import ModelSpec
 from .errors import IndexFileError, RagKVCacheError
 from .indexing import staging
 from .indexing.maker import CacheMaker

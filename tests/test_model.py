@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.methods import get_method
-from rag_kvcache.engine.model import ModelAdapter, UnsupportedModelError
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.spec import UnsupportedModelError
 
 SMALL = dict(
     vocab_size=30522,

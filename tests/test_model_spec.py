@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from test_faults import CFG, QUESTION, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
 from rag_kvcache.engine.fusion import FusionInput
-from rag_kvcache.engine.model import ModelAdapter, ModelSpec
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.spec import ModelSpec
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.index import KVIndex
 from rag_kvcache.query.generator import FusedGenerator

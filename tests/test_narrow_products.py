@@ -13,7 +13,8 @@ import torch
 from conftest import tiny_llama
 
 from rag_kvcache.engine.decoding import DecodePool
-from rag_kvcache.engine.model import NARROW_ROWS, ModelAdapter, narrow_is_faster, narrow_product, prefer_narrow
+from rag_kvcache.engine.model import ModelAdapter
+from rag_kvcache.engine.weights import NARROW_ROWS, narrow_is_faster, narrow_product, prefer_narrow
 
 
 @pytest.mark.parametrize("rows", range(1, NARROW_ROWS + 1))

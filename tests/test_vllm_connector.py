@@ -36,8 +36,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
-from rag_kvcache.engine.model import ModelSpec  # noqa: E402
 from rag_kvcache.engine.prompt import prefix_head  # noqa: E402
+from rag_kvcache.engine.spec import ModelSpec  # noqa: E402
 from rag_kvcache.errors import RagKVCacheError  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.query.generator import FusedGenerator  # noqa: E402

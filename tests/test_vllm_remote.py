@@ -16,7 +16,8 @@ from redis_server import RedisServer, needs_redis_server  # noqa: E402
 
 import rag_kvcache  # noqa: E402
 from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
-from rag_kvcache.engine.model import ModelAdapter, ModelSpec  # noqa: E402
+from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
+from rag_kvcache.engine.spec import ModelSpec  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
 from rag_kvcache.serving.vllm_connector import Planner  # noqa: E402
 

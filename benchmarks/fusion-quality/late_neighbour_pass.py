@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
-from rag_kvcache.engine.model import ModelSpec
 from rag_kvcache.engine.ops import attention_plan, causal_attend, rope_cos_sin, rotate_keys, rotation
+from rag_kvcache.engine.spec import ModelSpec
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import cached_context
 

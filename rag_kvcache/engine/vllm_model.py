@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from .model import ModelSpec, UnsupportedModelError
 from .ops import apply_rope
+from .spec import ModelSpec, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ from tqdm.auto import tqdm
 
 from ..config import Config
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
-from ..engine.model import ModelSpec
 from ..engine.prompt import PromptFormat
+from ..engine.spec import ModelSpec
 from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
 from ..store.addressing import CacheAddressing, Context

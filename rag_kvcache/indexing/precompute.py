@@ -37,8 +37,8 @@ import torch
 
 from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
-from ..engine.model import ModelSpec
 from ..engine.ops import rotate_keys, rotation
+from ..engine.spec import ModelSpec
 from ..store.backend import encode_entry
 from ..store.kvstore import KVStore
 

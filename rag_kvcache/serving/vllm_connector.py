@@ -56,9 +56,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 from ..config import Config, FusionConfig
 from ..engine.fusion import FusionInput
 from ..engine.methods import get_method
-from ..engine.model import ModelSpec
 from ..engine.prompt import Segment, prefix_head
 from ..engine.sources import resolve_model_source
+from ..engine.spec import ModelSpec
 from ..engine.vllm_model import VllmAdapter
 from ..index import KVIndex
 from ..query.generator import FusedGenerator

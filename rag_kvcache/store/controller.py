@@ -29,7 +29,8 @@ import torch
 
 from ..config import Config, StorageConfig
 from ..engine.cache import ChunkKV, pack_layer
-from ..engine.model import ModelAdapter, ModelSpec
+from ..engine.model import ModelAdapter
+from ..engine.spec import ModelSpec
 from ..errors import RagKVCacheError
 from .kvstore import KVStore
 

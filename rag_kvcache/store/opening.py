@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
-from ..engine.model import ModelSpec
 from ..engine.prompt import Segment
+from ..engine.spec import ModelSpec
 from ..errors import RagKVCacheError
 from .addressing import CacheAddressing, Context, SegmentAddress, address, without_neighbours
 from .backend import CorruptEntryError, Entry
