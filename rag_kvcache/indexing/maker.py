@@ -1,43 +1,28 @@
 """`CacheMaker`: how one index makes, names and stores its KV caches, at indexing time and on repair.
 
-A chunk's cache *behind the system prefix* (`chunk_prefill="behind_prefix"`, and the first of the two caches
-the default `cached_neighbours` stores) is computed at the positions it would have right after the prefix, so
-the first retrieved chunk is exact and no chunk grows an attention sink of its own (the prefix's first token is
-the sink). `chunk_prefill="isolated"` computes each chunk
-alone from position 0 instead. `chunk_prefill="neighbours"` (FusionRAG-style) also computes each chunk
-behind the prefix and its most similar chunks of the corpus (its likely retrieval neighbours, laid out as
-in a prompt, the most similar last), so its cache already carries cross-attention of the kind a prompt
-needs: one cache behind each number j = 1..`context_chunks` of them, and a chunk with r chunks before it in
-a prompt reads the one behind min(r, `context_chunks`), a context as long as the one it meets (the second
-chunk of a prompt reads its cache behind its single most similar chunk: exact where that chunk is the
-first). Unless the prompt's tokens before it are exactly that context, the chunk reads the mean of that
-cache and its behind-prefix one (`BlendKV`): the deviations particular to each context partly cancel
-(measured in `benchmarks/fusion-quality/RESULTS.md`, "Session 8"). The chosen neighbours are recorded in
-`neighbours.json`. The first chunk, or one without recorded neighbours (indexed by a run killed before it
-recorded them), uses its behind-prefix cache, which every index stores.
-`chunk_prefill="cached_neighbours"` computes a chunk's cache behind its neighbours' *cached* K/V instead of
-their recomputed text: the prefix's cache, then each neighbour's behind-prefix cache re-rotated to the position
-it takes in the context, with the separator between two of them read from the separator's own cache behind
-the prefix, and the separator just before the chunk computed with the chunk (`compute_behind_cached`). Only
-the chunk's own tokens are computed, so the context costs about a plain forward over the chunk (the recomputed
-text costs the context's tokens too); the K/V differ from the recomputed ones (a neighbour's cached tokens have
-not seen the neighbours before it), so they live under their own keys (the namespace holds `chunk_prefill`).
-It computes one such cache a chunk, behind all its `context_chunks` neighbours, and a chunk after the first in
-a prompt reads its mean with the behind-prefix cache at every depth (caches behind fewer neighbours for the
-shallower depths as well, as `neighbours` keeps, bought no planted fact for twice the indexing work:
-`benchmarks/RESULTS.md`, session 39). The mean is stored, made once at indexing (`stored_means`), so a query
-reads one cache where it would read two and average them (an index created before stores the neighbour
-cache itself, and is read so).
-`chunk_prefill="grouped"` gives each chunk one cache with cross-chunk context at about the cost of a plain
-forward: the new chunks are split into groups of similar chunks (`grouping.similar_groups`, at most
-1 + `context_chunks` each), each group prefilled behind the prefix as one sequence laid out as a prompt lays
-chunks out, and each chunk's K/V cut from it: its cache behind the prefix and the chunks before it in its
-group (recorded in `neighbours.json`, nearest first; a group's first chunk is behind the prefix alone). A
-prompt that lays a group out as it was indexed reads exact caches; elsewhere a chunk reads its one cache
-re-rotated to where it sits (`precompute_grouped`).
+What each `chunk_prefill` stores for a chunk:
+- `behind_prefix`: one cache, computed at the positions right after the system prefix, so the first retrieved
+  chunk is exact and no chunk grows an attention sink of its own (the prefix's first token is the sink).
+- `isolated`: one cache, the chunk alone from position 0.
+- `neighbours`: the behind-prefix cache and one behind each number j = 1..`context_chunks` of the chunk's most
+  similar chunks (its likely retrieval neighbours, laid out as a prompt lays chunks out, most similar last),
+  recomputed from their text. A chunk with r chunks before it in a prompt reads the one behind
+  min(r, `context_chunks`), averaged with its behind-prefix cache (`BlendKV`) unless the prompt's tokens
+  before it are exactly that context.
+- `cached_neighbours` (the default): the behind-prefix cache and one behind all `context_chunks` neighbours,
+  computed behind their *cached* K/V (`compute_behind_cached`: the prefix's cache, each neighbour's
+  behind-prefix cache re-rotated into place, the separators' caches between them), so only the chunk's own
+  tokens are computed. A chunk after the first in a prompt reads that cache's mean with its behind-prefix one,
+  stored as one cache (`stored_means`); an index made before means were stored keeps the neighbour cache itself.
+- `grouped`: one cache, cut from its group of similar chunks (`grouping.similar_groups`, at most
+  1 + `context_chunks`) prefilled behind the prefix as one sequence; a prompt that lays a group out as it was
+  indexed reads exact caches, elsewhere a chunk reads its cache re-rotated to where it sits.
+The chosen neighbours (or groups) are recorded in `neighbours.json` before their caches are computed; a chunk
+without recorded neighbours, or whose neighbour cache is not stored, reads its behind-prefix cache.
 
-A run records the caches it is about to compute in `pending.json` before computing them, so that until it
-commits its chunks they are resumable work, not garbage (`pending`).
+Which chunks get caches, and in what order, is `hot_set`: the most central chunks first, within the store's
+budget (`store.ledger`). A run records the caches it is about to compute in `pending.json`, so that an
+interrupted run's caches are resumable work, not garbage (`pending`).
 """
 
 from __future__ import annotations

@@ -171,10 +171,9 @@ class WriteBehind:
     """Stores caches into a `KVStore`: each is encoded on the caller's thread, and written (file writes,
     `fsync`s, a remote tier's round trip) on one background thread, at most `depth` waiting.
 
-    The encoding is CPU work: on a background thread it preempted one of the compute's OpenMP threads,
-    and both waited at the next barrier (on 2 cores it cost several times its own CPU time;
-    `benchmarks/RESULTS.md`, session 38). The writes wait on the disk or the network, which the compute
-    should not.
+    The encoding is CPU work: on a background thread it would preempt one of the compute's OpenMP threads,
+    and both would wait at the next barrier (on 2 cores, several times its own CPU time). The writes wait on
+    the disk or the network, which the compute should not.
 
     `put` returns at once unless `depth` writes are pending (then it waits for the oldest); `flush`
     waits for all of them. Either raises the first error a write raised. Leaving a `with` block

@@ -67,7 +67,7 @@ class ServerConfig:
         "While the engine computes, read the chunk caches of the next waiting request from disk or the remote "
         "tier into the memory tier on a thread of their own, so that its prefill reads them from memory. Unset: "
         "on when the index reads a remote tier (a trace over a Redis 2.4 ms away ran 18-19% faster with it), off "
-        "otherwise (from the local disk on 2 cores it ran 2-8% slower; benchmarks/RESULTS.md, sessions 33-34).",
+        "otherwise (from a local disk on 2 cores its reads competed with the compute and it ran 2-8% slower).",
     )
     top_k: int | None = setting(
         None,

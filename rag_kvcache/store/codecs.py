@@ -8,7 +8,7 @@ a head dimension ([H_kv, 1, D]), per-token scales by all dimensions of a token (
 keys (their outlier channels are fixed), per-token suits values. 4-bit values are asymmetric (a scale and a low
 end per channel and group of 64 tokens), two a byte. Keys are never stored at 4 bits, nor are the values of an
 entry at a sequence's start, whose attention-sink token's outlier values a 4-bit range cannot hold: either moves
-fused answers measurably, where the chunk caches' 4-bit values do not (benchmarks/RESULTS.md, session 43).
+fused answers measurably, where the chunk caches' 4-bit values do not (`benchmarks/storage/codec_bits.py`).
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
 offers them, from that list; `tests/test_storage.py` holds the two equal).
@@ -113,10 +113,10 @@ class Packed4:
     """Asymmetric 4-bit quantisation per channel and group of `group` consecutive tokens (the last group shorter):
     levels 0..15 between the low and high end of each channel over the group's tokens, two channels a byte (channel
     i of the first half in the low nibble, channel i of the second half in the high one: unpacked by one
-    concatenation). One range over a whole 512-token chunk doubled a teacher-forced answer's deviation against
-    one over 128 tokens; groups of 64 hold it at the same level at both sizes (benchmarks/RESULTS.md, session
-    45). An entry stored with one range for all its tokens (scales [H_kv, 1, D]: those of an index built before
-    session 45, and any of at most `group` tokens) reads back as stored."""
+    concatenation). Groups keep a long chunk's values as close as a short chunk's: one range over a whole
+    512-token chunk doubled a teacher-forced answer's deviation against one over 128 tokens. An entry stored
+    with one range for all its tokens (scales [H_kv, 1, D]: any of at most `group` tokens, and those of an index
+    built with one range a chunk) reads back as stored."""
 
     group: int = 64
 
