@@ -133,24 +133,12 @@ class Ledger:
     def _reserve(self, key: str, nbytes: int, cost: float) -> bool:
         """`reserve` in one transaction under the admission lock."""
         with self._admitting():
-            budget = self._get("budget")
             clock = self._get("clock") or 0.0
             priority = clock + self._uses(key) * cost / max(nbytes, 1)
-            row = self._db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
-            victims: list[tuple[str, int, float]] = []
-            if budget is not None:
-                excess = self._used() - (row[0] if row else 0) + nbytes - budget  # a rewrite replaces its row
-                for victim in self._lowest() if 0 < excess and nbytes <= budget else ():
-                    if victim[2] >= priority:
-                        break
-                    if victim[0] != key:
-                        victims.append(victim)
-                        excess -= victim[1]
-                    if excess <= 0:
-                        break
-                if excess > 0:
-                    self._bump("refused")
-                    return False
+            victims = self._victims(key, nbytes, priority)
+            if victims is None:
+                self._bump("refused")
+                return False
             for gone, _, _ in victims:  # the file goes before its row: the rows never count less than the disk holds
                 self.path_of(gone).unlink(missing_ok=True)
             self._db.executemany("DELETE FROM entries WHERE key = ?", [(v,) for v, _, _ in victims])
@@ -166,20 +154,28 @@ class Ledger:
         """Whether `reserve` would admit the entry now (nothing changes): to skip computing a cache the budget
         would not keep."""
         with self._mutex:
-            budget = self._get("budget")
-            if budget is None:
-                return True
-            if nbytes > budget:
-                return False
             priority = (self._get("clock") or 0.0) + self._uses(key) * cost / max(nbytes, 1)
-            excess = self._used() + nbytes - budget
-            for _, size, victim_priority in self._lowest() if excess > 0 else ():
-                if victim_priority >= priority:
-                    return False
-                excess -= size
-                if excess <= 0:
-                    break
-            return excess <= 0
+            return self._victims(key, nbytes, priority) is not None
+
+    def _victims(self, key: str, nbytes: int, priority: float) -> list[tuple[str, int, float]] | None:
+        """The entries, lowest priority first, whose eviction makes room for `nbytes` under `key` (a rewrite
+        replaces its own row): (key, bytes, priority) each; None when that would evict an entry of at least
+        `priority`, or the entry is larger than the budget."""
+        budget = self._get("budget")
+        if budget is None:
+            return []
+        row = self._db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
+        excess = self._used() - (row[0] if row else 0) + nbytes - budget
+        victims = []
+        for victim in self._lowest() if 0 < excess and nbytes <= budget else ():
+            if victim[2] >= priority:
+                break
+            if victim[0] != key:
+                victims.append(victim)
+                excess -= victim[1]
+            if excess <= 0:
+                break
+        return victims if excess <= 0 else None
 
     def landed(self, key: str) -> None:
         """The entry `reserve` admitted is written whole."""
@@ -290,7 +286,7 @@ class Ledger:
         its row, an entry removed without the ledger) are dropped; files without rows are counted, at the clock's
         priority; then entries are evicted, lowest priority first, until the budget holds."""
         rows = self._db.execute("SELECT key, writer FROM entries").fetchall()
-        dead = {k for k, writer in rows if writer is not None and not _alive(writer)}
+        dead = {k for k, writer in rows if writer is not None and not alive(writer)}
         gone = [(k,) for k, writer in rows if (writer is None or k in dead) and not self.path_of(k).is_file()]
         self._db.executemany("DELETE FROM entries WHERE key = ?", gone)
         self._db.executemany("UPDATE entries SET writer = NULL WHERE key = ?", [(k,) for k in dead])  # landed first
@@ -375,7 +371,8 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` is running (one of another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

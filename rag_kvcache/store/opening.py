@@ -212,7 +212,7 @@ class CacheOpener:
         """
         self.maker.refresh()  # what an `index` run in another process recorded since
         named = address(self.maker.addressing, segments, salt)
-        addresses = [self._stored_or_behind_prefix(seg, at) for seg, at in zip(segments, named)] if make else named
+        addresses = self._stored_or_behind_prefix(segments, named) if make else named
         self._count_uses([*named, *addresses])
         sources: list[LayerSource | None] = []
         opened: dict[str, LayerSource] = {}
@@ -244,20 +244,28 @@ class CacheOpener:
             )
         return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
 
-    def _stored_or_behind_prefix(self, seg: Segment, at: SegmentAddress) -> SegmentAddress:
-        """`at`, or where it reads a neighbour cache that is not stored (not made yet, or evicted by the store's
-        budget), the chunk's cache behind the prefix instead (`without_neighbours`): a neighbour cache is made
-        off the request path (`wanted`, `backfill`), never while a prompt waits."""
-        fallback = without_neighbours(self.maker.addressing, at, seg)
-        if fallback is None or all(key in self.store.memory or key in self.store for key in at.keys):
-            return at
-        with self._wanted_lock:
-            for key, contexts in at.reads:
-                self.wanted[key] = (at.whole, contexts)
-                self.wanted.move_to_end(key)
-            while len(self.wanted) > MAX_WANTED:
-                self.wanted.popitem(last=False)
-        return fallback
+    def _stored_or_behind_prefix(
+        self, segments: Sequence[Segment], named: Sequence[SegmentAddress]
+    ) -> list[SegmentAddress]:
+        """`named`, but where a segment reads a neighbour cache that is not stored (not made yet, or evicted by the
+        store's budget), the chunk's cache behind the prefix instead (`without_neighbours`): a neighbour cache is
+        made off the request path (`wanted`, `backfill`), never while a prompt waits. The store is asked once
+        which of the prompt's neighbour caches it holds (one request to a remote tier)."""
+        fallbacks = [without_neighbours(self.maker.addressing, at, seg) for seg, at in zip(segments, named)]
+        held = self.store.held(key for at, f in zip(named, fallbacks) if f is not None for key in at.keys)
+        out = []
+        for at, fallback in zip(named, fallbacks):
+            if fallback is None or held.issuperset(at.keys):
+                out.append(at)
+                continue
+            with self._wanted_lock:
+                for key, contexts in at.reads:
+                    self.wanted[key] = (at.whole, contexts)
+                    self.wanted.move_to_end(key)
+                while len(self.wanted) > MAX_WANTED:
+                    self.wanted.popitem(last=False)
+            out.append(fallback)
+        return out
 
     def _count_uses(self, addresses: Sequence[SegmentAddress]) -> None:
         """Count every chunk cache the prompt reads (and every neighbour cache it would have read) with the

@@ -38,7 +38,7 @@ from ..engine.cache import ChunkKV
 from ..errors import ConfigError, StorageFullError
 from .backend import Backend, Counted
 from .codecs import Codec
-from .ledger import Ledger
+from .ledger import Ledger, alive
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class DiskTier(Backend):
         removed = 0
         for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
             writer = _TMP_NAME.match(tmp.name)  # a name of our own writers; anything else is not ours to touch
-            if writer is not None and not _alive(int(writer[1])):
+            if writer is not None and not alive(int(writer[1])):
                 tmp.unlink(missing_ok=True)
                 removed += 1
         if removed:
@@ -285,13 +285,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
