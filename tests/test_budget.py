@@ -11,11 +11,12 @@ import time
 
 import pytest
 import torch
+from filelock import FileLock
 
 from rag_kvcache.config import StorageConfig
 from rag_kvcache.store.addressing import cache_key
 from rag_kvcache.store.kvstore import ChunkKV, KVStore
-from rag_kvcache.store.ledger import Ledger
+from rag_kvcache.store.ledger import _LOCK_FILE, Ledger
 
 
 def make_kv(seed: int = 0, tokens: int = 5) -> ChunkKV:
@@ -112,15 +113,23 @@ def test_a_budget_of_a_few_entries_holds_under_concurrent_writers(tmp_path):
     KVStore(root, "none", StorageConfig(memory_bytes=0, disk_bytes=budget))
     peak, done = [0], threading.Event()
 
-    def size(path) -> int:
-        try:
-            return path.stat().st_size
-        except FileNotFoundError:  # renamed or evicted since the listing
-            return 0
+    def on_disk() -> int:
+        """Bytes of every file, a writer's temporary ones too, each inode once (a file renamed during the listing
+        is seen under both names). A listing is not a snapshot: a file counted, then evicted for one listed later,
+        would be counted with it, so the listing holds the admission lock; writes (of reserved bytes) go on."""
+        sizes = {}
+        with FileLock(root / _LOCK_FILE):
+            for path in root.glob("??/*.safetensors"):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:  # renamed since the listing
+                    continue
+                sizes[st.st_ino] = st.st_size
+        return sum(sizes.values())
 
-    def sample() -> None:  # every file, a writer's temporary ones too
+    def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], sum(map(size, root.glob("??/*.safetensors"))))
+            peak[0] = max(peak[0], on_disk())
 
     sampler = threading.Thread(target=sample)
     sampler.start()
