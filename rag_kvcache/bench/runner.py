@@ -284,6 +284,7 @@ def run_benchmark(
         "top_k": config.query.top_k,
         "chunk_order": config.query.chunk_order,
         "chunk_prefill": config.index.chunk_prefill,
+        "kv_budget": config.runtime.storage.disk_bytes,
         "fusion": asdict(config.query.fusion),
         "max_new_tokens": config.query.generation.max_new_tokens,
         "variants": [v.label for v in variants],

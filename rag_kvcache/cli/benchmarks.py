@@ -23,6 +23,7 @@ from .common import (
     DType,
     EmbedderDType,
     EvidencePlace,
+    KVBudget,
     KVCodec,
     KVOnDevice,
     KVRemote,
@@ -154,6 +155,7 @@ def bench(
     ),
     warmup: Annotated[int, typer.Option(min=0, help="Questions run untimed first.")] = 1,
     kv_codec: Annotated[KVCodec, option(IndexSettings, "codec")] = KVCodec(default(IndexSettings, "codec")),
+    kv_budget: KVBudget = None,
     kv_remote: KVRemote = None,
     kv_on_device: KVOnDevice = default(StorageConfig, "memory_on_device"),
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 2,
@@ -224,7 +226,7 @@ def bench(
             ratio=parse_ratio(ratio), check_layer=check_layer, filter_steps=filter_steps, deviation=deviation.value
         )
         cfg = cfg.with_generation(max_new_tokens=max_new_tokens)  # greedy: every method decodes alike
-        cfg = cfg.with_storage(remote=kv_remote, memory_on_device=kv_on_device)
+        cfg = cfg.with_storage(remote=kv_remote, memory_on_device=kv_on_device, disk_bytes=kv_budget)
         command = shlex.join(["rag-kvcache", *sys.argv[1:]])
         result = run_benchmark(examples, out_dir, cfg, settings, meta={"command": command, "dataset": str(dataset)})
     except (FileNotFoundError, ValueError) as e:
