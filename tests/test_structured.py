@@ -11,7 +11,8 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.engine.generation import Decoder, _closed
+from rag_kvcache.engine.constraints import _closed
+from rag_kvcache.engine.generation import Decoder
 from rag_kvcache.engine.model import ModelAdapter
 
 pytest.importorskip("llguidance")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import FusionConfig, GenerationConfig
-from ..engine.generation import JsonSchemaConstraint
+from ..engine.constraints import JsonSchemaConstraint
 from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, Segment
 from ..errors import RagKVCacheError
