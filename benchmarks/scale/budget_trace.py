@@ -173,10 +173,11 @@ def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(texts)
 
 
-def first_answer(docs: Path, index: Path, share: float) -> tuple[dict, int]:
+def first_answer(docs: Path, index: Path, share: float, wait: bool = True) -> tuple[dict, int]:
     """Index `docs` into `index` at default settings within `share` of the caches the whole corpus would take, and
     time it: embedding alone, then the index's time until searchable, its first answer (`ask` in another process
-    once the chunks are committed) and its end. Returns the timings and the budget."""
+    once the chunks are committed) and its end (`wait=False`: the indexer is stopped after the first answer, its
+    passes left to resume). Returns the timings and the budget."""
     from rag_kvcache.config import Config
     from rag_kvcache.index import KVIndex
 
@@ -205,9 +206,12 @@ def first_answer(docs: Path, index: Path, share: float) -> tuple[dict, int]:
     if asked.returncode:
         raise SystemExit(asked.stderr)
     print(f"searchable after {searchable_s:.0f} s, first answer after {first_answer_s:.0f} s", flush=True)
+    if not wait:
+        indexer.terminate()  # an interrupted index keeps what it made; a later `index` resumes
     indexer.wait()
-    index_s = time.perf_counter() - t0
-    print(f"index done after {index_s:.0f} s", flush=True)
+    index_s = time.perf_counter() - t0 if wait else None
+    if wait:
+        print(f"index done after {index_s:.0f} s", flush=True)
     timings = {
         "chunks": n_chunks,
         "embed_alone_s": embed_s,
@@ -237,6 +241,12 @@ def main() -> None:
         "answer is then the one an earlier run wrote to --work/first-answer.json, if any",
     )
     ap.add_argument(
+        "--first-answer-only",
+        action="store_true",
+        help="time the embedding and the index until its first answer, write them to --work/first-answer.json, "
+        "stop the indexer and end (a fresh --work: the index is built from nothing)",
+    )
+    ap.add_argument(
         "--from-partial", action="store_true", help="summarize the last run's partial results (a run cut short)"
     )
     args = ap.parse_args()
@@ -250,8 +260,11 @@ def main() -> None:
         (budget,) = ledger_rows(index, "SELECT value FROM meta WHERE name = 'budget'")[0]
         timings = json.loads(first.read_text()) if first.exists() else {}
     else:
-        timings, budget = first_answer(docs, index, args.budget_share)
+        timings, budget = first_answer(docs, index, args.budget_share, wait=not args.first_answer_only)
         first.write_text(json.dumps(timings, indent=1))
+        if args.first_answer_only:
+            print(json.dumps(timings, indent=1))
+            return
     budget = int(budget)
     if args.from_partial:
         p = json.loads(args.out.with_suffix(".partial.json").read_text())
