@@ -19,7 +19,7 @@ from rag_kvcache.config import Config, FusionConfig, IndexSettings  # noqa: E402
 from rag_kvcache.engine.model import ModelAdapter  # noqa: E402
 from rag_kvcache.engine.spec import ModelSpec  # noqa: E402
 from rag_kvcache.index import KVIndex  # noqa: E402
-from rag_kvcache.serving.vllm_connector import Planner  # noqa: E402
+from rag_kvcache.serving.vllm_planning import Planner  # noqa: E402
 
 pytestmark = [pytest.mark.smollm2, needs_redis_server]
 
