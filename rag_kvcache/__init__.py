@@ -34,7 +34,7 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "ChatTurn": ".engine.prompt",
     "ChunkPart": ".engine.prompt",
     "chat_segments": ".engine.prompt",
-    "Hit": ".retrieval.chunk_index",
+    "Hit": ".retrieval.records",
     "ServingEngine": ".serving.engine",
     "EngineHandle": ".serving.engine",
     "RagKVCacheError": ".errors",
@@ -44,8 +44,8 @@ _EXPORTS = {  # name -> module it is imported from on first use
     "Verdict": ".query.relevance",
     "RequestError": ".query.request",
     "ChunkOrder": ".config",
-    "ChunkRecord": ".retrieval.chunk_index",
-    "TextDocument": ".retrieval.chunk_index",
+    "ChunkRecord": ".retrieval.records",
+    "TextDocument": ".retrieval.records",
     "Options": ".query.request",
     "Prompt": ".query.request",
     "chat_prompt": ".query.request",
@@ -124,7 +124,7 @@ if TYPE_CHECKING:
     from .query.generator import FusedGenerator
     from .query.relevance import MAX_CHECK_PROMPT_TOKENS, RELEVANCE_CHECK, RelevanceCheck, Verdict
     from .query.request import Options, Prompt, RequestError, chat_prompt, completion_prompt, generation_of
-    from .retrieval.chunk_index import ChunkRecord, Hit, TextDocument
+    from .retrieval.records import ChunkRecord, Hit, TextDocument
     from .serving.engine import EngineHandle, ServingEngine
     from .store.conversations import ConversationCache
     from .store.kvstore import KVStore

@@ -5,7 +5,7 @@ and the per-chunk KV caches (`kv/`). How the caches are computed, named and stor
 prefix by default; isolated; behind each chunk's nearest neighbours) is `indexing.maker.CacheMaker`
 (`KVIndex.maker`); how a prompt opens them, `store.opening.CacheOpener` (`KVIndex.caches`).
 
-Consistency. Indexers are serialised by a lock file (`.writer.lock`): a second indexer waits, then
+Consistency. Indexers are serialised by a lock file (`.writer.lock`, `indexing.lock`): a second indexer waits, then
 finds the work done. A sync stores the new chunks' caches *before* it commits them, so every chunk
 the index holds has its cache; a `kill -9` mid-way leaves the index as it was plus some complete
 cache entries (writes are atomic renames; temporary files of dead writers are removed by the next
@@ -15,36 +15,45 @@ missing or corrupt cache (detected when opened or, per layer, when read) is reco
 and logged, and the fusion continues with the recomputed cache, so the answer is unchanged.
 
 Which caches a prompt reads is `store.addressing` (`KVIndex.addressing`, `address`); `CacheOpener.open`
-opens them and, where needed, repairs them.
+opens them and, where needed, repairs them. What the index records of how it was built (its settings and
+their checksum, its tokenizer), and how the settings are read back and checked, is `indexing.provenance`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import xxhash
-from filelock import FileLock, Timeout
 from rich.filesize import decimal
 
 from .config import Config, IndexSettings
 from .engine.model import ModelAdapter
 from .engine.prompt import PromptFormat
 from .engine.spec import ModelSpec
-from .errors import IndexFileError, RagKVCacheError
-from .indexing import staging
+from .errors import RagKVCacheError
+from .indexing import lock, staging
 from .indexing.maker import CacheMaker
+from .indexing.provenance import (
+    SETTINGS_CHECKSUM_KEY,
+    SETTINGS_KEY,
+    STORED_MEANS_KEY,
+    ForeignModelError,
+    recorded_settings,
+    settings_checksum,
+    tokenizer_id,
+)
 from .indexing.staging import Chunker, SyncReport
 from .retrieval import vectors as faiss_file
-from .retrieval.chunk_index import ChunkIndex, ChunkRecord, Hit, TextDocument
+from .retrieval.chunk_index import ChunkIndex
 from .retrieval.chunking import chunk_document
-from .retrieval.database import DB_FILE, exists
+from .retrieval.database import exists
 from .retrieval.embedder import load_embedder
+from .retrieval.records import ChunkRecord, Hit, TextDocument
 from .store.kvstore import KVStore
 from .store.opening import CacheOpener
 
@@ -54,44 +63,6 @@ if TYPE_CHECKING:
     from .indexing.cluster import RayWorkers
 
 log = logging.getLogger(__name__)
-
-SETTINGS_KEY = "settings"  # the index's meta key holding its `IndexSettings` as JSON
-SETTINGS_CHECKSUM_KEY = "settings_xxh3"  # beside it: the xxh3-64 of that JSON, recorded with it (`settings_checksum`)
-# the meta key recording that neighbour caches are stored averaged with the behind-prefix ones (`CacheMaker`):
-# every index this release creates; one created before stores the neighbour cache itself, averaged per query
-STORED_MEANS_KEY = "stored_means"
-
-
-def settings_checksum(settings_json: str) -> str:
-    """The checksum an index records beside its settings JSON (`SETTINGS_CHECKSUM_KEY`): xxh3-64, hex."""
-    return xxhash.xxh3_64_hexdigest(settings_json.encode())
-
-
-def recorded_settings(meta: Mapping[str, str], index_dir: Path | None = None) -> IndexSettings:
-    """The `IndexSettings` an index's metadata records (of the index at `index_dir`, which errors name). Settings
-    that do not parse, or do not match the checksum recorded beside them (edited after the index was built: its
-    caches were made with others), raise `IndexFileError` naming the meta key; an index made before the checksum
-    was recorded is read without it. Indexes made before the settings were one JSON value recorded each as its own
-    string, the codec as `kv_codec` (none recorded: stored as computed); those are read by the fields' types."""
-    if SETTINGS_KEY in meta:
-        where = f"{(index_dir or Path('<index>')) / DB_FILE} meta key {SETTINGS_KEY!r}"
-        try:
-            settings = IndexSettings.from_json(text := meta[SETTINGS_KEY])
-        except json.JSONDecodeError as e:
-            raise IndexFileError(f"{where} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        except (ValueError, TypeError) as e:
-            raise IndexFileError(f"{where} does not hold index settings: {e}") from e
-        if (recorded := meta.get(SETTINGS_CHECKSUM_KEY)) is not None and recorded != settings_checksum(text):
-            raise IndexFileError(
-                f"{where} was edited after the index was built: it hashes to {settings_checksum(text)}, the index "
-                f"recorded {recorded} ({SETTINGS_CHECKSUM_KEY!r}), and its chunks and caches were made with the "
-                "settings it recorded then. Restore them, or build a new index with the new settings"
-            )
-        return settings
-    types = {f.name: f.type for f in fields(IndexSettings) if f.name in meta}
-    return IndexSettings(
-        **{k: int(meta[k]) if t == "int" else meta[k] for k, t in types.items()}, codec=meta.get("kv_codec", "none")
-    )
 
 
 class KVIndex:
@@ -141,7 +112,7 @@ class KVIndex:
                 path,
                 remote,
             )
-        if chunks.meta.get("tokenizer") != _tokenizer_id(adapter.tokenizer):
+        if chunks.meta.get("tokenizer") != tokenizer_id(adapter.tokenizer):
             raise ValueError(
                 f"index {path} was chunked with the tokenizer of {self.recorded.model!r}; {config.index.model!r} "
                 "tokenizes differently, so its stored token ids mean nothing to it: re-index with this model"
@@ -189,14 +160,14 @@ class KVIndex:
         adapter = adapter or ModelAdapter.load(config)
         embedder = _embedder(config)
         path.mkdir(parents=True, exist_ok=True)
-        with _writer_lock(path):
+        with lock.writer_lock(path):
             if exists(path):
                 return cls(path, config, ChunkIndex.open(path, embedder), adapter)
             meta = {
                 SETTINGS_KEY: config.index.to_json(),
                 SETTINGS_CHECKSUM_KEY: settings_checksum(config.index.to_json()),
                 "model_fingerprint": adapter.fingerprint,
-                "tokenizer": _tokenizer_id(adapter.tokenizer),
+                "tokenizer": tokenizer_id(adapter.tokenizer),
                 STORED_MEANS_KEY: "1",
             } | ({"kv_remote": config.runtime.storage.remote_address} if config.runtime.storage.remote else {})
             chunks = ChunkIndex.create(path, embedder, config.index.embedder, meta, config.index.index_type)
@@ -286,7 +257,7 @@ class KVIndex:
             )
         tok, n = self.model.tokenizer, self.config.index.chunk_tokens
         maker = self.maker
-        with _writer_lock(self.path):
+        with lock.writer_lock(self.path):
             used = maker.live_keys()
             staged = stage(lambda text, src: chunk_document(text, src, tok, n))
             if maker.grouped:
@@ -334,7 +305,7 @@ class KVIndex:
 
     def delete(self, sources: Sequence[str]) -> list[str]:
         """Remove the documents (files or texts) with these sources; returns those the index held."""
-        with _writer_lock(self.path):
+        with lock.writer_lock(self.path):
             used = self.maker.live_keys()
             removed = self.chunks.delete(sources)
             self.collect(used)
@@ -358,7 +329,7 @@ class KVIndex:
 
     def writer_lock(self) -> AbstractContextManager[None]:
         """The lock `update` holds while it changes the index, for other writers (`maintenance`)."""
-        return _writer_lock(self.path)
+        return lock.writer_lock(self.path)
 
     def collect(self, used: Iterable[str] | None = None) -> Collected:
         """Garbage collection (the caller holds the writer lock): delete the disk caches no indexed chunk
@@ -421,25 +392,6 @@ def _embedder(config: Config) -> SentenceTransformer:
     return load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
 
 
-@contextmanager
-def _writer_lock(path: Path) -> Iterator[None]:
-    """Exclusive right to change the index at `path` (across processes); waits for the holder."""
-    lock = FileLock(path / ".writer.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info("another process is updating %s; waiting for it to finish", path)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-class ForeignModelError(RagKVCacheError, ValueError):
-    """Documents indexed with a model the index was not built with (its weights differ)."""
-
-
 @dataclass(frozen=True)
 class Collected:
     """What `KVIndex.collect` deleted."""
@@ -457,8 +409,3 @@ class Collected:
             f"deleted {self.orphans} orphan KV caches ({self.orphan_bytes / 2**20:.1f} MiB), {self.temp_files} "
             f"temporary files and {self.neighbour_records} neighbour records"
         )
-
-
-def _tokenizer_id(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    return xxhash.xxh3_64_hexdigest(json.dumps(vocab).encode())

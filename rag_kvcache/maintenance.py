@@ -26,7 +26,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .errors import IndexFileError
-from .index import Collected, KVIndex, _writer_lock, recorded_settings
+from .index import Collected, KVIndex
+from .indexing.lock import writer_lock
+from .indexing.provenance import recorded_settings
 from .indexing.records import NEIGHBOURS_FILE, PENDING_FILE, read_neighbours, read_pending
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex
@@ -68,7 +70,7 @@ def check_records(index_dir: Path, repair: bool = False) -> CheckReport:
     if not repair:
         _check_records(Path(index_dir), report, repair)
         return report
-    with _writer_lock(Path(index_dir)):
+    with writer_lock(Path(index_dir)):
         _check_records(Path(index_dir), report, repair)
     return report
 

@@ -22,8 +22,9 @@ from rag_kvcache.config import Config, FusionConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.errors import StorageFullError
-from rag_kvcache.index import STORED_MEANS_KEY, KVIndex
+from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
+from rag_kvcache.indexing.provenance import STORED_MEANS_KEY
 from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.store.addressing import CacheAddressing, address

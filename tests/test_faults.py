@@ -361,7 +361,7 @@ def test_an_empty_index_refuses_to_answer(tiny, tiny_model_dir, tmp_path):
     from typer.testing import CliRunner
 
     from rag_kvcache.cli import app
-    from rag_kvcache.retrieval.chunk_index import EmptyIndexError
+    from rag_kvcache.retrieval.reader import EmptyIndexError
 
     empty = KVIndex.create(tmp_path / "idx", replace_model(CFG, tiny_model_dir))
     with pytest.raises(EmptyIndexError, match="holds 0 chunks; index documents into it first"):

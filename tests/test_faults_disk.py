@@ -19,7 +19,8 @@ import pytest
 from test_faults import CFG, QUESTION, TESTS, assert_consistent, replace_model, tiny_model_dir, write_docs  # noqa: F401
 
 from rag_kvcache.errors import StorageFullError
-from rag_kvcache.index import ForeignModelError, KVIndex
+from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.provenance import ForeignModelError
 from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval import database
 from rag_kvcache.retrieval.database import ForeignIndexError

@@ -19,11 +19,12 @@ from rag_kvcache.config import ConfigError, RuntimeConfig
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.indexing import staging
 from rag_kvcache.retrieval import embedder as embedding
-from rag_kvcache.retrieval.chunk_index import ChunkIndex, ChunkRecord
+from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import Chunk, chunk_document
 from rag_kvcache.retrieval.database import FORMAT, ForeignIndexError, chunk_id
 from rag_kvcache.retrieval.documents import read_documents
 from rag_kvcache.retrieval.embedder import load_embedder, unit_vectors
+from rag_kvcache.retrieval.records import ChunkRecord
 from rag_kvcache.retrieval.vectors import IndexType
 
 DOCS = {

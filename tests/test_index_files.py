@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from rag_kvcache.cli import app
 from rag_kvcache.errors import IndexFileError, RagKVCacheError
-from rag_kvcache.index import SETTINGS_CHECKSUM_KEY, SETTINGS_KEY, KVIndex
+from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.provenance import SETTINGS_CHECKSUM_KEY, SETTINGS_KEY
 from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.documents import INDEX_ENTRIES, read_documents
 

@@ -12,7 +12,8 @@ import torch
 from test_codec_default import QUESTION, write_docs
 
 from rag_kvcache.config import Config, ConfigError, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig
-from rag_kvcache.index import SETTINGS_KEY, KVIndex
+from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.provenance import SETTINGS_KEY
 from rag_kvcache.query.generator import FusedGenerator
 
 BUILT = IndexSettings(chunk_tokens=24, chunk_prefill="isolated", context_chunks=2, codec="none", index_type="hnsw")

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rag_kvcache.indexing import staging
 from rag_kvcache.retrieval import database as db
-from rag_kvcache.retrieval.chunk_index import ChunkIndex, TextDocument
+from rag_kvcache.retrieval.chunk_index import ChunkIndex
 from rag_kvcache.retrieval.chunking import chunk_document
 from rag_kvcache.retrieval.database import DB_FILE
 from rag_kvcache.retrieval.embedder import (
@@ -27,6 +27,7 @@ from rag_kvcache.retrieval.embedder import (
     windows,
 )
 from rag_kvcache.retrieval.integrity import Verified
+from rag_kvcache.retrieval.records import TextDocument
 from rag_kvcache.retrieval.vectors import EMBEDDING_DTYPE
 
 FILLER = (

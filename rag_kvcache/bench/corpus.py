@@ -19,7 +19,7 @@ from ..config import Config, IndexSettings
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
 from ..index import KVIndex
-from ..retrieval.chunk_index import Hit
+from ..retrieval.records import Hit
 from ..store.controller import time_prefill
 from .datasets import QAExample
 from .metrics import contains_answer

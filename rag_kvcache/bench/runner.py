@@ -43,7 +43,7 @@ from ..engine.methods import filter_schedule
 from ..engine.model import ModelAdapter
 from ..query.answers import Answer
 from ..query.generator import FusedGenerator
-from ..retrieval.chunk_index import Hit
+from ..retrieval.records import Hit
 from ..store.controller import machine_id, resolve_ratio
 from .corpus import build_index, chunk_tokens_matched, distractors_in, place_evidence
 from .datasets import QAExample

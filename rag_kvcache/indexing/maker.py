@@ -45,7 +45,8 @@ from ..engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
 from ..engine.prompt import PromptFormat
 from ..engine.spec import ModelSpec
 from ..errors import StorageFullError
-from ..retrieval.chunk_index import ChunkIndex, ChunkRecord
+from ..retrieval.chunk_index import ChunkIndex
+from ..retrieval.records import ChunkRecord
 from ..store.addressing import CacheAddressing, Context
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES
-from ..retrieval.chunk_index import ChunkIndex, ChunkRecord, TextDocument
+from ..retrieval.chunk_index import ChunkIndex
 from ..retrieval.chunking import Chunk
 from ..retrieval.documents import Skipped, SourceFile, read_documents
 from ..retrieval.embedder import ChunkEmbeddings
+from ..retrieval.records import ChunkRecord, TextDocument
 
 logger = logging.getLogger(__name__)
 

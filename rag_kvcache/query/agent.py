@@ -30,7 +30,7 @@ from ..config import FusionConfig, GenerationConfig
 from ..engine.decoding import DecodePool
 from ..engine.generation import Decoder
 from ..errors import RagKVCacheError
-from ..retrieval.chunk_index import ChunkRecord
+from ..retrieval.records import ChunkRecord
 from .answers import Answer, Generation, PromptTooLongError
 from .generator import FusedGenerator, collect_answer
 from .layout import prompt_ids

@@ -29,7 +29,8 @@ from ..engine.model import ModelAdapter
 from ..engine.profiling import StageClock
 from ..engine.prompt import ChatTurn, Segment
 from ..index import KVIndex
-from ..retrieval.chunk_index import ChunkRecord, EmptyIndexError, Hit
+from ..retrieval.reader import EmptyIndexError
+from ..retrieval.records import ChunkRecord, Hit
 from ..store.controller import resolve_ratio
 from ..store.conversations import ConversationCache, ConversationHit
 from ..store.loading import LayerFeed

@@ -24,8 +24,8 @@ from ..engine.prompt import (
     with_runs,
 )
 from ..index import KVIndex
-from ..retrieval.chunk_index import ChunkRecord
 from ..retrieval.matching import MIN_SPAN
+from ..retrieval.records import ChunkRecord
 from ..retrieval.templates import TemplateSpans
 
 log = logging.getLogger(__name__)

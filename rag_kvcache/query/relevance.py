@@ -34,7 +34,7 @@ from ..engine.ops import rotate_keys, rotation
 from ..engine.prompt import Segment
 from ..errors import RagKVCacheError
 from ..index import KVIndex
-from ..retrieval.chunk_index import ChunkRecord
+from ..retrieval.records import ChunkRecord
 from .answers import PromptTooLongError
 from .generator import FusedGenerator
 

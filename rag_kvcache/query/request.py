@@ -20,7 +20,7 @@ from ..engine.methods import METHODS
 from ..engine.prompt import ChatTurn, Segment
 from ..errors import RagKVCacheError
 from ..index import KVIndex
-from ..retrieval.chunk_index import ChunkRecord
+from ..retrieval.records import ChunkRecord
 from .answers import PromptTooLongError
 from .generator import FusedGenerator
 from .layout import warn_unquoted

@@ -24,7 +24,7 @@ from ..engine.prompt import Segment
 from ..index import KVIndex
 from ..query.answers import Answer
 from ..query.generator import FusedGenerator
-from ..retrieval.chunk_index import Hit
+from ..retrieval.records import Hit
 from ..store.conversations import ConversationCache
 
 T = TypeVar("T")
