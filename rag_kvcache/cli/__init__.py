@@ -3,7 +3,7 @@ environment variables (`RAG_KVCACHE_CACHE_DIR`: where converted models live; `RA
 key that authenticates the remote tier's entries).
 
 Options that set a `Config` field take their default and help from the field (`config.setting`), so
-config.py is the one source of both. torch, transformers and FAISS are imported inside the commands
+rag_kvcache.config is the one source of both. torch, transformers and FAISS are imported inside the commands
 that need them: `--help` and `--version` stay fast.
 """
 
