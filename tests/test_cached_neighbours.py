@@ -314,7 +314,7 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     write_docs(tmp_path / "docs")
     whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
     index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
-    real, calls = index.maker.behind_neighbours, []
+    real, calls = index.maker.recipe.behind_neighbours, []
 
     def dies_on_the_fourth(ids, near):
         calls.append(ids)
@@ -322,7 +322,7 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
             raise KeyboardInterrupt("killed while computing neighbour caches")
         return real(ids, near)
 
-    monkeypatch.setattr(index.maker, "behind_neighbours", dies_on_the_fourth)
+    monkeypatch.setattr(index.maker.recipe, "behind_neighbours", dies_on_the_fourth)
     with pytest.raises(KeyboardInterrupt):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
@@ -423,14 +423,14 @@ def test_a_missing_neighbour_cache_is_recomputed_and_the_result_unchanged(any_in
     index = any_index
     chunk = next(index.chunks.all_chunks())
     near = recorded(index, chunk.token_ids)
-    before = index.maker.behind_neighbours(chunk.token_ids, near)
+    before = index.maker.recipe.behind_neighbours(chunk.token_ids, near)
     fmt = index.format
     gone = [near[1], *([fmt.separator_ids] if fmt.separator_ids else [])]
     for ids in gone:
         index.store.memory.remove(index.addressing.key(ids, fmt.prefix_ids))
         index.store.disk.remove(index.addressing.key(ids, fmt.prefix_ids))
     with caplog.at_level(logging.WARNING):
-        after = index.maker.behind_neighbours(chunk.token_ids, near)
+        after = index.maker.recipe.behind_neighbours(chunk.token_ids, near)
     assert caplog.text.count("recomputed and rewrote") == len(gone)
     assert all(index.addressing.key(ids, fmt.prefix_ids) in index.store for ids in gone)
     assert all(index.addressing.key(ids, fmt.prefix_ids) in index.maker.live_keys() for ids in gone)  # never collected

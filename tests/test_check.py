@@ -36,7 +36,7 @@ def calls(index, monkeypatch) -> dict[str, int]:
 
         return counted
 
-    monkeypatch.setattr(index.maker, "compute", counting("computed", index.maker.compute))
+    monkeypatch.setattr(index.maker.recipe, "compute", counting("computed", index.maker.recipe.compute))
     monkeypatch.setattr(index.chunks._embedder, "encode", counting("embedded", index.chunks._embedder.encode))
     return counts
 

@@ -464,7 +464,7 @@ def test_index_says_the_caches_size_and_codec(built):
 def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_path, model_dir, monkeypatch, prefill):
     """Ctrl-C during `index` exited 130 without a word; `check` then called the caches it had computed garbage
     and advised `gc`, which would have thrown away what the next run resumes with."""
-    from rag_kvcache.indexing import maker
+    from rag_kvcache.indexing import maker, recipe
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -483,9 +483,9 @@ def test_ctrl_c_during_index_keeps_its_work_and_check_and_gc_keep_it_too(tmp_pat
         grouped = maker.compute_grouped
         monkeypatch.setattr(maker, "compute_grouped", lambda *args: two_then_ctrl_c(grouped(*args)))
     else:
-        compute = maker.CacheMaker.compute
+        compute = recipe.CacheRecipe.compute
         monkeypatch.setattr(  # the system prefix's cache is computed behind nothing first
-            maker.CacheMaker,
+            recipe.CacheRecipe,
             "compute",
             lambda self, ids, ctx: two_then_ctrl_c(compute(self, ids, ctx)) if ctx else compute(self, ids, ctx),
         )

@@ -19,14 +19,14 @@ adapter = ModelAdapter.load(cfg)
 idx = KVIndex.open(Path(sys.argv[1]) / "index-cached_neighbours", cfg, adapter)
 chunks = [c for c in idx.chunks.all_chunks()][:6]
 work = [(c.token_ids, idx.addressing.neighbours[idx.addressing.neighbour_key(c.token_ids)]) for c in chunks]
-idx.maker.behind_neighbours(*work[0][:1], work[0][1][:1])  # warm
+idx.maker.recipe.behind_neighbours(*work[0][:1], work[0][1][:1])  # warm
 t = time.perf_counter()
 pr = cProfile.Profile()
 pr.enable()
 n = 0
 for ids, near in work:
     for j in range(1, len(near) + 1):
-        idx.maker.behind_neighbours(ids, near[:j])
+        idx.maker.recipe.behind_neighbours(ids, near[:j])
         n += len(ids)
 pr.disable()
 s = time.perf_counter() - t
@@ -41,7 +41,7 @@ print(f"plain single-chunk forwards: {m / (time.perf_counter() - t):.1f} tok/s")
 t = time.perf_counter()
 for ids, near in work[:2]:
     prefix, sep = idx.format.prefix_ids, idx.format.separator_ids
-    srcs = [idx.maker.cached(prefix, ())] + [idx.maker.cached(tuple(x), prefix) for x in near]
+    srcs = [idx.maker.recipe.cached(prefix, ())] + [idx.maker.recipe.cached(tuple(x), prefix) for x in near]
     cached_context(srcs, adapter.inv_freq, adapter.device, adapter.dtype)
 print(f"cached_context alone (2 contexts of 3 neighbours): {time.perf_counter() - t:.2f} s")
 pstats.Stats(pr).sort_stats("cumulative").print_stats(25)

@@ -57,7 +57,7 @@ def context_caches(index, hits, mode: str, filler: list[tuple[int, ...]]):
         ctx = tuple(fmt.prefix_ids)
         for n_ids in reversed(near):  # most similar right before the chunk
             ctx += tuple(n_ids) + tuple(sep)
-        kv = next(index.maker.compute([ids], ctx))[1]
+        kv = next(index.maker.recipe.compute([ids], ctx))[1]
         out.append((kv, ctx))
     return out
 

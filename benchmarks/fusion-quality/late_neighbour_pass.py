@@ -9,7 +9,7 @@ computed, every layer, as the shipped pass computes it). The cache it would stor
 L0, the mean of the late pass's and the behind-prefix cache from L0 up (at L0 = 0 the shipped mean, exactly).
 
 Printed: per layer, how far the shipped mean is from the behind-prefix cache (relative L2, keys and values); per L0,
-the late pass's time a chunk against the shipped pass's (`CacheMaker.behind_neighbours`) on the same chunks, and
+the late pass's time a chunk against the shipped pass's (`CacheRecipe.behind_neighbours`) on the same chunks, and
 how far its mean is from the shipped one, over the behind-prefix cache's distance to it (0: the shipped mean; 1:
 no nearer than the behind-prefix cache).
 
@@ -65,17 +65,17 @@ def at(cache: ChunkKV, position: int, inv_freq: torch.Tensor) -> ChunkKV:
 def late_mean(index: KVIndex, ids: tuple[int, ...], own: ChunkKV, l0: int) -> tuple[ChunkKV, float]:
     """Chunk `ids`'s mean made by a neighbour pass over layers `l0`.. (`own`: its behind-prefix cache, as stored),
     and the seconds that pass took."""
-    adapter, maker, addressing = index.adapter, index.maker, index.addressing
+    adapter, recipe, addressing = index.adapter, index.maker.recipe, index.addressing
     prefix, sep = index.format.prefix_ids, index.format.separator_ids
-    prefix_cache = maker.cached(prefix, ())
+    prefix_cache = recipe.cached(prefix, ())
     with torch.inference_mode():
         behind_prefix = cached_context([prefix_cache], adapter.inv_freq, adapter.device, adapter.dtype)
         _, _, h = run_layers(adapter, adapter.embed(torch.tensor(ids)), behind_prefix, len(prefix), range(l0))  # [T, E]
         t = time.perf_counter()
-        between = [maker.cached(sep, prefix)] if sep else []
+        between = [recipe.cached(sep, prefix)] if sep else []
         sources: list[LayerSource] = [prefix_cache]
         for i, n in enumerate(reversed(addressing.near(ids))):
-            sources += [*(between if i else []), maker.cached(tuple(n), prefix)]
+            sources += [*(between if i else []), recipe.cached(tuple(n), prefix)]
         past = cached_context(sources, adapter.inv_freq, adapter.device, adapter.dtype)  # L x [H_kv, P, D] each
         p = past[0][0].shape[1]
         if sep:  # the separator before the chunk: every layer behind the context, as the shipped pass computes it
@@ -109,7 +109,7 @@ def main() -> None:
             raise SystemExit(f"the index has no behind-prefix cache of a chunk of {len(ids)} tokens")
         stored.append(clean)
         t = time.perf_counter()
-        nb = index.maker.behind_neighbours(ids, addressing.near(ids))
+        nb = index.maker.recipe.behind_neighbours(ids, addressing.near(ids))
         shipped_s += time.perf_counter() - t
         shipped.append(ChunkKV.viewing(all_layers(BlendKV((nb, clean), adapter.inv_freq)), nb.position))
         own.append(at(clean, nb.position, adapter.inv_freq))

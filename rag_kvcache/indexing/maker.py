@@ -22,17 +22,15 @@ without recorded neighbours, or whose neighbour cache is not stored, reads its b
 
 Which chunks get caches, and in what order, is `hot_set`: the most central chunks first, within the store's
 budget (`store.ledger`). A run records the caches it is about to compute in `pending.json`, so that an
-interrupted run's caches are resumable work, not garbage (`pending`).
+interrupted run's caches are resumable work, not garbage (`pending`). Each cache is made by the maker's
+`recipe` (`indexing.recipe.CacheRecipe`); the neighbour table and the pending caches are its `records`
+(`indexing.records.IndexRecords`).
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from functools import partial
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,35 +39,33 @@ from rich.filesize import decimal
 from tqdm.auto import tqdm
 
 from ..config import Config
-from ..engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
+from ..engine.cache import ChunkKV
 from ..engine.prompt import PromptFormat
 from ..engine.spec import ModelSpec
-from ..errors import StorageFullError
 from ..retrieval.chunk_index import ChunkIndex
 from ..retrieval.records import ChunkRecord
 from ..store.addressing import CacheAddressing, Context
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
-from ..store.opening import open_repairing
 from .grouping import similar_groups
-from .precompute import WriteBehind, compute_behind_cached, compute_caches, compute_grouped, pack_tokens
-from .records import NEIGHBOURS_FILE, PENDING_FILE, read_neighbours, read_pending
+from .precompute import WriteBehind, compute_grouped, pack_tokens
+from .recipe import CacheRecipe
+from .records import IndexRecords, Pending
 
 if TYPE_CHECKING:
     from .cluster import RayWorkers
 
 log = logging.getLogger(__name__)
 
-Table = dict[str, tuple[tuple[int, ...], Context]]  # store key -> (token ids, context)
 Live = dict[str, tuple[tuple[int, ...], tuple[Context, ...]]]  # store key -> (token ids, contexts: several, their mean)
 
 
 class CacheMaker:
     """Computes the caches of one index's chunks (and prefix) into its `store`, names them (`addressing`),
-    and recomputes one found missing or corrupt (`repair`). `foreign`: the model is not the one the index
-    was built with, so a cache it computes at query time stays in this process's memory. `stored_means`: a
-    `cached_neighbours` chunk's neighbour cache is stored averaged with its behind-prefix one
-    (`CacheAddressing.stored_means`)."""
+    and recomputes one found missing or corrupt (`repair`), each made by its `recipe`. `foreign`: the model is
+    not the one the index was built with, so a cache it computes at query time stays in this process's memory.
+    `stored_means`: a `cached_neighbours` chunk's neighbour cache is stored averaged with its behind-prefix one
+    (`CacheAddressing.stored_means`). The neighbour table and the pending caches are its `records`."""
 
     def __init__(
         self,
@@ -86,8 +82,7 @@ class CacheMaker:
         self.path, self.config, self.adapter, self.store = path, config, adapter, store
         self.chunks, self.format, self.foreign = chunks, format, foreign
         self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
-        self._neighbours: dict[str, list[list[int]]] = {}  # chunk (by `neighbour_key`) -> its neighbours' ids
-        self._neighbours_read: int | None = None  # the mtime of the neighbours.json `_neighbours` holds
+        self.records = IndexRecords(path)  # its neighbour table: chunk (by `neighbour_key`) -> its neighbours' ids
         self.refresh()
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
@@ -96,27 +91,18 @@ class CacheMaker:
             chunk_context,
             format.prefix_ids,
             format.separator_ids,
-            self._neighbours,
+            self.records.neighbours,
             self.grouped,
             by_depth=config.index.chunk_prefill != "cached_neighbours",
             stored_means=stored_means,
         )
+        self.recipe = CacheRecipe(config, adapter, store, format, self.addressing, foreign)
 
     def refresh(self) -> None:
         """Read `neighbours.json` (again, if another process rewrote it since): a server opened before an `index`
         run's neighbour pass reads the neighbour caches it records from then on. One `stat` when nothing changed."""
-        if not (self.with_neighbours or self.grouped):
-            return
-        try:
-            mtime = self._neighbours_path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return
-        if mtime != self._neighbours_read:
-            table = read_neighbours(self._neighbours_path)
-            self._neighbours.update(table)  # in place, new entries before stale ones go: the addressing reads it
-            for stale in self._neighbours.keys() - table.keys():
-                del self._neighbours[stale]
-            self._neighbours_read = mtime
+        if self.with_neighbours or self.grouped:
+            self.records.refresh_neighbours()
 
     # ---- names ----------------------------------------------------------------------------------------
     @property
@@ -209,9 +195,9 @@ class CacheMaker:
         # stored something under the key (one planted there before indexing was once never computed here).
         held = self.store.disk if workers is None else self.store
         if key(prefix, ()) not in held:
-            self.store.put(key(prefix, ()), next(self.compute([prefix], ()))[1])
+            self.store.put(key(prefix, ()), next(self.recipe.compute([prefix], ()))[1])
         todo = list(dict.fromkeys(ids for ids in chunks if key(ids) not in held))  # in the caller's order
-        self._record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
+        self.records.record_pending(self.pending() | {key(ids): (ids, self.addressing.chunk_context) for ids in todo})
         if workers is not None:
             workers.store(todo, self.addressing.chunk_context, progress)
             self._check_stored({ids: key(ids) for ids in todo})
@@ -220,7 +206,7 @@ class CacheMaker:
             self._announce(todo)
         bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="KV precompute", disable=not progress)
         with WriteBehind(self.store) as writer:
-            for i, kv in self.compute(todo, self.addressing.chunk_context):
+            for i, kv in self.recipe.compute(todo, self.addressing.chunk_context):
                 writer.put(key(todo[i]), kv)
                 self.made += 1
                 bar.update(len(todo[i]))
@@ -243,7 +229,7 @@ class CacheMaker:
         would prefill, and each cache is checked to be in this index's store before this returns."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         key, own_key = self.addressing.key, self.addressing.own_key
-        table, todo, rows, seen = self._neighbours, [], [], set()
+        table, todo, rows, seen = self.records.neighbours, [], [], set()
         for row, chunk in enumerate(chunks):
             ids = chunk.token_ids
             if ids in seen or own_key(ids) in self.store.disk:
@@ -265,8 +251,8 @@ class CacheMaker:
                 table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
         contexts = {ids: self.addressing.own_context(ids) for ids in todo}  # behind its group, now recorded
         keys = {ids: key(ids, context) for ids, context in contexts.items()}
-        self._record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
-        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
+        self.records.record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
+        self.records.write_neighbours()  # atomic: readers see the old table or the new one
         if workers is not None:
             workers.store_groups(groups, prefix, sep, keys, progress)
             self._check_stored(keys)
@@ -304,12 +290,10 @@ class CacheMaker:
             f", {per_chunk} caches a chunk" if per_chunk > 1 else "",
         )
 
-    def pending(self) -> Table:
+    def pending(self) -> Pending:
         """The caches an `index` run computed for chunks it had not committed when it was interrupted (Ctrl-C,
         a crash): kept (not orphans), and read again by the next run."""
-        if not self._pending_path.is_file():
-            return {}
-        return read_pending(self._pending_path)  # IndexFileError naming it when it does not parse
+        return self.records.pending()  # IndexFileError naming pending.json when it does not parse
 
     def kept(self) -> dict[str, tuple[int, ...]]:
         """Every cache the index keeps, store key -> token ids: its chunks' (`live_keys`) and an interrupted run's
@@ -320,7 +304,7 @@ class CacheMaker:
 
     def committed(self) -> None:
         """The run's chunks are committed: its caches are the index's now, no longer pending."""
-        self._pending_path.unlink(missing_ok=True)
+        self.records.clear_pending()
 
     def chunks_without_neighbour_caches(self) -> list[ChunkRecord]:
         """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours or
@@ -333,7 +317,7 @@ class CacheMaker:
         return [
             c
             for c, keys in zip(chunks, reads, strict=True)
-            if self.addressing.neighbour_key(c.token_ids) not in self._neighbours or not missing.isdisjoint(keys)
+            if self.addressing.neighbour_key(c.token_ids) not in self.records.neighbours or not missing.isdisjoint(keys)
         ]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
@@ -346,7 +330,7 @@ class CacheMaker:
         garbage), and the next run skips those stored; a chunk whose neighbour cache is not stored reads its
         behind-prefix one meanwhile (`store.opening`). Stops at the first cache the store's budget does not
         admit."""
-        table, key = self._neighbours, self.addressing.key
+        table, key = self.records.neighbours, self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
         if (
             chunks
@@ -354,10 +338,10 @@ class CacheMaker:
             and sep
             and self.store.missing([key(sep, prefix)])
         ):
-            self.store.put(key(sep, prefix), next(self.compute([sep], prefix))[1])  # read between neighbours
+            self.store.put(key(sep, prefix), next(self.recipe.compute([sep], prefix))[1])  # read between neighbours
         for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
             table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
-        _write_json(self._neighbours_path, table)  # atomic: readers see the old table or the new one
+        self.records.write_neighbours()  # atomic: readers see the old table or the new one
         reads = [self.addressing.neighbour_reads(chunk.token_ids) for chunk in chunks]
         todo = self.store.missing(at for chunk_reads in reads for at, _ in chunk_reads)  # one request to a remote tier
         made = 0
@@ -389,106 +373,15 @@ class CacheMaker:
         documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
         `kept`: the token ids of `kept()`'s caches, so an interrupted run's chunks (`pending`) keep theirs: its
         grouped caches are addressed by them, and the next run resumes with both. Returns how many entries went."""
-        if not self._neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
+        if not self.records.neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
             return 0
-        indexed = {self.addressing.neighbour_key(ids) for ids in set(kept)}
-        stale = [key for key in self._neighbours if key not in indexed]
-        for key in stale:  # in place: the addressing reads this table
-            del self._neighbours[key]
-        if stale:
-            _write_json(self._neighbours_path, self._neighbours)
-        return len(stale)
+        return self.records.forget_neighbours({self.addressing.neighbour_key(ids) for ids in set(kept)})
 
     # ---- making one cache -----------------------------------------------------------------------------
-    def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
-        """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
-        `chunks`, cache)."""
-        return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
-
     def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
-        """The cache of `ids` behind `contexts`, made as the index makes it. Behind one: behind one of the chunk's
-        recorded neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens.
-        Behind several (`CacheAddressing.stored_means`): the mean, at the first's positions, of the chunk's
-        neighbour cache, made now, and its stored caches behind the others (`BlendKV`, as a query averaging
-        them would read it)."""
-        if len(contexts) > 1:
-            sets = [self._neighbour_set(ids, c) for c in contexts]
-            parts = [
-                self.cached(ids, c) if s is None else self.behind_neighbours(ids, s) for c, s in zip(contexts, sets)
-            ]
-            mean = BlendKV(tuple(parts), self.adapter.inv_freq)
-            return ChunkKV.viewing(all_layers(mean), mean.position)  # [L, 2, H_kv, T, D]
-        (context,) = contexts
-        nearest = self._neighbour_set(ids, context)
-        return next(self.compute([ids], context))[1] if nearest is None else self.behind_neighbours(ids, nearest)
-
-    def _neighbour_set(self, ids: tuple[int, ...], context: Context) -> Sequence[Sequence[int]] | None:
-        """The recorded neighbours of chunk `ids` that `context` lays out, or None: not a neighbour context."""
-        sets = self.addressing.neighbour_sets(self.addressing.near(ids))
-        return next((s for s in sets if self.addressing.neighbour_context(s) == context), None)
-
-    def behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
-        """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
-        computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
-        cache, the separator's behind-prefix cache between them; the last separator computed with the
-        chunk), else behind the context's recomputed text."""
-        if self.config.index.chunk_prefill != "cached_neighbours":
-            return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
-        prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        between = [self.cached(sep, prefix)] if sep else []
-        sources = [self.cached(prefix, ())]
-        for i, n in enumerate(reversed(near)):
-            sources += [*(between if i else []), self.cached(tuple(n), prefix)]
-        return compute_behind_cached(self.adapter, ids, sources, sep)
-
-    def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
-        """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
-        recomputed and stored (logged), one that fails a layer's check when read is recomputed then. Read
-        without entering the memory tier, so indexing does not churn the caches queries read from it."""
-        key = self.addressing.key(ids, context)
-        entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)), promote=False)
-        return entry if entry is not None else self.repair(key, ids, (context,))
+        """The cache of `ids` behind `contexts`, made as the index makes it (`CacheRecipe.make`)."""
+        return self.recipe.make(ids, contexts)
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
-        """Recompute a missing or corrupt cache (`make`) and store it again (a failed write is logged, not
-        raised: the recomputed cache serves the query that found the fault)."""
-        kv = self.make(ids, contexts)
-        if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
-            self.store.memory.put(key, kv)
-            return kv
-        try:
-            self.store.put(key, kv)
-        except OSError as err:
-            log.warning("computed the KV cache %s but could not store it: %s", key, err)
-        else:
-            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
-        return kv
-
-    # ---- the records beside the caches --------------------------------------------------------------
-    @property
-    def _pending_path(self) -> Path:
-        return self.path / PENDING_FILE
-
-    def _record_pending(self, pending: Table) -> None:
-        """Record a run's caches before it computes them: until it commits they are resumable work, not garbage."""
-        _write_json(self._pending_path, {key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()})
-
-    @property
-    def _neighbours_path(self) -> Path:
-        return self.path / NEIGHBOURS_FILE
-
-
-def _write_json(path: Path, data: object) -> None:
-    """Write `data` as JSON at `path` atomically (a temporary file renamed over it); a full disk raises
-    `StorageFullError` and leaves the old file as it was."""
-    tmp = path.with_suffix(".json.tmp")
-    try:
-        tmp.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFullError(
-                err.errno, f"no space left on the device of {path.parent} while writing {path.name}: free space"
-            ) from err
-        raise
+        """Recompute a missing or corrupt cache and store it again (`CacheRecipe.repair`)."""
+        return self.recipe.repair(key, ids, contexts)

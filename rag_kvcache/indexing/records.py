@@ -6,18 +6,28 @@ key -> [token ids, context token ids]). One that is not UTF-8 JSON of that shape
 the file and what is wrong. Both can be dropped and the index stays sound (`rag-kvcache check --repair` does):
 a chunk without neighbour records reads its behind-prefix cache until the next `index` run records its
 neighbours again, and an interrupted run's caches become orphans that `gc` collects.
+
+Each is written whole and atomically (`write_json`): a reader sees the old file or the new one, and a full disk
+raises `StorageFullError` and leaves the old file as it was. `IndexRecords` holds one index folder's records as
+a process uses them: the neighbour table in memory, read again when another process rewrote it, and the pending
+caches.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import cast
 
-from ..errors import IndexFileError
+from ..errors import IndexFileError, StorageFullError
 
 NEIGHBOURS_FILE = "neighbours.json"
 PENDING_FILE = "pending.json"
+
+Neighbours = dict[str, list[list[int]]]  # chunk key -> its neighbours' token ids, most similar first
+Pending = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # store key -> (token ids, context token ids)
 
 
 def read_json(path: Path) -> object:
@@ -32,17 +42,17 @@ def read_json(path: Path) -> object:
         raise IndexFileError(f"{path} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
-def read_neighbours(path: Path) -> dict[str, list[list[int]]]:
+def read_neighbours(path: Path) -> Neighbours:
     """The neighbour table at `path`: chunk key -> its neighbours' token ids; raises `IndexFileError` naming the
     file and the first entry that is not that."""
     table = _table(path, read_json(path), "chunk key -> lists of neighbour token ids")
     for key, value in table.items():
         if not (isinstance(value, list) and all(_ids(ids) for ids in value)):
             raise IndexFileError(f"{path}: entry {key!r} is {_short(value)}, not lists of neighbour token ids")
-    return cast("dict[str, list[list[int]]]", table)
+    return cast("Neighbours", table)
 
 
-def read_pending(path: Path) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+def read_pending(path: Path) -> Pending:
     """The pending caches at `path`: store key -> (token ids, context token ids); raises `IndexFileError` naming
     the file and the first entry that is not that."""
     table = _table(path, read_json(path), "store key -> [token ids, context token ids]")
@@ -51,6 +61,74 @@ def read_pending(path: Path) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]
             raise IndexFileError(f"{path}: entry {key!r} is {_short(value)}, not [token ids, context token ids]")
     checked = cast("dict[str, tuple[list[int], list[int]]]", table)
     return {key: (tuple(ids), tuple(context)) for key, (ids, context) in checked.items()}
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write `data` as JSON at `path` atomically (a temporary file renamed over it); a full disk raises
+    `StorageFullError` and leaves the old file as it was."""
+    tmp = path.with_suffix(".json.tmp")
+    try:
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(
+                err.errno, f"no space left on the device of {path.parent} while writing {path.name}: free space"
+            ) from err
+        raise
+
+
+class IndexRecords:
+    """The records of the index in folder `path` as one process holds them: `neighbours`, its neighbour table
+    (one dict, changed in place only: a `CacheAddressing` reads it), and its pending caches, read when asked."""
+
+    def __init__(self, path: Path) -> None:
+        self.neighbours: Neighbours = {}
+        self._neighbours_path = path / NEIGHBOURS_FILE
+        self._neighbours_read: int | None = None  # the mtime of the neighbours.json `neighbours` holds
+        self._pending_path = path / PENDING_FILE
+
+    def refresh_neighbours(self) -> None:
+        """Read `neighbours.json` (again, if another process rewrote it since); one `stat` when nothing changed."""
+        try:
+            mtime = self._neighbours_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime != self._neighbours_read:
+            table = read_neighbours(self._neighbours_path)
+            self.neighbours.update(table)  # in place, new entries before stale ones go: the addressing reads it
+            for stale in self.neighbours.keys() - table.keys():
+                del self.neighbours[stale]
+            self._neighbours_read = mtime
+
+    def write_neighbours(self) -> None:
+        """Write the neighbour table (atomic: readers see the old table or the new one)."""
+        write_json(self._neighbours_path, self.neighbours)
+
+    def forget_neighbours(self, keep: set[str]) -> int:
+        """Drop the neighbour table's entries whose chunk key is not in `keep`, and write it if any went;
+        returns how many went."""
+        stale = [key for key in self.neighbours if key not in keep]
+        for key in stale:  # in place: the addressing reads this table
+            del self.neighbours[key]
+        if stale:
+            self.write_neighbours()
+        return len(stale)
+
+    def pending(self) -> Pending:
+        """The pending caches (none without `pending.json`); `IndexFileError` naming it when it does not parse."""
+        if not self._pending_path.is_file():
+            return {}
+        return read_pending(self._pending_path)
+
+    def record_pending(self, pending: Pending) -> None:
+        """Record a run's caches before it computes them: until it commits they are resumable work, not garbage."""
+        write_json(self._pending_path, {key: [list(ids), list(ctx)] for key, (ids, ctx) in pending.items()})
+
+    def clear_pending(self) -> None:
+        """No caches are pending: the run that recorded them committed its chunks."""
+        self._pending_path.unlink(missing_ok=True)
 
 
 def _table(path: Path, data: object, what: str) -> dict[str, list[object]]:
