@@ -13,7 +13,8 @@ from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.generation import decode_together
 from rag_kvcache.engine.prompt import Segment
-from rag_kvcache.query.generator import FusedGenerator, collect_answer
+from rag_kvcache.query.answers import collect_answer
+from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.store.conversations import ConversationCache
 
 L, H, D = 2, 2, 4

@@ -30,7 +30,8 @@ from agentic import QUESTIONS, forced, full_reference, scored
 from rag_kvcache import GenerationConfig, KVIndex
 from rag_kvcache.bench.metrics import bootstrap_ci
 from rag_kvcache.query.agent import SharedPrompt
-from rag_kvcache.query.generator import FusedGenerator, collect_answer
+from rag_kvcache.query.answers import collect_answer
+from rag_kvcache.query.generator import FusedGenerator
 
 FIRST = GenerationConfig(max_new_tokens=1)
 TOP_K = 4

@@ -31,8 +31,8 @@ from ..engine.decoding import DecodePool
 from ..engine.generation import Decoder
 from ..errors import RagKVCacheError
 from ..retrieval.records import ChunkRecord
-from .answers import Answer, Generation, PromptTooLongError
-from .generator import FusedGenerator, collect_answer
+from .answers import Answer, Generation, PromptTooLongError, collect_answer
+from .generator import FusedGenerator
 from .layout import prompt_ids
 from .relevance import RelevanceCheck, Verdict
 

@@ -1,10 +1,11 @@
 """What answering produces: an `Answer` with its numbers (timings, tokens read and computed, the chunks it
-came from), a fused prompt cache (`Fused`), an answer under way (`Generation`), and the error of a prompt too
-long for the model."""
+came from), a fused prompt cache (`Fused`), an answer under way (`Generation`), the `Answer` that ends a stream of
+text (`collect_answer`), and the error of a prompt too long for the model."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -119,3 +120,16 @@ class Generation:
     ids: tuple[int, ...]  # the prompt's tokens (empty where nothing keeps them: a shared prompt's answer)
     salt: str  # the tenant (`FusedGenerator.start`)
     pending: PendingKV | None = None  # the decoder not yet started (`FusedGenerator.settle`)
+
+
+def collect_answer(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
+    """The `Answer` that ends `FusedGenerator.stream`'s `steps`, with the streamed text as its answer;
+    `on_text` receives each piece of text as it comes."""
+    pieces: list[str] = []
+    for step in steps:
+        if isinstance(step, Answer):
+            return replace(step, answer="".join(pieces).strip())
+        pieces.append(step)
+        if on_text is not None and step:
+            on_text(step)
+    raise AssertionError("stream() always ends with an Answer")

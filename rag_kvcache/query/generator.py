@@ -6,7 +6,9 @@ chunks in it by their token ids (`layout`'s `PromptLayout`), so pipelines that b
 fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a fusion method blends them) and
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last. With a
 `ConversationCache`, every fused prompt's K/V (at once) and its answer's are kept, and a prompt that continues
-one (a chat's next turn, the same question again) reads them and computes only its new tokens.
+one (a chat's next turn, the same question again) reads them and computes only its new tokens. A chat over
+its token limit is shortened by its `ChatFit` (`fitted_chat`), and the cut its next turn will need is
+prepared ahead (`prepare_fit`).
 """
 
 from __future__ import annotations
@@ -34,41 +36,11 @@ from ..retrieval.records import ChunkRecord, Hit
 from ..store.controller import resolve_ratio
 from ..store.conversations import ConversationCache, ConversationHit
 from ..store.loading import LayerFeed
-from .answers import Answer, Fused, Generation, PendingKV, PromptTooLongError, RetrievedChunk
-from .layout import PromptLayout, n_tokens, prompt_ids, system_turns, warn_unquoted
+from .answers import Answer, Fused, Generation, PendingKV, PromptTooLongError, RetrievedChunk, collect_answer
+from .fitting import ChatFit
+from .layout import PromptLayout, n_tokens, prompt_ids, segments_after, warn_unquoted
 
 log = logging.getLogger(__name__)
-
-
-def collect_answer(steps: Iterator[str | Answer], on_text: Callable[[str], None] | None) -> Answer:
-    """The `Answer` that ends `FusedGenerator.stream`'s `steps`, with the streamed text as its answer;
-    `on_text` receives each piece of text as it comes."""
-    pieces: list[str] = []
-    for step in steps:
-        if isinstance(step, Answer):
-            return replace(step, answer="".join(pieces).strip())
-        pieces.append(step)
-        if on_text is not None and step:
-            on_text(step)
-    raise AssertionError("stream() always ends with an Answer")
-
-
-def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, read_caches: bool) -> list[Segment]:
-    """The segments of a prompt (its tokens `ids`) from position `n` on: those wholly after it as they are
-    when `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
-    the cut); without `read_caches`, one computed segment."""
-    if not read_caches:
-        return [Segment(ids[n:], False, "text")]
-    out: list[Segment] = []
-    start = 0
-    for seg in segments:
-        end = start + len(seg.ids)
-        if start >= n:
-            out.append(seg)
-        elif end > n:
-            out.append(Segment(seg.ids[n - start :], False, seg.label))
-        start = end
-    return out
 
 
 def _nodes(method: Method) -> str | None:
@@ -93,6 +65,7 @@ class FusedGenerator:
         self.layers = index.model
         self.conversations = conversations
         self.layout = PromptLayout(index)  # prompts laid out over the index's chunks
+        self.fit = ChatFit(self.layout, conversations)  # a chat over its limit shortened, its cut kept
         self.buffers = KVBufferPool(self.layers.layout.n_layers)  # one prompt's fused K/V, reused once let go
 
     @property
@@ -156,50 +129,10 @@ class FusedGenerator:
         limit: int,
         salt: str = "",
     ) -> tuple[list[Segment], int]:
-        """`PromptLayout.chat_segments` of a chat whose prompt must hold at most `limit` tokens. One that holds
-        more drops its oldest turns after the system's in one step, until what is left before the last turn
-        fills at most half of what that turn leaves of the limit (the kept part starts with a user turn; the
-        last turn, with its chunks, always stays), so that the next turns extend the same shortened prompt and
-        read it from the conversation cache until it fills the limit again, instead of each dropping one more
-        message and computing everything. A cut the conversation cache holds (`salt`'s: an earlier turn of this chat was
-        cut there, or `prepare_fit` prepared it) is kept while it fits. Returns the segments and how many turns
-        were dropped; a chat that does not fit with only its system turns and last turn raises
-        `PromptTooLongError`."""
-        segments = self.layout.chat_segments(turns, chunks, fusion)
-        if n_tokens(segments) <= limit:
-            return segments, 0
-        last = n_tokens(segments) - len(self.layout.next_head(turns[:-1]))  # the last turn, its chunks and template
-        system = system_turns(turns)
-        fitting: list[tuple[int, list[Segment]]] = []  # (turns dropped, segments), fewest dropped first
-        for c in range(1, len(turns) - system):
-            if turns[system + c].role != "user":
-                continue
-            shorter = self.layout.chat_segments([*turns[:system], *turns[system + c :]], chunks, fusion)
-            if n_tokens(shorter) <= limit:
-                fitting.append((c, shorter))
-                if 2 * (n_tokens(shorter) - last) <= limit - last:
-                    break
-        if not fitting:
-            raise PromptTooLongError(
-                f"the chat's prompt has {n_tokens(segments)} tokens, over the {limit} allowed, "
-                "even with only its system messages and last message"
-            )
-
-        def held(candidate: tuple[int, list[Segment]]) -> int:  # tokens read from the cache, if most of the history
-            ids = prompt_ids(candidate[1])
-            n = 0 if self.conversations is None else self.conversations.held(salt, ids)
-            return n if 2 * n >= len(ids) - last else 0  # the last turn is new: never held
-
-        best = max(fitting, key=held)  # a cut an earlier turn made or `prepare_fit` prepared, else the half-room one
-        kept = best if held(best) else fitting[-1]
-        log.info(
-            "the chat's prompt had %d tokens, over the %d allowed: dropped its %d oldest turns (%d tokens left)",
-            n_tokens(segments),
-            limit,
-            kept[0],
-            n_tokens(kept[1]),
-        )
-        return kept[1], kept[0]
+        """The chat's segments within `limit` tokens and how many of its oldest turns after the system's were
+        dropped for it (`ChatFit.fitted`: a cut the conversation cache holds for `salt` kept while it fits);
+        `PromptTooLongError` when it does not fit with only its system turns and last turn."""
+        return self.fit.fitted(turns, chunks, fusion, limit, salt)
 
     def prepare_fit(
         self, turns: Sequence[ChatTurn], fusion: FusionConfig, limit: int, salt: str, n_prompt: int, dropped: int = 0
@@ -209,35 +142,12 @@ class FusedGenerator:
         so the turn that drops the chat's oldest turns reads the rest instead of computing it.
 
         `turns` is the chat as the client sends it, the answer just given last; the prompt just answered had
-        `n_prompt` tokens and left out the `dropped` oldest turns after the system's (`fitted_chat`). It prepares
-        when the next message, with its chunks and template, could not take twice the tokens the last one did
-        (an early preparation costs one background prefill: `fitted_chat` keeps the cut in use while it fits,
-        and a later preparation of the same cut reads this one from the cache and computes only the turns
-        after it). The cut is the one `fitted_chat` keeps when the cache holds it: the fewest oldest turns
-        dropped (the kept part starting with a user turn) for the chat before the next message to fill at most
-        half of what that message leaves of the limit, the message taken at half the last one's size (an
-        estimate below its likely size, so that the turn meets this cut before its own: `fitted_chat` considers
-        cuts in order up to the first that halves the room). Returns the tokens computed (0: the next turn is
-        expected to fit under the cut in use, or there is no conversation cache)."""
-        if self.conversations is None or len(turns) < 2 or [t.role for t in turns[-2:]] != ["user", "assistant"]:
+        `n_prompt` tokens and left out the `dropped` oldest turns after the system's (`fitted_chat`). Whether
+        there is a cut to prepare, and which, is `ChatFit.cut_ahead`'s. Returns the tokens computed (0: the next
+        turn is expected to fit under the cut in use, or there is no conversation cache)."""
+        if self.conversations is None or (cut := self.fit.cut_ahead(turns, fusion, limit, n_prompt, dropped)) is None:
             return 0
-        system = system_turns(turns)
-        now = [*turns[:system], *turns[system + dropped :]]  # the chat as the last prompt held it
-        room = n_prompt - len(self.layout.next_head(now[:-2]))  # the last message, its chunks and its template
-        if len(self.layout.next_head(now)) + 2 * room <= limit:
-            return 0
-        for c in (c for c in range(dropped + 1, len(turns) - system) if turns[system + c].role == "user"):
-            kept = [*turns[:system], *turns[system + c :]]
-            if 2 * len(head := self.layout.next_head(kept)) <= limit - room // 2:
-                break
-        else:
-            return 0
-        segments, out = self.layout.chat_segments([*kept, ChatTurn("user", ("?",))], (), fusion), list[Segment]()
-        for seg in segments:  # the head's segments, the last one cut where the next message begins
-            n = len(head) - n_tokens(out)
-            if n <= 0:
-                break
-            out.append(seg if len(seg.ids) <= n else Segment(seg.ids[:n], False, seg.label))
+        head, out, c = cut
         fused, method = self.fuse(out, fusion, salt), get_method(fusion.method)
         self.conversations.insert(salt, head, fused.result.keys, fused.result.values, method.name, method.exact)
         log.info("prepared the %d-token chat the next turn will be cut to (%d turns dropped)", len(head), c)

@@ -90,6 +90,24 @@ def prompt_ids(segments: Sequence[Segment]) -> tuple[int, ...]:
     return tuple(t for seg in segments for t in seg.ids)
 
 
+def segments_after(segments: Sequence[Segment], ids: tuple[int, ...], n: int, read_caches: bool) -> list[Segment]:
+    """The segments of a prompt (its tokens `ids`) from position `n` on: those wholly after it as they are
+    when `read_caches`, the one `n` cuts computed from `n` on (its cache was computed with the tokens before
+    the cut); without `read_caches`, one computed segment."""
+    if not read_caches:
+        return [Segment(ids[n:], False, "text")]
+    out: list[Segment] = []
+    start = 0
+    for seg in segments:
+        end = start + len(seg.ids)
+        if start >= n:
+            out.append(seg)
+        elif end > n:
+            out.append(Segment(seg.ids[n - start :], False, seg.label))
+        start = end
+    return out
+
+
 def _head_end(head: Sequence[int], unmatched: Sequence[int], tokenizer) -> int:
     """How many of the `head` tokens come before the chunk text that ends it: the text of the chunk's
     `unmatched` ids before its first run, as far as the head's text ends with it (character for
