@@ -209,3 +209,29 @@ def test_cached_tokens_are_never_negative_when_a_cold_chunk_is_also_recomputed()
 
     answer = Answer("a", "epic_match", 0.1, 0.0, 100, 40, 0.5, 0.0, 1, 2, cache_computed_tokens=80)
     assert answer.cached_tokens == 0 and answer.usage["cached_tokens"] == 0
+
+
+def test_under_a_budget_every_cached_chunk_gets_both_its_caches(tiny, tmp_path):
+    """A chunk's neighbour cache is computed behind its neighbours' behind-prefix caches. A neighbour outside the
+    hot set has none stored: the one made for the neighbour pass was stored, took the room the budget had planned
+    for the hot set's neighbour caches, and the pass stopped with chunks holding only their behind-prefix cache.
+    Now it is kept in memory, and the hot set's estimate counts the files' headers and the prefix's cache."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.index import KVIndex
+
+    write_docs(tmp_path / "docs")
+    whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
+    n_chunks, whole_bytes = len(whole.chunks), disk_bytes(whole.store)
+    whole.close()
+    budget = whole_bytes // 2
+    index = KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=budget), adapter=tiny, progress=False
+    )
+    maker, on_disk = index.maker, {p.stem for p in index.store.root.glob("??/*.safetensors")}
+    held = [[key in on_disk for key in maker.chunk_keys(c.token_ids)] for c in index.chunks.all_chunks()]
+    assert all(all(h) or not any(h) for h in held)  # a cached chunk has both its caches, the others none
+    cached = sum(all(h) for h in held)
+    assert 0 < cached < n_chunks and disk_bytes(index.store) <= budget
+    one_more = max(maker.disk_bytes([len(c.token_ids)]) for c in index.chunks.all_chunks())  # a chunk's two caches
+    assert budget - disk_bytes(index.store) < 2 * one_more  # the room went to the hot set, not left unused

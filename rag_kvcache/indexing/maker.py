@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from ..engine.spec import ModelSpec
 from ..retrieval.chunk_index import ChunkIndex
 from ..retrieval.records import ChunkRecord
 from ..store.addressing import CacheAddressing, Context
+from ..store.backend import header_nbytes
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from .grouping import similar_groups
@@ -125,9 +127,32 @@ class CacheMaker:
 
     def disk_bytes(self, lengths: Iterable[int]) -> int:
         """Bytes on disk of all the caches (`caches_per_chunk`) of chunks of these token counts, as the store's
-        codec stores them."""
+        codec stores them, their files' headers included."""
+        lengths = list(lengths)
         position = len(self.addressing.chunk_context)  # 0 for `isolated`: computed behind nothing
-        return cache_nbytes(self.store.codec, self.adapter.layout, lengths, position) * self.caches_per_chunk
+        payload = cache_nbytes(self.store.codec, self.adapter.layout, lengths, position)
+        return (payload + self._header_bytes * len(lengths)) * self.caches_per_chunk
+
+    @cached_property
+    def _header_bytes(self) -> int:
+        """A cache file's header (`backend.header_nbytes`), as a whole chunk's takes it: shorter ones' are a few
+        bytes less."""
+        position = len(self.addressing.chunk_context)
+        return header_nbytes(self.store.codec, self.adapter.layout, self.config.index.chunk_tokens, position)
+
+    def _fixed_bytes_lacking(self) -> int:
+        """Bytes of the caches every prompt or neighbour cache reads and the disk does not hold yet: the system
+        prefix's and, with `cached_neighbours`, the separator's behind it."""
+        prefix, sep = self.format.prefix_ids, self.format.separator_ids
+        fixed = [(self.addressing.key(prefix, ()), len(prefix), 0)]
+        if self.config.index.chunk_prefill == "cached_neighbours" and sep:
+            fixed.append((self.addressing.key(sep, prefix), len(sep), len(prefix)))
+        codec, layout = self.store.codec, self.adapter.layout
+        return sum(
+            cache_nbytes(codec, layout, [n], position) + self._header_bytes
+            for key, n, position in fixed
+            if key not in self.store.disk
+        )
 
     def cache_bytes(self, n_tokens: int) -> int:
         """Bytes on disk of one cache of a chunk of `n_tokens` tokens."""
@@ -164,6 +189,7 @@ class CacheMaker:
         room = None if self.store.ledger is None else self.store.ledger.room()
         if room is None:
             return ranked
+        room -= self._fixed_bytes_lacking()
         hot = []
         for chunk in ranked:
             held = sum(key in self.store.disk for key in self.chunk_keys(chunk.token_ids))

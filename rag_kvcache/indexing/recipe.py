@@ -5,7 +5,8 @@ several, as its `chunk_prefill` makes it, and recomputes one found missing or co
 - Behind one of the chunk's recorded neighbour contexts (`CacheAddressing.neighbour_context`): with
   `cached_neighbours`, the chunk computed behind the context's *cached* K/V (the prefix's cache, each
   neighbour's behind-prefix cache, the separator's between them, each re-rotated into place), a stored cache
-  that is missing or corrupt recomputed and stored on the way; otherwise a prefill behind the context's text.
+  that is missing or corrupt recomputed and stored on the way (a missing one, under a disk budget, kept in
+  memory instead); otherwise a prefill behind the context's text.
 - Behind several (`CacheAddressing.stored_means`): the mean, at the first's positions, of those caches
   (`BlendKV`), as a query averaging them would read it.
 
@@ -90,12 +91,21 @@ class CacheRecipe:
         return compute_behind_cached(self.adapter, ids, sources, sep)
 
     def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
-        """The stored cache of `ids` behind `context`, to build a cached context from: a missing one is
-        recomputed and stored (logged), one that fails a layer's check when read is recomputed then. Read
-        without entering the memory tier, so indexing does not churn the caches queries read from it."""
+        """The stored cache of `ids` behind `context`, to build a cached context from: one that fails a layer's
+        check when read is recomputed then; a missing one is recomputed and stored (logged), except under a
+        disk budget, where it is kept in this process's memory tier: a neighbour outside the hot set is made to
+        build its neighbour's cache, and storing it would spend the room the budget planned for the hot set's
+        caches (a prompt that reads it stores it, if the budget admits it then). Read without entering the
+        memory tier, so indexing does not churn the caches queries read from it."""
         key = self.addressing.key(ids, context)
         entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)), promote=False)
-        return entry if entry is not None else self.repair(key, ids, (context,))
+        if entry is not None:
+            return entry
+        if self.store.ledger is not None and self.store.ledger.budget is not None:
+            kv = self.make(ids, (context,))
+            self.store.memory.put(key, kv)
+            return kv
+        return self.repair(key, ids, (context,))
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
         """Recompute a missing or corrupt cache (`make`) and store it again (a failed write is logged, not

@@ -31,8 +31,9 @@ import torch
 import xxhash
 
 from ..engine.cache import ChunkKV
+from ..engine.interface import KVLayout
 from ..errors import RagKVCacheError
-from .codecs import Codec, entry_codecs, get_codec
+from .codecs import Codec, cache_nbytes, entry_codecs, get_codec
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,15 @@ class Backend(Counted, ABC):
             self.remove(key)
         except OSError as err:  # e.g. a read-only index: the entry stays, and is a miss again next time
             log.warning("could not remove the corrupt KV cache entry %s: %s", self.where(key), err)
+
+
+def header_nbytes(codec: Codec, layout: KVLayout, n_tokens: int, position: int) -> int:
+    """Bytes an entry of `n_tokens` tokens at `position` takes beyond its payload (`codecs.cache_nbytes`): its
+    header, every layer's tensors named, shaped and checksummed (about half a KiB a layer); measured by encoding
+    an entry of that size, so it costs one encode."""
+    ones = torch.ones(layout.n_kv_heads, n_tokens, layout.head_dim, dtype=layout.dtype)  # [H_kv, T, D]
+    entry = encode_entry(ChunkKV([ones] * layout.n_layers, [ones] * layout.n_layers, position), codec)
+    return len(entry) - cache_nbytes(codec, layout, [n_tokens], position)
 
 
 def encode_entry(kv: ChunkKV, codec: Codec) -> bytearray:

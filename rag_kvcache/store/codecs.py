@@ -202,7 +202,7 @@ def entry_codecs(codec: Codec, position: int) -> tuple[TensorCodec, TensorCodec]
 
 def cache_nbytes(codec: Codec, layout: KVLayout, lengths: Iterable[int], position: int) -> int:
     """Bytes the caches of chunks of these token counts take when `codec` stores them (payload and side
-    data; the few hundred bytes of each file's header aside), each cache's first token at `position`."""
+    data; each file's header aside: `backend.header_nbytes`), each cache's first token at `position`."""
     per_layer = sum(
         tensor_codec.nbytes(layout.n_kv_heads, t=n, d=layout.head_dim, dtype=layout.dtype)
         for n in lengths
