@@ -212,12 +212,19 @@ class KVIndex:
         return cls(path, config, ChunkIndex.open(path, embedder, rewrite), adapter)
 
     def update(
-        self, docs_dir: Path, progress: bool = True, prune: bool = False, workers: RayWorkers | None = None
+        self,
+        docs_dir: Path,
+        progress: bool = True,
+        prune: bool = False,
+        workers: RayWorkers | None = None,
+        on_searchable: Callable[[], None] | None = None,
     ) -> SyncReport:
-        """Add `docs_dir`: index its new and changed files, storing the new chunks' KV caches before the
-        index commits them; other documents stay unless `prune` drops those not in `docs_dir`. With
-        `workers` (`ray_workers()`) the caches are computed on a Ray cluster.
-        Raises `StorageFullError` (index unchanged) when the disk fills."""
+        """Add `docs_dir`: index its new and changed files (the chunks committed first, searchable from then on,
+        then their KV caches made in passes, as `_index` says); other documents stay unless `prune` drops those
+        not in `docs_dir`. With `workers` (`ray_workers()`) the caches are computed on a Ray cluster.
+        `on_searchable` is called once the chunks are committed, before the cache passes (the CLI lowers its CPU
+        priority there, so questions asked meanwhile come first). Raises `StorageFullError` when the disk fills
+        (the chunks and caches committed before it are kept)."""
         return self._index(
             lambda chunker: staging.stage_sync(
                 self.chunks,
@@ -230,6 +237,7 @@ class KVIndex:
             ),
             progress,
             workers,
+            on_searchable,
         )
 
     def add_texts(self, documents: Sequence[TextDocument], progress: bool = True) -> SyncReport:
@@ -241,7 +249,11 @@ class KVIndex:
         )
 
     def _index(
-        self, stage: Callable[[Chunker], staging.Staged], progress: bool, workers: RayWorkers | None = None
+        self,
+        stage: Callable[[Chunker], staging.Staged],
+        progress: bool,
+        workers: RayWorkers | None = None,
+        on_searchable: Callable[[], None] | None = None,
     ) -> SyncReport:
         """The indexing pipeline after what `stage` reads, diffs, chunks (with the chunker it is given) and
         embeds, in passes, all under the writer lock: the chunks committed (searchable from then on: a chunk
@@ -263,6 +275,8 @@ class KVIndex:
             if maker.grouped:
                 maker.precompute_grouped(staged.report.new_chunks, staged.embeddings, progress, workers)
             report = staging.commit(self.chunks, staged)
+            if on_searchable is not None:
+                on_searchable()
             if not maker.grouped:
                 hot = maker.hot_set()
                 self._announce(hot)

@@ -232,6 +232,32 @@ def test_kill_9_while_embedding_commits_nothing(tiny, tmp_path):
     assert_consistent(idx, tiny)
 
 
+def test_the_folder_is_searchable_before_any_cache_is_made(tiny, tmp_path):
+    """`update`'s `on_searchable` runs once the chunks are committed and before the first cache pass: a question
+    finds its chunk then, and no chunk cache is on disk yet."""
+    index = KVIndex.create(tmp_path / "idx", CFG, adapter=tiny)
+    seen = []
+
+    def searchable() -> None:
+        stored = list(index.store.root.glob("??/*.safetensors"))
+        seen.append((len(index.chunks), index.search(QUESTION, 1)[0].chunk.text, stored))
+
+    index.update(write_docs(tmp_path / "docs", 3), progress=False, on_searchable=searchable)
+    ((n_chunks, found, stored),) = seen
+    assert n_chunks == len(index.chunks) > 0 and "Harrow's Eye" in found and stored == []
+    assert all(index.store.get(index.addressing.own_key(c.token_ids)) for c in index.chunks.all_chunks())
+
+
+def test_the_index_command_runs_its_cache_passes_at_the_lowest_cpu_priority():
+    """`rag-kvcache index` passes `yield_cpu` as `on_searchable`: a question asked while the passes run shares the
+    cores with nothing of theirs (in its own process: a priority once lowered stays lowered)."""
+    from rag_kvcache.cli import indexing
+
+    code = "import os; from rag_kvcache.cli.indexing import yield_cpu; yield_cpu(); print(os.nice(0))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(done.stdout) == indexing.PASSES_NICENESS == 19
+
+
 def test_two_indexers_at_once(tiny, tmp_path, caplog):
     docs, idx = write_docs(tmp_path / "docs", 8), tmp_path / "idx"
     proc = run_indexer(docs, idx, delay=0.05)

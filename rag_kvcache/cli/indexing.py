@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Annotated, Optional
 
@@ -27,6 +28,17 @@ from .common import (
     path_arg,
     was_given,
 )
+
+PASSES_NICENESS = 19  # the cache passes' CPU priority once the folder is searchable: the lowest
+
+
+def yield_cpu() -> None:
+    """Run the rest of `index` (the cache passes, once the folder is searchable) at the lowest CPU priority, so a
+    question asked meanwhile (`ask`, `serve`: the chunks it needs computed in the request) is answered as on an
+    idle machine instead of sharing the cores with the passes. Priority orders the processes of one session (a
+    terminal, a service) on Linux with autogroup scheduling; where the OS has no `nice`, nothing changes."""
+    if hasattr(os, "nice"):
+        os.nice(PASSES_NICENESS - os.nice(0))
 
 
 def index(
@@ -122,10 +134,10 @@ def index(
         )
         err.print(idx.store.trust(), highlight=False)
         if ray is None:
-            report = idx.update(docs_dir, prune=prune)
+            report = idx.update(docs_dir, prune=prune, on_searchable=yield_cpu)
         else:
             with idx.ray_workers() as workers:
-                report = idx.update(docs_dir, prune=prune, workers=workers)
+                report = idx.update(docs_dir, prune=prune, workers=workers, on_searchable=yield_cpu)
     except KeyboardInterrupt:
         kept = 0 if idx is None else idx.maker.made
         err.print(
