@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
 
     data = load_musique(args.data)[: args.questions]
-    index = question_index(data, args.work, args.chunk_tokens)
+    index = question_index(data, args.work, args.chunk_tokens, chunk_prefill="grouped")
     if (mode := index.config.index.chunk_prefill) != "grouped":
         parser.error(f"{args.work / 'index'} has {mode!r} caches; this compares checks on grouped ones")
     generator = FusedGenerator(index)

@@ -42,7 +42,7 @@ import torch
 
 from rag_kvcache.bench.corpus import write_corpus
 from rag_kvcache.bench.datasets import load_musique
-from rag_kvcache.config import Config, RuntimeConfig
+from rag_kvcache.config import Config, IndexSettings, RuntimeConfig
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.index import KVIndex
 from rag_kvcache.indexing.precompute import compute_caches, pack_tokens
@@ -106,6 +106,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--forwards", type=int, default=3, help="512-token forwards before and after each round")
     parser.add_argument("--ray-workers", type=int, nargs="*", default=[])
+    parser.add_argument(
+        "--chunk-prefill",
+        default="behind_prefix",
+        help="the index's caches (behind_prefix: one a chunk, the work the forward compares with; the default "
+        "index's cached_neighbours makes two)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,9 +120,10 @@ def main() -> None:
     args.out.mkdir(parents=True)
     folders = split_corpus(args.data, args.questions, args.rounds, args.out / "docs")
     config = Config(
+        index=IndexSettings(chunk_prefill=args.chunk_prefill),
         runtime=RuntimeConfig(
             cache_dir=Path(os.environ.get("RAG_KVCACHE_CACHE_DIR", Path.home() / ".cache" / "rag-kvcache"))
-        )
+        ),
     )
     adapter = ModelAdapter.load(config)
     gen = torch.Generator().manual_seed(0)
@@ -179,7 +186,7 @@ def main() -> None:
         for n in args.ray_workers:
             ray_index = KVIndex.create(
                 args.out / f"index-ray{n}",
-                Config(runtime=RuntimeConfig(ray_workers=n, cache_dir=config.runtime.cache_dir)),
+                Config(index=config.index, runtime=RuntimeConfig(ray_workers=n, cache_dir=config.runtime.cache_dir)),
                 adapter,
             )
             with ray_index.ray_workers() as workers:

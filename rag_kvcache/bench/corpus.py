@@ -8,14 +8,14 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import Config, IndexSettings
+from ..config import ChunkPrefill, Config, IndexSettings
 from ..engine.model import ModelAdapter
 from ..engine.prompt import Segment
 from ..index import KVIndex
@@ -81,14 +81,20 @@ def write_question_passages(examples: Sequence[QAExample], docs_dir: Path) -> No
             (docs_dir / f"{qi:03d}-{pi:02d}.txt").write_text(f"{doc.title}\n{doc.text}", encoding="utf-8")
 
 
-def question_index(examples: Sequence[QAExample], work_dir: Path, chunk_tokens: int) -> KVIndex:
+def question_index(
+    examples: Sequence[QAExample], work_dir: Path, chunk_tokens: int, chunk_prefill: ChunkPrefill | None = None
+) -> KVIndex:
     """The index of `examples`' passages (`write_question_passages` under `work_dir / "docs"`) at `work_dir /
-    "index"` with the default settings at `chunk_tokens`: opened when already built there, else built."""
+    "index"` with the default settings at `chunk_tokens` (and `chunk_prefill`, None: the default): opened when
+    already built there, else built."""
     docs, index_dir = work_dir / "docs", work_dir / "index"
     write_question_passages(examples, docs)
     if (index_dir / "index.sqlite").is_file():
         return KVIndex.open(index_dir)
-    return KVIndex.build(docs, index_dir, Config(index=IndexSettings(chunk_tokens=chunk_tokens)))
+    settings = IndexSettings(chunk_tokens=chunk_tokens)
+    if chunk_prefill is not None:
+        settings = replace(settings, chunk_prefill=chunk_prefill)
+    return KVIndex.build(docs, index_dir, Config(index=settings))
 
 
 def forward_throughput(adapter: ModelAdapter, n_tokens: int = 512, repeats: int = 3) -> float:
