@@ -68,9 +68,10 @@ def main() -> None:
     parser.add_argument("before", help="the commit before the change")
     parser.add_argument("after", help="the commit after it")
     parser.add_argument("--work", type=Path, required=True, help="worktrees and the two bench runs")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: bench's arguments (no --out)")
-    args = parser.parse_args()
-    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    bench_args = argv[cut + 1 :]  # after --: bench's arguments (no --out)
     args.work.mkdir(parents=True, exist_ok=True)
     trees = {name: checkout(commit, args.work) for name, commit in (("before", args.before), ("after", args.after))}
     runs = {name: run(tree, args.work / name, bench_args) for name, tree in trees.items()}
