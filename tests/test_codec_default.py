@@ -8,12 +8,14 @@ import logging
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 from rich.filesize import decimal
 
 from rag_kvcache.config import Config, GenerationConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
 from rag_kvcache.index import KVIndex
 from rag_kvcache.query.generator import FusedGenerator
+from rag_kvcache.store.backend import header_nbytes
 from rag_kvcache.store.codecs import cache_nbytes
 
 CFG = Config(
@@ -45,17 +47,24 @@ def test_a_default_index_stores_int8_keys_and_4_bit_values_and_says_the_size_fir
     sep = index.format.separator_ids
     prefix = cache_nbytes(index.store.codec, tiny.layout, [len(index.format.prefix_ids)], 0)
     separator = cache_nbytes(index.store.codec, tiny.layout, [len(sep)] if sep else [], len(index.format.prefix_ids))
-    expected = index.kv_bytes(map(len, chunks)) + prefix + separator
+    position = len(index.format.prefix_ids)
+    payload = per_chunk * cache_nbytes(index.store.codec, tiny.layout, map(len, chunks), position)
     assert len(files) == per_chunk * len(chunks) + 1 + bool(sep)
     headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)  # safetensors: length, then JSON
-    assert sum(p.stat().st_size for p in files) - headers == expected  # headers aside, as said
+    assert sum(p.stat().st_size for p in files) - headers == payload + prefix + separator  # the payload, exactly
+    not_chunks = {index.store.path(index.addressing.key(index.format.prefix_ids, ()))}
+    not_chunks |= {index.store.path(index.addressing.key(sep, index.format.prefix_ids))} if sep else set()
+    chunk_files = sum(p.stat().st_size for p in files if p not in not_chunks)
+    said_bytes = index.kv_bytes(map(len, chunks))  # headers estimated as a whole chunk's: a little over
+    assert chunk_files <= said_bytes <= chunk_files + 64 * len(files)
     # of 4 bytes of float32: keys a byte an element and a float32 scale per channel per chunk of 24 tokens, values
     # half a byte and a float32 scale and low end per channel (one group: chunks under 64 tokens); two caches,
     # neither at a sequence's start
     keys, values = 1 + 4 / CFG.index.chunk_tokens, 0.5 + 8 / CFG.index.chunk_tokens
     layout = tiny.layout
     raw = layout.n_layers * layout.n_kv_heads * layout.head_dim * layout.dtype.itemsize  # K (or V) of a token
-    assert index.kv_bytes_per_token == per_chunk * raw * (keys + values) / 4
+    header = header_nbytes(index.store.codec, layout, CFG.index.chunk_tokens, position) / CFG.index.chunk_tokens
+    assert index.kv_bytes_per_token == pytest.approx(per_chunk * (raw * (keys + values) / 4 + header))
 
 
 def test_an_index_built_before_the_default_changed_reads_as_it_records(tiny, tmp_path):
