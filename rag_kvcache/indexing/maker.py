@@ -140,17 +140,21 @@ class CacheMaker:
         position = len(self.addressing.chunk_context)
         return header_nbytes(self.store.codec, self.adapter.layout, self.config.index.chunk_tokens, position)
 
-    def _fixed_bytes_lacking(self) -> int:
-        """Bytes of the caches every prompt or neighbour cache reads and the disk does not hold yet: the system
-        prefix's and, with `cached_neighbours`, the separator's behind it."""
+    def _fixed(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """The caches every prompt or neighbour cache reads, as (key, token ids, context): the system prefix's,
+        behind nothing, and with `cached_neighbours` the separator's, behind the prefix."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        fixed = [(self.addressing.key(prefix, ()), len(prefix), 0)]
+        fixed: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = [(self.addressing.key(prefix, ()), prefix, ())]
         if self.config.index.chunk_prefill == "cached_neighbours" and sep:
-            fixed.append((self.addressing.key(sep, prefix), len(sep), len(prefix)))
+            fixed.append((self.addressing.key(sep, prefix), sep, prefix))
+        return fixed
+
+    def _fixed_bytes_lacking(self) -> int:
+        """Bytes of the `_fixed` caches the disk does not hold yet."""
         codec, layout = self.store.codec, self.adapter.layout
         return sum(
-            cache_nbytes(codec, layout, [n], position) + self._header_bytes
-            for key, n, position in fixed
+            cache_nbytes(codec, layout, [len(ids)], len(context)) + self._header_bytes
+            for key, ids, context in self._fixed()
             if key not in self.store.disk
         )
 
@@ -162,10 +166,7 @@ class CacheMaker:
         """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
         before it in its group) and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each
         number of its recorded neighbours (`CacheAddressing.neighbour_reads`)."""
-        prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        live: Live = {self.addressing.key(prefix, ()): (prefix, ((),))}
-        if self.config.index.chunk_prefill == "cached_neighbours" and sep:
-            live[self.addressing.key(sep, prefix)] = (sep, (prefix,))
+        live: Live = {key: (ids, (context,)) for key, ids, context in self._fixed()}
         for ids in self.chunks.token_ids():
             own = self.addressing.own_context(ids)
             live[self.addressing.key(ids, own)] = (ids, (own,))
