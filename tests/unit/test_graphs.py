@@ -1,6 +1,6 @@
 """The settled layers as one padded static step (`engine.graphs`): on a CPU it runs eagerly, and must give what the
 layer-by-layer forward gives, method for method, whatever bucket the prompt lands in and whatever an earlier prompt
-left in the step's buffers. On CUDA the same step is captured (tests/test_gpu.py)."""
+left in the step's buffers. On CUDA the same step is captured (tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import tiny_llama
 from test_fusion import rag_prompt
+from tiny_model import tiny_llama
 
 from rag_kvcache.config import FusionConfig
 from rag_kvcache.engine.cache import SliceKV, pack_layer, pack_layers

@@ -36,7 +36,7 @@ def test_round_trip(tmp_path):
 
 def test_memory_tier_on_the_device_holds_what_is_read_there(tmp_path):
     # with memory_on_device, an entry read whole from disk is promoted onto the model's device ("meta" stands
-    # in for a GPU here; tests/test_gpu.py reads one on CUDA); without it, the tier stays in host memory
+    # in for a GPU here; tests/gpu/test_gpu.py reads one on CUDA); without it, the tier stays in host memory
     key = cache_key("ns", (), (3, 4, 5))
     for on_device, where in ((True, "meta"), (False, "cpu")):
         store = KVStore(tmp_path / str(on_device), LOSSLESS, StorageConfig(memory_on_device=on_device), device="meta")

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
 def test_every_notebook_is_found() -> None:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_llama
+from tiny_model import tiny_llama
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.model import ModelAdapter
@@ -145,7 +145,7 @@ def test_missing_and_foreign_index(tiny, tmp_path):
 
 
 def test_other_tokenizer_is_refused(index):
-    from conftest import MINILM_DIR
+    from tiny_model import MINILM_DIR
     from transformers import AutoTokenizer
 
     other = AutoTokenizer.from_pretrained(MINILM_DIR)

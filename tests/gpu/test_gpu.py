@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 from test_fusion import rag_prompt
 from test_sentences import FIRST, SECOND, prompt
+from tiny_model import tiny_llama
 
 from rag_kvcache.config import FusionConfig, GenerationConfig
 from rag_kvcache.engine.cache import ChunkKV, SliceKV, read_layer

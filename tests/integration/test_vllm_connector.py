@@ -1,7 +1,7 @@
 """`RagKVCacheConnector` inside a real vLLM engine (CPU build, SmolLM2-135M in float32).
 
 Runs in the second venv that scripts/setup-vllm.sh makes: `.venv-vllm/bin/python -m pytest
-tests/test_vllm_connector.py`; skipped where vLLM is not installed (the main venv). One engine with the
+tests/integration/test_vllm_connector.py`; skipped where vLLM is not installed (the main venv). One engine with the
 connector serves every `LLM` test (its start takes minutes on 2 cores); vLLM alone is the same engine asked
 with `skip_reading_prefix_cache`, which makes vLLM's scheduler take no tokens from any cache, the
 connector's included, and prefix caching is off so no request reads another's blocks.

@@ -22,7 +22,8 @@ from rag_kvcache.errors import StorageFullError
 from rag_kvcache.index import KVIndex
 from rag_kvcache.query.generator import FusedGenerator
 
-TESTS = Path(__file__).resolve().parent
+# What the processes tests start import from: tests/ (tiny_model.py) and this folder (test_faults.py)
+TESTS = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 CFG = Config(
     index=IndexSettings(chunk_tokens=24, codec="none"),
     query=QueryConfig(top_k=3, generation=GenerationConfig(max_new_tokens=6)),
@@ -35,8 +36,8 @@ WORDS = "harbour ferry granite lighthouse keeper diary telescope refractor baker
 # in which it can be killed: argv = docs, index, seconds of delay before each rename.
 INDEXER = f"""
 import os, sys, time
-sys.path.insert(0, {str(TESTS)!r})
-from conftest import MINILM_DIR, tiny_llama
+sys.path[:0] = {TESTS!r}
+from tiny_model import MINILM_DIR, tiny_llama
 from transformers import AutoTokenizer
 from rag_kvcache.config import Config, IndexSettings
 from rag_kvcache.engine.model import ModelAdapter
@@ -373,7 +374,7 @@ def test_a_writer_opened_before_another_sync_does_not_drop_its_chunks(index, tin
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from conftest import MINILM_DIR, tiny_llama
+    from tiny_model import MINILM_DIR, tiny_llama
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny-model")

@@ -7,9 +7,9 @@ import copy
 import logging
 
 import pytest
-from conftest import tiny_llama
 from test_faults import CFG, QUESTION, write_docs
 from test_serve import CHATML
+from tiny_model import tiny_llama
 
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.engine.prompt import ChatTurn

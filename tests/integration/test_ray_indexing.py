@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 from test_precompute_batching import docs  # noqa: F401 (the documents folder fixture)
+from tiny_model import tiny_llama
 from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")

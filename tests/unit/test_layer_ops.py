@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 from test_model import build
+from tiny_model import tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_kvcache.engine.model import ModelAdapter

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from tiny_model import tiny_llama
 
 from rag_kvcache.engine.decoding import DecodePool
 from rag_kvcache.engine.model import ModelAdapter

@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import tiny_llama
 from synthetic import synthetic_multihop
+from tiny_model import tiny_llama
 
 from rag_kvcache.bench.prompts import LANGCHAIN_SYSTEM, PROMPT_STYLES, style_messages
 from rag_kvcache.bench.runner import run_benchmark

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SESSION = re.compile(r"\bsessions?\s+\d+", re.IGNORECASE)
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|work|home)/[\w.$~-]")  # a path's start, not a URL's tail
 TEXT = {".py", ".md", ".txt", ".json", ".toml", ".yaml", ".yml", ".html", ".j2", ".cfg", ".ini"}

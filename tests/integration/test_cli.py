@@ -13,9 +13,9 @@ from typing import Literal
 import pytest
 import torch
 import typer
-from conftest import tiny_llama
 from pydantic import BaseModel, Field, ValidationError
 from test_serve import CHATML
+from tiny_model import tiny_llama
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 

@@ -140,9 +140,9 @@ def test_a_corrupt_cache_that_cannot_be_removed_is_still_a_recomputed_miss(index
 # ---- real faults: a full tmpfs and a read-only mount, in a private mount namespace ----------------------
 REAL = f"""
 import json, os, sys
-sys.path.insert(0, {str(TESTS)!r})
+sys.path[:0] = {TESTS!r}
 from pathlib import Path
-from conftest import MINILM_DIR, tiny_llama
+from tiny_model import MINILM_DIR, tiny_llama
 from transformers import AutoTokenizer
 from rag_kvcache.engine.model import ModelAdapter
 from rag_kvcache.query.generator import FusedGenerator
@@ -332,7 +332,7 @@ def test_orphan_caches_are_collected_at_sync_and_by_gc(tiny, tiny_model_dir, tmp
 def test_ask_with_another_model_does_not_store_its_caches(index, tokenizer):
     """`ask --model X` wrote X's caches into the index: another model's are computed and used, and kept in
     the process's memory tier (a second question reuses them), never written to the index."""
-    from conftest import tiny_llama
+    from tiny_model import tiny_llama
 
     from rag_kvcache.engine.model import ModelAdapter
 
@@ -355,7 +355,7 @@ def test_indexing_with_another_model_is_refused_and_writes_nothing(index, tokeni
     name) wrote its prefix cache, and would have written new chunks' caches, into the index under its own
     namespace: caches no query of the index reads. Now it is refused, naming both fingerprints, and the index's
     files and chunks are as they were."""
-    from conftest import tiny_llama
+    from tiny_model import tiny_llama
 
     from rag_kvcache.engine.model import ModelAdapter
 

@@ -25,7 +25,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import tiny_llama
+from tiny_model import tiny_llama
 
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, QueryConfig
 from rag_kvcache.engine.generation import Decoder, sample_token

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_llama
+from tiny_model import tiny_llama
 from typer.testing import CliRunner
 
 from rag_kvcache.cli import app

@@ -22,7 +22,7 @@ from rag_kvcache.bench.datasets import (
     write_jsonl,
 )
 
-REAL_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+REAL_MUSIQUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
 
 MUSIQUE_RECORDS = [
     {
@@ -363,7 +363,7 @@ def test_the_planted_set_writer_writes_what_bench_generates(tmp_path):
         for ex in _musique_like(3)
     ]
     (tmp_path / "m.json").write_text(json.dumps(records))
-    script = Path(__file__).resolve().parents[1] / "datasets" / "planted.py"
+    script = Path(__file__).resolve().parents[2] / "datasets" / "planted.py"
     for flag, spec in (([], "planted:"), (["--paraphrased"], "planted-paraphrased:")):
         out = tmp_path / f"{spec[:-1]}.jsonl"
         main = runpy.run_path(str(script))["main"]

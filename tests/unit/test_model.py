@@ -91,7 +91,7 @@ def test_unsupported_models_are_refused(tokenizer, model_type, extra, reason):
 
 
 def test_fingerprint_tracks_weights(tokenizer):
-    from conftest import tiny_llama
+    from tiny_model import tiny_llama
 
     a = ModelAdapter(tiny_llama(seed=0), tokenizer, "a").fingerprint
     assert a == ModelAdapter(tiny_llama(seed=0), tokenizer, "a").fingerprint
@@ -102,7 +102,7 @@ def test_fingerprint_ignores_the_transformers_release_that_wrote_the_config(toke
     """An index built under one transformers release missed every cache under another (the vLLM venv pins an
     older one): the config's `transformers_version` (the running release's, written by `to_dict`) changes no
     K/V. Any other config value still counts."""
-    from conftest import tiny_llama
+    from tiny_model import tiny_llama
     from transformers import configuration_utils
 
     a = ModelAdapter(tiny_llama(seed=0), tokenizer, "a").fingerprint
@@ -120,7 +120,7 @@ def test_finish_equals_the_decoder_layer_bit_for_bit(tokenizer, hidden_act):
     projection) is the same arithmetic as transformers' own decoder layer: equal bit for bit with SiLU, and
     its input left untouched. GELU's kernel rounds a strided input (the gate half of the fused projection)
     differently from a contiguous one in the last bit, so GELU is compared to float tolerance."""
-    from conftest import tiny_llama
+    from tiny_model import tiny_llama
 
     adapter = ModelAdapter(tiny_llama(hidden_act=hidden_act), tokenizer, "tiny")
     torch.manual_seed(1)
