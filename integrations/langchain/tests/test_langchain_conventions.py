@@ -8,20 +8,13 @@ import torch
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever, rag_message
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
 from rag_kvcache import ServingEngine
 
+from ...testing import QUESTION, Telescope
+
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
-
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
-
-
-class Telescope(BaseModel):
-    """The telescope the question asks about."""
-
-    name: str = Field(description="the telescope's name")
-    observatory: str = Field(description="the observatory it belongs to")
 
 
 @pytest.fixture(scope="module")

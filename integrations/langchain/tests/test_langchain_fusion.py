@@ -12,9 +12,9 @@ from langchain_rag_kvcache.chat_models import _prompt
 
 from rag_kvcache import ConfigError, FusionConfig, GenerationConfig, KVIndex, Options, ServingEngine
 
-pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
+from ...testing import QUESTION
 
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
 
 @pytest.fixture(scope="module")

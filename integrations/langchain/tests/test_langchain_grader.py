@@ -10,9 +10,9 @@ from langchain_rag_kvcache import RELEVANCE_KEY, RagKVCacheGrader, RagKVCacheRet
 
 from rag_kvcache import RagKVCacheError, RelevanceCheck, ServingEngine
 
-pytestmark = pytest.mark.smollm2  # the demo index built with SmolLM2-135M
+from ...testing import QUESTION
 
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+pytestmark = pytest.mark.smollm2  # the demo index built with SmolLM2-135M
 
 
 def test_the_grader_keeps_what_the_core_check_judges_relevant(demo_engine: ServingEngine) -> None:

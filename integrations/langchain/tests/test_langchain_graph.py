@@ -20,7 +20,7 @@ from langchain_rag_kvcache import (
 
 from rag_kvcache import FusionConfig, RagKVCacheError, ServingEngine
 
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+from ...testing import QUESTION
 
 
 @pytest.mark.smollm2

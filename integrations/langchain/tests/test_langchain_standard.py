@@ -12,9 +12,9 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from rag_kvcache import ServingEngine
 
-pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
+from ...testing import QUESTION
 
-QUESTION = "What is the main telescope of the Veldmark Observatory called?"
+pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
 
 class _OnDemoIndex:
@@ -27,7 +27,9 @@ class _OnDemoIndex:
         self.engine = demo_engine
 
 
-class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
+class _ChatModelOnDemoIndex(_OnDemoIndex):
+    """`ChatRagKVCache` on the demo index, for the unit and the integration suite."""
+
     @property
     def chat_model_class(self) -> type[ChatRagKVCache]:
         return ChatRagKVCache
@@ -36,6 +38,8 @@ class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
     def chat_model_params(self) -> dict[str, Any]:
         return {"engine": self.engine}
 
+
+class TestChatRagKVCacheUnit(_ChatModelOnDemoIndex, ChatModelUnitTests):
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
         # api_key authenticates to a remote API; a local model has none, and the class refuses
@@ -44,14 +48,10 @@ class TestChatRagKVCacheUnit(_OnDemoIndex, ChatModelUnitTests):
         return {k: v for k, v in params.items() if k != "api_key"}
 
 
-class TestChatRagKVCacheIntegration(_OnDemoIndex, ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatRagKVCache]:
-        return ChatRagKVCache
-
+class TestChatRagKVCacheIntegration(_ChatModelOnDemoIndex, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"engine": self.engine, "max_tokens": 64}  # room for the structured-output tests' JSON jokes
+        return {**super().chat_model_params, "max_tokens": 64}  # room for the structured-output tests' JSON jokes
 
     @property
     def supports_model_override(self) -> bool:

@@ -17,23 +17,16 @@ from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
 from rag_kvcache import Options, ServingEngine
 
-from ...testing import DEMO_DOCS, QUESTION, empty_engine
+from ...testing import QUESTION, demo_files, empty_engine
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
-
-
-@pytest.fixture(scope="module")
-def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: ServingEngine) -> Iterator[ServingEngine]:
-    with empty_engine(tmp_path_factory.mktemp("store") / "index", demo_engine) as engine:
-        yield engine
 
 
 @pytest.fixture(scope="module")
 def demo_documents() -> list[Document]:
     return [
         Document(page_content=f.read_text(), id=f"demo/{f.name}", metadata={"file": f.name, "kind": "demo"})
-        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name)
-        if f.name.endswith((".md", ".txt"))
+        for f in demo_files()
     ]
 
 

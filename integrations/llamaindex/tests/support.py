@@ -1,4 +1,4 @@
-"""What the LlamaIndex tests share beside their fixtures: the demo documents, a recorder of the prompts
+"""What the LlamaIndex tests share beside their fixtures: the demo question, a recorder of the prompts
 LlamaIndex sends to LLMs, and the count of a prompt's tokens read from the index's chunk caches."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from llama_index.llms.rag_kvcache.base import _role, _texts
 
 from rag_kvcache import ChatTurn, chat_prompt
 
-from ...testing import DEMO_DOCS, QUESTION  # noqa: F401 (re-exported for the LlamaIndex tests)
+from ...testing import QUESTION  # noqa: F401 (re-exported for the LlamaIndex tests)
 
 
 class Prompts(BaseEventHandler):

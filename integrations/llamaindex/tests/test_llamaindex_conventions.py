@@ -10,20 +10,13 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.prompts import PromptTemplate
 from llama_index.llms.rag_kvcache import RagKVCacheLLM
 from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
-from pydantic import BaseModel, Field
 
 from rag_kvcache import ServingEngine
 
+from ...testing import Telescope
 from .support import QUESTION
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
-
-
-class Telescope(BaseModel):
-    """The telescope the question asks about."""
-
-    name: str = Field(description="the telescope's name")
-    observatory: str = Field(description="the observatory it belongs to")
 
 
 @pytest.fixture(scope="module")

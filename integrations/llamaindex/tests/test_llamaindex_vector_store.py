@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,15 @@ from llama_index.vector_stores.rag_kvcache import RagKVCacheVectorStore
 from rag_kvcache import ServingEngine
 from rag_kvcache.retrieval.embedder import embedder_dtype, load_embedder, unit_vectors
 
-from ...testing import empty_engine
-from .support import DEMO_DOCS, QUESTION, Prompts, matched_tokens
+from ...testing import demo_files, empty_engine
+from .support import QUESTION, Prompts, matched_tokens
 
 pytestmark = pytest.mark.smollm2  # every test runs on an index built with SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
-def store_engine(tmp_path_factory: pytest.TempPathFactory, demo_engine: ServingEngine) -> Iterator[ServingEngine]:
-    with empty_engine(tmp_path_factory.mktemp("li-store") / "index", demo_engine) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def vector_index(store_engine: ServingEngine) -> VectorStoreIndex:
-    documents = [
-        Document(text=f.read_text(), id_=f"demo/{f.name}", metadata={"file": f.name})
-        for f in sorted(DEMO_DOCS.iterdir(), key=lambda f: f.name)
-        if f.name.endswith(".md")
-    ]
+    documents = [Document(text=f.read_text(), id_=f"demo/{f.name}", metadata={"file": f.name}) for f in demo_files()]
     store = RagKVCacheVectorStore(engine=store_engine)
     return VectorStoreIndex.from_documents(
         documents,
