@@ -7,12 +7,12 @@ import pytest
 import torch
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import HumanMessage, SystemMessage
-from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever, rag_message
+from langchain_rag_kvcache import ChatRagKVCache, RagKVCacheGrader, RagKVCacheRetriever
 from pydantic import ValidationError
 
 from rag_kvcache import ServingEngine
 
-from ...testing import QUESTION, Telescope
+from ...testing import Telescope
 
 pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with SmolLM2-135M
 
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.smollm2  # every test runs on the demo index built with
 @pytest.fixture(scope="module")
 def model(demo_engine: ServingEngine) -> ChatRagKVCache:
     return ChatRagKVCache(engine=demo_engine, max_tokens=48)
-
-
-@pytest.fixture(scope="module")
-def rag_question(demo_engine: ServingEngine) -> HumanMessage:
-    return rag_message(RagKVCacheRetriever(engine=demo_engine, k=3).invoke(QUESTION), QUESTION)
 
 
 def test_token_counts_use_the_index_tokenizer(

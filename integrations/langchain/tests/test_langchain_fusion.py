@@ -22,11 +22,6 @@ def model(demo_engine: ServingEngine) -> ChatRagKVCache:
     return ChatRagKVCache(engine=demo_engine, max_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def retriever(demo_engine: ServingEngine) -> RagKVCacheRetriever:
-    return RagKVCacheRetriever(engine=demo_engine, k=3)
-
-
 def test_retriever_documents_carry_chunk_identity(retriever: RagKVCacheRetriever, demo_engine: ServingEngine) -> None:
     docs = retriever.invoke(QUESTION)
     engine = demo_engine
@@ -77,8 +72,8 @@ def test_model_prompt_equals_the_core_fused_prompt(demo_index: str) -> None:
     assert message.response_metadata["recomputed_tokens"] == core.recomputed_tokens
 
 
-def test_streaming_matches_invoke(retriever: RagKVCacheRetriever, model: ChatRagKVCache) -> None:
-    messages = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+def test_streaming_matches_invoke(rag_question: HumanMessage, model: ChatRagKVCache) -> None:
+    messages = [rag_question]
     pieces = [chunk.text for chunk in model.stream(messages)]
     assert len(pieces) > 2
     assert "".join(pieces).strip() == model.invoke(messages).text
@@ -135,12 +130,12 @@ def _chunk_tokens(model: ChatRagKVCache, docs) -> int:
     return sum(len(r.token_ids) for r in engine.run(engine.index.chunks.get, [d.id for d in docs]))
 
 
-def test_full_method_reads_no_chunk_cache(demo_engine: ServingEngine, retriever: RagKVCacheRetriever) -> None:
+def test_full_method_reads_no_chunk_cache(demo_engine: ServingEngine, rag_question: HumanMessage) -> None:
     """`full` reads no chunk cache: what it does not compute comes from the conversation cache, where only an
     earlier `full` prompt of this engine put exact K/V (any test's: the engine is the session's). Asked twice,
     the second reads the first's prompt from there and answers the same."""
     full = ChatRagKVCache(engine=demo_engine, max_tokens=8, fusion=FusionConfig(method="full"))
-    prompt = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+    prompt = [rag_question]
     first, second = full.invoke(prompt), full.invoke(prompt)
     for message in (first, second):
         usage, meta = message.usage_metadata, message.response_metadata
@@ -196,11 +191,11 @@ def test_a_model_given_an_index_opens_and_closes_its_own_engine(demo_engine: Ser
 
 
 def test_a_chats_next_turn_reads_the_turn_before_from_the_conversation_cache(
-    model: ChatRagKVCache, retriever: RagKVCacheRetriever
+    model: ChatRagKVCache, rag_question: HumanMessage
 ) -> None:
     """The engine keeps each answered prompt's K/V and its answer's: the next turn of the chat (the same
     messages, the answer, a new question) reads them and computes only what is new."""
-    first = [rag_message(retriever.invoke(QUESTION), QUESTION)]
+    first = [rag_question]
     answer = model.invoke(first)
     second = model.invoke([*first, answer, HumanMessage("Who founded the observatory?")])
     conversation = second.response_metadata["conversation_tokens"]
