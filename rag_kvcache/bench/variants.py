@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..config import CHUNK_PREFILLS, Config, FusionConfig
+from ..config import CHUNK_PREFILLS, Config, FusionConfig, at_least
 from ..engine.methods import METHODS
 from ..store.codecs import CODECS
 from .datasets import EVIDENCE_PLACES
@@ -87,10 +87,7 @@ class BenchSettings:
             raise ValueError(
                 f"baseline {self.baseline!r} is not among the methods {self.methods}: add it or pick another baseline"
             )
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+        at_least(self, warmup=0, threads=1)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..config import FusionConfig, GenerationConfig, QueryConfig, StorageConfig
-from .common import (
+from .common import base_config, check_method, err, fail, model_process, out, placed
+from .options import (
     INDEX_HELP,
     ChunkOrderName,
     DeviationName,
@@ -20,16 +21,10 @@ from .common import (
     KVRemote,
     PlacedDevice,
     PlacedDType,
-    base_config,
-    check_method,
     default,
-    err,
-    fail,
-    model_process,
+    fields_of,
     option,
-    out,
     parse_ratio,
-    placed,
 )
 
 
@@ -82,6 +77,7 @@ def ask(
     ] = False,
 ) -> None:
     """Answer QUESTION from the index, fusing the retrieved chunks' KV caches."""
+    params = dict(locals())
     from ..index import KVIndex
     from ..query.generator import FusedGenerator
     from ..store.controller import resolve_ratio
@@ -97,24 +93,8 @@ def ask(
         meta_cfg = KVIndex.config_of(index_dir, base_config())
         cfg = meta_cfg.with_index(model=model or meta_cfg.index.model)
         cfg = placed(cfg.with_query(top_k=top_k, chunk_order=chunk_order.value), device, dtype)
-        cfg = cfg.with_fusion(
-            method=method,
-            ratio=parse_ratio(ratio),
-            check_layer=check_layer,
-            filter_steps=filter_steps,
-            deviation=deviation.value,
-            epic_k=epic_k,
-            match_words=match_words,
-        )
-        cfg = cfg.with_generation(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=tuple(stop or ()),
-            json_schema=schema,
-            draft_tokens=draft_tokens,
-        )
+        cfg = cfg.with_fusion(**fields_of(FusionConfig, params, ratio=parse_ratio(ratio)))
+        cfg = cfg.with_generation(**fields_of(GenerationConfig, params, stop=tuple(stop or ()), json_schema=schema))
         idx = KVIndex.open(index_dir, cfg.with_storage(remote=kv_remote, disk_bytes=kv_budget))
         cfg, decision = resolve_ratio(cfg, idx.adapter)
         if decision is not None:
@@ -197,7 +177,7 @@ def chat(
             ]
             chunks = tuple(ChunkPart(h.chunk.token_ids, f"chunk:{h.chunk.id}") for h in hits)
             turns.append(ChatTurn("user", (*chunks, message)))
-            segments, dropped = generator.fitted_chat(turns, (), cfg.query.fusion, limit)
+            segments, dropped = generator.fit.fitted(turns, (), cfg.query.fusion, limit)
             turns = turns[dropped:]
             pieces: list[str] = []
             for step in generator.stream(segments, cfg.query.fusion, cfg.query.generation):

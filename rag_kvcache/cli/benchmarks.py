@@ -15,7 +15,8 @@ from rich.table import Table
 
 from ..bench.datasets import EVIDENCE_PLACES
 from ..config import FusionConfig, IndexSettings, QueryConfig, RuntimeConfig, StorageConfig
-from .common import (
+from .common import base_config, fail, model_process, out
+from .options import (
     ChunkOrderName,
     ChunkPrefillName,
     DatasetFormat,
@@ -28,12 +29,9 @@ from .common import (
     KVOnDevice,
     KVRemote,
     PromptStyle,
-    base_config,
     default,
-    fail,
-    model_process,
+    fields_of,
     option,
-    out,
     parse_ratio,
 )
 
@@ -190,6 +188,7 @@ def bench(
     agreement, log-probability change, first-token KL), with bootstrap CIs and a paired difference
     from --baseline; planted facts add the accuracy over the facts full answers. F1 is secondary.
     """
+    params = dict(locals())
     missing = [name for name in ("matplotlib", "rouge_score") if importlib.util.find_spec(name) is None]
     if missing:
         fail(f"`rag-kvcache bench` needs {', '.join(missing)}: pip install 'rag-kvcache[bench]'")
@@ -200,25 +199,8 @@ def bench(
     model_process()
     try:
         examples = load_dataset(dataset, fmt and fmt.value, top_k=top_k, questions=questions)[:limit]
-        settings = BenchSettings(
-            methods=parse_methods(methods),
-            baseline=baseline,
-            sweep=sweep,
-            warmup=warmup,
-            threads=threads,
-            resume=resume,
-            prompt_style=prompt_style.value,
-            evidence=evidence.value,
-        )
-        cfg = base_config().with_index(
-            chunk_tokens=chunk_tokens,
-            model=model,
-            embedder=embedder,
-            chunk_prefill=chunk_prefill.value,
-            context_chunks=context_chunks,
-            dtype=dtype.value,
-            codec=kv_codec.value,
-        )
+        settings = BenchSettings(**fields_of(BenchSettings, params, methods=parse_methods(methods)))
+        cfg = base_config().with_index(**fields_of(IndexSettings, params, codec=kv_codec.value))
         cfg = cfg.with_query(top_k=top_k, chunk_order=chunk_order.value).with_runtime(
             device=device, embedder_dtype=embedder_dtype.value
         )

@@ -1,36 +1,21 @@
-"""What every command shares: the Typer app and its global options, the consoles, the options derived
-from the config fields, and the configuration read from the environment (this CLI is its one edge)."""
+"""What every command shares: the Typer app and its global options, the consoles, errors, and the configuration
+read from the environment (this CLI is its one edge). The options derived from the config fields are `options`'."""
 
 from __future__ import annotations
 
 import difflib
 import logging
 import os
-import re
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args, get_type_hints
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..bench.datasets import EVIDENCE_PLACES, FORMATS
-from ..bench.prompts import PROMPT_STYLES
-from ..config import (
-    CHUNK_ORDERS,
-    CHUNK_PREFILLS,
-    CODEC_NAMES,
-    DTYPE_NAMES,
-    EMBEDDER_DTYPES,
-    Config,
-    Deviation,
-    IndexSettings,
-    RuntimeConfig,
-    StorageConfig,
-)
-from ..serving.settings import ServerConfig
+from ..config import Config
 from ..version import __version__
+from .options import DType
 
 app = typer.Typer(
     add_completion=False,
@@ -40,55 +25,6 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True)
-
-INDEX_HELP = "An index built by `rag-kvcache index`."
-
-KVCodec = Enum("KVCodec", {name: name for name in CODEC_NAMES}, type=str)
-DeviationName = Enum("DeviationName", {name: name for name in get_args(Deviation)}, type=str)
-DatasetFormat = Enum("DatasetFormat", {name: name for name in FORMATS}, type=str)
-PromptStyle = Enum("PromptStyle", {name: name for name in PROMPT_STYLES}, type=str)
-EvidencePlace = Enum("EvidencePlace", {name: name for name in EVIDENCE_PLACES}, type=str)
-DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
-EmbedderDType = Enum("EmbedderDType", {name: name for name in EMBEDDER_DTYPES}, type=str)
-ChunkPrefillName = Enum("ChunkPrefillName", {name: name for name in CHUNK_PREFILLS}, type=str)
-ChunkOrderName = Enum("ChunkOrderName", {name: name for name in CHUNK_ORDERS}, type=str)
-Order = Enum("Order", {name: name for name in get_args(get_type_hints(ServerConfig)["order"])}, type=str)
-History = Enum("History", {name: name for name in get_args(get_type_hints(ServerConfig)["history"])}, type=str)
-
-
-def default(cls: type, name: str) -> Any:
-    """The default of config field `cls.name`."""
-    return cls.__dataclass_fields__[name].default
-
-
-def option(cls: type, name: str, *decls: str, **kwargs: Any) -> Any:
-    """A typer option for config field `cls.name`, with the field's help text."""
-    return typer.Option(*decls, help=cls.__dataclass_fields__[name].metadata["help"], **kwargs)
-
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count as people write one: 2000000, 500MB, 1.5GiB, 20G (decimal units; 'i' for binary ones)."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
-    if found is None:
-        raise typer.BadParameter(f"{text!r} is not a size: write bytes, or a number with a unit (500MB, 1.5GiB)")
-    value = int(float(found[1]) * _UNITS[(found[2] or "").lower()])
-    if value < 1:
-        raise typer.BadParameter(f"{text!r} is not a positive size")
-    return value
-
-
-KVBudget = Annotated[
-    Optional[int], option(StorageConfig, "disk_bytes", "--kv-budget", parser=parse_bytes, metavar="SIZE")
-]
-KVRemote = Annotated[Optional[str], option(StorageConfig, "remote", "--kv-remote")]
-KVRemoteWritable = Annotated[bool, option(StorageConfig, "remote_writable", "--kv-remote-writable")]
-KVOnDevice = Annotated[bool, option(StorageConfig, "memory_on_device", "--kv-on-device/--kv-in-host")]
-# --device and --dtype of a command that opens an index: not given, the index's own setting stands
-PlacedDevice = Annotated[Optional[str], option(RuntimeConfig, "device")]
-PlacedDType = Annotated[Optional[DType], option(IndexSettings, "dtype")]
 
 
 def base_config() -> Config:
@@ -159,15 +95,6 @@ def was_given(ctx: typer.Context, name: str) -> bool:
     """Whether option `name` was set by the user rather than left at its default."""
     # By name: typer >= 0.29 runs on its own copy of click, whose ParameterSource is not click's.
     return ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP")
-
-
-def parse_ratio(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"--ratio must be a number in [0, 1] or 'auto', got {text!r}") from None
 
 
 def check_method(name: str) -> None:

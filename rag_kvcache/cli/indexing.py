@@ -10,7 +10,8 @@ import typer
 from rich.filesize import decimal
 
 from ..config import IndexSettings, RuntimeConfig, StorageConfig
-from .common import (
+from .common import base_config, err, fail, model_process, out, path_arg, was_given
+from .options import (
     ChunkPrefillName,
     DType,
     EmbedderDType,
@@ -18,15 +19,9 @@ from .common import (
     KVCodec,
     KVRemote,
     KVRemoteWritable,
-    base_config,
     default,
-    err,
-    fail,
-    model_process,
+    fields_of,
     option,
-    out,
-    path_arg,
-    was_given,
 )
 
 PASSES_NICENESS = 19  # the cache passes' CPU priority once the folder is searchable: the lowest
@@ -88,6 +83,7 @@ def index(
     folders (or deleted files) stay in the index unless --prune drops them.
     Re-indexing into an existing index keeps the settings it was built with.
     """
+    params = dict(locals())
     from ..index import KVIndex
     from ..retrieval import database
 
@@ -121,14 +117,7 @@ def index(
                     )
         else:
             cfg = base_config().with_index(**given)  # --kv-codec's default is IndexSettings.codec's
-        cfg = cfg.with_runtime(
-            max_file_bytes=max_file_bytes,
-            max_documents=max_documents,
-            device=device,
-            embedder_dtype=embedder_dtype.value,
-            ray=ray,
-            ray_workers=ray_workers,
-        )
+        cfg = cfg.with_runtime(**fields_of(RuntimeConfig, params))
         idx = KVIndex.create(
             index_dir, cfg.with_storage(remote=kv_remote, remote_writable=kv_remote_writable, disk_bytes=kv_budget)
         )

@@ -9,17 +9,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .common import (
-    INDEX_HELP,
-    KVRemote,
-    PlacedDevice,
-    PlacedDType,
-    base_config,
-    fail,
-    model_process,
-    out,
-    placed,
-)
+from .common import base_config, fail, model_process, out, placed
+from .options import INDEX_HELP, KVRemote, PlacedDevice, PlacedDType
 
 
 def stats(index_dir: Annotated[Path, typer.Option("--index", help=INDEX_HELP)], kv_remote: KVRemote = None) -> None:

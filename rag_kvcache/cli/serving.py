@@ -15,7 +15,8 @@ from ..config import (
     StorageConfig,
 )
 from ..serving.settings import ServerConfig
-from .common import (
+from .common import base_config, err, fail, model_process, placed
+from .options import (
     INDEX_HELP,
     ChunkOrderName,
     History,
@@ -26,13 +27,9 @@ from .common import (
     Order,
     PlacedDevice,
     PlacedDType,
-    base_config,
     default,
-    err,
-    fail,
-    model_process,
+    fields_of,
     option,
-    placed,
 )
 
 
@@ -86,6 +83,7 @@ def serve(
 ) -> None:
     """Serve the index over an OpenAI-compatible HTTP API (chat/completions, completions, models,
     retrieve, documents, metrics, health), the model loaded once."""
+    params = dict(locals())
     missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
         fail(f"`rag-kvcache serve` needs {', '.join(missing)}: pip install 'rag-kvcache[serve]'")
@@ -95,23 +93,8 @@ def serve(
 
     model_process()
     try:
-        server_cfg = ServerConfig(
-            host=host,
-            port=port,
-            api_keys=tuple(api_key or ()),
-            admin_keys=tuple(admin_key or ()),
-            docs_dir=docs,
-            max_queue=max_queue,
-            max_batch=max_batch,
-            max_prompt_tokens=max_prompt_tokens,
-            max_tokens=max_tokens,
-            max_body_bytes=max_body_bytes,
-            max_per_key=max_per_key,
-            order=order.value,
-            history=history.value,
-            prefetch=prefetch,
-            top_k=top_k,
-        )
+        keys = {"api_keys": tuple(api_key or ()), "admin_keys": tuple(admin_key or ())}
+        server_cfg = ServerConfig(**fields_of(ServerConfig, params, docs_dir=docs, **keys))
         cfg = (
             placed(KVIndex.config_of(index_dir, base_config()), device, dtype)
             .with_fusion(template_text=template_text)
@@ -121,13 +104,10 @@ def serve(
         engine = ServingEngine(
             index_dir,
             cfg.with_storage(
-                remote=kv_remote,
+                **fields_of(
+                    StorageConfig, params, remote=kv_remote, disk_bytes=kv_budget, memory_on_device=kv_on_device
+                ),
                 remote_writable=kv_remote_writable,
-                disk_bytes=kv_budget,
-                memory_on_device=kv_on_device,
-                conversation_bytes=conversation_bytes,
-                request_bytes=request_bytes,
-                memory_bytes=memory_bytes,
             ),
         )
     except (FileNotFoundError, ValueError) as e:

@@ -5,7 +5,7 @@ says otherwise (`QueryConfig` with `FusionConfig` and `GenerationConfig`, in `qu
 
 Each setting a user may choose carries its help text in its field's metadata (`setting`, in `defaults`); the CLI
 builds its options, defaults and help from these fields, so a default changed here changes the CLI. Every name
-below is imported from `rag_kvcache.config`; a setting out of its range raises `ConfigError`.
+below is imported from `rag_kvcache.config`; a setting out of its range raises `ConfigError` (`at_least`, `one_of`).
 """
 
 from ..errors import ConfigError
@@ -32,6 +32,8 @@ from .defaults import (
     DType,
     EmbedderDType,
     Eviction,
+    at_least,
+    one_of,
     setting,
 )
 from .index import IndexSettings
@@ -68,5 +70,7 @@ __all__ = [
     "QueryConfig",
     "RuntimeConfig",
     "StorageConfig",
+    "at_least",
+    "one_of",
     "setting",
 ]

@@ -1,12 +1,16 @@
 """The defaults of the configuration and the names each choice may take (`CHUNK_PREFILLS`, `DTYPE_NAMES`,
-`CODEC_NAMES`, ...), and `setting`, the field that carries a setting's default with the help text the CLI shows.
+`CODEC_NAMES`, ...), `setting`, the field that carries a setting's default with the help text the CLI shows, and
+the range checks every config's `__post_init__` makes (`at_least`, `one_of`).
 
-Nothing here imports the rest of the package."""
+Nothing here imports the rest of the package but its error root."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field
 from typing import Any, Literal, get_args
+
+from ..errors import ConfigError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
@@ -35,6 +39,21 @@ EPIC_SHARE = 8  # an unset epic_k recomputes this share (1/EPIC_SHARE) of a chun
 BUILTIN_METHODS = "full, prefix, reuse, cacheblend, epic, epic_match, cacheblend_repick"  # for help texts; the registry is engine.methods.METHODS
 
 
-def setting(default: Any, help: str) -> Any:
-    """A dataclass field with a default and the help text the CLI shows for it."""
-    return field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, secret: bool = False) -> Any:
+    """A dataclass field with a default and the help text the CLI shows for it (`secret`: left out of the config's
+    repr, as keys are)."""
+    return field(default=default, repr=not secret, metadata={"help": help})
+
+
+def at_least(config: Any, **lows: float) -> None:
+    """`ConfigError` naming the first of `config`'s fields below its bound in `lows` (an unset one, None, passes)."""
+    for name, low in lows.items():
+        if (value := getattr(config, name)) is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value!r}")
+
+
+def one_of(config: Any, **choices: Sequence[str]) -> None:
+    """`ConfigError` naming the first of `config`'s fields whose value is not among its `choices`."""
+    for name, allowed in choices.items():
+        if (value := getattr(config, name)) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

@@ -19,6 +19,8 @@ from .defaults import (
     ChunkPrefill,
     CodecName,
     DType,
+    at_least,
+    one_of,
     setting,
 )
 
@@ -75,18 +77,8 @@ class IndexSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 16:
-            raise ConfigError(f"chunk_tokens must be >= 16, got {self.chunk_tokens!r}")
-        if self.index_type not in ("flat", "hnsw"):
-            raise ConfigError(f"index_type must be 'flat' or 'hnsw', got {self.index_type!r}")
-        if self.chunk_prefill not in CHUNK_PREFILLS:
-            raise ConfigError(f"chunk_prefill must be one of {', '.join(CHUNK_PREFILLS)}, got {self.chunk_prefill!r}")
-        if self.context_chunks < 1:
-            raise ConfigError(f"context_chunks must be >= 1, got {self.context_chunks!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.codec not in CODEC_NAMES:
-            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
+        at_least(self, chunk_tokens=16, context_chunks=1)
+        one_of(self, index_type=("flat", "hnsw"), chunk_prefill=CHUNK_PREFILLS, dtype=DTYPE_NAMES, codec=CODEC_NAMES)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

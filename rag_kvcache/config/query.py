@@ -17,6 +17,8 @@ from .defaults import (
     GREEDY_BELOW,
     ChunkOrder,
     Deviation,
+    at_least,
+    one_of,
     setting,
 )
 
@@ -74,16 +76,8 @@ class FusionConfig:
     def __post_init__(self) -> None:
         if self.ratio != "auto" and (isinstance(self.ratio, str) or not 0.0 <= self.ratio <= 1.0):
             raise ConfigError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
-        if self.check_layer < 0:
-            raise ConfigError(f"check_layer must be >= 0, got {self.check_layer!r}")
-        if self.filter_steps < 1:
-            raise ConfigError(f"filter_steps must be >= 1, got {self.filter_steps!r}")
-        if self.deviation not in ("k", "v"):
-            raise ConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
-        if self.epic_k is not None and self.epic_k < 0:
-            raise ConfigError(f"epic_k must be >= 0, got {self.epic_k!r}")
-        if self.match_words < 1:
-            raise ConfigError(f"match_words must be >= 1, got {self.match_words!r}")
+        at_least(self, check_layer=0, filter_steps=1, epic_k=0, match_words=1)
+        one_of(self, deviation=("k", "v"))
         if not 0.0 < self.repick_decay <= 1.0:
             raise ConfigError(f"repick_decay must be in (0, 1], got {self.repick_decay!r}")
 
@@ -136,12 +130,7 @@ class GenerationConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.draft_tokens < 0:
-            raise ConfigError(f"draft_tokens must be >= 0 (0: no drafting), got {self.draft_tokens!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        at_least(self, max_new_tokens=1, draft_tokens=0, temperature=0)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_p < FLOAT32_TINY:
@@ -192,10 +181,8 @@ class QueryConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ConfigError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.chunk_order not in CHUNK_ORDERS:
-            raise ConfigError(f"chunk_order must be one of {', '.join(CHUNK_ORDERS)}, got {self.chunk_order!r}")
+        at_least(self, top_k=1)
+        one_of(self, chunk_order=CHUNK_ORDERS)
 
     def in_prompt_order(self, ranked: Sequence[T]) -> list[T]:
         """Retrieved chunks, best first, in the order the prompt lays them out (`chunk_order`)."""

@@ -9,7 +9,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from .defaults import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_FILE_BYTES, EMBEDDER_DTYPES, EmbedderDType, Eviction, setting
+from .defaults import (
+    DEFAULT_MAX_DOCUMENTS,
+    DEFAULT_MAX_FILE_BYTES,
+    EMBEDDER_DTYPES,
+    EmbedderDType,
+    Eviction,
+    at_least,
+    one_of,
+    setting,
+)
 
 
 @dataclass(frozen=True)
@@ -100,24 +109,14 @@ class StorageConfig:
         return self.remote_secret is not None or self.remote_writable
 
     def __post_init__(self) -> None:
-        if self.memory_bytes < 0:
-            raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")
-        if self.disk_bytes is not None and self.disk_bytes < 1:
-            raise ConfigError(f"disk_bytes must be >= 1 or None, got {self.disk_bytes!r}")
-        if self.eviction not in ("lru", "lfu"):
-            raise ConfigError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
-        if self.prefetch_layers < 0:
-            raise ConfigError(f"prefetch_layers must be >= 0, got {self.prefetch_layers!r}")
+        at_least(self, memory_bytes=0, disk_bytes=1, prefetch_layers=0, request_bytes=0, conversation_bytes=0)
+        one_of(self, eviction=("lru", "lfu"))
         if not 0.0 <= self.quality_floor <= 1.0:
             raise ConfigError(f"quality_floor must be in [0, 1], got {self.quality_floor!r}")
         if self.remote is not None and urlsplit(self.remote).scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
         if self.remote_secret is not None and len(self.remote_secret) < 16:
             raise ConfigError(f"remote_secret must be at least 16 bytes, got {len(self.remote_secret)}")
-        if self.request_bytes < 0:
-            raise ConfigError(f"request_bytes must be >= 0 (0: keep none), got {self.request_bytes!r}")
-        if self.conversation_bytes < 0:
-            raise ConfigError(f"conversation_bytes must be >= 0 (0: keep none), got {self.conversation_bytes!r}")
         if self.remote_timeout <= 0 or self.remote_retry < 0:
             raise ConfigError(
                 f"remote_timeout must be > 0 and remote_retry >= 0, got {self.remote_timeout!r} and {self.remote_retry!r}"
@@ -140,8 +139,9 @@ class RuntimeConfig:
     cuda_graphs: int = setting(
         16,
         "On CUDA, the fused prefill's layers with a fixed active set (CacheBlend's: every layer, its selection "
-        "at a count known beforehand) run as one captured CUDA graph per bucket of sizes; this many are kept (least recently used dropped; 0: every layer op by op). Each holds "
-        "its layers' K/V for its largest prompt in GPU memory (300 MB for an 8B model's 2,300-token prompt).",
+        "at a count known beforehand) run as one captured CUDA graph per bucket of sizes; this many are kept "
+        "(least recently used dropped; 0: every layer op by op). Each holds its layers' K/V for its largest prompt "
+        "in GPU memory (300 MB for an 8B model's 2,300-token prompt).",
     )
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rag-kvcache")
     ray: str | None = setting(
@@ -159,15 +159,5 @@ class RuntimeConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
-        if self.max_file_bytes < 1:
-            raise ConfigError(f"max_file_bytes must be >= 1, got {self.max_file_bytes!r}")
-        if self.max_documents < 1:
-            raise ConfigError(f"max_documents must be >= 1, got {self.max_documents!r}")
-        if self.embedder_dtype not in EMBEDDER_DTYPES:
-            raise ConfigError(
-                f"embedder_dtype must be one of {', '.join(EMBEDDER_DTYPES)}, got {self.embedder_dtype!r}"
-            )
-        if self.cuda_graphs < 0:
-            raise ConfigError(f"cuda_graphs must be >= 0 (0: none), got {self.cuda_graphs!r}")
-        if self.ray_workers < 0:
-            raise ConfigError(f"ray_workers must be >= 0 (0: one per free CPU), got {self.ray_workers!r}")
+        at_least(self, max_file_bytes=1, max_documents=1, cuda_graphs=0, ray_workers=0)
+        one_of(self, embedder_dtype=EMBEDDER_DTYPES)

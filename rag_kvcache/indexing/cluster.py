@@ -38,6 +38,9 @@ from ..store.addressing import cache_key
 from ..store.kvstore import KVStore
 from .precompute import WriteBehind, compute_caches, compute_grouped, group_sequence, pack_tokens, token_packs
 
+Ids = tuple[int, ...]  # a chunk's (or a prefix's) token ids
+Groups = Sequence[Sequence[Ids]]  # groups of similar chunks, each prefilled together (`chunk_prefill="grouped"`)
+
 
 class CacheWorker:
     """What one Ray actor runs: a loaded model whose chunk caches are written behind its compute."""
@@ -52,21 +55,15 @@ class CacheWorker:
             )
         self.namespace = namespace
         self.writer = WriteBehind(KVStore(Path(store_root), config.index.codec, config.runtime.storage))
-        self._behind: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # a prefix's K/V
+        self._behind: dict[Ids, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # a prefix's K/V
 
-    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> int:
+    def store(self, chunks: Sequence[Ids], context: Ids) -> int:
         """Compute the caches of `chunks` behind `context` and queue their writes; returns their tokens."""
         for i, kv in compute_caches(self.adapter, chunks, context, self.pack_tokens):
             self.writer.put(cache_key(self.namespace, context, chunks[i]), kv)
         return sum(map(len, chunks))
 
-    def store_groups(
-        self,
-        groups: Sequence[Sequence[tuple[int, ...]]],
-        prefix: tuple[int, ...],
-        separator: tuple[int, ...],
-        keys: dict[tuple[int, ...], str],
-    ) -> int:
+    def store_groups(self, groups: Groups, prefix: Ids, separator: Ids, keys: dict[Ids, str]) -> int:
         """Prefill `groups` of similar chunks behind `prefix` (`compute_grouped`: one pack, as the driver dealt
         it) and queue each chunk's cache under its key in `keys`; returns their tokens."""
         if prefix not in self._behind:
@@ -107,7 +104,7 @@ class RayWorkers:
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(CacheWorker)
         self.actors = [actor.remote(config, str(store_root), namespace, fingerprint) for _ in range(n)]
 
-    def store(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], progress: bool = True) -> None:
+    def store(self, chunks: Sequence[Ids], context: Ids, progress: bool = True) -> None:
         """Compute and store the caches of `chunks` behind `context`, packs dealt out to the actors as
         they come free; returns when every cache is written."""
         packs = [[chunks[i] for i in pack] for pack in token_packs(chunks, self.pack_tokens)]
@@ -115,12 +112,7 @@ class RayWorkers:
         self._deal(packs, work, sum(map(len, chunks)), "KV precompute", progress)
 
     def store_groups(
-        self,
-        groups: Sequence[Sequence[tuple[int, ...]]],
-        prefix: tuple[int, ...],
-        separator: tuple[int, ...],
-        keys: dict[tuple[int, ...], str],
-        progress: bool = True,
+        self, groups: Groups, prefix: Ids, separator: Ids, keys: dict[Ids, str], progress: bool = True
     ) -> None:
         """`chunk_prefill="grouped"`: compute and store the caches of the chunks of `groups`, each under its key in
         `keys`, the groups dealt out in the packs a local run prefills together (so each cache is the one it

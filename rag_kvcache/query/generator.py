@@ -7,7 +7,7 @@ fused too; `stream` fuses the prompt's caches (`fuse`: the index opens them, a f
 decodes from the fused cache, yielding text as it comes and an `Answer` with the numbers last. With a
 `ConversationCache`, every fused prompt's K/V (at once) and its answer's are kept, and a prompt that continues
 one (a chat's next turn, the same question again) reads them and computes only its new tokens. A chat over
-its token limit is shortened by its `ChatFit` (`fitted_chat`), and the cut its next turn will need is
+its token limit is shortened by its `ChatFit` (`ChatFit.fitted`), and the cut its next turn will need is
 prepared ahead (`prepare_fit`).
 """
 
@@ -32,7 +32,7 @@ from ..engine.profiling import StageClock
 from ..engine.prompt import ChatTurn, Segment
 from ..index import KVIndex
 from ..retrieval.reader import EmptyIndexError
-from ..retrieval.records import ChunkRecord, Hit
+from ..retrieval.records import Hit
 from ..store.controller import resolve_ratio
 from ..store.conversations import ConversationCache, ConversationHit
 from ..store.loading import LayerFeed
@@ -121,19 +121,6 @@ class FusedGenerator:
         answer = collect_answer(self.stream(segments, fusion, generation), on_text)
         return replace(answer, ttft_s=answer.ttft_s + match_s, stages={"match": match_s, **answer.stages})
 
-    def fitted_chat(
-        self,
-        turns: Sequence[ChatTurn],
-        chunks: Sequence[ChunkRecord],
-        fusion: FusionConfig | None,
-        limit: int,
-        salt: str = "",
-    ) -> tuple[list[Segment], int]:
-        """The chat's segments within `limit` tokens and how many of its oldest turns after the system's were
-        dropped for it (`ChatFit.fitted`: a cut the conversation cache holds for `salt` kept while it fits);
-        `PromptTooLongError` when it does not fit with only its system turns and last turn."""
-        return self.fit.fitted(turns, chunks, fusion, limit, salt)
-
     def prepare_fit(
         self, turns: Sequence[ChatTurn], fusion: FusionConfig, limit: int, salt: str, n_prompt: int, dropped: int = 0
     ) -> int:
@@ -142,7 +129,7 @@ class FusedGenerator:
         so the turn that drops the chat's oldest turns reads the rest instead of computing it.
 
         `turns` is the chat as the client sends it, the answer just given last; the prompt just answered had
-        `n_prompt` tokens and left out the `dropped` oldest turns after the system's (`fitted_chat`). Whether
+        `n_prompt` tokens and left out the `dropped` oldest turns after the system's (`ChatFit.fitted`). Whether
         there is a cut to prepare, and which, is `ChatFit.cut_ahead`'s. Returns the tokens computed (0: the next
         turn is expected to fit under the cut in use, or there is no conversation cache)."""
         if self.conversations is None or (cut := self.fit.cut_ahead(turns, fusion, limit, n_prompt, dropped)) is None:
@@ -243,10 +230,10 @@ class FusedGenerator:
     def enter(
         self,
         segments: Sequence[Segment],
+        pool: DecodePool,
         fusion: FusionConfig | None = None,
         generation: GenerationConfig | None = None,
         salt: str = "",
-        pool: DecodePool | None = None,
     ) -> Generation:
         """Start a prompt that needs no fusion of its own (`joinable`) without one: the K/V of the head the
         conversation cache holds go into a slot of `pool`, and the tail is left to the decoder's first batched

@@ -62,7 +62,7 @@ class Prompt:
     fusion: FusionConfig
     generation: GenerationConfig
     salt: str = ""  # the tenant (and the request's cache_salt) whose caches of request text it reads
-    dropped: int = 0  # the chat's oldest messages left out to fit (`FusedGenerator.fitted_chat`)
+    dropped: int = 0  # the chat's oldest messages left out to fit (`ChatFit.fitted`)
     turns: tuple[ChatTurn, ...] = ()  # a chat's turns as sent
     fit: int | None = None  # the most tokens a chat's prompt was fitted to (`chat_prompt`'s `fit`, with room to answer)
 
@@ -165,7 +165,7 @@ def chat_prompt(
     """Chat turns as segments (`PromptLayout.chat_segments`): chunks named or retrieved go at the head of
     the last user turn; every indexed chunk quoted in the turns is found by its token ids and read from the
     cache. With `fit` (a most prompt tokens), a chat longer than that, or than the model's context leaves
-    beside the answer, drops its oldest half of turns (`FusedGenerator.fitted_chat`) rather than being refused."""
+    beside the answer, drops its oldest half of turns (`ChatFit.fitted`) rather than being refused."""
     index = generator.index
     users = [turn for turn in turns if turn.role == "user"]
     found = chunks_of(index, options, "\n".join(p for p in users[-1].parts if isinstance(p, str)) if users else "")
@@ -174,7 +174,7 @@ def chat_prompt(
     limit = None if fit is None else min(fit, index.model.context_length - generation.max_new_tokens)
     try:
         if limit is not None:
-            segments, dropped = generator.fitted_chat(turns, records, fusion, limit, salt)
+            segments, dropped = generator.fit.fitted(turns, records, fusion, limit, salt)
         else:
             segments, dropped = generator.layout.chat_segments(turns, records, fusion), 0
     except PromptTooLongError as e:

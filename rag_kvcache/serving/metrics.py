@@ -15,6 +15,7 @@ its tenant's (an API key's), so that a key is shown its own numbers and an admin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -103,50 +104,35 @@ class RequestMetrics:
 
     def __init__(self, conversation_stats: Callable[[], ConversationStats] | None = None) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "rag_kvcache_requests", "Requests answered, by route and status code.", ["route", "status"], registry=r
+        counter = partial(Counter, registry=self.registry)
+        per_method = partial(Histogram, labelnames=["method"], registry=self.registry)
+        self.requests = counter(
+            "rag_kvcache_requests", "Requests answered, by route and status code.", ["route", "status"]
         )
-        self.cancelled = Counter(
-            "rag_kvcache_requests_cancelled", "Generations stopped because the client left.", registry=r
+        self.cancelled = counter("rag_kvcache_requests_cancelled", "Generations stopped because the client left.")
+        self.ttft = per_method(
+            "rag_kvcache_ttft_seconds", "Time to first token (fusion included), per method.", buckets=LATENCY_BUCKETS
         )
-        self.ttft = Histogram(
-            "rag_kvcache_ttft_seconds",
-            "Time to first token (fusion included), per method.",
-            ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
+        self.e2e = per_method(
             "rag_kvcache_request_seconds",
             "Admission to last token (queueing included), per method.",
-            ["method"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.recomputed = Histogram(
+        self.recomputed = per_method(
             "rag_kvcache_recomputed_fraction",
             "Fraction of the prompt's tokens recomputed at query time, per method.",
-            ["method"],
             buckets=FRACTION_BUCKETS,
-            registry=r,
         )
-        self.prompt_tokens = Counter("rag_kvcache_prompt_tokens", "Prompt tokens, per method.", ["method"], registry=r)
-        self.cached_tokens = Counter(
-            "rag_kvcache_cached_prompt_tokens", "Prompt tokens read from the KV cache.", ["method"], registry=r
+        self.prompt_tokens = counter("rag_kvcache_prompt_tokens", "Prompt tokens, per method.", ["method"])
+        self.cached_tokens = counter(
+            "rag_kvcache_cached_prompt_tokens", "Prompt tokens read from the KV cache.", ["method"]
         )
-        self.completion_tokens = Counter(
-            "rag_kvcache_completion_tokens", "Generated tokens, per method.", ["method"], registry=r
-        )
-        self.decode_rate = Histogram(
-            "rag_kvcache_decode_tokens_per_second",
-            "Decoding speed after the first token.",
-            ["method"],
-            buckets=RATE_BUCKETS,
-            registry=r,
+        self.completion_tokens = counter("rag_kvcache_completion_tokens", "Generated tokens, per method.", ["method"])
+        self.decode_rate = per_method(
+            "rag_kvcache_decode_tokens_per_second", "Decoding speed after the first token.", buckets=RATE_BUCKETS
         )
         if conversation_stats is not None:
-            r.register(_ConversationCollector(conversation_stats))
+            self.registry.register(_ConversationCollector(conversation_stats))
 
     def observe(self, answer: Answer, e2e_s: float) -> None:
         """Record a finished generation."""
@@ -177,54 +163,44 @@ class ServerMetrics(RequestMetrics):
     ) -> None:
         super().__init__(conversation_stats)
         r = self.registry
-        self.rejected = Counter(
-            "rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.", registry=r
+        counter, gauge, histogram = (
+            partial(Counter, registry=r),
+            partial(Gauge, registry=r),
+            partial(Histogram, registry=r),
         )
-        self.queue_wait = Histogram(
-            "rag_kvcache_queue_wait_seconds",
-            "Time a request waited for the engine.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.rejected = counter("rag_kvcache_requests_rejected", "Requests refused with 429: the queue was full.")
+        self.queue_wait = histogram(
+            "rag_kvcache_queue_wait_seconds", "Time a request waited for the engine.", buckets=LATENCY_BUCKETS
         )
-        self.queue_depth = Gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.", registry=r)
-        self.active = Gauge(
+        self.queue_depth = gauge("rag_kvcache_queue_depth", "Requests admitted and waiting for the engine.")
+        self.active = gauge(
             "rag_kvcache_active_requests",
             "Requests admitted to the engine: in its scheduler's queue for their prefill, or being served.",
-            registry=r,
         )
-        self.decode_batch = Histogram(
-            "rag_kvcache_decode_batch_size",
-            "Requests advanced by each batched decoding step.",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        self.decode_batch = histogram(
+            "rag_kvcache_decode_batch_size", "Requests advanced by each batched decoding step.", buckets=BATCH_BUCKETS
         )
-        self.decoding = Gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.", registry=r)
-        self.joined = Counter(
+        self.decoding = gauge("rag_kvcache_decoding_requests", "Requests in the decoding batch now.")
+        self.joined = counter(
             "rag_kvcache_joined_requests",
             "Requests that joined the decoding batch without a prefill of their own: the conversation cache held "
             "all of their prompt but a short tail, fed by a batched step (--order cache_aware).",
-            registry=r,
         )
-        self.prefetched = Counter(
+        self.prefetched = counter(
             "rag_kvcache_prefetched_caches",
             "Chunk caches read into the memory tier for a waiting request while others computed (--prefetch).",
-            registry=r,
         )
-        self.decode_bytes = Gauge(
+        self.decode_bytes = gauge(
             "rag_kvcache_decode_cache_bytes",
-            "Bytes of the decoding requests' K/V buffers "
-            "(every slot as long as the longest request's); 0 when none decodes.",
-            registry=r,
+            "Bytes of the decoding requests' K/V buffers (every slot as long as the longest request's); 0 when none "
+            "decodes.",
         )
-        self.background = Counter(
+        self.background = counter(
             "rag_kvcache_background_tasks",
             "Tasks no request waits for (a chat's shortened history prepared), run while idle, by outcome.",
             ["outcome"],
-            registry=r,
         )
-        self.background_queue = Gauge(
-            "rag_kvcache_background_queue", "Background tasks waiting for an idle moment.", registry=r
-        )
+        self.background_queue = gauge("rag_kvcache_background_queue", "Background tasks waiting for an idle moment.")
         r.register(_StoreCollector(store_stats))
         if tenant_conversations is not None:
             r.register(_TenantConversationCollector(tenant_conversations))

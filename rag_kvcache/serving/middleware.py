@@ -20,7 +20,23 @@ ROUTES = (
 )
 
 
-class LimitBody:
+class HTTPMiddleware:
+    """ASGI middleware that acts on HTTP requests (`http`) and hands every other scope (lifespan, websocket) to
+    `app` as it came."""
+
+    app: Any
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            await self.http(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def http(self, scope: dict, receive: Callable, send: Callable) -> None:
+        raise NotImplementedError
+
+
+class LimitBody(HTTPMiddleware):
     """ASGI middleware: reads a request's body before the route does, and answers 413 once it is larger than
     `max_bytes` (said by its Content-Length or counted as it arrives), without parsing any of it: a 20 MB
     chat body was once tokenised whole on the engine's thread before its prompt was found too long."""
@@ -29,10 +45,7 @@ class LimitBody:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: dict, receive: Callable, send: Callable) -> None:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         too_large = declared.isdigit() and int(declared) > self.max_bytes
         body: list[dict] = []
@@ -59,7 +72,7 @@ class LimitBody:
         await self.app(scope, replay, send)
 
 
-class CountRequests:
+class CountRequests(HTTPMiddleware):
     """ASGI middleware: counts every HTTP response by route and status (streams included), in the server's
     metrics and in those `tenant_metrics` finds for the request's headers (its key's; None: no tenant's)."""
 
@@ -73,10 +86,7 @@ class CountRequests:
         self.metrics = metrics
         self.tenant_metrics = tenant_metrics
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: dict, receive: Callable, send: Callable) -> None:
         status = 500
 
         async def counting_send(message: dict) -> None:

@@ -259,7 +259,7 @@ class Scheduler:
                 room, kept = room - (not kept), True  # the oldest that needs a prefill keeps a place
             elif room > 0 and job.tail <= left:
                 try:
-                    live = self.generator.enter(job.segments, job.fusion, job.generation, job.salt, self.pool)
+                    live = self.generator.enter(job.segments, self.pool, job.fusion, job.generation, job.salt)
                 except Exception as e:
                     live = e
                 else:

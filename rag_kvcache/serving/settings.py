@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..config import StorageConfig, setting
+from ..config import StorageConfig, at_least, one_of, setting
 from ..errors import ConfigError
 
 
@@ -17,28 +17,22 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).")
     port: int = setting(8000, "TCP port.")
-    api_keys: tuple[str, ...] = field(
-        default=(),
-        repr=False,
-        metadata={
-            "help": "Require `Authorization: Bearer KEY` with one of these keys on every route but /health "
-            "(repeatable). Each key is a tenant: caches of request text (prompt heads) and conversations are its "
-            "own, and /metrics shows it its own numbers. These keys may only ask: they cannot change the documents."
-        },
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "Require `Authorization: Bearer KEY` with one of these keys on every route but /health (repeatable). Each "
+        "key is a tenant: caches of request text (prompt heads) and conversations are its own, and /metrics shows "
+        "it its own numbers. These keys may only ask: they cannot change the documents.",
+        secret=True,
     )
-    admin_keys: tuple[str, ...] = field(
-        default=(),
-        repr=False,
-        metadata={
-            "help": "Keys that may also change the corpus (POST /v1/documents) and see every tenant's numbers on "
-            "/metrics (repeatable); each is a tenant of its own too. With keys given, only these may write; with "
-            "none at all, anyone who reaches the server may."
-        },
+    admin_keys: tuple[str, ...] = setting(
+        (),
+        "Keys that may also change the corpus (POST /v1/documents) and see every tenant's numbers on /metrics "
+        "(repeatable); each is a tenant of its own too. With keys given, only these may write; with none at all, "
+        "anyone who reaches the server may.",
+        secret=True,
     )
     docs_dir: Path | None = setting(
-        None,
-        "The documents folder the index mirrors: POST /v1/documents writes "
-        "into it and syncs the index (without it the route is refused).",
+        None, "The documents folder POST /v1/documents writes into and syncs the index with (unset: no such route)."
     )
     max_queue: int = setting(8, "Requests that may wait for the engine; more are refused with 429.")
     max_batch: int = setting(
@@ -85,20 +79,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port!r}")
-        if self.order not in ("fcfs", "cache_aware"):
-            raise ConfigError(f"order must be 'fcfs' or 'cache_aware', got {self.order!r}")
-        if self.history not in ("halve", "refuse"):
-            raise ConfigError(f"history must be 'halve' or 'refuse', got {self.history!r}")
+        one_of(self, order=("fcfs", "cache_aware"), history=("halve", "refuse"))
         if not all(self.api_keys) or not all(self.admin_keys):
             raise ConfigError("api_keys and admin_keys must not be empty strings (give none for no authentication)")
         if both := set(self.api_keys) & set(self.admin_keys):
             raise ConfigError(f"{len(both)} key(s) given both as an api key and as an admin key: give each once")
         if self.top_k is not None and not 1 <= self.top_k <= 64:
             raise ConfigError(f"top_k must be in [1, 64] (or unset: no retrieval), got {self.top_k!r}")
-        for name in ("max_queue", "max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_per_key"):
-            least = 0 if name in ("max_queue", "max_per_key") else 1
-            if getattr(self, name) < least:
-                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)!r}")
+        at_least(self, max_queue=0, max_batch=1, max_prompt_tokens=1, max_tokens=1, max_body_bytes=1, max_per_key=0)
 
     @property
     def authenticates(self) -> bool:

@@ -11,7 +11,7 @@ entry at a sequence's start, whose attention-sink token's outlier values a 4-bit
 fused answers measurably, where the chunk caches' 4-bit values do not (`benchmarks/storage/codec_bits.py`).
 
 `CODECS` implements each name `config.CodecName` lists (the config validates a name, and the CLI
-offers them, from that list; `tests/test_storage.py` holds the two equal).
+offers them, from that list; `tests/unit/test_storage.py` holds the two equal).
 """
 
 from __future__ import annotations

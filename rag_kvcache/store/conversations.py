@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -91,17 +92,7 @@ class ConversationStats:
     evicted_tokens: int
 
 
-@dataclass
-class _Account:
-    """One tenant's counts (mutable, under the cache's lock)."""
-
-    nodes: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    lookups: int = 0
-    hits: int = 0
-    hit_tokens: int = 0
-    evicted_tokens: int = 0
+COUNTS = ("nodes", "tokens", "bytes", "lookups", "hits", "hit_tokens", "evicted_tokens")  # a tenant's, in a Counter
 
 
 def tenant_of(salt: str) -> str:
@@ -117,12 +108,12 @@ class ConversationCache:
             raise ValueError(f"a conversation cache needs a budget of at least 1 byte, got max_bytes={max_bytes!r}")
         self.max_bytes = max_bytes
         self._roots: dict[str, _Node] = {}
-        self._accounts: dict[str, _Account] = {}
+        self._accounts: dict[str, Counter[str]] = {}  # tenant -> its COUNTS
         self._lock = threading.Lock()
         self._clock = 0
 
-    def _account(self, salt: str) -> _Account:
-        return self._accounts.setdefault(tenant_of(salt), _Account())
+    def _account(self, salt: str) -> Counter[str]:
+        return self._accounts.setdefault(tenant_of(salt), Counter())
 
     def match(self, salt: str, ids: Sequence[int], method: str | None = None) -> ConversationHit | None:
         """The longest path of `salt`'s tree that `ids` begin with, at most all but the last token (the
@@ -130,14 +121,14 @@ class ConversationCache:
         method's). None when no token matches. Counted in the stats, and the path is marked used."""
         with self._lock:
             account = self._account(salt)
-            account.lookups += 1
+            account["lookups"] += 1
             self._clock += 1
             runs = self._walk(salt, ids, method)
             if not runs:
                 return None
             n = sum(k for _, k in runs)
-            account.hits += 1
-            account.hit_tokens += n
+            account["hits"] += 1
+            account["hit_tokens"] += n
             for node, _ in runs:
                 node.used = self._clock
             layers = tuple(
@@ -180,11 +171,11 @@ class ConversationCache:
                 if k < len(child.ids):
                     child = self._split(account, child, k)
                 if exact and child.method != method:
-                    account.bytes -= child.nbytes
+                    account["bytes"] -= child.nbytes
                     child.keys = [t[:, n : n + k].clone() for t in keys]  # L x [H_kv, k, D]
                     child.values = [t[:, n : n + k].clone() for t in values]
                     child.method = method
-                    account.bytes += child.nbytes
+                    account["bytes"] += child.nbytes
                 child.used = self._clock
                 node, n = child, n + k
             self._evict(tenant_of(salt), account)
@@ -198,24 +189,16 @@ class ConversationCache:
     def stats_of(self, tenant: str) -> ConversationStats:
         """One tenant's counts (zeros for a tenant never seen)."""
         with self._lock:
-            return self._stats([self._accounts.get(tenant, _Account())])
+            return self._stats([self._accounts.get(tenant, Counter())])
 
     def tenants(self) -> dict[str, ConversationStats]:
         """Every tenant seen so far and its counts."""
         with self._lock:
             return {tenant: self._stats([account]) for tenant, account in self._accounts.items()}
 
-    def _stats(self, accounts: list[_Account]) -> ConversationStats:
-        return ConversationStats(
-            sum(a.nodes for a in accounts),
-            sum(a.tokens for a in accounts),
-            sum(a.bytes for a in accounts),
-            self.max_bytes,
-            sum(a.lookups for a in accounts),
-            sum(a.hits for a in accounts),
-            sum(a.hit_tokens for a in accounts),
-            sum(a.evicted_tokens for a in accounts),
-        )
+    def _stats(self, accounts: list[Counter[str]]) -> ConversationStats:
+        total: Counter[str] = sum(accounts, Counter())
+        return ConversationStats(max_bytes=self.max_bytes, **{name: total[name] for name in COUNTS})
 
     # ---- the tree, under the lock --------------------------------------------------------------
     def _walk(self, salt: str, ids: Sequence[int], method: str | None) -> list[tuple[_Node, int]]:
@@ -234,7 +217,7 @@ class ConversationCache:
 
     def _add(
         self,
-        account: _Account,
+        account: Counter[str],
         parent: _Node,
         ids: tuple[int, ...],
         keys: list[torch.Tensor],
@@ -250,12 +233,12 @@ class ConversationCache:
             used=self._clock,
         )  # L x [H_kv, T, D], copies
         parent.children[ids[0]] = node
-        account.nodes += 1
-        account.tokens += len(ids)
-        account.bytes += node.nbytes
+        account["nodes"] += 1
+        account["tokens"] += len(ids)
+        account["bytes"] += node.nbytes
         return node
 
-    def _split(self, account: _Account, node: _Node, k: int) -> _Node:
+    def _split(self, account: Counter[str], node: _Node, k: int) -> _Node:
         """Cut `node` after its first k tokens: a new node holding them takes its place, `node` keeps the
         rest as its child. Returns the new node."""
         head = _Node(
@@ -272,7 +255,7 @@ class ConversationCache:
         node.values = [t[:, k:].clone() for t in node.values]
         node.parent = head
         head.children[node.ids[0]] = node
-        account.nodes += 1
+        account["nodes"] += 1
         return head
 
     def _leaves(self, tenant: str) -> Iterator[_Node]:
@@ -284,22 +267,22 @@ class ConversationCache:
             if not node.children and node.parent is not None:
                 yield node
 
-    def _drop(self, account: _Account, node: _Node) -> None:
+    def _drop(self, account: Counter[str], node: _Node) -> None:
         del node.parent.children[node.ids[0]]
-        account.nodes -= 1
-        account.tokens -= len(node.ids)
-        account.bytes -= node.nbytes
+        account["nodes"] -= 1
+        account["tokens"] -= len(node.ids)
+        account["bytes"] -= node.nbytes
 
-    def _evict(self, tenant: str, account: _Account) -> None:
+    def _evict(self, tenant: str, account: Counter[str]) -> None:
         """Drop `tenant`'s least recently used leaves while its trees are over the budget."""
-        if account.bytes <= self.max_bytes:
+        if account["bytes"] <= self.max_bytes:
             return
         heap = [(leaf.used, id(leaf), leaf) for leaf in self._leaves(tenant)]
         heapq.heapify(heap)
-        while account.bytes > self.max_bytes and heap:
+        while account["bytes"] > self.max_bytes and heap:
             _, _, leaf = heapq.heappop(heap)
             self._drop(account, leaf)
-            account.evicted_tokens += len(leaf.ids)
+            account["evicted_tokens"] += len(leaf.ids)
             parent = leaf.parent
             if parent.parent is not None and not parent.children:
                 heapq.heappush(heap, (parent.used, id(parent), parent))

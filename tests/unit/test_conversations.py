@@ -239,7 +239,7 @@ def test_a_held_prompt_enters_a_batched_step_and_answers_as_its_fusion(index, me
     other = gen.start(chat(index, "What does the bakery in Saltmere sell?"), fusion, generation, pool=pool)
     other.decoder.take(other.first_token)
     gen.settle(other)
-    live = gen.enter(second, fusion, generation, pool=pool)
+    live = gen.enter(second, pool, fusion, generation)
     n = sum(len(s.ids) for s in second)
     assert live is not None and live.first_token is None
     assert live.fused.conversation_tokens == fused.fused.conversation_tokens == n - len(live.decoder.tail)
@@ -276,7 +276,7 @@ def test_a_prompt_that_needs_a_fusion_is_not_joinable_and_reads_nothing(index):
     assert gen.joinable(chunked, FusionConfig(method="full")) is None  # full's nodes: none
     assert conversations.stats.lookups == lookups
     with pytest.raises(ValueError, match="use start"):
-        gen.enter(chunked, fusion, GenerationConfig(max_new_tokens=2))
+        gen.enter(chunked, DecodePool(), fusion, GenerationConfig(max_new_tokens=2))
     assert tail == gen.start(second, fusion, GenerationConfig(max_new_tokens=2)).fused.result.recomputed_tokens
 
 

@@ -96,10 +96,7 @@ class ChatRagKVCache(BaseChatModel, EngineBacked):
     stop: list[str] | None = None
     streaming: bool = False
     timeout: float | None = Field(
-        default=None,
-        gt=0,
-        description="Seconds a call may take; checked after each generated token (the fused "
-        "prefill is not interrupted), past it the call raises TimeoutError.",
+        default=None, gt=0, description="Seconds a call may take, checked at each token: past it, TimeoutError."
     )
     max_retries: int = Field(
         default=0,

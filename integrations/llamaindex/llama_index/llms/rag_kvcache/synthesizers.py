@@ -3,7 +3,7 @@ and `create_kv_query_engine`, a `RetrieverQueryEngine` built from it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import CompletionResponseAsyncGen
@@ -20,6 +20,10 @@ from llama_index.retrievers.rag_kvcache import RagKVCacheRetriever
 from rag_kvcache import KVIndex
 
 from .base import RagKVCacheLLM
+
+Nodes = list[NodeWithScore]  # retrieved, best first
+SourceNodes = Sequence[NodeWithScore] | None  # more nodes to cite, not to answer from
+ChunkIds = Sequence[str] | None  # the nodes' chunk ids, in prompt order (None: pass them as text)
 
 
 class KVCacheSynthesizer(BaseSynthesizer):
@@ -55,26 +59,18 @@ class KVCacheSynthesizer(BaseSynthesizer):
             self._text_qa_template = prompts_dict["text_qa_template"]
 
     def synthesize(
-        self,
-        query: QueryType,
-        nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None,
-        **response_kwargs: Any,
+        self, query: QueryType, nodes: Nodes, additional_source_nodes: SourceNodes = None, **response_kwargs: Any
     ) -> RESPONSE_TYPE:
         chunk_ids = self._chunk_ids(nodes)
         return super().synthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
 
     async def asynthesize(
-        self,
-        query: QueryType,
-        nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None,
-        **response_kwargs: Any,
+        self, query: QueryType, nodes: Nodes, additional_source_nodes: SourceNodes = None, **response_kwargs: Any
     ) -> RESPONSE_TYPE:
         chunk_ids = self._chunk_ids(nodes)
         return await super().asynthesize(query, nodes, additional_source_nodes, chunk_ids=chunk_ids, **response_kwargs)
 
-    def _chunk_ids(self, nodes: list[NodeWithScore]) -> list[str] | None:
+    def _chunk_ids(self, nodes: Nodes) -> list[str] | None:
         """The nodes' ids when there is no template and all of them are chunk ids of the index, else None; the
         nodes (best first, as retrievers return them) laid out in the index's `chunk_order`."""
         if self._text_qa_template is not None or not nodes:
@@ -83,18 +79,15 @@ class KVCacheSynthesizer(BaseSynthesizer):
         ids = engine.index.config.query.in_prompt_order([n.node.node_id for n in nodes])
         return ids if engine.run(_all_indexed, engine.index, ids) else None
 
+    def _templated(self, call: Callable[..., Any], query_str: str, text_chunks: Sequence[str]) -> Any:
+        """`call` (the LLM's predict or stream, sync or async) on the template filled with the chunks' texts."""
+        return call(self._text_qa_template, context_str="\n\n".join(text_chunks), query_str=query_str)
+
     def get_response(
-        self,
-        query_str: str,
-        text_chunks: Sequence[str],
-        chunk_ids: Sequence[str] | None = None,
-        **response_kwargs: Any,
+        self, query_str: str, text_chunks: Sequence[str], chunk_ids: ChunkIds = None, **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         if self._text_qa_template is not None:
-            context_str = "\n\n".join(text_chunks)
-            if self._streaming:
-                return self._llm.stream(self._text_qa_template, context_str=context_str, query_str=query_str)
-            return self._llm.predict(self._text_qa_template, context_str=context_str, query_str=query_str)
+            return self._templated(self._llm.stream if self._streaming else self._llm.predict, query_str, text_chunks)
         prompt, chunk_ids = _prompt(query_str, text_chunks, chunk_ids)
         if self._streaming:
             responses = self._llm.stream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs)
@@ -102,17 +95,11 @@ class KVCacheSynthesizer(BaseSynthesizer):
         return self._llm.complete(prompt, chunk_ids=chunk_ids, **response_kwargs).text
 
     async def aget_response(
-        self,
-        query_str: str,
-        text_chunks: Sequence[str],
-        chunk_ids: Sequence[str] | None = None,
-        **response_kwargs: Any,
+        self, query_str: str, text_chunks: Sequence[str], chunk_ids: ChunkIds = None, **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         if self._text_qa_template is not None:
-            context_str = "\n\n".join(text_chunks)
-            if self._streaming:
-                return await self._llm.astream(self._text_qa_template, context_str=context_str, query_str=query_str)
-            return await self._llm.apredict(self._text_qa_template, context_str=context_str, query_str=query_str)
+            call = self._llm.astream if self._streaming else self._llm.apredict
+            return await self._templated(call, query_str, text_chunks)
         prompt, chunk_ids = _prompt(query_str, text_chunks, chunk_ids)
         if self._streaming:
             return _deltas(await self._llm.astream_complete(prompt, chunk_ids=chunk_ids, **response_kwargs))
@@ -128,7 +115,7 @@ def _all_indexed(index: KVIndex, ids: list[str]) -> bool:
     return True
 
 
-def _prompt(query_str: str, text_chunks: Sequence[str], chunk_ids: Sequence[str] | None) -> tuple[str, Sequence[str]]:
+def _prompt(query_str: str, text_chunks: Sequence[str], chunk_ids: ChunkIds) -> tuple[str, Sequence[str]]:
     """The question with the chunks named by id, or (no ids) the texts before it as plain text."""
     if chunk_ids is None:
         return "\n\n".join([*text_chunks, query_str]), ()
