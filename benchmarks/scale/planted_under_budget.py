@@ -49,7 +49,7 @@ def hits(out: Path) -> dict[str, dict[str, bool]]:
     found: dict[str, dict[str, bool]] = {}
     for line in (out / "records.jsonl").read_text(encoding="utf-8").splitlines():
         r = json.loads(line)
-        found.setdefault(r["id"], {})[r["label"]] = bool(r["exact_hit"])
+        found.setdefault(r["id"], {})[r["method"]] = bool(r["exact_hit"])  # the label carries the variant's k
     return found
 
 

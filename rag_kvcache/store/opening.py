@@ -32,7 +32,7 @@ from .tiers import MemoryTier
 
 log = logging.getLogger(__name__)
 
-MAX_WANTED = 4096  # neighbour caches remembered for `CacheOpener.backfill`; more forget the least recently wanted
+MAX_WANTED = 4096  # chunk caches remembered for `CacheOpener.backfill`; more forget the least recently wanted
 
 
 class Maker(Protocol):
@@ -192,11 +192,13 @@ class CacheOpener:
         self.store, self.maker, self.request_bytes, self.inv_freq = store, maker, request_bytes, inv_freq
         self.n_layers = n_layers
         self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text
-        # neighbour caches prompts wanted and did not find: key -> (token ids, contexts), made by `backfill`
+        # chunk caches prompts wanted and did not find: key -> (token ids, contexts), made by `backfill`
         self.wanted: OrderedDict[str, tuple[tuple[int, ...], tuple[Context, ...]]] = OrderedDict()
         self._wanted_lock = threading.Lock()
 
-    def open(self, segments: Sequence[Segment], salt: str = "", make: bool = True) -> PromptCaches:
+    def open(
+        self, segments: Sequence[Segment], salt: str = "", make: bool = True, in_place: bool = False
+    ) -> PromptCaches:
         """The caches of a prompt's cacheable segments (None for the others), each with the context it
         was computed behind: those `address` names (the mean of several where it names several, `BlendKV`;
         a run of a stored sequence reads its slice, `SliceKV`); a sequence several segments read is opened
@@ -209,6 +211,11 @@ class CacheOpener:
 
         With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
         as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
+
+        With `in_place` (the query path under a disk budget, where a chunk outside the hot set has no cache by
+        design) a missing chunk cache is not made now: its segment has no source, so the prompt's prefill
+        computes it where it stands, as `full` computes it, and the cache is made later, off the request path,
+        if the budget admits it then (`wanted`, `backfill`). A missing cache of request text is made now.
         """
         self.maker.refresh()  # what an `index` run in another process recorded since
         named = address(self.maker.addressing, segments, salt)
@@ -217,16 +224,20 @@ class CacheOpener:
         sources: list[LayerSource | None] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
+        left: set[str] = set()  # `in_place`: missing chunk caches, their segments computed in the prompt
         missing = computed = 0
         for seg, at in zip(segments, addresses):
             if not at.keys:
                 sources.append(None)
                 continue
             for key, contexts in at.reads:
-                if key not in opened:
+                if key not in opened and key not in left:
                     entry = self._open(key, at.whole, contexts, salt if at.request_text else None)
                     if entry is None and not make:
                         entry = Unmade(len(at.whole), len(contexts[0]), self.n_layers)
+                    elif entry is None and in_place and not at.request_text:
+                        self._want(key, at.whole, contexts)
+                        left.add(key)
                     elif entry is None:
                         entry = (
                             self._first_use(key, at.whole, contexts, salt)
@@ -234,9 +245,13 @@ class CacheOpener:
                             else self.maker.repair(key, at.whole, contexts)
                         )
                         recomputed.add(key)
-                    opened[key] = entry
-                missing += at.counted and key in recomputed  # per segment
-            computed += len(seg.ids) if any(k in recomputed for k in at.keys) else 0
+                    if entry is not None:
+                        opened[key] = entry
+                missing += at.counted and (key in recomputed or key in left)  # per segment
+            computed += len(seg.ids) if any(k in recomputed for k in at.keys) else 0  # `left`: the prefill's
+            if any(k in left for k in at.keys):
+                sources.append(None)  # computed in place by the prefill
+                continue
             keys = at.keys
             source = opened[keys[0]] if len(keys) == 1 else BlendKV(tuple(opened[k] for k in keys), self.inv_freq)
             sources.append(
@@ -258,14 +273,18 @@ class CacheOpener:
             if fallback is None or held.issuperset(at.keys):
                 out.append(at)
                 continue
-            with self._wanted_lock:
-                for key, contexts in at.reads:
-                    self.wanted[key] = (at.whole, contexts)
-                    self.wanted.move_to_end(key)
-                while len(self.wanted) > MAX_WANTED:
-                    self.wanted.popitem(last=False)
+            for key, contexts in at.reads:
+                self._want(key, at.whole, contexts)
             out.append(fallback)
         return out
+
+    def _want(self, key: str, ids: tuple[int, ...], contexts: tuple[Context, ...]) -> None:
+        """Ask `backfill` for the cache under `key` (the most recently wanted is made first)."""
+        with self._wanted_lock:
+            self.wanted[key] = (ids, contexts)
+            self.wanted.move_to_end(key)
+            while len(self.wanted) > MAX_WANTED:
+                self.wanted.popitem(last=False)
 
     def _count_uses(self, addresses: Sequence[SegmentAddress]) -> None:
         """Count every chunk cache the prompt reads (and every neighbour cache it would have read) with the
@@ -278,7 +297,7 @@ class CacheOpener:
         self.store.ledger.used(reads)
 
     def backfill(self, limit: int = 1) -> int:
-        """Make up to `limit` of the neighbour caches prompts wanted and did not find (most recently wanted first),
+        """Make up to `limit` of the chunk caches prompts wanted and did not find (most recently wanted first),
         each only if the store's budget would keep it; returns how many were stored. For idle moments: the
         server runs it when no request waits."""
         made = 0

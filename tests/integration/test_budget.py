@@ -235,3 +235,37 @@ def test_under_a_budget_every_cached_chunk_gets_both_its_caches(tiny, tmp_path):
     assert 0 < cached < n_chunks and disk_bytes(index.store) <= budget
     one_more = max(maker.disk_bytes([len(c.token_ids)]) for c in index.chunks.all_chunks())  # a chunk's two caches
     assert budget - disk_bytes(index.store) < 2 * one_more  # the room went to the hot set, not left unused
+
+
+def test_under_a_budget_a_chunk_without_a_cache_is_computed_where_it_stands(tiny, tmp_path):
+    """Under a budget a retrieved chunk outside the hot set has no cache by design. It was made behind the system
+    prefix in the request (a forward more while the prompt waits) and then fused like a cached chunk, and on the
+    planted questions the default lost facts a full prefill answers. Now its segment is computed where it stands
+    by the prompt's prefill, as `full` computes it, nothing is stored while the prompt waits, and its caches are
+    asked of `backfill` (made off the request path if the budget admits them): a prompt none of whose chunks has
+    a cache answers as `full`."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.index import KVIndex
+    from rag_kvcache.query.generator import FusedGenerator
+
+    write_docs(tmp_path / "docs")
+    index = KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
+    )
+    assert not list(index.store.root.glob("??/*.safetensors"))  # a budget of a byte keeps no cache
+    question = "Who kept the lighthouse diary of ships?"
+    hits = index.search(question, 3)
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+    gen = FusedGenerator(index)
+    fused = gen.fuse(segments, FusionConfig(method="epic_match"))
+    full = gen.fuse(segments, FusionConfig(method="full"))
+    torch.testing.assert_close(fused.result.logits, full.result.logits, atol=1e-4, rtol=0)
+    assert fused.cache_misses >= len(hits) and fused.result.recomputed_tokens == full.result.recomputed_tokens
+    assert fused.cache_computed_tokens == 0  # no cache was made for it: the prefill computed its tokens
+    assert not list(index.store.root.glob("??/*.safetensors"))  # nothing written while the prompt waited
+    own = {index.addressing.key(h.chunk.token_ids, fmt.prefix_ids) for h in hits}
+    assert own <= set(index.caches.wanted)  # made later, if the budget admits them
+    assert index.caches.backfill(limit=len(index.caches.wanted)) == 0  # a byte admits none
