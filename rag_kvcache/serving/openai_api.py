@@ -146,12 +146,20 @@ class Server:
         )
 
     def _backfill(self) -> None:
-        """Neighbour caches the prompts wanted and did not find (`CacheOpener.backfill`, each only if the index's
-        budget would keep it), made once the server has been quiet for `BACKFILL_QUIET_S` (no request started
-        since), one at a time, until one starts: under steady load a request never waits for one."""
-        if self.engine.index.caches.wanted:
-            loop = asyncio.get_running_loop()
-            loop.call_later(BACKFILL_QUIET_S, self._backfill_if_quiet, loop)
+        """Chunk caches the prompts wanted and did not find (`CacheOpener.backfill`), made once the server has been
+        quiet for `BACKFILL_QUIET_S` (no request started since), one at a time, until one starts: under steady
+        load a request never waits for one. Under a disk budget those the budget admits now are made at the next
+        moment no request waits or decodes, and the others dropped (a chunk read again is wanted again): the hot
+        set follows the questions under steady load too, and a chunk read once is never computed twice."""
+        caches = self.engine.index.caches
+        if not caches.wanted:
+            return
+        ledger = self.engine.index.store.ledger
+        if ledger is not None and ledger.budget is not None:
+            self.scheduler.later(partial(caches.backfill, len(caches.wanted)))
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(BACKFILL_QUIET_S, self._backfill_if_quiet, loop)
 
     def _backfill_if_quiet(self, loop: asyncio.AbstractEventLoop) -> None:
         if time.monotonic() - self._last_request >= BACKFILL_QUIET_S and self.engine.index.caches.wanted:

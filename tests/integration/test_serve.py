@@ -1110,3 +1110,42 @@ def test_a_neighbour_cache_a_prompt_wanted_is_made_when_the_server_is_quiet(chat
             assert all(key in index.store.disk for key in gone)
         finally:
             stop_server(server, thread)
+
+
+def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_moment(
+    chat_adapter, tmp_path, monkeypatch
+):
+    """Under a disk budget a retrieved chunk without a cache is computed in place and its cache asked of
+    `backfill`; waiting for a quiet moment, a server under steady load would never make one and its hot set would
+    never follow the questions. The caches the budget admits are made once no request waits (here the server is
+    never quiet long enough for the unbudgeted path)."""
+    import rag_kvcache.serving.openai_api as api
+
+    monkeypatch.setattr(api, "BACKFILL_QUIET_S", 3600.0)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    cfg = CFG.with_storage(disk_bytes=1 << 30)
+    KVIndex.build(docs, tmp_path / "idx", cfg, adapter=chat_adapter, progress=False).close()
+    with ServingEngine(tmp_path / "idx", cfg, chat_adapter) as engine:
+        index = engine.index
+        hits = engine.run(index.search, QUESTION, 3)
+        own = {index.addressing.key(h.chunk.token_ids, index.format.prefix_ids) for h in hits}
+        for key in own:
+            index.store.memory.remove(key)
+            index.store.disk.remove(key)
+        config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=400, top_k=3)
+        server, thread, url = start_server(create_app(engine, config))
+        try:
+            running = Running(url, engine, docs, index.config.index.model)
+            reply = running.client().chat.completions.create(
+                model=running.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=2
+            )
+            assert reply.choices[0].message.content is not None
+            deadline = time.monotonic() + 60
+            while not all(key in index.store.disk for key in own):
+                assert time.monotonic() < deadline, f"wanted {len(index.caches.wanted)}, never made"
+                time.sleep(0.1)
+        finally:
+            stop_server(server, thread)
