@@ -195,8 +195,8 @@ def test_eviction_by_the_server_makes_misses_never_wrong_hits(tmp_path):
 def test_the_server_killed_leaves_the_answer_as_without_the_remote_tier(shared, corpus, server, when, caplog):
     open_caches = shared.caches.open
 
-    def kill_after_opening(segments, salt=""):  # every entry's header was read from the server; no layer yet
-        caches = open_caches(segments, salt)
+    def kill_after_opening(segments, salt="", **how):  # every entry's header was read from the server; no layer yet
+        caches = open_caches(segments, salt, **how)
         server.kill()
         return caches
 
