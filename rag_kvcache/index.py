@@ -296,7 +296,7 @@ class KVIndex:
         """Log that the index answers now, and the cache passes to come: how many chunks and tokens each
         computes and the bytes they take (within the budget, if any)."""
         tokens = sum(len(c.token_ids) for c in hot)
-        budget = None if self.store.ledger is None else self.store.ledger.budget
+        budget = self.store.budget
         log.info(
             "%s: %d chunks searchable; questions are answered from now on (a chunk without a cache is computed "
             "when a question needs it)",

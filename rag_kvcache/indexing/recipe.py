@@ -101,7 +101,7 @@ class CacheRecipe:
         entry = open_repairing(self.store, key, partial(self.repair, key, ids, (context,)), promote=False)
         if entry is not None:
             return entry
-        if self.store.ledger is not None and self.store.ledger.budget is not None:
+        if self.store.budget is not None:
             kv = self.make(ids, (context,))
             self.store.memory.put(key, kv)
             return kv

@@ -361,8 +361,8 @@ class FusedGenerator:
                 method = get_method("prefix")  # exact over its own K/V
             if method.reads_cache:
                 opened = segments if hit is None else [replace(segments[0], cacheable=False), *segments[1:]]
-                ledger = self.index.store.ledger  # under a budget, a chunk without a cache is computed in place
-                caches = self.index.caches.open(opened, salt, in_place=ledger is not None and ledger.budget is not None)
+                in_place = self.index.store.budget is not None  # under a budget: a chunk without a cache, in place
+                caches = self.index.caches.open(opened, salt, in_place=in_place)
                 sources, contexts = caches.sources, caches.contexts
                 if hit is not None:
                     sources = [hit.kv, *sources[1:]]

@@ -154,8 +154,7 @@ class Server:
         caches = self.engine.index.caches
         if not caches.wanted:
             return
-        ledger = self.engine.index.store.ledger
-        if ledger is not None and ledger.budget is not None:
+        if self.engine.index.store.budget is not None:
             self.scheduler.later(partial(caches.backfill, len(caches.wanted)))
             return
         loop = asyncio.get_running_loop()

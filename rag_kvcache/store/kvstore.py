@@ -64,6 +64,11 @@ class KVStore:
         self.remote = _remote_tier(config, codec, promote) if config.remote is not None else None
         self.backends: list[Backend] = [self.disk] + ([self.remote] if self.remote is not None else [])
 
+    @property
+    def budget(self) -> int | None:
+        """The disk tier's byte budget, the index's (`store.ledger`); None: unbounded."""
+        return None if self.ledger is None else self.ledger.budget
+
     def path(self, key: str) -> Path:
         return self.disk.path(key)
 
