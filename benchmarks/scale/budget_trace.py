@@ -348,7 +348,9 @@ def summarize(
     second = [r["ttft_s"] for r in rows[half:]]
     full = [r["full_ttft_s"] for r in rows if "full_ttft_s" in r]
     full_second = [r["full_ttft_s"] for r in rows[half:] if "full_ttft_s" in r]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
     result = {
+        "commit": commit.stdout.strip() or None,  # the code the summary ran with (the server's, when run together)
         "reduced": len(rows) < 2000 or distinct < 500,
         "corpus_mb": corpus_bytes / 1e6,
         "budget_bytes": budget,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
@@ -33,6 +33,8 @@ from .sentences import Lexicon
 from .sources import resolve_model_source
 
 log = logging.getLogger(__name__)
+
+Pause = Callable[[], None]  # called before each layer of a forward: background work is stopped there
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -217,7 +219,10 @@ class ModelSpec:
     # ---- the indexing prefill, on a subclass's layers ---------------------------------------------------
     @torch.inference_mode()
     def prefill_packed(
-        self, chunks: Sequence[Sequence[int]], past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self,
+        chunks: Sequence[Sequence[int]],
+        past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        pause: Pause | None = None,
     ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Each chunk's keys and values per layer [H_kv, T_i, D], every chunk computed behind the same
         `past` (per-layer K/V [H_kv, P, D]) at positions P..P+T_i-1, in one forward over all the chunks'
@@ -225,7 +230,8 @@ class ModelSpec:
         each chunk attends (causally) over the past and its own tokens alone, so nothing of one chunk
         reaches another and none is padded. A chunk's K/V are the same, to float rounding, whichever chunks
         share its pack (rows of a matmul are computed independently; a BLAS may block them by the row count).
-        The last layer's attention output and MLP, which no K/V depends on, are not computed."""
+        The last layer's attention output and MLP, which no K/V depends on, are not computed. `pause`, if given, is
+        called before each layer: background work (a server's cache making) waits there while requests run."""
         if not chunks or not all(chunks):
             raise ValueError(f"prefill_packed needs non-empty chunks, got lengths {[len(c) for c in chunks]}")
         p = 0 if past is None else past[0][0].shape[-2]
@@ -248,6 +254,8 @@ class ModelSpec:
         )
         out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in spans]
         for layer in range(self.layout.n_layers):
+            if pause is not None:
+                pause()
             q, k, v = self.qkv(
                 layer, self.attention_input(layer, h), cos, sin
             )  # [H_q, N, D], [H_kv, N, D], [H_kv, N, D]

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from ..config import Config
 from ..engine.cache import ChunkKV
 from ..engine.prompt import PromptFormat
-from ..engine.spec import ModelSpec
+from ..engine.spec import ModelSpec, Pause
 from ..retrieval.chunk_index import ChunkIndex
 from ..retrieval.records import ChunkRecord
 from ..store.addressing import CacheAddressing, Context
@@ -405,9 +405,10 @@ class CacheMaker:
         return self.records.forget_neighbours({self.addressing.neighbour_key(ids) for ids in set(kept)})
 
     # ---- making one cache -----------------------------------------------------------------------------
-    def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
-        """The cache of `ids` behind `contexts`, made as the index makes it (`CacheRecipe.make`)."""
-        return self.recipe.make(ids, contexts)
+    def make(self, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None) -> ChunkKV:
+        """The cache of `ids` behind `contexts`, made as the index makes it (`CacheRecipe.make`); `pause` is called
+        before each layer of its forwards."""
+        return self.recipe.make(ids, contexts, pause)
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
         """Recompute a missing or corrupt cache and store it again (`CacheRecipe.repair`)."""

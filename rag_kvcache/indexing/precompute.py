@@ -38,7 +38,7 @@ import torch
 from ..config import Config
 from ..engine.cache import ChunkKV, LayerSource
 from ..engine.ops import rotate_keys, rotation
-from ..engine.spec import ModelSpec
+from ..engine.spec import ModelSpec, Pause
 from ..store.backend import encode_entry
 from ..store.kvstore import KVStore
 
@@ -53,17 +53,21 @@ def pack_tokens(config: Config) -> int:
 
 
 def compute_caches(
-    adapter: ModelSpec, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], max_tokens: int
+    adapter: ModelSpec,
+    chunks: Sequence[tuple[int, ...]],
+    context: tuple[int, ...],
+    max_tokens: int,
+    pause: Pause | None = None,
 ) -> Iterator[tuple[int, ChunkKV]]:
     """Prefill each chunk behind `context`, in packs of at most `max_tokens` tokens (`token_packs`);
-    yields (index in `chunks`, cache)."""
+    yields (index in `chunks`, cache). `pause`: called before each layer (`ModelSpec.prefill_packed`)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
     if not chunks:
         return
-    past = adapter.prefill_packed([context])[0] if context else None  # L x [H_kv, P, D] each
+    past = adapter.prefill_packed([context], pause=pause)[0] if context else None  # L x [H_kv, P, D] each
     for pack in token_packs(chunks, max_tokens):
-        for i, (keys, values) in zip(pack, adapter.prefill_packed([chunks[i] for i in pack], past)):
+        for i, (keys, values) in zip(pack, adapter.prefill_packed([chunks[i] for i in pack], past, pause)):
             yield i, ChunkKV(keys, values, len(context))
 
 
@@ -137,16 +141,17 @@ def compute_behind_cached(
     chunk: Sequence[int],
     sources: Sequence[LayerSource],
     tail: Sequence[int] = (),
+    pause: Pause | None = None,
 ) -> ChunkKV:
     """The cache of `chunk` computed behind a context read from caches (`cached_context` of `sources`) and
     then the `tail` tokens, which are computed in the same forward as the chunk (one `prefill_packed` over
     tail + chunk) and dropped from the result: the chunk's keys/values [H_kv, T, D] at positions
     P + len(tail) onwards. Where `sources` hold exactly what a prefill of their tokens gives, this equals
-    `compute_caches` behind their tokens and the tail, to float tolerance."""
+    `compute_caches` behind their tokens and the tail, to float tolerance. `pause`: called before each layer."""
     if not chunk:
         raise ValueError("compute_behind_cached needs a non-empty chunk, got 0 tokens")
     past = cached_context(sources, adapter.inv_freq, adapter.device, adapter.dtype)  # L x [H_kv, P, D] each
-    ((keys, values),) = adapter.prefill_packed([(*tail, *chunk)], past)  # L x [H_kv, len(tail) + T, D]
+    ((keys, values),) = adapter.prefill_packed([(*tail, *chunk)], past, pause)  # L x [H_kv, len(tail) + T, D]
     t = len(tail)
     return ChunkKV(
         [k[:, t:].contiguous() for k in keys], [v[:, t:].contiguous() for v in values], past[0][0].shape[1] + t

@@ -23,7 +23,7 @@ from functools import partial
 from ..config import Config
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, all_layers
 from ..engine.prompt import PromptFormat
-from ..engine.spec import ModelSpec
+from ..engine.spec import ModelSpec, Pause
 from ..store.addressing import CacheAddressing, Context
 from ..store.kvstore import KVStore
 from ..store.opening import open_repairing
@@ -49,48 +49,55 @@ class CacheRecipe:
         self.config, self.adapter, self.store, self.format = config, adapter, store, format
         self.addressing, self.foreign = addressing, foreign
 
-    def compute(self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...]) -> Iterator[tuple[int, ChunkKV]]:
+    def compute(
+        self, chunks: Sequence[tuple[int, ...]], context: tuple[int, ...], pause: Pause | None = None
+    ) -> Iterator[tuple[int, ChunkKV]]:
         """Prefill each chunk behind `context` (`compute_caches`: packed forwards); yields (index in
         `chunks`, cache)."""
-        return compute_caches(self.adapter, chunks, context, pack_tokens(self.config))
+        return compute_caches(self.adapter, chunks, context, pack_tokens(self.config), pause)
 
-    def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
+    def make(self, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None) -> ChunkKV:
         """The cache of `ids` behind `contexts`, made as the index makes it. Behind one: behind one of the chunk's
         recorded neighbour contexts, as `behind_neighbours` makes it; else a prefill behind the context's tokens.
         Behind several (`CacheAddressing.stored_means`): the mean, at the first's positions, of the chunk's
         neighbour cache, made now, and its stored caches behind the others (`BlendKV`, as a query averaging
-        them would read it)."""
+        them would read it). `pause`: called before each layer of every forward (`ModelSpec.prefill_packed`)."""
         if len(contexts) > 1:
             sets = [self._neighbour_set(ids, c) for c in contexts]
             parts = [
-                self.cached(ids, c) if s is None else self.behind_neighbours(ids, s) for c, s in zip(contexts, sets)
+                self.cached(ids, c, pause) if s is None else self.behind_neighbours(ids, s, pause)
+                for c, s in zip(contexts, sets)
             ]
             mean = BlendKV(tuple(parts), self.adapter.inv_freq)
             return ChunkKV.viewing(all_layers(mean), mean.position)  # [L, 2, H_kv, T, D]
         (context,) = contexts
         nearest = self._neighbour_set(ids, context)
-        return next(self.compute([ids], context))[1] if nearest is None else self.behind_neighbours(ids, nearest)
+        if nearest is None:
+            return next(self.compute([ids], context, pause))[1]
+        return self.behind_neighbours(ids, nearest, pause)
 
     def _neighbour_set(self, ids: tuple[int, ...], context: Context) -> Sequence[Sequence[int]] | None:
         """The recorded neighbours of chunk `ids` that `context` lays out, or None: not a neighbour context."""
         sets = self.addressing.neighbour_sets(self.addressing.near(ids))
         return next((s for s in sets if self.addressing.neighbour_context(s) == context), None)
 
-    def behind_neighbours(self, ids: tuple[int, ...], near: Sequence[Sequence[int]]) -> ChunkKV:
+    def behind_neighbours(
+        self, ids: tuple[int, ...], near: Sequence[Sequence[int]], pause: Pause | None = None
+    ) -> ChunkKV:
         """The cache of chunk `ids` behind `addressing.neighbour_context(near)`: with `chunk_prefill="cached_neighbours"`
         computed behind the cached K/V of that context (the prefix's cache, each neighbour's behind-prefix
         cache, the separator's behind-prefix cache between them; the last separator computed with the
         chunk), else behind the context's recomputed text."""
         if self.config.index.chunk_prefill != "cached_neighbours":
-            return next(self.compute([ids], self.addressing.neighbour_context(near)))[1]
+            return next(self.compute([ids], self.addressing.neighbour_context(near), pause))[1]
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
-        between = [self.cached(sep, prefix)] if sep else []
-        sources = [self.cached(prefix, ())]
+        between = [self.cached(sep, prefix, pause)] if sep else []
+        sources = [self.cached(prefix, (), pause)]
         for i, n in enumerate(reversed(near)):
-            sources += [*(between if i else []), self.cached(tuple(n), prefix)]
-        return compute_behind_cached(self.adapter, ids, sources, sep)
+            sources += [*(between if i else []), self.cached(tuple(n), prefix, pause)]
+        return compute_behind_cached(self.adapter, ids, sources, sep, pause)
 
-    def cached(self, ids: tuple[int, ...], context: tuple[int, ...]) -> LayerSource:
+    def cached(self, ids: tuple[int, ...], context: tuple[int, ...], pause: Pause | None = None) -> LayerSource:
         """The stored cache of `ids` behind `context`, to build a cached context from: one that fails a layer's
         check when read is recomputed then; a missing one is recomputed and stored (logged), except under a
         disk budget, where it is kept in this process's memory tier: a neighbour outside the hot set is made to
@@ -102,15 +109,17 @@ class CacheRecipe:
         if entry is not None:
             return entry
         if self.store.budget is not None:
-            kv = self.make(ids, (context,))
+            kv = self.make(ids, (context,), pause)
             self.store.memory.put(key, kv)
             return kv
-        return self.repair(key, ids, (context,))
+        return self.repair(key, ids, (context,), pause)
 
-    def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV:
+    def repair(
+        self, key: str, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None
+    ) -> ChunkKV:
         """Recompute a missing or corrupt cache (`make`) and store it again (a failed write is logged, not
         raised: the recomputed cache serves the query that found the fault)."""
-        kv = self.make(ids, contexts)
+        kv = self.make(ids, contexts, pause)
         if self.foreign:  # another model's cache is not the index's: kept in this process's memory only
             self.store.memory.put(key, kv)
             return kv

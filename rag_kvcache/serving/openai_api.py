@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.prompt import ChatTurn
+from ..engine.spec import Pause
 from ..query.answers import Answer
 from ..query.request import Prompt
 from ..version import __version__
@@ -59,6 +60,7 @@ from .admission import Admission, Ticket
 from .documents import checked_documents, write_and_sync
 from .engine import ServingEngine
 from .errors import APIError, ClientGone, validation_error
+from .lending import LentThread
 from .metrics import RequestMetrics, ServerMetrics
 from .middleware import CountRequests, LimitBody
 from .prompts import chat_prompt, completion_prompt
@@ -86,6 +88,7 @@ def _tenant_of(key: str) -> str:
 
 
 BACKFILL_QUIET_S = 0.5  # how long the server is quiet (no request started) before it makes caches in the background
+BACKFILL_SLICE_S = 0.1  # under a disk budget: the longest a request waits for caches being made in the background
 
 
 class Server:
@@ -114,6 +117,8 @@ class Server:
         self.scheduler = Scheduler(
             engine.generator, self.on_engine, config.max_batch, self.metrics, config.order, prefetch
         )
+        self._filler: LentThread | None = None  # under a disk budget: makes the caches it admits (`_backfill`)
+        self._filling = False  # a slice of the filler's time is queued with the scheduler
 
     def metrics_of(self, tenant: str) -> RequestMetrics:
         """`tenant`'s own metrics (its requests, its conversations), made at its first request."""
@@ -126,6 +131,8 @@ class Server:
 
     async def close(self) -> None:
         await self.scheduler.close()
+        if self._filler is not None:
+            await asyncio.to_thread(self._filler.close)
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
     async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
@@ -148,17 +155,45 @@ class Server:
     def _backfill(self) -> None:
         """Chunk caches the prompts wanted and did not find (`CacheOpener.backfill`), made once the server has been
         quiet for `BACKFILL_QUIET_S` (no request started since), one at a time, until one starts: under steady
-        load a request never waits for one. Under a disk budget those the budget admits now are made at the next
-        moment no request waits or decodes, and the others dropped (a chunk read again is wanted again): the hot
-        set follows the questions under steady load too, and a chunk read once is never computed twice."""
+        load a request never waits for one.
+
+        Under a disk budget, where a chunk outside the hot set is computed in the prompt until its cache is made,
+        those the budget admits are made in every moment no request waits or decodes, in slices of at most
+        `BACKFILL_SLICE_S` (`LentThread`: stopped before a model layer, resumed at the next moment), and the
+        others dropped (a chunk read again is wanted again). So the hot set follows the questions under steady
+        load too, and a request waits at most one slice for it."""
         caches = self.engine.index.caches
         if not caches.wanted:
             return
-        if self.engine.index.store.budget is not None:
-            self.scheduler.later(partial(caches.backfill, len(caches.wanted)))
-            return
         loop = asyncio.get_running_loop()
+        if self.engine.index.store.budget is not None:
+            if not self._filling:
+                self._filling = True
+                if self._filler is None:
+                    self._filler = LentThread(self._make_wanted, "rag-kvcache-backfill")
+                self.scheduler.later(partial(self._lend, self._filler, loop))
+            return
         loop.call_later(BACKFILL_QUIET_S, self._backfill_if_quiet, loop)
+
+    def _make_wanted(self, pause: Pause) -> bool:
+        """On the filler's thread: one wanted cache made, if the budget admits it; whether more are wanted."""
+        caches = self.engine.index.caches
+        caches.backfill(1, pause)
+        return bool(caches.wanted)
+
+    def _lend(self, filler: LentThread, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine's thread, with no request waiting: a slice of time for the filler; the next slice is
+        queued while it has more to do."""
+        more = True
+        try:
+            more = filler.lend(BACKFILL_SLICE_S)
+        finally:
+            loop.call_soon_threadsafe(self._lent, filler, loop, more)
+
+    def _lent(self, filler: LentThread, loop: asyncio.AbstractEventLoop, more: bool) -> None:
+        self._filling = more and self.scheduler.running
+        if self._filling:
+            self.scheduler.later(partial(self._lend, filler, loop))
 
     def _backfill_if_quiet(self, loop: asyncio.AbstractEventLoop) -> None:
         if time.monotonic() - self._last_request >= BACKFILL_QUIET_S and self.engine.index.caches.wanted:

@@ -22,7 +22,8 @@
 - All model work runs on the engine's worker thread, between ticks. Work that no request waits for (`later`: a
   chat's shortened history prepared before its next turn, `FusedGenerator.prepare_fit`) runs only when no request
   is waiting or decoding, one task at a time, at most `MAX_IDLE` queued (the oldest dropped first); a request
-  that arrives meanwhile waits for the task in flight. A task's failure is logged: no request depends on it.
+  that arrives meanwhile waits for the task in flight (a long one is lent time in slices: the chunk caches a
+  server makes under a disk budget, `LentThread`). A task's failure is logged: no request depends on it.
 - A failure in a prefill fails its request; one in a request's own sampling of a batched step fails that request
   alone (the others decode on as if it had not been there); one in the batched forward fails every request in
   that step, each with the error.
@@ -140,6 +141,11 @@ class Scheduler:
         self.idle.append(task)
         self.metrics.background_queue.set(len(self.idle))
         self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop has started and not stopped."""
+        return self._task is not None and not self._task.done()
 
     def _run(self) -> None:
         """Start the loop on first use; refuse work once it has stopped."""

@@ -23,7 +23,7 @@ import torch
 
 from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from ..engine.prompt import Segment
-from ..engine.spec import ModelSpec
+from ..engine.spec import ModelSpec, Pause
 from ..errors import RagKVCacheError
 from .addressing import CacheAddressing, Context, SegmentAddress, address, without_neighbours
 from .backend import CorruptEntryError, Entry
@@ -44,7 +44,7 @@ class Maker(Protocol):
     @property
     def adapter(self) -> ModelSpec: ...
 
-    def make(self, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
+    def make(self, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None) -> ChunkKV: ...
 
     def repair(self, key: str, ids: tuple[int, ...], contexts: Sequence[Context]) -> ChunkKV: ...
 
@@ -296,10 +296,11 @@ class CacheOpener:
         }
         self.store.ledger.used(reads)
 
-    def backfill(self, limit: int = 1) -> int:
+    def backfill(self, limit: int = 1, pause: Pause | None = None) -> int:
         """Make up to `limit` of the chunk caches prompts wanted and did not find (most recently wanted first),
         each only if the store's budget would keep it; returns how many were stored. For idle moments: the
-        server runs it when no request waits."""
+        server runs it when no request waits (under a budget on a thread of its own, which `pause`, called
+        before each layer of a forward, stops while requests run: `serving.lending`)."""
         made = 0
         while made < limit:
             with self._wanted_lock:
@@ -311,7 +312,7 @@ class CacheOpener:
                 ledger is not None and not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
             ):
                 continue
-            made += self.store.put(key, self.maker.make(ids, contexts))
+            made += self.store.put(key, self.maker.make(ids, contexts, pause))
         return made
 
     def load(self, segments: Sequence[Segment], salt: str = "") -> int:

@@ -1104,10 +1104,9 @@ def test_a_neighbour_cache_a_prompt_wanted_is_made_when_the_server_is_quiet(chat
             )
             assert reply.choices[0].message.content is not None
             deadline = time.monotonic() + 60 + BACKFILL_QUIET_S
-            while index.caches.wanted:
+            while not all(key in index.store.disk for key in gone):  # not `wanted` empty: the last one is being made
                 assert time.monotonic() < deadline, f"{len(index.caches.wanted)} wanted caches never made"
                 time.sleep(0.1)
-            assert all(key in index.store.disk for key in gone)
         finally:
             stop_server(server, thread)
 
@@ -1118,10 +1117,16 @@ def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_
     """Under a disk budget a retrieved chunk without a cache is computed in place and its cache asked of
     `backfill`; waiting for a quiet moment, a server under steady load would never make one and its hot set would
     never follow the questions. The caches the budget admits are made once no request waits (here the server is
-    never quiet long enough for the unbudgeted path)."""
+    never quiet long enough for the unbudgeted path), in slices a request waits for at most one of: with slices
+    of no time, one layer of a forward each, so each cache takes at least a slice per layer."""
     import rag_kvcache.serving.openai_api as api
+    from rag_kvcache.serving.lending import LentThread
 
     monkeypatch.setattr(api, "BACKFILL_QUIET_S", 3600.0)
+    monkeypatch.setattr(api, "BACKFILL_SLICE_S", 0.0)
+    lends = []
+    lend = LentThread.lend
+    monkeypatch.setattr(LentThread, "lend", lambda self, seconds: lends.append(seconds) or lend(self, seconds))
     docs = tmp_path / "docs"
     docs.mkdir()
     for name, text in DOCS.items():
@@ -1147,5 +1152,6 @@ def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_
             while not all(key in index.store.disk for key in own):
                 assert time.monotonic() < deadline, f"wanted {len(index.caches.wanted)}, never made"
                 time.sleep(0.1)
+            assert set(lends) == {0.0} and len(lends) >= len(own) * index.model.layout.n_layers
         finally:
             stop_server(server, thread)

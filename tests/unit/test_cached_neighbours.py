@@ -316,11 +316,11 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     index = KVIndex.create(tmp_path / "idx", CACHED, adapter=tiny)
     real, calls = index.maker.recipe.behind_neighbours, []
 
-    def dies_on_the_fourth(ids, near):
+    def dies_on_the_fourth(ids, near, pause=None):
         calls.append(ids)
         if len(calls) == 4:
             raise KeyboardInterrupt("killed while computing neighbour caches")
-        return real(ids, near)
+        return real(ids, near, pause)
 
     monkeypatch.setattr(index.maker.recipe, "behind_neighbours", dies_on_the_fourth)
     with pytest.raises(KeyboardInterrupt):

@@ -80,7 +80,11 @@ def test_indexing_computes_each_token_once(tiny, tmp_path, monkeypatch):
     write_docs(tmp_path / "docs")
     index = KVIndex.create(tmp_path / "idx", GROUPED, adapter=tiny)
     computed, real = [], tiny.prefill_packed
-    monkeypatch.setattr(tiny, "prefill_packed", lambda chunks, past=None: computed.extend(chunks) or real(chunks, past))
+    monkeypatch.setattr(
+        tiny,
+        "prefill_packed",
+        lambda chunks, past=None, pause=None: computed.extend(chunks) or real(chunks, past, pause),
+    )
     index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
     groups = groups_of(index)
