@@ -139,10 +139,17 @@ def index(
         if new_index and index_dir.is_dir():  # made by this command: leave nothing of a failed first run behind
             shutil.rmtree(index_dir)
         fail(str(e))
+    whole = decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))
+    ledger = idx.store.ledger
+    caches = (
+        f"KV caches {whole}"
+        if ledger is None or ledger.budget is None
+        else f"KV caches {decimal(ledger.stats(0).bytes)} on disk within the budget of {decimal(ledger.budget)} "
+        f"(every chunk's would take {whole})"
+    )
     out.print(
         f"indexed {docs_dir}: {len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed, "
         f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {len(idx.chunks)} chunks; "
-        f"KV caches {decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))} "
-        f"({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)",
+        f"{caches} ({idx.store.codec.name}, {idx.kv_bytes_per_token / 1024:.1f} KiB/token)",
         highlight=False,
     )

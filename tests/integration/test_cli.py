@@ -14,6 +14,7 @@ import pytest
 import torch
 import typer
 from pydantic import BaseModel, Field, ValidationError
+from rich.filesize import decimal
 from test_serve import CHATML
 from tiny_model import tiny_llama
 from transformers import AutoTokenizer
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 import rag_kvcache
 from rag_kvcache.cli import app
 from rag_kvcache.config import Config, FusionConfig, GenerationConfig, IndexSettings, RuntimeConfig
+from rag_kvcache.index import KVIndex
 from rag_kvcache.store.codecs import CODECS
 
 runner = CliRunner()
@@ -458,6 +460,30 @@ def test_index_says_the_caches_size_and_codec(built):
     """234 KB of documents became 3.0 GB of caches with no word before or after."""
     root, output = built
     assert "(int8k-int4v, " in output and "KiB/token)" in output and "KV caches " in output
+
+
+def test_index_under_a_budget_says_the_bytes_on_disk_not_the_whole_corpus(built, model_dir, tmp_path):
+    """Under `--kv-budget` the summary gave the size every chunk's caches would take (29.8 GB for a 3.4 GB
+    budget), as if that were on disk: it now says the bytes the store holds, within the budget, beside it."""
+    root, _ = built
+    result = runner.invoke(
+        app,
+        [
+            *("index", str(root / "docs"), "--index", str(tmp_path / "idx"), "--chunk-tokens", "128"),
+            *("--model", str(model_dir), "--kv-budget", "100kB"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    index = KVIndex.open(tmp_path / "idx")
+    held = index.store.ledger.stats(0).bytes
+    whole = index.kv_bytes(map(len, index.chunks.token_ids()))
+    index.close()
+    assert 0 < held <= 100_000 < whole
+    assert (
+        f"KV caches {decimal(held)} on disk within the budget of 100.0 kB (every chunk's would take {decimal(whole)})"
+        in output
+    )
 
 
 @pytest.mark.parametrize("prefill", ["grouped", "behind_prefix"])
