@@ -235,6 +235,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=100, help="requests left out of the first half's median")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--serve-option",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for `rag-kvcache serve` (repeatable; e.g. --serve-option=--backfill-slice --serve-option=inf)",
+    )
+    ap.add_argument(
         "--stream-only",
         action="store_true",
         help="the index in --work is built (its budget recorded): run the stream alone; the time to the first "
@@ -285,7 +292,7 @@ def main() -> None:
     all_titles = titles(docs)
     chosen = rng.sample(all_titles, min(args.distinct, len(all_titles)))
     stream = zipf_stream(len(chosen), args.draws, args.wordings, rng)
-    server = Server(index)
+    server = Server(index, *args.serve_option)
     kv = index / "kv"
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
@@ -348,9 +355,13 @@ def summarize(
     second = [r["ttft_s"] for r in rows[half:]]
     full = [r["full_ttft_s"] for r in rows if "full_ttft_s" in r]
     full_second = [r["full_ttft_s"] for r in rows[half:] if "full_ttft_s" in r]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    import rag_kvcache  # the package the server ran: the same PYTHONPATH
+
+    code = Path(rag_kvcache.__file__).parent
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True)
     result = {
-        "commit": commit.stdout.strip() or None,  # the code the summary ran with (the server's, when run together)
+        "commit": commit.stdout.strip() or None,  # of the server's code
+        "serve_options": args.serve_option,
         "reduced": len(rows) < 2000 or distinct < 500,
         "corpus_mb": corpus_bytes / 1e6,
         "budget_bytes": budget,

@@ -55,6 +55,9 @@ def serve(
     order: Annotated[Order, option(ServerConfig, "order")] = Order(default(ServerConfig, "order")),
     history: Annotated[History, option(ServerConfig, "history")] = History(default(ServerConfig, "history")),
     top_k: Annotated[Optional[int], option(ServerConfig, "top_k", "--top-k", min=1, max=64)] = None,
+    backfill_slice_s: Annotated[float, option(ServerConfig, "backfill_slice_s", "--backfill-slice", min=0)] = (
+        default(ServerConfig, "backfill_slice_s")
+    ),
     kv_remote: KVRemote = None,
     kv_remote_writable: KVRemoteWritable = default(StorageConfig, "remote_writable"),
     kv_budget: KVBudget = None,

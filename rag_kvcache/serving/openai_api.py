@@ -88,7 +88,6 @@ def _tenant_of(key: str) -> str:
 
 
 BACKFILL_QUIET_S = 0.5  # how long the server is quiet (no request started) before it makes caches in the background
-BACKFILL_SLICE_S = 0.1  # under a disk budget: the longest a request waits for caches being made in the background
 
 
 class Server:
@@ -159,7 +158,7 @@ class Server:
 
         Under a disk budget, where a chunk outside the hot set is computed in the prompt until its cache is made,
         those the budget admits are made in every moment no request waits or decodes, in slices of at most
-        `BACKFILL_SLICE_S` (`LentThread`: stopped before a model layer, resumed at the next moment), and the
+        `ServerConfig.backfill_slice_s` (`LentThread`: stopped before a model layer, resumed at the next moment), and the
         others dropped (a chunk read again is wanted again). So the hot set follows the questions under steady
         load too, and a request waits at most one slice for it."""
         caches = self.engine.index.caches
@@ -186,7 +185,7 @@ class Server:
         queued while it has more to do."""
         more = True
         try:
-            more = filler.lend(BACKFILL_SLICE_S)
+            more = filler.lend(self.config.backfill_slice_s)
         finally:
             loop.call_soon_threadsafe(self._lent, filler, loop, more)
 

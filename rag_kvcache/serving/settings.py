@@ -70,6 +70,14 @@ class ServerConfig:
         '`rag_kvcache: {"top_k": K}` does; a request opts out with `"top_k": 0`. Completions keep their prompt '
         "as given. Unset: no retrieval unless a request asks for it.",
     )
+    backfill_slice_s: float = setting(
+        0.1,
+        "Under a disk budget, the longest a request waits for the chunk caches the server makes between requests "
+        "(those the budget admits, of chunks the prompts computed in place): the work stops before a model layer "
+        "once a slice is spent and goes on at the next moment no request waits (0: a layer at a time). inf: no bound, each gap makes "
+        "every cache the last prompts wanted (the hot set fills fastest under unbroken load; a request may wait "
+        "seconds).",
+    )
     history: Literal["halve", "refuse"] = setting(
         "halve",
         "A chat longer than the prompt limit: drop its oldest half of messages in one step, so that the next "
@@ -86,6 +94,8 @@ class ServerConfig:
             raise ConfigError(f"{len(both)} key(s) given both as an api key and as an admin key: give each once")
         if self.top_k is not None and not 1 <= self.top_k <= 64:
             raise ConfigError(f"top_k must be in [1, 64] (or unset: no retrieval), got {self.top_k!r}")
+        if not self.backfill_slice_s >= 0:  # NaN too
+            raise ConfigError(f"backfill_slice_s must be >= 0 seconds (inf: no bound), got {self.backfill_slice_s!r}")
         at_least(self, max_queue=0, max_batch=1, max_prompt_tokens=1, max_tokens=1, max_body_bytes=1, max_per_key=0)
 
     @property

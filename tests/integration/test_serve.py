@@ -1123,7 +1123,6 @@ def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_
     from rag_kvcache.serving.lending import LentThread
 
     monkeypatch.setattr(api, "BACKFILL_QUIET_S", 3600.0)
-    monkeypatch.setattr(api, "BACKFILL_SLICE_S", 0.0)
     lends = []
     lend = LentThread.lend
     monkeypatch.setattr(LentThread, "lend", lambda self, seconds: lends.append(seconds) or lend(self, seconds))
@@ -1140,7 +1139,7 @@ def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_
         for key in own:
             index.store.memory.remove(key)
             index.store.disk.remove(key)
-        config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=400, top_k=3)
+        config = ServerConfig(api_keys=(KEY,), max_prompt_tokens=400, top_k=3, backfill_slice_s=0.0)
         server, thread, url = start_server(create_app(engine, config))
         try:
             running = Running(url, engine, docs, index.config.index.model)

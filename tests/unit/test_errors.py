@@ -45,6 +45,8 @@ def test_every_exception_the_package_defines_derives_from_the_root():
         lambda: Config(query=QueryConfig(top_k=0)),
         lambda: StorageConfig(conversation_bytes=-1),
         lambda: ServerConfig(history="forget"),
+        lambda: ServerConfig(backfill_slice_s=-0.5),
+        lambda: ServerConfig(backfill_slice_s=float("nan")),
     ],
 )
 def test_a_bad_setting_is_a_config_error_and_a_value_error(make):
