@@ -157,10 +157,10 @@ class Server:
         load a request never waits for one.
 
         Under a disk budget, where a chunk outside the hot set is computed in the prompt until its cache is made,
-        those the budget admits are made in every moment no request waits or decodes, in slices of at most
-        `ServerConfig.backfill_slice_s` (`LentThread`: stopped before a model layer, resumed at the next moment), and the
-        others dropped (a chunk read again is wanted again). So the hot set follows the questions under steady
-        load too, and a request waits at most one slice for it."""
+        those the budget admits are made in every moment no request waits or decodes, and the others dropped (a
+        chunk read again is wanted again), so that the hot set follows the questions under steady load too. They
+        are made on a thread of their own (`LentThread`) in slices of `ServerConfig.backfill_slice_s` (default: no
+        bound), stopped before a model layer once one is spent and resumed at the next such moment."""
         caches = self.engine.index.caches
         if not caches.wanted:
             return

@@ -71,12 +71,13 @@ class ServerConfig:
         "as given. Unset: no retrieval unless a request asks for it.",
     )
     backfill_slice_s: float = setting(
-        0.1,
+        float("inf"),
         "Under a disk budget, the longest a request waits for the chunk caches the server makes between requests "
         "(those the budget admits, of chunks the prompts computed in place): the work stops before a model layer "
-        "once a slice is spent and goes on at the next moment no request waits (0: a layer at a time). inf: no bound, each gap makes "
-        "every cache the last prompts wanted (the hot set fills fastest under unbroken load; a request may wait "
-        "seconds).",
+        "once a slice is spent and goes on at the next moment no request waits (0: a layer at a time). inf (the "
+        "default): no bound, each gap makes every cache the last prompts wanted, which fills the hot set fastest; "
+        "a request may then wait seconds. Under unbroken load a bound slows the filling: on a Zipf stream of "
+        "questions at a 10% budget, 1 s slices cut the hit ratio from 0.72 to 0.70 and 0.1 s slices to 0.33.",
     )
     history: Literal["halve", "refuse"] = setting(
         "halve",
