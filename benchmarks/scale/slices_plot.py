@@ -29,7 +29,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    print("| slice | byte hit ratio / Belady's | median TTFT, first half after warm-up / second half | full's, second half |")
+    print(
+        "| slice | byte hit ratio / Belady's | median TTFT, first half after warm-up / second half | full's, second half |"
+    )
     print("|---|---:|---:|---:|")
     for run in args.runs:
         label, _, path = run.partition("=")
