@@ -140,11 +140,11 @@ def index(
             shutil.rmtree(index_dir)
         fail(str(e))
     whole = decimal(idx.kv_bytes(map(len, idx.chunks.token_ids())))
-    ledger = idx.store.ledger
+    held = None if idx.store.ledger is None else idx.store.ledger.stats(0)  # the budget and the bytes, one read
     caches = (
         f"KV caches {whole}"
-        if ledger is None or ledger.budget is None
-        else f"KV caches {decimal(ledger.stats(0).bytes)} on disk within the budget of {decimal(ledger.budget)} "
+        if held is None or held.budget is None
+        else f"KV caches {decimal(held.bytes)} on disk within the budget of {decimal(held.budget)} "
         f"(every chunk's would take {whole})"
     )
     out.print(

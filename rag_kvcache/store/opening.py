@@ -299,8 +299,8 @@ class CacheOpener:
     def backfill(self, limit: int = 1, pause: Pause | None = None) -> int:
         """Make up to `limit` of the chunk caches prompts wanted and did not find (most recently wanted first),
         each only if the store's budget would keep it; returns how many were stored. For idle moments: the
-        server runs it when no request waits (under a budget on a thread of its own, which `pause`, called
-        before each layer of a forward, stops while requests run: `serving.lending`)."""
+        server runs it when no request waits. `pause` is called before each layer of a forward: a caller running
+        it in the background stops it there while requests run."""
         made = 0
         while made < limit:
             with self._wanted_lock:
