@@ -1,0 +1,104 @@
+"""The phases of a `budget_trace.py` stream: median time to the first token per quarter of the stream, the
+default's and `full`'s, with 95% bootstrap intervals, and the ratios the trace's targets name (second half over
+first half after warm-up; `full` over the default in the second half), beside the same for the last quarter over
+the third (after the hot set has filled). With `--ledger`, the byte hit ratio of each quarter of the stream's
+chunk-cache reads, from the access log of the store the stream ran on (`index/kv/ledger.sqlite`): whether the
+hot set decays.
+
+    python benchmarks/scale/trace_phases.py benchmarks/scale/budget-trace.json [--warmup 100] \
+        [--ledger WORK/index/kv/ledger.sqlite [--since TRACE_T0]]
+
+Prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sqlite3
+import statistics
+from pathlib import Path
+
+
+def interval(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of `values`."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def ratio_interval(num: list[float], den: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of median(num) / median(den), the two resampled independently."""
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(rng.choices(num, k=len(num))) / statistics.median(rng.choices(den, k=len(den)))
+        for _ in range(draws)
+    )
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
+def describe(name: str, values: list[float]) -> str:
+    lo, hi = interval(values)
+    return f"| {name} | {len(values)} | {statistics.median(values):.2f} [{lo:.2f}, {hi:.2f}] s |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path, help="a budget_trace.py JSON")
+    ap.add_argument("--warmup", type=int, default=100, help="requests left out of the first half, as the trace's")
+    ap.add_argument("--ledger", type=Path, help="the store's ledger.sqlite, for the byte hit ratio per quarter")
+    ap.add_argument(
+        "--since", type=float, help="the stream's start (Unix seconds); default: the JSON's `trace_t0`, if recorded"
+    )
+    args = ap.parse_args()
+    result = json.loads(args.trace.read_text())
+    rows = result["rows"]
+    n = len(rows)
+    quarters = [rows[q * n // 4 : (q + 1) * n // 4] for q in range(4)]
+
+    print("| requests | n | median TTFT [95%] |")
+    print("|---|---:|---:|")
+    for q, part in enumerate(quarters):
+        span = f"{part[0]['i']}-{part[-1]['i']}"
+        print(describe(f"default, {span}", [r["ttft_s"] for r in part]))
+        print(describe(f"`full`, {span}", [r["full_ttft_s"] for r in part if "full_ttft_s" in r]))
+
+    first = [r["ttft_s"] for r in rows[args.warmup : n // 2]]
+    second = [r["ttft_s"] for r in rows[n // 2 :]]
+    full_second = [r["full_ttft_s"] for r in rows[n // 2 :] if "full_ttft_s" in r]
+    third, fourth = ([r["ttft_s"] for r in part] for part in quarters[2:])
+    print()
+    print("| ratio | value [95%] |")
+    print("|---|---:|")
+    for name, num, den in (
+        (f"second half / first half after {args.warmup}", second, first),
+        ("last quarter / third quarter", fourth, third),
+        ("`full` / default, second half", full_second, second),
+    ):
+        lo, hi = ratio_interval(num, den)
+        print(f"| {name} | {statistics.median(num) / statistics.median(den):.2f} [{lo:.2f}, {hi:.2f}] |")
+    if args.ledger is not None:
+        since = args.since if args.since is not None else result.get("trace_t0")
+        if since is None:
+            ap.error("--ledger needs --since: this JSON does not record its stream's start (`trace_t0`)")
+        print_hit_ratios(args.ledger, since)
+
+
+def print_hit_ratios(ledger: Path, since: float) -> None:
+    """The byte hit ratio of each quarter of the chunk-cache reads the ledger logged from `since` on."""
+    with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as db:
+        reads = db.execute("SELECT bytes, hit FROM accesses WHERE t >= ? ORDER BY rowid", (since,)).fetchall()
+    if not reads:
+        raise SystemExit(f"{ledger} logged no reads from {since} on")
+    n = len(reads)
+    print()
+    print("| quarter of the stream's chunk-cache reads | reads | byte hit ratio |")
+    print("|---|---:|---:|")
+    for q in range(4):
+        part = reads[q * n // 4 : (q + 1) * n // 4]
+        print(f"| {q + 1} | {len(part)} | {sum(b * h for b, h in part) / sum(b for b, _ in part):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
