@@ -152,9 +152,9 @@ def disk_bytes(root: Path) -> int:
     return total
 
 
-def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
+def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, list[int]]:
     """Seconds to embed the corpus' chunks alone (chunked as the index chunks them, embedded as it embeds them),
-    and how many chunks."""
+    and the chunks' lengths in tokens."""
     from rag_kvcache.config import Config
     from rag_kvcache.engine.model import ModelAdapter
     from rag_kvcache.retrieval.chunking import chunk_document
@@ -162,15 +162,16 @@ def measure_embedding(docs: Path, chunk_tokens: int) -> tuple[float, int]:
 
     config = Config()
     tokenizer = ModelAdapter.load(config).tokenizer
-    texts = [
-        c.text
+    chunks = [
+        c
         for path in sorted(docs.rglob("*.txt"))
         for c in chunk_document(path.read_text(encoding="utf-8"), str(path), tokenizer, chunk_tokens)
     ]
+    texts = [c.text for c in chunks]
     embedder = load_embedder(config.index.embedder, config.runtime.device, config.runtime.embedder_dtype)
     t0 = time.perf_counter()
     chunk_embeddings(embedder, texts, name=config.index.embedder)
-    return time.perf_counter() - t0, len(texts)
+    return time.perf_counter() - t0, [len(c.token_ids) for c in chunks]
 
 
 def first_answer(docs: Path, index: Path, share: float, wait: bool = True) -> tuple[dict, int]:
@@ -182,15 +183,14 @@ def first_answer(docs: Path, index: Path, share: float, wait: bool = True) -> tu
     from rag_kvcache.index import KVIndex
 
     chunk_tokens = Config().index.chunk_tokens
-    embed_s, n_chunks = measure_embedding(docs, chunk_tokens)
+    embed_s, lengths = measure_embedding(docs, chunk_tokens)
+    n_chunks = len(lengths)
     print(f"embedding the {n_chunks} chunks alone: {embed_s:.0f} s", flush=True)
 
-    # the caches the whole corpus would take at the default settings: the bytes a chunk of each length takes
-    probe = KVIndex.create(index.parent / "probe")
-    per_token = probe.kv_bytes_per_token
-    tokens = n_chunks * chunk_tokens  # an upper bound: the last chunk of a file is shorter
-    budget = int(share * per_token * tokens)
-    print(f"full caches ~{per_token * tokens / 1e9:.1f} GB; budget {budget / 1e9:.2f} GB", flush=True)
+    # the caches the whole corpus would take at the default settings, as `index` counts them (`KVIndex.kv_bytes`)
+    whole = KVIndex.create(index.parent / "probe").kv_bytes(lengths)
+    budget = int(share * whole)
+    print(f"full caches {whole / 1e9:.1f} GB; budget {budget / 1e9:.2f} GB", flush=True)
 
     t0 = time.perf_counter()
     indexer = subprocess.Popen([CLI, "index", str(docs), "--index", str(index), "--kv-budget", str(budget)])
@@ -214,6 +214,7 @@ def first_answer(docs: Path, index: Path, share: float, wait: bool = True) -> tu
         print(f"index done after {index_s:.0f} s", flush=True)
     timings = {
         "chunks": n_chunks,
+        "whole_cache_bytes": whole,  # every chunk's caches: the budget is `--budget-share` of this
         "embed_alone_s": embed_s,
         "searchable_s": searchable_s,
         "first_answer_s": first_answer_s,
@@ -377,6 +378,7 @@ def summarize(
         "max_disk_bytes": max(b for _, b in samples),
         "byte_hit_ratio": hits[0] / hits[1] if hits[1] else 0.0,
         "belady_byte_hit_ratio": optimum[0] / optimum[1] if optimum[1] else 0.0,
+        "trace_t0": trace_t0,  # the stream's start (Unix seconds): its reads in the ledger's access log follow it
         "rows": rows,
         "disk_samples": [(t - trace_t0, b) for t, b in samples],
     }
