@@ -43,6 +43,16 @@ def describe(name: str, values: list[float]) -> str:
     return f"| {name} | {len(values)} | {statistics.median(values):.2f} [{lo:.2f}, {hi:.2f}] s |"
 
 
+def describe_pair(name: str, rows: list[dict], client: str, server: str) -> str:
+    """The medians of two timings of the same requests, and the mean of the client's wait beyond the server's."""
+    both = [(r[client], r[server]) for r in rows if client in r]
+    wait = statistics.mean(c - s for c, s in both)
+    return (
+        f"| {name} | {statistics.median(c for c, _ in both):.2f} / {statistics.median(s for _, s in both):.2f} s "
+        f"(mean wait {wait:.2f} s, n {len(both)}) |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path, help="a budget_trace.py JSON")
@@ -78,6 +88,18 @@ def main() -> None:
     ):
         lo, hi = ratio_interval(num, den)
         print(f"| {name} | {statistics.median(num) / statistics.median(den):.2f} [{lo:.2f}, {hi:.2f}] |")
+    if all("server_ttft_s" in r for r in rows):  # timed by the server from the fusion's start (no queue wait)
+        server = [r["server_ttft_s"] for r in rows[n // 2 :]]
+        full_server = [r["full_server_ttft_s"] for r in rows[n // 2 :] if "full_server_ttft_s" in r]
+        lo, hi = ratio_interval(full_server, server)
+        ratio = statistics.median(full_server) / statistics.median(server)
+        print(f"| `full` / default, second half, server-timed | {ratio:.2f} [{lo:.2f}, {hi:.2f}] |")
+        print(describe_pair("default, second half: client / server-timed", rows[n // 2 :], "ttft_s", "server_ttft_s"))
+        print(
+            describe_pair(
+                "`full`, second half: client / server-timed", rows[n // 2 :], "full_ttft_s", "full_server_ttft_s"
+            )
+        )
     if args.ledger is not None:
         since = args.since if args.since is not None else result.get("trace_t0")
         if since is None:
