@@ -357,8 +357,8 @@ def summarize(
     first = [r["ttft_s"] for r in rows[args.warmup : half]]
     second = [r["ttft_s"] for r in rows[half:]]
     full = [r["full_ttft_s"] for r in rows if "full_ttft_s" in r]
-    full_second = [r["full_ttft_s"] for r in rows[half:] if "full_ttft_s" in r]
-    sampled = [r for r in rows[half:] if "full_ttft_s" in r]
+    sampled = [r for r in rows[half:] if "full_ttft_s" in r]  # the second half's requests also sent with `full`
+    full_second = [r["full_ttft_s"] for r in sampled]
     import rag_kvcache  # the package the server ran: the same PYTHONPATH
 
     code = Path(rag_kvcache.__file__).parent

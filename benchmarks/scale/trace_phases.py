@@ -18,28 +18,25 @@ import json
 import random
 import sqlite3
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 
-def interval(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of the median of `values`."""
+def interval(
+    statistic: Callable[..., float], *samples: list[float], draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95% bootstrap interval of `statistic(*samples)`, each sample resampled independently."""
     rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+    stats = sorted(statistic(*(rng.choices(s, k=len(s)) for s in samples)) for _ in range(draws))
+    return stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
 
 
-def ratio_interval(num: list[float], den: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of median(num) / median(den), the two resampled independently."""
-    rng = random.Random(seed)
-    ratios = sorted(
-        statistics.median(rng.choices(num, k=len(num))) / statistics.median(rng.choices(den, k=len(den)))
-        for _ in range(draws)
-    )
-    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+def median_ratio(num: list[float], den: list[float]) -> float:
+    return statistics.median(num) / statistics.median(den)
 
 
 def describe(name: str, values: list[float]) -> str:
-    lo, hi = interval(values)
+    lo, hi = interval(statistics.median, values)
     return f"| {name} | {len(values)} | {statistics.median(values):.2f} [{lo:.2f}, {hi:.2f}] s |"
 
 
@@ -81,25 +78,25 @@ def main() -> None:
     print()
     print("| ratio | value [95%] |")
     print("|---|---:|")
-    for name, num, den in (
+    ratios = [
         (f"second half / first half after {args.warmup}", second, first),
         ("last quarter / third quarter", fourth, third),
         ("`full` / default, second half", full_second, second),
-    ):
-        lo, hi = ratio_interval(num, den)
-        print(f"| {name} | {statistics.median(num) / statistics.median(den):.2f} [{lo:.2f}, {hi:.2f}] |")
-    if all("server_ttft_s" in r for r in rows):  # timed by the server from the fusion's start (no queue wait)
+    ]
+    timed_by_server = all("server_ttft_s" in r for r in rows)  # from the fusion's start: no wait in the queue
+    if timed_by_server:
         server = [r["server_ttft_s"] for r in rows[n // 2 :]]
         full_server = [r["full_server_ttft_s"] for r in rows[n // 2 :] if "full_server_ttft_s" in r]
-        lo, hi = ratio_interval(full_server, server)
-        ratio = statistics.median(full_server) / statistics.median(server)
-        print(f"| `full` / default, second half, server-timed | {ratio:.2f} [{lo:.2f}, {hi:.2f}] |")
-        print(describe_pair("default, second half: client / server-timed", rows[n // 2 :], "ttft_s", "server_ttft_s"))
-        print(
-            describe_pair(
-                "`full`, second half: client / server-timed", rows[n // 2 :], "full_ttft_s", "full_server_ttft_s"
-            )
-        )
+        ratios.append(("`full` / default, second half, server-timed", full_server, server))
+    for name, num, den in ratios:
+        lo, hi = interval(median_ratio, num, den)
+        print(f"| {name} | {median_ratio(num, den):.2f} [{lo:.2f}, {hi:.2f}] |")
+    if timed_by_server:
+        for name, client, by_server in (
+            ("default", "ttft_s", "server_ttft_s"),
+            ("`full`", "full_ttft_s", "full_server_ttft_s"),
+        ):
+            print(describe_pair(f"{name}, second half: client / server-timed", rows[n // 2 :], client, by_server))
     if args.ledger is not None:
         since = args.since if args.since is not None else result.get("trace_t0")
         if since is None:
