@@ -258,6 +258,8 @@ def main() -> None:
         "--from-partial", action="store_true", help="summarize the last run's partial results (a run cut short)"
     )
     args = ap.parse_args()
+    if not 0 <= args.warmup < args.draws // 2:
+        ap.error(f"--warmup must leave the first half of the {args.draws} draws a request, got {args.warmup}")
     args.work.mkdir(parents=True, exist_ok=True)
     docs, index = fetch_corpus(args.work), args.work / "index"
     corpus_bytes = sum(p.stat().st_size for p in docs.rglob("*.txt"))

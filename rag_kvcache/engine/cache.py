@@ -35,6 +35,13 @@ class ChunkKV:
         `all_layers` without a copy, as the memory tier's entries are."""
         return cls(list(whole[:, 0].unbind(0)), list(whole[:, 1].unbind(0)), position, whole)
 
+    @classmethod
+    def cut(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, end: int) -> ChunkKV:
+        """A copy of the span start..end-1 of a prompt's per-layer K/V [H_kv, N, D]: the cache of the tokens there,
+        computed at their positions in the prompt."""
+        span = [torch.stack((k[:, start:end], v[:, start:end])) for k, v in zip(keys, values)]  # L x [2, H_kv, T, D]
+        return cls.viewing(torch.stack(span), start)  # [L, 2, H_kv, T, D]
+
     @property
     def n_tokens(self) -> int:
         return self.keys[0].shape[1]

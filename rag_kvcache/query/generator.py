@@ -22,7 +22,7 @@ import torch
 
 from ..config import FusionConfig, GenerationConfig
 from ..engine.buffers import KVBufferPool
-from ..engine.cache import resident
+from ..engine.cache import ChunkKV, resident
 from ..engine.decoding import DecodePool
 from ..engine.fusion import DirectReader, FusionInput, FusionResult, LayerReader, WholeReader
 from ..engine.generation import Decoder
@@ -386,5 +386,12 @@ class FusedGenerator:
         else:
             with LayerFeed(inp.sources, placement, self.layers.layout.n_layers, depth, self.buffers) as feed:
                 result = method(self.layers, inp, fusion, clock, feed)
+        if caches is not None and caches.exact_in_place:  # their caches, as the prefill computed them
+            self.index.caches.harvest(
+                [
+                    (at, ChunkKV.cut(result.keys, result.values, at.start, at.start + len(at.ids)))
+                    for at in caches.exact_in_place
+                ]
+            )
         repaired, computed = (0, 0) if caches is None else (caches.repaired, caches.computed_tokens)
         return Fused(result, inp.n_tokens, repaired, computed, 0 if hit is None else hit.n_tokens)

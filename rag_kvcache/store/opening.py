@@ -33,6 +33,7 @@ from .tiers import MemoryTier
 log = logging.getLogger(__name__)
 
 MAX_WANTED = 4096  # chunk caches remembered for `CacheOpener.backfill`; more forget the least recently wanted
+MAX_READY = 8  # wanted caches held computed (`CacheOpener.harvest`); more are made again when still wanted
 
 
 class Maker(Protocol):
@@ -54,6 +55,18 @@ class Maker(Protocol):
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """A chunk without a cache that a prompt computes where it stands (`CacheOpener.open(in_place=True)`), behind
+    exactly the tokens its missing cache under `key` is computed behind (a prefill's: the first chunk after the
+    system prefix): the prompt's K/V over its span, `start` on, are that cache (`CacheOpener.harvest`)."""
+
+    segment: int  # its index among the prompt's segments
+    start: int  # its first token's position in the prompt
+    key: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PromptCaches:
     """The opened caches of a prompt's segments (`CacheOpener.open`)."""
 
@@ -62,6 +75,8 @@ class PromptCaches:
     missing: int  # chunk caches that were missing when opened (recomputed and stored)
     opened: list[LayerSource]  # each stored cache opened, once (segments may read slices of one)
     computed_tokens: int  # prompt tokens of the segments whose cache was computed now (first use or repair)
+    # `in_place`: the missing chunk caches the prefill computes exactly, where each segment stands (`harvest`)
+    exact_in_place: tuple[InPlace, ...] = ()
 
     @property
     def repaired(self) -> int:
@@ -194,6 +209,7 @@ class CacheOpener:
         self.request_tiers: dict[str, MemoryTier] = {}  # per API key: caches of request text
         # chunk caches prompts wanted and did not find: key -> (token ids, contexts), made by `backfill`
         self.wanted: OrderedDict[str, tuple[tuple[int, ...], tuple[Context, ...]]] = OrderedDict()
+        self.ready: OrderedDict[str, ChunkKV] = OrderedDict()  # wanted caches a prompt computed exactly (`harvest`)
         self._wanted_lock = threading.Lock()
 
     def open(
@@ -225,8 +241,12 @@ class CacheOpener:
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
         left: set[str] = set()  # `in_place`: missing chunk caches, their segments computed in the prompt
+        exact: list[InPlace] = []  # of those, the ones whose span of the prompt's K/V is their missing cache
         missing = computed = 0
-        for seg, at in zip(segments, addresses):
+        before: list[int] = []  # the prompt's tokens before the segment
+        for i, (seg, at) in enumerate(zip(segments, addresses)):
+            start = len(before)
+            before += seg.ids
             if not at.keys:
                 sources.append(None)
                 continue
@@ -238,6 +258,8 @@ class CacheOpener:
                     elif entry is None and in_place and not at.request_text:
                         self._want(key, at.whole, contexts)
                         left.add(key)
+                        if self._prefilled_here(seg, at, before[:start]):
+                            exact.append(InPlace(i, start, key, at.whole))
                     elif entry is None:
                         entry = (
                             self._first_use(key, at.whole, contexts, salt)
@@ -257,7 +279,31 @@ class CacheOpener:
             sources.append(
                 SliceKV(source, seg.offset, seg.offset + len(seg.ids)) if len(seg.ids) < len(at.whole) else source
             )
-        return PromptCaches(sources, [at.context for at in addresses], missing, list(opened.values()), computed)
+        laid_behind = [at.context for at in addresses]
+        return PromptCaches(sources, laid_behind, missing, list(opened.values()), computed, tuple(exact))
+
+    def _prefilled_here(self, seg: Segment, at: SegmentAddress, before: Sequence[int]) -> bool:
+        """Whether segment `seg` (addressed as `at`, the prompt's tokens `before` it), computed in the prompt, gives
+        its one cache exactly: the whole chunk, behind the very tokens that cache is a prefill behind."""
+        return (
+            len(at.reads) == 1
+            and seg.ids == at.whole
+            and at.context is not None
+            and tuple(before) == at.context
+            and self.maker.addressing.prefilled(at.whole, at.context)
+        )
+
+    def harvest(self, made: Sequence[tuple[InPlace, ChunkKV]]) -> None:
+        """The caches a prompt's prefill computed exactly where their chunks stood (`PromptCaches.exact_in_place`),
+        handed to `backfill` to store as they are, if the budget admits them, instead of computing them again.
+        At most `MAX_READY` wait so (the K/V of a whole chunk each); older ones are made again if still wanted."""
+        with self._wanted_lock:
+            for spot, kv in made:
+                if spot.key in self.wanted:
+                    self.ready[spot.key] = kv
+                    self.ready.move_to_end(spot.key)
+            while len(self.ready) > MAX_READY:
+                self.ready.popitem(last=False)
 
     def _stored_or_behind_prefix(
         self, segments: Sequence[Segment], named: Sequence[SegmentAddress]
@@ -284,7 +330,7 @@ class CacheOpener:
             self.wanted[key] = (ids, contexts)
             self.wanted.move_to_end(key)
             while len(self.wanted) > MAX_WANTED:
-                self.wanted.popitem(last=False)
+                self.ready.pop(self.wanted.popitem(last=False)[0], None)
 
     def _count_uses(self, addresses: Sequence[SegmentAddress]) -> None:
         """Count every chunk cache the prompt reads (and every neighbour cache it would have read) with the
@@ -307,12 +353,13 @@ class CacheOpener:
                 if not self.wanted:
                     return made
                 key, (ids, contexts) = self.wanted.popitem()
+                kv = self.ready.pop(key, None)
             ledger = self.store.ledger
             if key in self.store or (
                 ledger is not None and not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
             ):
                 continue
-            made += self.store.put(key, self.maker.make(ids, contexts, pause))
+            made += self.store.put(key, kv if kv is not None else self.maker.make(ids, contexts, pause))
         return made
 
     def load(self, segments: Sequence[Segment], salt: str = "") -> int:

@@ -269,3 +269,52 @@ def test_under_a_budget_a_chunk_without_a_cache_is_computed_where_it_stands(tiny
     own = {index.addressing.key(h.chunk.token_ids, fmt.prefix_ids) for h in hits}
     assert own <= set(index.caches.wanted)  # made later, if the budget admits them
     assert index.caches.backfill(limit=len(index.caches.wanted)) == 0  # a byte admits none
+
+
+def test_a_first_chunk_computed_in_place_is_stored_as_the_prompt_computed_it(tiny, tmp_path):
+    """Under a budget, a chunk without a cache is computed where it stands (above), and `backfill` then made its
+    behind-prefix cache with a forward of its own, which in an unbroken stream the next request waited for. Where
+    the chunk stands right behind the system prefix, the prompt's K/V over it are that cache: they are kept for
+    `backfill` to store instead, and the chunks further in (behind other chunks) are still made."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.index import KVIndex
+    from rag_kvcache.query.generator import FusedGenerator
+
+    write_docs(tmp_path / "docs")
+    KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
+    ).close()
+    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
+    question = "Who kept the lighthouse diary of ships?"
+    hits = index.search(question, 3)
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+    FusedGenerator(index).fuse(segments, FusionConfig(method="epic_match"))
+    first = hits[0].chunk.token_ids
+    first_key = index.addressing.key(first, fmt.prefix_ids)
+    prefix_key = index.addressing.key(fmt.prefix_ids, ())  # a byte's budget kept not even the prefix's cache
+    assert set(index.caches.ready) == {prefix_key, first_key}  # the chunks after it were behind other chunks
+    kept = index.caches.ready[first_key]
+    made = index.maker.make(first, (fmt.prefix_ids,))  # as `backfill` made it
+    assert kept.position == made.position == len(fmt.prefix_ids) and kept.n_layers == made.n_layers
+    for layer in range(made.n_layers):
+        for got, want in zip(kept.layer(layer), made.layer(layer)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    forwards: list[tuple[int, ...]] = []
+    make = index.maker.make
+
+    def counted(ids, contexts, pause=None):
+        forwards.append(tuple(ids))
+        return make(ids, contexts, pause)
+
+    index.maker.make = counted
+    wanted = set(index.caches.wanted)
+    assert index.caches.backfill(limit=len(wanted)) == len(wanted)  # the budget admits every one
+    assert prefix_key in index.store and first_key in index.store and not index.caches.ready
+    assert len(forwards) == len(wanted) - 2 and first not in forwards  # all but the kept ones were made
+    stored = index.store.get(first_key)
+    torch.testing.assert_close(stored.layer(0)[0], kept.layer(0)[0])
+    index.close()
