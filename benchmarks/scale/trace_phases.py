@@ -3,10 +3,11 @@ default's and `full`'s, with 95% bootstrap intervals, and the ratios the trace's
 first half after warm-up; `full` over the default in the second half), beside the same for the last quarter over
 the third (after the hot set has filled). With `--ledger`, the byte hit ratio of each quarter of the stream's
 chunk-cache reads, from the access log of the store the stream ran on (`index/kv/ledger.sqlite`): whether the
-hot set decays.
+hot set decays. With `--against`, another run of the same stream (same `--seed`, `--draws` and start state, other
+code): the mean per-request difference of each timing, paired request by request, with 95% bootstrap intervals.
 
     python benchmarks/scale/trace_phases.py benchmarks/scale/budget-trace.json [--warmup 100] \
-        [--ledger WORK/index/kv/ledger.sqlite [--since TRACE_T0]]
+        [--ledger WORK/index/kv/ledger.sqlite [--since TRACE_T0]] [--against OTHER.json]
 
 Prints Markdown tables.
 """
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument(
         "--since", type=float, help="the stream's start (Unix seconds); default: the JSON's `trace_t0`, if recorded"
     )
+    ap.add_argument("--against", type=Path, help="another run of the same stream, compared request by request")
     args = ap.parse_args()
     result = json.loads(args.trace.read_text())
     rows = result["rows"]
@@ -97,11 +99,34 @@ def main() -> None:
             ("`full`", "full_ttft_s", "full_server_ttft_s"),
         ):
             print(describe_pair(f"{name}, second half: client / server-timed", rows[n // 2 :], client, by_server))
+    if args.against is not None:
+        print_paired(rows, json.loads(args.against.read_text())["rows"], args.against.name)
     if args.ledger is not None:
         since = args.since if args.since is not None else result.get("trace_t0")
         if since is None:
             ap.error("--ledger needs --since: this JSON does not record its stream's start (`trace_t0`)")
         print_hit_ratios(args.ledger, since)
+
+
+def print_paired(rows: list[dict], other: list[dict], name: str) -> None:
+    """This run's timings minus `other`'s (the same stream), request by request: the mean difference of the client's
+    time to the first token, the server's, and the wait between, over the whole stream and its second half."""
+    if [(r["question"], r["wording"]) for r in rows] != [(r["question"], r["wording"]) for r in other]:
+        raise SystemExit(f"{name} is not the same stream of questions: the runs cannot be paired")
+    n = len(rows)
+    print()
+    print(f"| this run minus {name}, request by request | requests | mean difference [95%] |")
+    print("|---|---:|---:|")
+    timings = {
+        "client TTFT": lambda r: r["ttft_s"],
+        "server-timed TTFT": lambda r: r["server_ttft_s"],
+        "wait (client minus server)": lambda r: r["ttft_s"] - r["server_ttft_s"],
+    }
+    for span, start in (("all", 0), ("second half", n // 2)):
+        for what, timing in timings.items():
+            diffs = [timing(a) - timing(b) for a, b in zip(rows[start:], other[start:])]
+            lo, hi = interval(statistics.mean, diffs)
+            print(f"| {what}, {span} | {len(diffs)} | {statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] s |")
 
 
 def print_hit_ratios(ledger: Path, since: float) -> None:
