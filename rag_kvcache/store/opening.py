@@ -57,8 +57,9 @@ class Maker(Protocol):
 @dataclass(frozen=True)
 class InPlace:
     """A chunk without a cache that a prompt computes where it stands (`CacheOpener.open(in_place=True)`), behind
-    exactly the tokens its missing cache under `key` is computed behind (a prefill's: the first chunk after the
-    system prefix): the prompt's K/V over its span, `start` on, are that cache (`CacheOpener.harvest`)."""
+    the very tokens its missing cache under `key` is a prefill behind (the first chunk after the system prefix):
+    the prompt's K/V over its span, `start` on, are that cache (`CacheOpener.harvest`), computed behind those
+    tokens as the prompt read them (the prefix from its stored cache, rounded by a lossy codec)."""
 
     segment: int  # its index among the prompt's segments
     start: int  # its first token's position in the prompt
