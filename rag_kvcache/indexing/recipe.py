@@ -128,5 +128,7 @@ class CacheRecipe:
         except OSError as err:
             log.warning("computed the KV cache %s but could not store it: %s", key, err)
         else:
-            log.warning("recomputed and rewrote the missing or corrupt KV cache %s (%d tokens)", key, len(ids))
+            # not a fault in itself: a cache not made yet (a folder searchable before its caches) is made so too; a
+            # corrupt entry was logged when the store dropped it
+            log.info("made and stored the KV cache %s (%d tokens), which the store did not hold", key, len(ids))
         return kv
