@@ -1118,11 +1118,14 @@ def test_under_a_budget_a_chunk_cache_the_budget_admits_is_made_without_a_quiet_
     `backfill`; waiting for a quiet moment, a server under steady load would never make one and its hot set would
     never follow the questions. The caches the budget admits are made once no request waits (here the server is
     never quiet long enough for the unbudgeted path), in slices a request waits for at most one of: with slices
-    of no time, one layer of a forward each, so each cache takes at least a slice per layer."""
+    of no time, one layer of a forward each, so each cache takes at least a slice per layer. (A first chunk's cache
+    is stored as the prompt computed it, with no forward at all: not here, where the forwards are what is lent.)"""
     import rag_kvcache.serving.openai_api as api
     from rag_kvcache.serving.lending import LentThread
+    from rag_kvcache.store.opening import CacheOpener
 
     monkeypatch.setattr(api, "BACKFILL_QUIET_S", 3600.0)
+    monkeypatch.setattr(CacheOpener, "harvest", lambda self, made: None)
     lends = []
     lend = LentThread.lend
     monkeypatch.setattr(LentThread, "lend", lambda self, seconds: lends.append(seconds) or lend(self, seconds))
