@@ -148,6 +148,7 @@ class SegmentAddress:
     context: Context | None  # what the segment's cache was computed behind, as laid out in this prompt; None: a mean
     request_text: bool  # a cache of request text: the tenant's, in memory only, made by the first prompt to need it
     counted: bool  # recomputing it counts as a missing cache (not the prompt's head, nor a chunk behind a new head)
+    prefilled: bool = False  # it reads one cache, a prefill behind exactly the prompt's tokens before the segment
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -178,6 +179,7 @@ def address(addressing: CacheAddressing, segments: Sequence[Segment], salt: str 
     contexts: tuple[tuple[int, ...], ...]
     for seg in segments:
         behind_head = in_head and bool(prompt) and seg.cacheable
+        exact: tuple[Context, ...] = ()
         if behind_head:
             contexts, whole = (prompt,), seg.ids
         else:
@@ -189,7 +191,8 @@ def address(addressing: CacheAddressing, segments: Sequence[Segment], salt: str 
         reads = addressing.reads(whole, contexts, salt if request_text else "") if seg.cacheable else ()
         run_of = seg.cacheable and len(seg.ids) < len(whole)
         context = (contexts[0] + whole[: seg.offset] if run_of else contexts[0]) if len(contexts) == 1 else None
-        out.append(SegmentAddress(reads, whole, context, request_text, bool(prompt) and not behind_head))
+        counted = bool(prompt) and not behind_head
+        out.append(SegmentAddress(reads, whole, context, request_text, counted, seg.cacheable and bool(exact)))
         if seg.cacheable and prompt:
             read.add(whole)
         prompt += seg.ids

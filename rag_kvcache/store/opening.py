@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -61,7 +62,6 @@ class InPlace:
     the prompt's K/V over its span, `start` on, are that cache (`CacheOpener.harvest`), computed behind those
     tokens as the prompt read them (the prefix from its stored cache, rounded by a lossy codec)."""
 
-    segment: int  # its index among the prompt's segments
     start: int  # its first token's position in the prompt
     key: str
     ids: tuple[int, ...]
@@ -244,10 +244,8 @@ class CacheOpener:
         left: set[str] = set()  # `in_place`: missing chunk caches, their segments computed in the prompt
         exact: list[InPlace] = []  # of those, the ones whose span of the prompt's K/V is their missing cache
         missing = computed = 0
-        before: list[int] = []  # the prompt's tokens before the segment
-        for i, (seg, at) in enumerate(zip(segments, addresses)):
-            start = len(before)
-            before += seg.ids
+        starts = accumulate((len(seg.ids) for seg in segments), initial=0)  # each segment's first position
+        for seg, at, start in zip(segments, addresses, starts):
             if not at.keys:
                 sources.append(None)
                 continue
@@ -259,8 +257,8 @@ class CacheOpener:
                     elif entry is None and in_place and not at.request_text:
                         self._want(key, at.whole, contexts)
                         left.add(key)
-                        if self._prefilled_here(seg, at, before[:start]):
-                            exact.append(InPlace(i, start, key, at.whole))
+                        if at.prefilled and seg.ids == at.whole:  # the whole chunk, computed as its cache is
+                            exact.append(InPlace(start, key, at.whole))
                     elif entry is None:
                         entry = (
                             self._first_use(key, at.whole, contexts, salt)
@@ -282,17 +280,6 @@ class CacheOpener:
             )
         laid_behind = [at.context for at in addresses]
         return PromptCaches(sources, laid_behind, missing, list(opened.values()), computed, tuple(exact))
-
-    def _prefilled_here(self, seg: Segment, at: SegmentAddress, before: Sequence[int]) -> bool:
-        """Whether segment `seg` (addressed as `at`, the prompt's tokens `before` it), computed in the prompt, gives
-        its one cache exactly: the whole chunk, behind the very tokens that cache is a prefill behind."""
-        return (
-            len(at.reads) == 1
-            and seg.ids == at.whole
-            and at.context is not None
-            and tuple(before) == at.context
-            and self.maker.addressing.prefilled(at.whole, at.context)
-        )
 
     def harvest(self, made: Sequence[tuple[InPlace, ChunkKV]]) -> None:
         """The caches a prompt's prefill computed exactly where their chunks stood (`PromptCaches.exact_in_place`),
