@@ -259,7 +259,9 @@ class KVIndex:
         embeds, in passes, all under the writer lock: the chunks committed (searchable from then on: a chunk
         without a cache is computed when a prompt needs it), then the caches of the chunks most likely to be
         retrieved, behind the prefix (`CacheMaker.hot_set`, within the store's budget), then their neighbour
-        caches, then what no chunk reads any more collected. `grouped` caches are named by their group, so they
+        caches (every chunk's neighbours recorded: a chunk outside the hot set gets its neighbour cache from
+        `CacheOpener.backfill` once a prompt reads it after another chunk), then what no chunk reads any more
+        collected. `grouped` caches are named by their group, so they
         are made before their chunks are committed. Each pass resumes where a killed run stopped."""
         if self.foreign:
             raise ForeignModelError(
@@ -282,11 +284,14 @@ class KVIndex:
                 self._announce(hot)
                 maker.precompute([c.token_ids for c in hot], progress=progress, workers=workers)
                 if maker.with_neighbours:
-                    have = {c.id for c in maker.chunks_without_neighbour_caches()}
-                    maker.precompute_neighbours(
-                        [c for c in hot if c.id in have and maker.addressing.own_key(c.token_ids) in self.store.disk],
-                        progress,
+                    lacking = maker.chunks_without_neighbour_caches()
+                    have = {c.id for c in lacking}
+                    todo = [c for c in hot if c.id in have and maker.addressing.own_key(c.token_ids) in self.store.disk]
+                    named = {c.id for c in todo}  # and the others' (under a budget), whose caches `backfill` makes
+                    maker.record_neighbours(
+                        [c for c in lacking if c.id not in named and not maker.addressing.near(c.token_ids)]
                     )
+                    maker.precompute_neighbours(todo, progress)
             maker.committed()
             self.collect(used)
         self.flush_stats()

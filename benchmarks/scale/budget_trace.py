@@ -260,6 +260,10 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 <= args.warmup < args.draws // 2:
         ap.error(f"--warmup must leave the first half of the {args.draws} draws a request, got {args.warmup}")
+    if not 1 <= args.full_every <= args.draws - args.draws // 2:
+        ap.error(
+            f"--full-every must send the second half of the {args.draws} draws with `full` once, got {args.full_every}"
+        )
     args.work.mkdir(parents=True, exist_ok=True)
     docs, index = fetch_corpus(args.work), args.work / "index"
     corpus_bytes = sum(p.stat().st_size for p in docs.rglob("*.txt"))

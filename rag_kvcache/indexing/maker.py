@@ -17,8 +17,10 @@ What each `chunk_prefill` stores for a chunk:
 - `grouped`: one cache, cut from its group of similar chunks (`grouping.similar_groups`, at most
   1 + `context_chunks`) prefilled behind the prefix as one sequence; a prompt that lays a group out as it was
   indexed reads exact caches, elsewhere a chunk reads its cache re-rotated to where it sits.
-The chosen neighbours (or groups) are recorded in `neighbours.json` before their caches are computed; a chunk
-without recorded neighbours, or whose neighbour cache is not stored, reads its behind-prefix cache.
+The chosen neighbours (or groups) are recorded in `neighbours.json` before their caches are computed, every
+chunk's under a budget too (`record_neighbours`): a chunk outside the hot set gets its neighbour cache from
+`CacheOpener.backfill` once a prompt reads it after another chunk. A chunk whose neighbour cache is not stored
+reads its behind-prefix cache meanwhile.
 
 Which chunks get caches, and in what order, is `hot_set`: the most central chunks first, within the store's
 budget (`store.ledger`). A run records the caches it is about to compute in `pending.json`, so that an
@@ -256,7 +258,7 @@ class CacheMaker:
         would prefill, and each cache is checked to be in this index's store before this returns."""
         prefix, sep = self.format.prefix_ids, self.format.separator_ids
         key, own_key = self.addressing.key, self.addressing.own_key
-        table, todo, rows, seen = self.records.neighbours, [], [], set()
+        todo, rows, seen = [], [], set()
         for row, chunk in enumerate(chunks):
             ids = chunk.token_ids
             if ids in seen or own_key(ids) in self.store.disk:
@@ -275,7 +277,7 @@ class CacheMaker:
         groups = [[todo[i] for i in g] for g in similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)]
         for group in groups:
             for k, ids in enumerate(group):
-                table[self.addressing.neighbour_key(ids)] = [list(n) for n in reversed(group[:k])]  # nearest first
+                self.records.record(self.addressing.neighbour_key(ids), group[:k][::-1])  # nearest first
         contexts = {ids: self.addressing.own_context(ids) for ids in todo}  # behind its group, now recorded
         keys = {ids: key(ids, context) for ids, context in contexts.items()}
         self.records.record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
@@ -357,7 +359,7 @@ class CacheMaker:
         garbage), and the next run skips those stored; a chunk whose neighbour cache is not stored reads its
         behind-prefix one meanwhile (`store.opening`). Stops at the first cache the store's budget does not
         admit."""
-        table, key = self.records.neighbours, self.addressing.key
+        key = self.addressing.key
         sep, prefix = self.format.separator_ids, self.format.prefix_ids
         if (
             chunks
@@ -366,9 +368,7 @@ class CacheMaker:
             and self.store.missing([key(sep, prefix)])
         ):
             self.store.put(key(sep, prefix), next(self.recipe.compute([sep], prefix))[1])  # read between neighbours
-        for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
-            table[self.addressing.neighbour_key(chunk.token_ids)] = [list(n.token_ids) for n in near]
-        self.records.write_neighbours()  # atomic: readers see the old table or the new one
+        self.record_neighbours(chunks)
         reads = [self.addressing.neighbour_reads(chunk.token_ids) for chunk in chunks]
         todo = self.store.missing(at for chunk_reads in reads for at, _ in chunk_reads)  # one request to a remote tier
         made = 0
@@ -389,6 +389,16 @@ class CacheMaker:
                 bar.update(1)
         bar.close()
         return made
+
+    def record_neighbours(self, chunks: Sequence[ChunkRecord]) -> None:
+        """Record each of `chunks`' `context_chunks` most similar other chunks in `neighbours.json` (one search for
+        all of them), which name its neighbour cache: made by `precompute_neighbours` for the hot set, and for a
+        chunk outside it by `CacheOpener.backfill` once a prompt has read the chunk after another one."""
+        if not chunks:
+            return
+        for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
+            self.records.record(self.addressing.neighbour_key(chunk.token_ids), [n.token_ids for n in near])
+        self.records.write_neighbours()  # atomic: readers see the old table or the new one
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether the store's budget has `nbytes` free (always, without a budget)."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -26,7 +28,7 @@ from ..errors import IndexFileError, StorageFullError
 NEIGHBOURS_FILE = "neighbours.json"
 PENDING_FILE = "pending.json"
 
-Neighbours = dict[str, list[list[int]]]  # chunk key -> its neighbours' token ids, most similar first
+Neighbours = dict[str, list[Sequence[int]]]  # chunk key -> its neighbours' token ids, most similar first
 Pending = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # store key -> (token ids, context token ids)
 
 
@@ -42,14 +44,35 @@ def read_json(path: Path) -> object:
         raise IndexFileError(f"{path} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
-def read_neighbours(path: Path) -> Neighbours:
-    """The neighbour table at `path`: chunk key -> its neighbours' token ids; raises `IndexFileError` naming the
-    file and the first entry that is not that."""
+def read_neighbours(path: Path, interned: Interned | None = None) -> Neighbours:
+    """The neighbour table at `path`: chunk key -> its neighbours' token ids, each distinct neighbour's held once
+    (by `interned`, default a pool of its own); raises `IndexFileError` naming the file and the first entry that is not that."""
     table = _table(path, read_json(path), "chunk key -> lists of neighbour token ids")
     for key, value in table.items():
         if not (isinstance(value, list) and all(_ids(ids) for ids in value)):
             raise IndexFileError(f"{path}: entry {key!r} is {_short(value)}, not lists of neighbour token ids")
-    return cast("Neighbours", table)
+    interned = interned or Interned()
+    return {key: [interned(ids) for ids in value] for key, value in cast("dict[str, list[list[int]]]", table).items()}
+
+
+class Interned:
+    """Token id sequences held once each, 4 bytes a token (`array`): a chunk is the neighbour of about as many
+    chunks as it has neighbours, so a table of every chunk's neighbours holds the corpus' tokens about once, not
+    once per mention as Python lists of ints (about 36 bytes a token each time)."""
+
+    def __init__(self) -> None:
+        self._held: dict[bytes, array[int]] = {}
+
+    def __call__(self, ids: Sequence[int]) -> array[int]:
+        a = array("i", ids)  # token ids are below 2**31
+        return self._held.setdefault(a.tobytes(), a)
+
+
+def _jsonable(value: object) -> list[int]:
+    """An interned token id sequence (`Interned`), as JSON writes a list."""
+    if isinstance(value, array):
+        return value.tolist()
+    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 def read_pending(path: Path) -> Pending:
@@ -68,7 +91,7 @@ def write_json(path: Path, data: object) -> None:
     `StorageFullError` and leaves the old file as it was."""
     tmp = path.with_suffix(".json.tmp")
     try:
-        tmp.write_text(json.dumps(data), encoding="utf-8")
+        tmp.write_text(json.dumps(data, default=_jsonable), encoding="utf-8")
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -85,6 +108,7 @@ class IndexRecords:
 
     def __init__(self, path: Path) -> None:
         self.neighbours: Neighbours = {}
+        self.intern = Interned()  # holds each neighbour's token ids once, read or recorded (`record`)
         self._neighbours_path = path / NEIGHBOURS_FILE
         self._neighbours_read: int | None = None  # the mtime of the neighbours.json `neighbours` holds
         self._pending_path = path / PENDING_FILE
@@ -96,11 +120,16 @@ class IndexRecords:
         except FileNotFoundError:
             return
         if mtime != self._neighbours_read:
-            table = read_neighbours(self._neighbours_path)
+            self.intern = Interned()  # the last table's neighbours go with it
+            table = read_neighbours(self._neighbours_path, self.intern)
             self.neighbours.update(table)  # in place, new entries before stale ones go: the addressing reads it
             for stale in self.neighbours.keys() - table.keys():
                 del self.neighbours[stale]
             self._neighbours_read = mtime
+
+    def record(self, key: str, near: Sequence[Sequence[int]]) -> None:
+        """Record chunk `key`'s neighbours `near` (token ids, most similar first); `write_neighbours` stores them."""
+        self.neighbours[key] = [self.intern(ids) for ids in near]
 
     def write_neighbours(self) -> None:
         """Write the neighbour table (atomic: readers see the old table or the new one)."""

@@ -150,6 +150,11 @@ class Ledger:
             )
             return True
 
+    def uses(self, key: str) -> int:
+        """How often prompts have read `key` (held or not), as `used` counted them."""
+        with self._mutex:
+            return self._uses(key)
+
     def admits(self, key: str, nbytes: int, cost: float) -> bool:
         """Whether `reserve` would admit the entry now (nothing changes): to skip computing a cache the budget
         would not keep."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MAX_WANTED = 4096  # chunk caches remembered for `CacheOpener.backfill`; more forget the least recently wanted
 MAX_READY = 8  # wanted caches held computed (`CacheOpener.harvest`); more are made again when still wanted
+MADE_AT_USES = 2  # under a budget, `backfill` makes a neighbour cache once prompts have read it this often
 
 
 class Maker(Protocol):
@@ -334,7 +335,12 @@ class CacheOpener:
         """Make up to `limit` of the chunk caches prompts wanted and did not find (most recently wanted first),
         each only if the store's budget would keep it; returns how many were stored. For idle moments: the
         server runs it when no request waits. `pause` is called before each layer of a forward: a caller running
-        it in the background stops it there while requests run."""
+        it in the background stops it there while requests run.
+
+        Under a budget, a chunk's neighbour cache (`CacheAddressing.neighbour_reads`) is made only once
+        prompts have read it `MADE_AT_USES` times (the ledger counts them): it takes a forward behind the
+        neighbours' caches, and theirs where the store holds none, which the next request of an unbroken stream
+        waits for, and a chunk read once would never read it. Until then the chunk reads its own cache."""
         made = 0
         while made < limit:
             with self._wanted_lock:
@@ -344,7 +350,16 @@ class CacheOpener:
                 kv = self.ready.pop(key, None)
             ledger = self.store.ledger
             if key in self.store or (
-                ledger is not None and not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
+                ledger is not None
+                and (
+                    (
+                        kv is None
+                        and self.store.budget is not None
+                        and key in {k for k, _ in self.maker.addressing.neighbour_reads(ids)}
+                        and ledger.uses(key) < MADE_AT_USES
+                    )
+                    or not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
+                )
             ):
                 continue
             made += self.store.put(key, kv if kv is not None else self.maker.make(ids, contexts, pause))

@@ -14,9 +14,10 @@ import torch
 from filelock import FileLock
 
 from rag_kvcache.config import StorageConfig
-from rag_kvcache.store.addressing import cache_key
+from rag_kvcache.store.addressing import address, cache_key
 from rag_kvcache.store.kvstore import ChunkKV, KVStore
 from rag_kvcache.store.ledger import _LOCK_FILE, Ledger
+from rag_kvcache.store.opening import MADE_AT_USES
 
 
 def make_kv(seed: int = 0, tokens: int = 5) -> ChunkKV:
@@ -291,7 +292,8 @@ def test_a_first_chunk_computed_in_place_is_stored_as_the_prompt_computed_it(tin
     hits = index.search(question, 3)
     fmt = index.format
     segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
-    FusedGenerator(index).fuse(segments, FusionConfig(method="epic_match"))
+    for _ in range(MADE_AT_USES):  # read so often, a cache that needs a forward is made
+        FusedGenerator(index).fuse(segments, FusionConfig(method="epic_match"))
     first = hits[0].chunk.token_ids
     first_key = index.addressing.key(first, fmt.prefix_ids)
     prefix_key = index.addressing.key(fmt.prefix_ids, ())  # a byte's budget kept not even the prefix's cache
@@ -317,4 +319,78 @@ def test_a_first_chunk_computed_in_place_is_stored_as_the_prompt_computed_it(tin
     assert len(forwards) == len(wanted) - 2 and first not in forwards  # all but the kept ones were made
     stored = index.store.get(first_key)
     torch.testing.assert_close(stored.layer(0)[0], kept.layer(0)[0])
+    index.close()
+
+
+def test_a_chunk_outside_the_hot_set_gets_its_neighbour_cache_once_a_prompt_reads_it(tiny, tmp_path):
+    """Under a budget only the hot set's neighbours were recorded, so a chunk outside it never had a neighbour
+    cache: once `backfill` had stored its behind-prefix cache, every prompt read that cache alone wherever the chunk
+    stood (the path that lost planted facts), though the default reads a chunk after the first behind its
+    neighbours. Now indexing names every chunk's neighbours, and a prompt that reads one after another chunk asks
+    `backfill` for its neighbour cache too: the next prompt reads the caches the default reads."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.index import KVIndex
+    from rag_kvcache.query.generator import FusedGenerator
+
+    write_docs(tmp_path / "docs")
+    KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
+    ).close()
+    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
+    chunks = list(index.chunks.all_chunks())
+    assert all(index.addressing.near(c.token_ids) for c in chunks)  # no chunk has a cache, each its neighbours
+    question = "Who kept the lighthouse diary of ships?"
+    hits = index.search(question, 3)
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+    gen = FusedGenerator(index)
+    for _ in range(MADE_AT_USES):  # read so often, a cache that needs a forward is made
+        gen.fuse(segments, FusionConfig(method="epic_match"))
+    later = [h.chunk.token_ids for h in hits[1:]]  # read after another chunk: behind their neighbours
+    means = {key for ids in later for key, _ in index.addressing.neighbour_reads(ids)}
+    assert means and means <= set(index.caches.wanted)
+    wanted = len(index.caches.wanted)
+    assert index.caches.backfill(limit=wanted) == wanted  # the budget admits every one
+    assert all(key in index.store for key in means)
+    assert means <= {key for at in address(index.addressing, segments) for key in at.keys}  # what prompts read now
+    again = gen.fuse(segments, FusionConfig(method="epic_match"))
+    assert again.cache_misses == 0 and not index.caches.wanted
+    index.close()
+
+
+def test_under_a_budget_a_neighbour_cache_is_made_on_its_second_read(tiny, tmp_path):
+    """Under a budget, with every chunk's neighbours recorded, `backfill` made each chunk's neighbour cache after
+    the first prompt that read the chunk after another one: a forward behind the neighbours' caches (and theirs,
+    where the store holds none) that the next request of an unbroken stream waited for, though a chunk outside the
+    hot set is mostly read once. Now a chunk's own cache is made after its first read, and its neighbour cache once
+    prompts have read it `MADE_AT_USES` times; meanwhile the chunk reads its own cache."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.index import KVIndex
+    from rag_kvcache.query.generator import FusedGenerator
+
+    write_docs(tmp_path / "docs")
+    KVIndex.build(
+        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
+    ).close()
+    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
+    question = "Who kept the lighthouse diary of ships?"
+    hits = index.search(question, 3)
+    fmt = index.format
+    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+    own = {index.addressing.own_key(h.chunk.token_ids) for h in hits}
+    means = {key for h in hits[1:] for key, _ in index.addressing.neighbour_reads(h.chunk.token_ids)}
+    gen = FusedGenerator(index)
+    gen.fuse(segments, FusionConfig(method="epic_match"))
+    assert own | means <= set(index.caches.wanted)
+    index.caches.backfill(limit=len(index.caches.wanted))
+    assert all(key in index.store for key in own) and not any(key in index.store for key in means)
+    assert not index.caches.wanted  # a neighbour cache read once is dropped: read again, it is wanted again
+    again = gen.fuse(segments, FusionConfig(method="epic_match"))
+    assert again.cache_misses == 0 and set(index.caches.wanted) == means  # each chunk read from its own cache
+    assert index.caches.backfill(limit=len(means)) == len(means)  # read twice: made
+    assert all(key in index.store for key in means)
     index.close()
