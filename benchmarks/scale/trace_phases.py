@@ -71,7 +71,8 @@ def main() -> None:
     for q, part in enumerate(quarters):
         span = f"{part[0]['i']}-{part[-1]['i']}"
         print(describe(f"default, {span}", [r["ttft_s"] for r in part]))
-        print(describe(f"`full`, {span}", [r["full_ttft_s"] for r in part if "full_ttft_s" in r]))
+        if full := [r["full_ttft_s"] for r in part if "full_ttft_s" in r]:  # a short run leaves a quarter without
+            print(describe(f"`full`, {span}", full))
 
     first = [r["ttft_s"] for r in rows[args.warmup : n // 2]]
     second = [r["ttft_s"] for r in rows[n // 2 :]]
@@ -110,7 +111,11 @@ def main() -> None:
 
 def print_paired(rows: list[dict], other: list[dict], name: str) -> None:
     """This run's timings minus `other`'s (the same stream), request by request: the mean difference of the client's
-    time to the first token, the server's, and the wait between, over the whole stream and its second half."""
+    time to the first token, the server's, and the wait between, over the whole stream and its second half. A run
+    cut short (its `.partial.json`) is paired with as many of `other`'s first requests."""
+    if len(rows) < len(other):
+        print(f"\n(this run was cut short: its {len(rows)} requests against the first {len(rows)} of {name})")
+        other = other[: len(rows)]
     if [(r["question"], r["wording"]) for r in rows] != [(r["question"], r["wording"]) for r in other]:
         raise SystemExit(f"{name} is not the same stream of questions: the runs cannot be paired")
     n = len(rows)
