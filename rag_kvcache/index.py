@@ -260,9 +260,9 @@ class KVIndex:
         without a cache is computed when a prompt needs it), then the caches of the chunks most likely to be
         retrieved, behind the prefix (`CacheMaker.hot_set`, within the store's budget), then their neighbour
         caches (every chunk's neighbours recorded: a chunk outside the hot set gets its neighbour cache from
-        `CacheOpener.backfill` once a prompt reads it after another chunk), then what no chunk reads any more
-        collected. `grouped` caches are named by their group, so they
-        are made before their chunks are committed. Each pass resumes where a killed run stopped."""
+        `CacheOpener.backfill` once prompts read it after another chunk), then what no chunk reads any more
+        collected. `grouped` caches are named by their group, so they are made before their chunks are committed.
+        Each pass resumes where a killed run stopped."""
         if self.foreign:
             raise ForeignModelError(
                 f"index {self.path} was built with model fingerprint {self.built_with}, "

@@ -19,8 +19,8 @@ What each `chunk_prefill` stores for a chunk:
   indexed reads exact caches, elsewhere a chunk reads its cache re-rotated to where it sits.
 The chosen neighbours (or groups) are recorded in `neighbours.json` before their caches are computed, every
 chunk's under a budget too (`record_neighbours`): a chunk outside the hot set gets its neighbour cache from
-`CacheOpener.backfill` once a prompt reads it after another chunk. A chunk whose neighbour cache is not stored
-reads its behind-prefix cache meanwhile.
+`CacheOpener.backfill` once prompts have read it after another chunk twice. A chunk whose neighbour cache is not
+stored reads its behind-prefix cache meanwhile.
 
 Which chunks get caches, and in what order, is `hot_set`: the most central chunks first, within the store's
 budget (`store.ledger`). A run records the caches it is about to compute in `pending.json`, so that an
@@ -393,7 +393,7 @@ class CacheMaker:
     def record_neighbours(self, chunks: Sequence[ChunkRecord]) -> None:
         """Record each of `chunks`' `context_chunks` most similar other chunks in `neighbours.json` (one search for
         all of them), which name its neighbour cache: made by `precompute_neighbours` for the hot set, and for a
-        chunk outside it by `CacheOpener.backfill` once a prompt has read the chunk after another one."""
+        chunk outside it by `CacheOpener.backfill` once prompts have read the chunk after another one twice."""
         if not chunks:
             return
         for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):

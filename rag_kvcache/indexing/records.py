@@ -46,7 +46,8 @@ def read_json(path: Path) -> object:
 
 def read_neighbours(path: Path, interned: Interned | None = None) -> Neighbours:
     """The neighbour table at `path`: chunk key -> its neighbours' token ids, each distinct neighbour's held once
-    (by `interned`, default a pool of its own); raises `IndexFileError` naming the file and the first entry that is not that."""
+    (by `interned`, default a pool of its own); raises `IndexFileError` naming the file and the first entry that
+    is not that."""
     table = _table(path, read_json(path), "chunk key -> lists of neighbour token ids")
     for key, value in table.items():
         if not (isinstance(value, list) and all(_ids(ids) for ids in value)):
@@ -56,9 +57,9 @@ def read_neighbours(path: Path, interned: Interned | None = None) -> Neighbours:
 
 
 class Interned:
-    """Token id sequences held once each, 4 bytes a token (`array`): a chunk is the neighbour of about as many
-    chunks as it has neighbours, so a table of every chunk's neighbours holds the corpus' tokens about once, not
-    once per mention as Python lists of ints (about 36 bytes a token each time)."""
+    """Token id sequences held once each, 4 bytes a token (`array`). A table of every chunk's k neighbours
+    mentions each chunk k times on average; as Python lists of ints each mention would take a pointer and an int
+    object a token (8 + 28 bytes, past the 256 small ints CPython shares)."""
 
     def __init__(self) -> None:
         self._held: dict[bytes, array[int]] = {}

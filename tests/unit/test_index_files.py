@@ -125,3 +125,22 @@ def test_every_entry_an_index_folder_holds_is_known_as_the_indexs_own(built):
     assert [f.source for f in files] == ["a.txt"] and skipped == []  # not the index's own: read
     with pytest.raises(ValueError, match="no readable text files"):
         read_documents(built / "kv", exclude=(built,))  # the caches' folder: every file the index's own
+
+
+def test_the_neighbour_table_holds_each_neighbours_tokens_once_and_writes_them_back(tmp_path):
+    """Under a budget every chunk's neighbours are recorded: as lists of Python ints, a neighbour mentioned by k
+    chunks took k copies of its tokens at about 36 bytes a token. Read or recorded, each is held once, and the table
+    writes back as it was read."""
+    from rag_kvcache.indexing.records import NEIGHBOURS_FILE, IndexRecords
+
+    shared, other = [5, 6, 7], [8, 9]
+    (tmp_path / NEIGHBOURS_FILE).write_text(json.dumps({"a": [shared, other], "b": [shared], "c": [other, shared]}))
+    records = IndexRecords(tmp_path)
+    records.refresh_neighbours()
+    table = records.neighbours
+    assert table["a"][0] is table["b"][0] is table["c"][1] and table["a"][1] is table["c"][0]
+    records.record("d", [(5, 6, 7)])  # recorded after the read: the same one
+    assert table["d"][0] is table["a"][0]
+    records.write_neighbours()
+    written = json.loads((tmp_path / NEIGHBOURS_FILE).read_text())
+    assert written == {"a": [shared, other], "b": [shared], "c": [other, shared], "d": [shared]}
