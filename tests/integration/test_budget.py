@@ -272,27 +272,35 @@ def test_under_a_budget_a_chunk_without_a_cache_is_computed_where_it_stands(tiny
     assert index.caches.backfill(limit=len(index.caches.wanted)) == 0  # a byte admits none
 
 
-def test_a_first_chunk_computed_in_place_is_stored_as_the_prompt_computed_it(tiny, tmp_path):
-    """Under a budget, a chunk without a cache is computed where it stands (above), and `backfill` then made its
-    behind-prefix cache with a forward of its own, which in an unbroken stream the next request waited for. Where
-    the chunk stands right behind the system prefix, the prompt's K/V over it are that cache: they are kept for
-    `backfill` to store instead, and the chunks further in (behind other chunks) are still made."""
+def cold_index(tiny, tmp_path):
+    """An index of the test documents that holds no cache (built with a budget of a byte), opened with room for
+    every cache; the hits of a question and its prompt's segments."""
     from test_cached_neighbours import CACHED, write_docs
 
-    from rag_kvcache.config import FusionConfig
     from rag_kvcache.index import KVIndex
-    from rag_kvcache.query.generator import FusedGenerator
 
     write_docs(tmp_path / "docs")
     KVIndex.build(
         tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
     ).close()
-    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
+    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)
     question = "Who kept the lighthouse diary of ships?"
     hits = index.search(question, 3)
     fmt = index.format
-    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
-    for _ in range(MADE_AT_USES):  # read so often, a cache that needs a forward is made
+    return index, hits, fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+
+
+def test_a_first_chunk_computed_in_place_is_stored_as_the_prompt_computed_it(tiny, tmp_path):
+    """Under a budget, a chunk without a cache is computed where it stands (above), and `backfill` then made its
+    behind-prefix cache with a forward of its own, which in an unbroken stream the next request waited for. Where
+    the chunk stands right behind the system prefix, the prompt's K/V over it are that cache: they are kept for
+    `backfill` to store instead, and the chunks further in (behind other chunks) are still made."""
+    from rag_kvcache.config import FusionConfig
+    from rag_kvcache.query.generator import FusedGenerator
+
+    index, hits, segments = cold_index(tiny, tmp_path)
+    fmt = index.format
+    for _ in range(MADE_AT_USES):  # read so often, the chunks' neighbour caches are made too
         FusedGenerator(index).fuse(segments, FusionConfig(method="epic_match"))
     first = hits[0].chunk.token_ids
     first_key = index.addressing.key(first, fmt.prefix_ids)
@@ -328,25 +336,14 @@ def test_a_chunk_outside_the_hot_set_gets_its_neighbour_cache_once_a_prompt_read
     stood (the path that lost planted facts), though the default reads a chunk after the first behind its
     neighbours. Now indexing names every chunk's neighbours, and a prompt that reads one after another chunk asks
     `backfill` for its neighbour cache too: the next prompt reads the caches the default reads."""
-    from test_cached_neighbours import CACHED, write_docs
-
     from rag_kvcache.config import FusionConfig
-    from rag_kvcache.index import KVIndex
     from rag_kvcache.query.generator import FusedGenerator
 
-    write_docs(tmp_path / "docs")
-    KVIndex.build(
-        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
-    ).close()
-    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
+    index, hits, segments = cold_index(tiny, tmp_path)
     chunks = list(index.chunks.all_chunks())
     assert all(index.addressing.near(c.token_ids) for c in chunks)  # no chunk has a cache, each its neighbours
-    question = "Who kept the lighthouse diary of ships?"
-    hits = index.search(question, 3)
-    fmt = index.format
-    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
     gen = FusedGenerator(index)
-    for _ in range(MADE_AT_USES):  # read so often, a cache that needs a forward is made
+    for _ in range(MADE_AT_USES):  # read so often, the chunks' neighbour caches are made
         gen.fuse(segments, FusionConfig(method="epic_match"))
     later = [h.chunk.token_ids for h in hits[1:]]  # read after another chunk: behind their neighbours
     means = {key for ids in later for key, _ in index.addressing.neighbour_reads(ids)}
@@ -366,21 +363,10 @@ def test_under_a_budget_a_neighbour_cache_is_made_on_its_second_read(tiny, tmp_p
     where the store holds none) that the next request of an unbroken stream waited for, though a chunk outside the
     hot set is mostly read once. Now a chunk's own cache is made after its first read, and its neighbour cache once
     prompts have read it `MADE_AT_USES` times; meanwhile the chunk reads its own cache."""
-    from test_cached_neighbours import CACHED, write_docs
-
     from rag_kvcache.config import FusionConfig
-    from rag_kvcache.index import KVIndex
     from rag_kvcache.query.generator import FusedGenerator
 
-    write_docs(tmp_path / "docs")
-    KVIndex.build(
-        tmp_path / "docs", tmp_path / "idx", CACHED.with_storage(disk_bytes=1), adapter=tiny, progress=False
-    ).close()
-    index = KVIndex.open(tmp_path / "idx", CACHED.with_storage(disk_bytes=10**9), adapter=tiny)  # room for all
-    question = "Who kept the lighthouse diary of ships?"
-    hits = index.search(question, 3)
-    fmt = index.format
-    segments = fmt.segments([h.chunk.token_ids for h in hits], fmt.question_ids(tiny.tokenizer, question))
+    index, hits, segments = cold_index(tiny, tmp_path)
     own = {index.addressing.own_key(h.chunk.token_ids) for h in hits}
     means = {key for h in hits[1:] for key, _ in index.addressing.neighbour_reads(h.chunk.token_ids)}
     gen = FusedGenerator(index)
