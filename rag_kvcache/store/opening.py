@@ -29,6 +29,7 @@ from ..errors import RagKVCacheError
 from .addressing import CacheAddressing, Context, SegmentAddress, address, without_neighbours
 from .backend import CorruptEntryError, Entry
 from .kvstore import KVStore
+from .ledger import Ledger
 from .tiers import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -352,18 +353,22 @@ class CacheOpener:
             if key in self.store or (
                 ledger is not None
                 and (
-                    (
-                        kv is None
-                        and self.store.budget is not None
-                        and key in {k for k, _ in self.maker.addressing.neighbour_reads(ids)}
-                        and ledger.uses(key) < MADE_AT_USES
-                    )
+                    (kv is None and self._read_too_seldom(key, ids, ledger))
                     or not ledger.admits(key, self.maker.cache_bytes(len(ids)), len(ids))
                 )
             ):
                 continue
             made += self.store.put(key, kv if kv is not None else self.maker.make(ids, contexts, pause))
         return made
+
+    def _read_too_seldom(self, key: str, ids: tuple[int, ...], ledger: Ledger) -> bool:
+        """Whether `key`, to be made with a forward, is a neighbour cache of chunk `ids` that prompts have read fewer
+        than `MADE_AT_USES` times, under a budget (`backfill`)."""
+        return (
+            ledger.budget is not None
+            and key in {k for k, _ in self.maker.addressing.neighbour_reads(ids)}
+            and ledger.uses(key) < MADE_AT_USES
+        )
 
     def load(self, segments: Sequence[Segment], salt: str = "") -> int:
         """Read the stored chunk caches the prompt's segments will read into the store's memory tier ahead of
