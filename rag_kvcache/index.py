@@ -386,8 +386,10 @@ class KVIndex:
             log.warning("could not write the KV store counters of %s: %s", self.path, err)
 
     def close(self) -> None:
-        """Close the chunk index's database connection (on the thread that opened it)."""
+        """Close the chunk index's and the neighbour table's database connections (on the thread that opened the
+        chunk index)."""
         self.chunks.close()
+        self.maker.neighbours.close()
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.chunks.search(query, k)

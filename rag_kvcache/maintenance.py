@@ -12,9 +12,11 @@ orphans and temporary files are collected. SQLite's own corruption (a failed `in
 cannot be repaired here: the report says to re-index.
 
 The records an index is opened with are checked first (`check_records`, which `rag-kvcache check` runs before
-it opens the index): its recorded settings (`index.sqlite`'s meta) and `neighbours.json` and `pending.json`. One
-that does not parse is named with what is wrong; `repair` drops `neighbours.json` or `pending.json` (the index
-stays sound without them: `indexing.records`), and cannot rebuild the settings (the report says to re-index).
+it opens the index): its recorded settings (`index.sqlite`'s meta), its neighbour table (`neighbours.sqlite`, or
+the `neighbours.json` of an index made before it was SQLite) and `pending.json`. One that does not parse or fails
+SQLite's integrity check is named with what is wrong; `repair` drops the neighbour table or `pending.json` (the
+index stays sound without them: `indexing.neighbours`, `indexing.records`), and cannot rebuild the settings (the
+report says to re-index).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tqdm.auto import tqdm
 
 from .errors import IndexFileError
 from .index import Collected, KVIndex
+from .indexing import neighbours
 from .indexing.lock import writer_lock
 from .indexing.provenance import recorded_settings
-from .indexing.records import NEIGHBOURS_FILE, PENDING_FILE, read_neighbours, read_pending
+from .indexing.records import PENDING_FILE, read_pending
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex
 from .retrieval.database import DB_FILE
@@ -63,7 +66,7 @@ class CheckReport:
 
 def check_records(index_dir: Path, repair: bool = False) -> CheckReport:
     """Check the records the index at `index_dir` is opened with, before it is opened (one that does not parse
-    fails the opening): its recorded settings, `neighbours.json` and `pending.json`; with `repair`, drop those of
+    fails the opening): its recorded settings, its neighbour table and `pending.json`; with `repair`, drop those of
     the last two that do not parse (holding its writer lock), after which the index opens. `check` continues the
     report this returns (its `found`)."""
     report = CheckReport(repair=repair)
@@ -117,24 +120,23 @@ def _check_records(index_dir: Path, report: CheckReport, repair: bool) -> None:
             f"the settings {DB_FILE} records cannot be rebuilt: restore the index from a backup or build a new one "
             "from the documents (`rag-kvcache index`)"
         )
-    for name, read, consequence in (
-        (
-            NEIGHBOURS_FILE,
-            read_neighbours,
-            "chunks read their behind-prefix caches until the next `rag-kvcache index` records their neighbours and "
-            "makes their neighbour caches again",
-        ),
-        (PENDING_FILE, read_pending, "an interrupted run's caches are orphans now: `gc` deletes them"),
-    ):
-        path = index_dir / name
-        try:
-            if path.is_file():
-                read(path)
-        except IndexFileError as e:
-            report.problems.append(str(e))
-            if repair:
-                path.unlink()
-                report.repaired.append(f"dropped {path} ({consequence})")
+    if found := neighbours.check(index_dir):
+        report.problems.extend(found)
+        if repair:
+            for path in neighbours.drop(index_dir):
+                report.repaired.append(
+                    f"dropped {path} (chunks read their behind-prefix caches until the next `rag-kvcache index` "
+                    "records their neighbours and makes their neighbour caches again)"
+                )
+    path = index_dir / PENDING_FILE
+    try:
+        if path.is_file():
+            read_pending(path)
+    except IndexFileError as e:
+        report.problems.append(str(e))
+        if repair:
+            path.unlink()
+            report.repaired.append(f"dropped {path} (an interrupted run's caches are orphans now: `gc` deletes them)")
 
 
 def _check(index: KVIndex, report: CheckReport, repair: bool, progress: bool) -> None:

@@ -88,12 +88,12 @@ def check(
         typer.Option(
             help="Rebuild what can be rebuilt: vectors.faiss from the stored embeddings, "
             "damaged embeddings by re-embedding, missing or corrupt KV caches by "
-            "recomputing; a neighbours.json or pending.json that does not parse dropped; collect orphans. "
+            "recomputing; a neighbour table or pending.json that does not parse dropped; collect orphans. "
             "What is intact is not recomputed."
         ),
     ] = False,
 ) -> None:
-    """Verify every file of an index: the records it is opened with (its settings, neighbours.json, pending.json),
+    """Verify every file of an index: the records it is opened with (its settings, neighbour table, pending.json),
     SQLite (integrity and every chunk row), vectors.faiss (checksum and ids) and every KV cache (every tensor's
     checksum). Exits 1 when something is wrong and not repaired."""
     from ..index import KVIndex

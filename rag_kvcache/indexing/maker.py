@@ -17,21 +17,23 @@ What each `chunk_prefill` stores for a chunk:
 - `grouped`: one cache, cut from its group of similar chunks (`grouping.similar_groups`, at most
   1 + `context_chunks`) prefilled behind the prefix as one sequence; a prompt that lays a group out as it was
   indexed reads exact caches, elsewhere a chunk reads its cache re-rotated to where it sits.
-The chosen neighbours (or groups) are recorded in `neighbours.json` before their caches are computed, every
-chunk's under a budget too (`record_neighbours`): a chunk outside the hot set gets its neighbour cache from
-`CacheOpener.backfill` once prompts have read it after another chunk twice. A chunk whose neighbour cache is not
-stored reads its behind-prefix cache meanwhile.
+The chosen neighbours (or groups) are recorded in the neighbour table (`neighbours.sqlite`,
+`indexing.neighbours.NeighbourTable`) before their caches are computed, every chunk's under a budget too
+(`record_neighbours`): a chunk outside the hot set gets its neighbour cache from `CacheOpener.backfill` once prompts
+have read it after another chunk twice. A chunk whose neighbour cache is not stored reads its behind-prefix cache
+meanwhile.
 
 Which chunks get caches, and in what order, is `hot_set`: the most central chunks first, within the store's
 budget (`store.ledger`). A run records the caches it is about to compute in `pending.json`, so that an
 interrupted run's caches are resumable work, not garbage (`pending`). Each cache is made by the maker's
-`recipe` (`indexing.recipe.CacheRecipe`); the neighbour table and the pending caches are its `records`
+`recipe` (`indexing.recipe.CacheRecipe`); its neighbour table is `neighbours`, its pending caches `records`
 (`indexing.records.IndexRecords`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -52,6 +54,7 @@ from ..store.backend import header_nbytes
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from .grouping import similar_groups
+from .neighbours import LEGACY_FILE, NEIGHBOURS_DB, NeighbourTable
 from .precompute import WriteBehind, compute_grouped, pack_tokens
 from .recipe import CacheRecipe
 from .records import IndexRecords, Pending
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RECORD_BATCH = 4096  # chunks whose neighbours one search finds and one transaction records
+
 Live = dict[str, tuple[tuple[int, ...], tuple[Context, ...]]]  # store key -> (token ids, contexts: several, their mean)
 
 
@@ -69,7 +74,9 @@ class CacheMaker:
     and recomputes one found missing or corrupt (`repair`), each made by its `recipe`. `foreign`: the model is
     not the one the index was built with, so a cache it computes at query time stays in this process's memory.
     `stored_means`: a `cached_neighbours` chunk's neighbour cache is stored averaged with its behind-prefix one
-    (`CacheAddressing.stored_means`). The neighbour table and the pending caches are its `records`."""
+    (`CacheAddressing.stored_means`). Its neighbour table is `neighbours` (an index whose table is still
+    `neighbours.json` has it moved into SQLite here, when this process may write the folder), its pending caches
+    `records`."""
 
     def __init__(
         self,
@@ -86,8 +93,19 @@ class CacheMaker:
         self.path, self.config, self.adapter, self.store = path, config, adapter, store
         self.chunks, self.format, self.foreign = chunks, format, foreign
         self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
-        self.records = IndexRecords(path)  # its neighbour table: chunk (by `neighbour_key`) -> its neighbours' ids
-        self.refresh()
+        self.records = IndexRecords(path)  # its pending caches
+        self.neighbours = NeighbourTable(path)  # chunk (by `neighbour_key`) -> its neighbours' token ids
+        if os.access(path, os.W_OK):
+            self.neighbours.import_json()
+        elif (path / LEGACY_FILE).is_file():
+            log.warning(
+                "%s holds its neighbour table as %s, which this process may not move into %s: chunks read their "
+                "behind-prefix caches until a process that may write the folder opens it",
+                path,
+                LEGACY_FILE,
+                NEIGHBOURS_DB,
+            )
+        bool(self.neighbours)  # a table that is not one fails the opening (`IndexFileError`), as `check` reports it
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
         self.addressing = CacheAddressing(
@@ -95,18 +113,12 @@ class CacheMaker:
             chunk_context,
             format.prefix_ids,
             format.separator_ids,
-            self.records.neighbours,
+            self.neighbours,
             self.grouped,
             by_depth=config.index.chunk_prefill != "cached_neighbours",
             stored_means=stored_means,
         )
         self.recipe = CacheRecipe(config, adapter, store, format, self.addressing, foreign)
-
-    def refresh(self) -> None:
-        """Read `neighbours.json` (again, if another process rewrote it since): a server opened before an `index`
-        run's neighbour pass reads the neighbour caches it records from then on. One `stat` when nothing changed."""
-        if self.with_neighbours or self.grouped:
-            self.records.refresh_neighbours()
 
     # ---- names ----------------------------------------------------------------------------------------
     @property
@@ -251,7 +263,7 @@ class CacheMaker:
     ) -> int:
         """`chunk_prefill="grouped"`: compute and store the caches of `chunks` (embedded as `embeddings` [C, E])
         that have none yet, in groups of similar chunks, each group one sequence behind the prefix (packed
-        several to a forward); record each chunk's group before it in `neighbours.json`. Returns how many
+        several to a forward); record each chunk's group before it in the neighbour table. Returns how many
         caches were computed. A chunk already recorded with its cache stored (an unchanged chunk of an edited
         document, or one a killed run computed) is not computed again; a recorded one whose cache is missing
         is grouped again. With Ray `workers`, the groups are computed on the cluster, in the packs this process
@@ -275,13 +287,14 @@ class CacheMaker:
         if not todo:
             return 0
         groups = [[todo[i] for i in g] for g in similar_groups(embeddings[rows], 1 + self.config.index.context_chunks)]
-        for group in groups:
-            for k, ids in enumerate(group):
-                self.records.record(self.addressing.neighbour_key(ids), group[:k][::-1])  # nearest first
+        self.neighbours.record(
+            (self.addressing.neighbour_key(ids), group[:k][::-1])  # nearest first
+            for group in groups
+            for k, ids in enumerate(group)
+        )  # one transaction: readers see the old table or the new one
         contexts = {ids: self.addressing.own_context(ids) for ids in todo}  # behind its group, now recorded
         keys = {ids: key(ids, context) for ids, context in contexts.items()}
         self.records.record_pending(self.pending() | {keys[ids]: (ids, context) for ids, context in contexts.items()})
-        self.records.write_neighbours()  # atomic: readers see the old table or the new one
         if workers is not None:
             workers.store_groups(groups, prefix, sep, keys, progress)
             self._check_stored(keys)
@@ -346,7 +359,7 @@ class CacheMaker:
         return [
             c
             for c, keys in zip(chunks, reads, strict=True)
-            if self.addressing.neighbour_key(c.token_ids) not in self.records.neighbours or not missing.isdisjoint(keys)
+            if self.addressing.neighbour_key(c.token_ids) not in self.neighbours or not missing.isdisjoint(keys)
         ]
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
@@ -354,7 +367,7 @@ class CacheMaker:
         order given), find its `context_chunks` most similar other chunks, store its caches computed behind the
         prefix and them (`CacheAddressing.neighbour_sets`: `neighbours`, its j most similar for each j;
         `cached_neighbours`, all of them; with `stored_means`, each averaged with its behind-prefix cache), made
-        by `make`; returns how many caches were computed. The neighbours are recorded in `neighbours.json` before
+        by `make`; returns how many caches were computed. The neighbours are recorded in the neighbour table before
         any of their caches is computed, so a run killed midway leaves caches the index names (kept, not
         garbage), and the next run skips those stored; a chunk whose neighbour cache is not stored reads its
         behind-prefix one meanwhile (`store.opening`). Stops at the first cache the store's budget does not
@@ -391,14 +404,17 @@ class CacheMaker:
         return made
 
     def record_neighbours(self, chunks: Sequence[ChunkRecord]) -> None:
-        """Record each of `chunks`' `context_chunks` most similar other chunks in `neighbours.json` (one search for
-        all of them), which name its neighbour cache: made by `precompute_neighbours` for the hot set, and for a
-        chunk outside it by `CacheOpener.backfill` once prompts have read the chunk after another one twice."""
-        if not chunks:
-            return
-        for chunk, near in zip(chunks, self.chunks.nearest(chunks, self.config.index.context_chunks), strict=True):
-            self.records.record(self.addressing.neighbour_key(chunk.token_ids), [n.token_ids for n in near])
-        self.records.write_neighbours()  # atomic: readers see the old table or the new one
+        """Record each of `chunks`' `context_chunks` most similar other chunks in the neighbour table (a search and
+        a transaction each `RECORD_BATCH` chunks, so what is held meanwhile is bounded), which name its neighbour
+        cache: made by `precompute_neighbours` for the hot set, and for a chunk outside it by
+        `CacheOpener.backfill` once prompts have read the chunk after another one twice."""
+        for start in range(0, len(chunks), RECORD_BATCH):
+            batch = chunks[start : start + RECORD_BATCH]
+            nearest = self.chunks.nearest(batch, self.config.index.context_chunks)
+            self.neighbours.record(
+                (self.addressing.neighbour_key(chunk.token_ids), [n.token_ids for n in near])
+                for chunk, near in zip(batch, nearest, strict=True)
+            )
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether the store's budget has `nbytes` free (always, without a budget)."""
@@ -410,9 +426,9 @@ class CacheMaker:
         documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
         `kept`: the token ids of `kept()`'s caches, so an interrupted run's chunks (`pending`) keep theirs: its
         grouped caches are addressed by them, and the next run resumes with both. Returns how many entries went."""
-        if not self.records.neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
+        if not self.neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
             return 0
-        return self.records.forget_neighbours({self.addressing.neighbour_key(ids) for ids in set(kept)})
+        return self.neighbours.forget({self.addressing.neighbour_key(ids) for ids in set(kept)})
 
     # ---- making one cache -----------------------------------------------------------------------------
     def make(self, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None) -> ChunkKV:

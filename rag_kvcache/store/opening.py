@@ -54,8 +54,6 @@ class Maker(Protocol):
 
     def cache_bytes(self, n_tokens: int) -> int: ...
 
-    def refresh(self) -> None: ...
-
 
 @dataclass(frozen=True)
 class InPlace:
@@ -236,7 +234,6 @@ class CacheOpener:
         computes it where it stands, as `full` computes it, and the cache is made later, off the request path,
         if the budget admits it then (`wanted`, `backfill`). A missing cache of request text is made now.
         """
-        self.maker.refresh()  # what an `index` run in another process recorded since
         named = address(self.maker.addressing, segments, salt)
         addresses = self._stored_or_behind_prefix(segments, named) if make else named
         self._count_uses([*named, *addresses])

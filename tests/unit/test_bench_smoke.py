@@ -213,7 +213,7 @@ def test_bench_runs_methods_on_neighbour_caches_beside_the_default_ones(tiny, tm
     assert summary["reuse@neighbours"]["tf_kl_diff"] == pytest.approx(
         summary["reuse@neighbours"]["tf_kl"] - summary["reuse"]["tf_kl"]
     )
-    assert (tmp_path / "work" / "index-neighbours" / "neighbours.json").is_file()
+    assert (tmp_path / "work" / "index-neighbours" / "neighbours.sqlite").is_file()
     assert result.meta["indexing_neighbours"]["chunks"] == result.meta["indexing"]["chunks"]
 
 

@@ -8,9 +8,7 @@ averages the two."""
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import os
 from dataclasses import replace
 
 import pytest
@@ -23,6 +21,7 @@ from rag_kvcache.engine.cache import BlendKV, ChunkKV, LayerSource
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.errors import StorageFullError
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.neighbours import NeighbourTable, drop
 from rag_kvcache.indexing.precompute import cached_context, compute_behind_cached, compute_caches
 from rag_kvcache.indexing.provenance import STORED_MEANS_KEY
 from rag_kvcache.query.generator import FusedGenerator
@@ -71,7 +70,7 @@ def one_index(model, tmp_path) -> KVIndex:
 
 
 def recorded(index: KVIndex, ids) -> list[tuple[int, ...]]:
-    table = json.loads((index.path / "neighbours.json").read_text())
+    table = NeighbourTable(index.path)
     return [tuple(n) for n in table[index.addressing.neighbour_key(ids)]]
 
 
@@ -326,7 +325,7 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
-    assert (index.path / "neighbours.json").exists() and index.maker.made >= 3
+    assert len(NeighbourTable(index.path)) > 0 and index.maker.made >= 3
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.orphans() == [] and check(reopened, progress=False).ok  # kept work, not garbage or damage
     n_chunks = len(list(reopened.chunks.all_chunks()))
@@ -372,10 +371,10 @@ def test_a_deleted_documents_texts_leave_the_neighbour_table(index, tiny, tmp_pa
     key = index.addressing.neighbour_key
     gone = {key(c.token_ids) for c in index.chunks.all_chunks() if c.source == source}
     kept = {key(c.token_ids) for c in index.chunks.all_chunks() if c.source != source}
-    before = json.loads((index.path / "neighbours.json").read_text())
+    before = dict(NeighbourTable(index.path))
     assert gone and kept and set(before) == gone | kept and not gone & kept
     index.delete([source])
-    on_disk = json.loads((index.path / "neighbours.json").read_text())
+    on_disk = NeighbourTable(index.path)
     assert on_disk == {k: before[k] for k in kept} and set(index.addressing.neighbours) == kept
     reopened = KVIndex.open(index.path, CACHED, adapter=tiny)
     assert set(reopened.addressing.neighbours) == kept and reopened.collect().neighbour_records == 0
@@ -407,7 +406,7 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     with pytest.raises(StorageFullError):
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
-    assert (index.path / "neighbours.json").exists() and writes[2] not in index.store
+    assert len(NeighbourTable(index.path)) > 0 and writes[2] not in index.store
     written = [key for i, key in enumerate(writes) if i != 2]
     assert all(key in index.store for key in written)
     reopened = KVIndex.open(index.path, adapter=tiny)
@@ -502,15 +501,30 @@ def test_bench_and_cli_name_it():
 
 def test_a_reader_reads_the_neighbours_an_index_run_records_after_it_opened(index, tiny):
     """A server opened before an `index` run's neighbour pass reads each chunk behind the prefix alone; once the
-    run records the neighbours (another process rewrites neighbours.json), the reader's next prompt reads the
+    run records the neighbours (another process writes the neighbour table), the reader's next prompt reads the
     neighbour caches, without a restart."""
-    table = (index.path / "neighbours.json").read_text()
-    (index.path / "neighbours.json").write_text("{}")  # the state before the neighbour pass
+    table = dict(NeighbourTable(index.path))
+    drop(index.path)  # the state before the neighbour pass
     reader = KVIndex.open(index.path, adapter=tiny)
     segments = question_segments(reader)
     assert reader.caches.open(segments).contexts[3] == reader.addressing.chunk_context
-    (index.path / "neighbours.json").write_text(table)  # the pass recorded them
-    stat = (index.path / "neighbours.json").stat()
-    os.utime(index.path / "neighbours.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a coarse clock
+    NeighbourTable(index.path).record(table.items())  # the pass recorded them
     caches = reader.caches.open(segments)
     assert caches.contexts[3] is None and caches.missing == 0  # the stored mean of two contexts, read as one
+
+
+def test_neighbours_recorded_a_batch_at_a_time_are_the_ones_one_search_finds(index, tiny, monkeypatch):
+    """`record_neighbours` searches and records a batch of chunks at a time, so that what it holds meanwhile stays
+    bounded on a large corpus; the table it writes is the one a search over all the chunks at once gives."""
+    whole = dict(NeighbourTable(index.path))
+    index.close()
+    drop(index.path)
+    reopened = KVIndex.open(index.path, adapter=tiny)
+    chunks = list(reopened.chunks.all_chunks())
+    searched, nearest = [], reopened.chunks.nearest
+    monkeypatch.setattr("rag_kvcache.indexing.maker.RECORD_BATCH", 2)
+    monkeypatch.setattr(reopened.chunks, "nearest", lambda batch, k: searched.append(len(batch)) or nearest(batch, k))
+    reopened.maker.record_neighbours(chunks)
+    assert sum(searched) == len(chunks) > 2 and max(searched) == 2
+    assert len(whole) == len({c.token_ids for c in chunks})
+    assert dict(NeighbourTable(index.path)) == whole

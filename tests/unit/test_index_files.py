@@ -1,5 +1,5 @@
 """The files an index is opened with (issue 75): one that fails to parse is named in the error (the file and
-what is wrong), `check` reports it and `check --repair` drops what can be rebuilt (neighbours.json,
+what is wrong), `check` reports it and `check --repair` drops what can be rebuilt (the neighbour table,
 pending.json) so that the index opens; the recorded settings carry a checksum, so settings edited after the
 index was built are refused; the index's own files are never indexed as documents, whatever the documents
 folder is."""
@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from rag_kvcache.cli import app
 from rag_kvcache.errors import IndexFileError, RagKVCacheError
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.neighbours import LEGACY_FILE, NEIGHBOURS_DB, NeighbourTable
 from rag_kvcache.indexing.provenance import SETTINGS_CHECKSUM_KEY, SETTINGS_KEY
 from rag_kvcache.query.generator import FusedGenerator
 from rag_kvcache.retrieval.documents import INDEX_ENTRIES, read_documents
@@ -23,7 +24,7 @@ from rag_kvcache.retrieval.documents import INDEX_ENTRIES, read_documents
 
 @pytest.fixture()
 def built(tiny_model_dir, tmp_path):  # noqa: F811
-    """An index of the tiny model (cached_neighbours: neighbours.json recorded) in a folder, closed."""
+    """An index of the tiny model (cached_neighbours: its neighbour table recorded) in a folder, closed."""
     KVIndex.build(
         write_docs(tmp_path / "docs", 3), tmp_path / "idx", replace_model(CFG, tiny_model_dir), progress=False
     ).close()
@@ -45,29 +46,44 @@ def set_settings(index_dir, text: str) -> None:
         conn.execute("UPDATE meta SET value = ? WHERE key = ?", (text, SETTINGS_KEY))
 
 
-@pytest.mark.parametrize("name", ["neighbours.json", "pending.json"])
+CORRUPT = {  # a file -> what is written over it, and what is wrong with it then
+    NEIGHBOURS_DB: (b"not a database, cut mid-write", "is not a neighbour table"),
+    LEGACY_FILE: (b'{"abc": [[1, 2], ', "is not JSON"),  # an index made before the table was SQLite, cut mid-write
+    "pending.json": (b'{"abc": [[1, 2], ', "is not JSON"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPT)
 def test_a_corrupt_record_is_named_and_check_repair_drops_it_so_the_index_opens(built, tmp_path, name):
-    assert (built / "neighbours.json").is_file()
-    (built / name).write_text('{"abc": [[1, 2], ')  # cut mid-write
-    with pytest.raises(IndexFileError, match=rf"{name}.*not JSON") as raised:
-        KVIndex.open(built).maker.pending()  # neighbours.json is read at open, pending.json when asked
+    assert len(NeighbourTable(built)) > 0
+    data, what = CORRUPT[name]
+    (built / name).write_bytes(data)
+    with pytest.raises(IndexFileError, match=f"{name} {what}") as raised:
+        KVIndex.open(built).maker.pending()  # the neighbour table is read at open, pending.json when asked
     assert isinstance(raised.value, RagKVCacheError) and str(built / name) in str(raised.value)
     code, out = cli("check", "--index", str(built))
-    assert code == 1 and f"found:{built / name}isnotJSON" in out and "--repair" in out, out
+    assert code == 1 and squeezed(f"found: {built / name} {what}") in out and "--repair" in out, out
     code, out = cli("check", "--index", str(built), "--repair")
     assert code == 0 and squeezed(f"repaired: dropped {built / name}") in out, out
     assert not (built / name).exists()
     index = KVIndex.open(built)
     assert FusedGenerator(index).ask(QUESTION).answer  # chunks without neighbour records read their own caches
     index.update(tmp_path / "docs", progress=False)  # the next index run records the neighbours again
-    assert json.loads((built / "neighbours.json").read_text())
+    assert len(NeighbourTable(built)) > 0
     assert cli("check", "--index", str(built))[0] == 0
 
 
 def test_a_record_of_the_wrong_shape_is_named(built):
-    (built / "neighbours.json").write_text('["not", "a", "table"]')
+    (built / LEGACY_FILE).write_text('["not", "a", "table"]')
     with pytest.raises(IndexFileError, match="neighbours.json holds .*not a table"):
         KVIndex.open(built)
+    (built / LEGACY_FILE).unlink()
+    with sqlite3.connect(built / NEIGHBOURS_DB) as conn:
+        conn.execute("DROP TABLE near")  # an SQLite file, but not a neighbour table
+    with pytest.raises(IndexFileError, match=f"{NEIGHBOURS_DB} is not a neighbour table.*no such table: near"):
+        KVIndex.open(built)
+    code, out = cli("check", "--index", str(built))
+    assert code == 1 and "lacksthetables['near']" in out, out
 
 
 def test_corrupt_recorded_settings_are_named_and_check_cannot_rebuild_them(built):
@@ -108,11 +124,11 @@ def test_the_index_files_are_never_indexed_as_documents(tiny_model_dir, tmp_path
     KVIndex.build(docs, index_dir, cfg, progress=False).close()
     index = KVIndex.open(index_dir)
     (docs / "doc000.txt").write_text("A changed document about the harbour ferry.")
-    report = index.update(docs, progress=False)  # neighbours.json, kv/ and the rest exist now
+    report = index.update(docs, progress=False)  # neighbours.sqlite, kv/ and the rest exist now
     sources = set(index.chunks.documents())
     assert sources == {"doc000.txt", "doc001.txt", "observatory.txt"}, sources
     skipped = {s.source: s.reason for s in report.skipped}
-    assert ("idx" in skipped) if where == "inside" else {"neighbours.json", "kv", "index.sqlite"} <= skipped.keys()
+    assert ("idx" in skipped) if where == "inside" else {NEIGHBOURS_DB, "kv", "index.sqlite"} <= skipped.keys()
     assert all("index" in reason for reason in skipped.values()), skipped
 
 
@@ -127,20 +143,34 @@ def test_every_entry_an_index_folder_holds_is_known_as_the_indexs_own(built):
         read_documents(built / "kv", exclude=(built,))  # the caches' folder: every file the index's own
 
 
-def test_the_neighbour_table_holds_each_neighbours_tokens_once_and_writes_them_back(tmp_path):
-    """Under a budget every chunk's neighbours are recorded: as lists of Python ints, a neighbour mentioned by k
-    chunks took k copies of its tokens at about 36 bytes a token. Read or recorded, each is held once, and the table
-    writes back as it was read."""
-    from rag_kvcache.indexing.records import NEIGHBOURS_FILE, IndexRecords
+def test_the_neighbour_table_holds_each_neighbours_tokens_once_and_another_process_reads_what_is_recorded(tmp_path):
+    """Under a budget every chunk's neighbours are recorded. As JSON that spelled each neighbour out for every chunk
+    naming it, the table took about 18 bytes a token of the corpus and was read and rewritten whole. In SQLite each
+    neighbour's tokens are stored once, a record is one transaction, and a reader opened before it (a server while
+    `index` runs) reads it at its next lookup; texts no row names any more are dropped with their rows."""
+    shared, other = (5, 6, 7), (8, 9)
+    reader = NeighbourTable(tmp_path)
+    assert not reader and "a" not in reader and len(reader) == 0  # no file yet
+    writer = NeighbourTable(tmp_path)
+    writer.record([("a", [shared, other]), ("b", [shared]), ("c", [other, shared])])
+    assert dict(reader) == {"a": [shared, other], "b": [shared], "c": [other, shared]}
+    with sqlite3.connect(tmp_path / NEIGHBOURS_DB) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM texts").fetchone() == (2,)
+    writer.record([("b", [other])])  # recorded again: replaced
+    assert reader["b"] == [other]
+    assert writer.forget({"b"}) == 2 and dict(reader) == {"b": [other]}
+    with sqlite3.connect(tmp_path / NEIGHBOURS_DB) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM texts").fetchone() == (1,)
 
-    shared, other = [5, 6, 7], [8, 9]
-    (tmp_path / NEIGHBOURS_FILE).write_text(json.dumps({"a": [shared, other], "b": [shared], "c": [other, shared]}))
-    records = IndexRecords(tmp_path)
-    records.refresh_neighbours()
-    table = records.neighbours
-    assert table["a"][0] is table["b"][0] is table["c"][1] and table["a"][1] is table["c"][0]
-    records.record("d", [(5, 6, 7)])  # recorded after the read: the same one
-    assert table["d"][0] is table["a"][0]
-    records.write_neighbours()
-    written = json.loads((tmp_path / NEIGHBOURS_FILE).read_text())
-    assert written == {"a": [shared, other], "b": [shared], "c": [other, shared], "d": [shared]}
+
+def test_an_index_whose_neighbour_table_is_json_has_it_moved_into_sqlite_and_names_the_same_caches(built):
+    """An index made before the table was SQLite holds `neighbours.json`: the first process that may write the
+    folder moves it into the table and deletes it, and the index names the caches it named (no orphans)."""
+    table = {key: [list(ids) for ids in near] for key, near in NeighbourTable(built).items()}
+    live = set(KVIndex.open(built).maker.live_keys())
+    for name in (NEIGHBOURS_DB, f"{NEIGHBOURS_DB}-wal", f"{NEIGHBOURS_DB}-shm"):
+        (built / name).unlink(missing_ok=True)
+    (built / LEGACY_FILE).write_text(json.dumps(table))
+    index = KVIndex.open(built)
+    assert not (built / LEGACY_FILE).exists() and len(NeighbourTable(built)) == len(table)
+    assert set(index.maker.live_keys()) == live and index.orphans() == []

@@ -5,7 +5,6 @@ behind-prefix cache (`BlendKV`) where they are not."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ from rag_kvcache.engine.cache import BlendKV, ChunkKV
 from rag_kvcache.engine.fusion import FusionInput
 from rag_kvcache.engine.ops import rotate_keys, rotation
 from rag_kvcache.index import KVIndex
+from rag_kvcache.indexing.neighbours import NeighbourTable
 from rag_kvcache.query.generator import FusedGenerator
 
 NEIGHBOURS = Config(
@@ -54,7 +54,7 @@ def layout(index: KVIndex, near) -> tuple[int, ...]:
 def test_neighbour_cache_is_the_chunk_behind_as_many_similar_chunks_as_precede_it(tiny, index, depth, n_near):
     chunk = some_chunk(index)
     near = [h.chunk.token_ids for h in index.search(chunk.text, 3) if h.chunk.id != chunk.id][:2]
-    table = json.loads((index.path / "neighbours.json").read_text())
+    table = NeighbourTable(index.path)
     assert len(table) == len(list(index.chunks.all_chunks())) and len(near) == 2
     context = layout(index, near[:n_near])
     assert index.addressing.contexts_at(depth, chunk.token_ids) == (context, index.format.prefix_ids)
@@ -96,7 +96,7 @@ def test_a_chunk_behind_exactly_its_neighbours_is_exact(index, depth):
     where the prompt holds just them before it, most similar last (e.g. the second chunk of a prompt
     whose first is its most similar, as retrieval often makes it)."""
     chunk = some_chunk(index)
-    near = json.loads((index.path / "neighbours.json").read_text())[index.addressing.neighbour_key(chunk.token_ids)]
+    near = NeighbourTable(index.path)[index.addressing.neighbour_key(chunk.token_ids)]
     question = index.format.question_ids(index.adapter.tokenizer, "Who kept the diary?")
     segments = index.format.segments([*(tuple(n) for n in reversed(near[:depth])), chunk.token_ids], question)
     caches = index.caches.open(segments)
