@@ -25,7 +25,7 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -284,14 +284,10 @@ class KVIndex:
                 self._announce(hot)
                 maker.precompute([c.token_ids for c in hot], progress=progress, workers=workers)
                 if maker.with_neighbours:
-                    lacking = maker.chunks_without_neighbour_caches()
-                    have = {c.id for c in lacking}
-                    todo = [c for c in hot if c.id in have and maker.addressing.own_key(c.token_ids) in self.store.disk]
-                    named = {c.id for c in todo}  # and the others' (under a budget), whose caches `backfill` makes
-                    maker.record_neighbours(
-                        [c for c in lacking if c.id not in named and not maker.addressing.near(c.token_ids)]
-                    )
-                    maker.precompute_neighbours(todo, progress)
+                    cached = [c for c in hot if maker.addressing.own_key(c.token_ids) in self.store.disk]
+                    named = {c.id for c in cached}  # `precompute_neighbours` records theirs
+                    lacking = maker.record_lacking(named)  # the others' (under a budget): `backfill` makes theirs
+                    maker.precompute_neighbours([c for c in cached if c.id in lacking], progress)
             maker.committed()
             self.collect(used)
         self.flush_stats()
@@ -337,11 +333,11 @@ class KVIndex:
 
         return RayWorkers(self.config, self.store.root, self.namespace, self.model.fingerprint)
 
-    def orphans(self, candidates: Iterable[str] | None = None, kept: Mapping[str, object] | None = None) -> list[Path]:
+    def orphans(self, candidates: Iterable[str] | None = None, kept: Collection[str] | None = None) -> list[Path]:
         """The disk caches the index does not keep (not in `CacheMaker.kept`: no indexed chunk uses them and no
         interrupted run will resume with them): all of them, or those among the keys `candidates`. `kept`:
         `CacheMaker.kept()`, when the caller has it."""
-        live = (self.maker.kept() if kept is None else kept).keys()
+        live = self.maker.kept() if kept is None else kept
         if candidates is None:
             return [path for path in self.store.disk.files() if path.stem not in live]
         return [self.store.disk.path(key) for key in candidates if key not in live and key in self.store.disk]
@@ -364,8 +360,7 @@ class KVIndex:
         orphans: list[Path] = []
         forgotten = 0
         if not self.foreign:
-            kept = self.maker.kept()
-            orphans, forgotten = self.orphans(used, kept), self.maker.forget_unindexed(kept.values())
+            orphans, forgotten = self.orphans(used, self.maker.kept()), self.maker.forget_unindexed()
         freed = 0
         for path in orphans:
             freed += path.stat().st_size

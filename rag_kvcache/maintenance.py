@@ -36,6 +36,7 @@ from .indexing.records import PENDING_FILE, read_pending
 from .retrieval import vectors as faiss_file
 from .retrieval.chunk_index import ChunkIndex
 from .retrieval.database import DB_FILE
+from .store.addressing import Context
 from .store.backend import CorruptEntryError
 
 log = logging.getLogger(__name__)
@@ -185,19 +186,22 @@ def _check_caches(index: KVIndex, report: CheckReport, repair: bool, progress: b
     """Read every cache the index holds whole (each tensor's checksum verified); a corrupt one is removed by the
     store as it is found; with `repair`, the corrupt ones are recomputed (where the budget admits them). A cache
     the index names and does not hold is cold, not damage: it is made when a prompt needs it."""
-    live = index.maker.live_keys()
-    bad: list[str] = []
-    for key, (ids, _) in tqdm(live.items(), desc="checking KV caches", unit="cache", disable=not progress):
+    seen: set[str] = set()
+    bad: dict[str, tuple[tuple[int, ...], tuple[Context, ...]]] = {}  # store key -> (token ids, contexts)
+    for key, ids, contexts in tqdm(index.maker.live(), desc="checking KV caches", unit="cache", disable=not progress):
+        if key in seen:  # a text indexed twice: its caches once
+            continue
+        seen.add(key)
         if key not in index.store.disk:
             report.caches_cold += 1
         elif (problem := _cache_problem(index, key)) is not None:
             report.problems.append(f"KV cache {key} ({len(ids)} tokens): {problem}")
-            bad.append(key)
-    report.caches_checked = len(live) - report.caches_cold
+            bad[key] = ids, contexts
+    report.caches_checked = len(seen) - report.caches_cold
     if not repair:
         return
-    for key in bad:  # made as the index makes each (a neighbour cache behind cached K/V, a stored mean)
-        index.store.put(key, index.maker.make(*live[key]))
+    for key, (ids, contexts) in bad.items():  # made as the index makes each (behind cached K/V, a stored mean)
+        index.store.put(key, index.maker.make(ids, contexts))
         report.recomputed += 1
     if report.recomputed:
         report.repaired.append(f"recomputed {report.recomputed} corrupt KV caches")

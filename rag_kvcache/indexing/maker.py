@@ -32,9 +32,10 @@ interrupted run's caches are resumable work, not garbage (`pending`). Each cache
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,9 +65,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECORD_BATCH = 4096  # chunks whose neighbours one search finds and one transaction records
+BATCH = 4096  # chunks a pass over the corpus holds at a time (their records, vectors or neighbour searches)
+HOT_BATCH = 256  # chunks `hot_set` reads at a time, in order, until the budget is spent
 
-Live = dict[str, tuple[tuple[int, ...], tuple[Context, ...]]]  # store key -> (token ids, contexts: several, their mean)
+LiveCache = tuple[str, tuple[int, ...], tuple[Context, ...]]  # store key, token ids, contexts (several: their mean)
 
 
 class CacheMaker:
@@ -176,44 +178,67 @@ class CacheMaker:
         """Bytes on disk of one cache of a chunk of `n_tokens` tokens."""
         return self.disk_bytes([n_tokens]) // self.caches_per_chunk
 
-    def live_keys(self) -> Live:
-        """Every cache the index uses: the prefix's, each chunk's behind its context (with `grouped`, the chunks
-        before it in its group) and, with `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each
-        number of its recorded neighbours (`CacheAddressing.neighbour_reads`)."""
-        live: Live = {key: (ids, (context,)) for key, ids, context in self._fixed()}
+    def live(self) -> Iterator[LiveCache]:
+        """Every cache the index uses, as (store key, token ids, contexts), one chunk's at a time (a chunk's contexts
+        hold its neighbours' tokens: held together for a corpus, they would take tens of bytes a token): the
+        prefix's, each chunk's behind its context (with `grouped`, the chunks before it in its group) and, with
+        `chunk_prefill="neighbours"` (or "cached_neighbours"), behind each number of its recorded neighbours
+        (`CacheAddressing.neighbour_reads`). Chunks of the same text give the same caches, each time."""
+        for key, ids, context in self._fixed():
+            yield key, ids, (context,)
         for ids in self.chunks.token_ids():
             own = self.addressing.own_context(ids)
-            live[self.addressing.key(ids, own)] = (ids, (own,))
+            yield self.addressing.key(ids, own), ids, (own,)
             for key, contexts in self.addressing.neighbour_reads(ids) if self.with_neighbours else ():
-                live[key] = (ids, contexts)
-        return live
+                yield key, ids, contexts
+
+    def live_keys(self) -> set[str]:
+        """The store keys of every cache the index uses (`live`)."""
+        return {key for key, _, _ in self.live()}
 
     # ---- what indexing makes, in what order -----------------------------------------------------------
     def hot_set(self) -> list[ChunkRecord]:
         """The indexed chunks whose caches indexing makes, most likely to be retrieved first, within the store's
         budget (`store.ledger`): by how central each chunk is among the corpus' embeddings (cosine to their
         mean: the chunks many questions land near), each taking the bytes of the caches it lacks
-        (`caches_per_chunk`), until the budget's free room is spent. Without a budget, every chunk."""
-        chunks = list(self.chunks.all_chunks())
-        if not chunks:
-            return []
-        vectors = self.chunks.vectors(chunks)  # [C, E], unit rows
-        centre = vectors.mean(axis=0)  # [E]
-        order = np.argsort(-(vectors @ centre), kind="stable")  # [C], most central first
-        ranked = [chunks[i] for i in order]
+        (`caches_per_chunk`), until the budget's free room is spent. Without a budget, every chunk. What it holds
+        of the corpus meanwhile is each chunk's id and score; the chunks it reads are those it returns and at most
+        `HOT_BATCH` more."""
+        ids, scores = self._centrality()
+        order = np.argsort(-scores, kind="stable")  # [C], most central first
         room = None if self.store.ledger is None else self.store.ledger.room()
         if room is None:
-            return ranked
+            return self.chunks.get([ids[i] for i in order])
         room -= self._fixed_bytes_lacking()
-        hot = []
-        for chunk in ranked:
-            held = sum(key in self.store.disk for key in self.chunk_keys(chunk.token_ids))
-            need = (self.caches_per_chunk - held) * self.cache_bytes(len(chunk.token_ids))
-            if need > room:
-                break
-            room -= need
-            hot.append(chunk)
+        hot: list[ChunkRecord] = []
+        for start in range(0, len(order), HOT_BATCH):
+            for chunk in self.chunks.get([ids[i] for i in order[start : start + HOT_BATCH]]):
+                held = sum(key in self.store.disk for key in self.chunk_keys(chunk.token_ids))
+                need = (self.caches_per_chunk - held) * self.cache_bytes(len(chunk.token_ids))
+                if need > room:
+                    return hot
+                room -= need
+                hot.append(chunk)
         return hot
+
+    def _centrality(self) -> tuple[list[str], np.ndarray]:
+        """Every indexed chunk's id (by source, then ordinal) and its stored vector's cosine to the mean of all of
+        them [C]: two passes over the vectors, a batch at a time."""
+        total: np.ndarray | None = None
+        n = 0
+        for _, vectors in self.chunks.vector_batches(BATCH):  # [B, E], unit rows
+            part = vectors.sum(axis=0, dtype=np.float64)  # [E]
+            total = part if total is None else total + part
+            n += len(vectors)
+        if total is None:
+            return [], np.zeros(0)
+        centre = total / n  # [E]
+        ids: list[str] = []
+        scores: list[np.ndarray] = []
+        for batch, vectors in self.chunks.vector_batches(BATCH):
+            ids.extend(batch)
+            scores.append(vectors @ centre)  # [B]
+        return ids, np.concatenate(scores)  # [C]
 
     def chunk_keys(self, ids: tuple[int, ...]) -> list[str]:
         """The store keys of chunk `ids`'s caches: its own and, once its neighbours are recorded, theirs."""
@@ -337,12 +362,10 @@ class CacheMaker:
         a crash): kept (not orphans), and read again by the next run."""
         return self.records.pending()  # IndexFileError naming pending.json when it does not parse
 
-    def kept(self) -> dict[str, tuple[int, ...]]:
-        """Every cache the index keeps, store key -> token ids: its chunks' (`live_keys`) and an interrupted run's
+    def kept(self) -> set[str]:
+        """The store keys of every cache the index keeps: its chunks' (`live_keys`) and an interrupted run's
         (`pending`)."""
-        return {key: ids for key, (ids, _) in self.live_keys().items()} | {
-            key: ids for key, (ids, _) in self.pending().items()
-        }
+        return self.live_keys() | self.pending().keys()
 
     def committed(self) -> None:
         """The run's chunks are committed: its caches are the index's now, no longer pending."""
@@ -350,17 +373,37 @@ class CacheMaker:
 
     def chunks_without_neighbour_caches(self) -> list[ChunkRecord]:
         """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours or
-        without every cache those give them: this run's new ones, those of a run killed after it committed its
-        chunks but before it recorded theirs, and a dropped document's indexed again (the table keeps a text's
-        neighbours after its caches are collected)."""
-        chunks = list(self.chunks.all_chunks())
-        reads = [[key for key, _ in self.addressing.neighbour_reads(c.token_ids)] for c in chunks]
-        missing = self.store.missing(key for keys in reads for key in keys)  # one request to a remote tier
-        return [
-            c
-            for c, keys in zip(chunks, reads, strict=True)
-            if self.addressing.neighbour_key(c.token_ids) not in self.neighbours or not missing.isdisjoint(keys)
-        ]
+        without every cache those give them (`lacking_neighbour_caches`, as a list)."""
+        return list(self.lacking_neighbour_caches())
+
+    def lacking_neighbour_caches(self) -> Iterator[ChunkRecord]:
+        """The indexed chunks without recorded neighbours or without every cache those give them, read a batch at
+        a time (one request to a remote tier a batch): this run's new ones, those of a run killed after it
+        committed its chunks but before it recorded theirs, and a dropped document's indexed again (the table
+        keeps a text's neighbours after its caches are collected)."""
+        chunks = self.chunks.all_chunks()
+        while batch := list(itertools.islice(chunks, BATCH)):
+            reads = [[key for key, _ in self.addressing.neighbour_reads(c.token_ids)] for c in batch]
+            missing = self.store.missing(key for keys in reads for key in keys)
+            for c, keys in zip(batch, reads, strict=True):
+                if self.addressing.neighbour_key(c.token_ids) not in self.neighbours or not missing.isdisjoint(keys):
+                    yield c
+
+    def record_lacking(self, named: Set[str]) -> set[str]:
+        """Record the neighbours of the chunks lacking neighbour caches (`lacking_neighbour_caches`) that have none
+        recorded, but for those in `named` (chunk ids: the hot set's, which `precompute_neighbours` records);
+        returns the ids of every chunk lacking them. Under a budget, `CacheOpener.backfill` makes the caches of
+        those recorded here."""
+        lacking: set[str] = set()
+
+        def unrecorded() -> Iterator[ChunkRecord]:
+            for chunk in self.lacking_neighbour_caches():
+                lacking.add(chunk.id)
+                if chunk.id not in named and not self.addressing.near(chunk.token_ids):
+                    yield chunk
+
+        self.record_neighbours(unrecorded())
+        return lacking
 
     def precompute_neighbours(self, chunks: Sequence[ChunkRecord], progress: bool = True) -> int:
         """`chunk_prefill="neighbours"` or "cached_neighbours": for each of `chunks` (already in the index, in the
@@ -403,13 +446,13 @@ class CacheMaker:
         bar.close()
         return made
 
-    def record_neighbours(self, chunks: Sequence[ChunkRecord]) -> None:
+    def record_neighbours(self, chunks: Iterable[ChunkRecord]) -> None:
         """Record each of `chunks`' `context_chunks` most similar other chunks in the neighbour table (a search and
-        a transaction each `RECORD_BATCH` chunks, so what is held meanwhile is bounded), which name its neighbour
+        a transaction each `BATCH` chunks, so what is held meanwhile is bounded), which name its neighbour
         cache: made by `precompute_neighbours` for the hot set, and for a chunk outside it by
         `CacheOpener.backfill` once prompts have read the chunk after another one twice."""
-        for start in range(0, len(chunks), RECORD_BATCH):
-            batch = chunks[start : start + RECORD_BATCH]
+        chunks = iter(chunks)
+        while batch := list(itertools.islice(chunks, BATCH)):
             nearest = self.chunks.nearest(batch, self.config.index.context_chunks)
             self.neighbours.record(
                 (self.addressing.neighbour_key(chunk.token_ids), [n.token_ids for n in near])
@@ -421,14 +464,15 @@ class CacheMaker:
         room = None if self.store.ledger is None else self.store.ledger.room()
         return room is None or nbytes <= room
 
-    def forget_unindexed(self, kept: Iterable[tuple[int, ...]]) -> int:
-        """Drop the neighbour table's entries of texts no cache the index keeps holds any more (deleted or edited
-        documents'): their caches are collected with them, and a text indexed again gets neighbours afresh.
-        `kept`: the token ids of `kept()`'s caches, so an interrupted run's chunks (`pending`) keep theirs: its
-        grouped caches are addressed by them, and the next run resumes with both. Returns how many entries went."""
+    def forget_unindexed(self) -> int:
+        """Drop the neighbour table's entries of texts neither an indexed chunk nor an interrupted run's pending
+        cache (`pending`) holds any more (deleted or edited documents'): their caches are collected with them, and
+        a text indexed again gets neighbours afresh; an interrupted run's chunks keep theirs, since its grouped
+        caches are addressed by them and the next run resumes with both. Returns how many entries went."""
         if not self.neighbours:  # an index without a table (`behind_prefix`, `isolated`) or with none yet
             return 0
-        return self.neighbours.forget({self.addressing.neighbour_key(ids) for ids in set(kept)})
+        texts = itertools.chain(self.chunks.token_ids(), (ids for ids, _ in self.pending().values()))
+        return self.neighbours.forget({self.addressing.neighbour_key(ids) for ids in texts})
 
     # ---- making one cache -----------------------------------------------------------------------------
     def make(self, ids: tuple[int, ...], contexts: Sequence[Context], pause: Pause | None = None) -> ChunkKV:

@@ -18,6 +18,7 @@ opens it (`import_json`).
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -35,8 +36,10 @@ NEIGHBOURS_DB = "neighbours.sqlite"
 LEGACY_FILE = "neighbours.json"  # the table before it was SQLite: chunk key -> its neighbours' token ids
 _TOKENS = np.dtype("<i4")  # a text's token ids as stored
 _REFS = np.dtype("<i8")  # a chunk's neighbours as stored: their texts' hashes, most similar first
-_TEXTS = 4096  # texts held decoded (content-addressed, so never stale)
+_TEXTS = 256  # texts held decoded (content-addressed, so never stale): a prompt reads a few dozen
 _BATCH = 500  # keys a statement binds (under SQLite's bound-parameter limit)
+log = logging.getLogger(__name__)
+
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS texts (hash INTEGER PRIMARY KEY, ids BLOB NOT NULL)",
     "CREATE TABLE IF NOT EXISTS near (chunk TEXT PRIMARY KEY, refs BLOB NOT NULL) WITHOUT ROWID",
@@ -101,19 +104,9 @@ class NeighbourTable(Mapping[str, Near]):
         return tuple(np.frombuffer(row[0], dtype=_TOKENS).tolist())
 
     def _reader(self) -> sqlite3.Connection | None:
-        """The connection, opened once the file exists (None before: no chunk has neighbours recorded);
-        `IndexFileError` naming the file when it is not a neighbour table."""
+        """The connection, opened once the file exists (None before: no chunk has neighbours recorded)."""
         if self._db is None and self.path.is_file():
-            db = self._connect("ro")
-            try:
-                db.execute("SELECT refs FROM near LIMIT 0").fetchall()
-                db.execute("SELECT hash, ids FROM texts LIMIT 0").fetchall()
-            except sqlite3.DatabaseError as e:
-                db.close()
-                raise IndexFileError(
-                    f"{self.path} is not a neighbour table ({e}): `rag-kvcache check --repair` drops it"
-                ) from e
-            self._db = db
+            self._db = _open(self.path)
         return self._db
 
     # ---- writing --------------------------------------------------------------------------------------
@@ -188,22 +181,53 @@ class NeighbourTable(Mapping[str, Near]):
             return self._db
         if self._db is not None:
             self._db.close()
-        self._db = db = self._connect("rwc")
+        self._db = db = _connect(self.path, "rwc")
         db.execute("PRAGMA journal_mode=WAL")
         for statement in _SCHEMA:
             db.execute(statement)
         self._writing = True
         return db
 
-    def _connect(self, mode: str) -> sqlite3.Connection:
-        uri = f"{self.path.resolve().as_uri()}?mode={mode}"
-        return sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None, check_same_thread=False)
-
     def close(self) -> None:
         with self._mutex:
             if self._db is not None:
                 self._db.close()
             self._db, self._writing = None, False
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """The neighbour table at `path` opened to read: read-only, or immutable where even that cannot be (WAL needs
+    its shared-memory file, which a full disk or a read-only folder cannot hold) provided its write-ahead log holds
+    no commits the file lacks. `IndexFileError` naming the file when it is not a neighbour table."""
+    db = _connect(path, "ro")
+    try:
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()  # opens the WAL's shared memory
+    except sqlite3.OperationalError as e:
+        db.close()
+        wal = path.with_name(f"{path.name}-wal")
+        if wal.is_file() and wal.stat().st_size > 0:
+            raise OSError(
+                errno.EIO,
+                f"{path} cannot be opened to read ({e}) and its write-ahead log holds commits the file lacks",
+                str(path),
+            ) from e
+        log.warning("%s cannot be opened the ordinary way (%s); reading it as an immutable file", path, e)
+        db = _connect(path, "ro", immutable=True)
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise IndexFileError(f"{path} is not a neighbour table ({e}): `rag-kvcache check --repair` drops it") from e
+    try:
+        db.execute("SELECT refs FROM near LIMIT 0").fetchall()
+        db.execute("SELECT hash, ids FROM texts LIMIT 0").fetchall()
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise IndexFileError(f"{path} is not a neighbour table ({e}): `rag-kvcache check --repair` drops it") from e
+    return db
+
+
+def _connect(path: Path, mode: str, immutable: bool = False) -> sqlite3.Connection:
+    uri = f"{path.resolve().as_uri()}?mode={mode}" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None, check_same_thread=False)
 
 
 def read_legacy(path: Path) -> dict[str, Near]:
@@ -219,8 +243,8 @@ def read_legacy(path: Path) -> dict[str, Near]:
 
 
 def check(path: Path) -> list[str]:
-    """What is wrong with the neighbour table in index folder `path` (nothing: []): SQLite's integrity check and
-    the schema, or a `neighbours.json` that does not parse."""
+    """What is wrong with the neighbour table in index folder `path` (nothing: []): a `neighbours.json` that does
+    not parse, a `neighbours.sqlite` that is not a neighbour table or fails SQLite's integrity check."""
     legacy = path / LEGACY_FILE
     if legacy.is_file():
         try:
@@ -231,18 +255,13 @@ def check(path: Path) -> list[str]:
     if not db_path.is_file():
         return []
     try:
-        db = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            found = [row[0] for row in db.execute("PRAGMA integrity_check")]
-            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        finally:
-            db.close()
-    except sqlite3.DatabaseError as e:
-        return [f"{db_path} is not a neighbour table: {e}"]
-    problems = [f"{db_path}: {line}" for line in found if line != "ok"]
-    if lacking := {"texts", "near"} - tables:
-        problems.append(f"{db_path} lacks the tables {sorted(lacking)}")
-    return problems
+        db = _open(db_path)
+    except IndexFileError as e:
+        return [str(e)]
+    try:
+        return [f"{db_path}: {row[0]}" for row in db.execute("PRAGMA integrity_check") if row[0] != "ok"]
+    finally:
+        db.close()
 
 
 def drop(path: Path) -> list[Path]:

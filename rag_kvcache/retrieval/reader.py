@@ -192,6 +192,15 @@ class IndexReader:
             raise KeyError(f"chunk ids not in index {self._dir}: {missing!r}")
         return [records[chunk] for chunk in ids]
 
+    def vector_batches(self, size: int) -> Iterator[tuple[list[str], np.ndarray]]:
+        """Every chunk's stored vector (as `vectors` gives it), `size` chunks at a time, by source then ordinal:
+        (their ids, [B, E] unit rows)."""
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size!r}")
+        rows = self._conn.execute("SELECT id, embedding FROM chunks ORDER BY source, ordinal")
+        while batch := rows.fetchmany(size):
+            yield [chunk for chunk, _ in batch], np.stack([np.frombuffer(b, dtype=EMBEDDING_DTYPE) for _, b in batch])
+
     def all_chunks(self) -> Iterator[ChunkRecord]:
         """Every chunk, by source then ordinal."""
         rows = self._conn.execute(f"SELECT {_RECORD_COLUMNS} FROM chunks ORDER BY source, ordinal")

@@ -238,6 +238,38 @@ def test_under_a_budget_every_cached_chunk_gets_both_its_caches(tiny, tmp_path):
     assert budget - disk_bytes(index.store) < 2 * one_more  # the room went to the hot set, not left unused
 
 
+def test_indexing_under_a_budget_a_few_chunks_at_a_time_makes_the_index_the_whole_corpus_at_once_makes(
+    tiny, tmp_path, monkeypatch
+):
+    """The passes over the corpus after its chunks are committed (the hot set's ranking, the chunks lacking
+    neighbour caches, their neighbours' searches) held every chunk's record, and the live caches every chunk's
+    neighbour contexts: over 100 bytes a token. They now read the corpus a batch at a time (`maker.BATCH`, the
+    hot set `maker.HOT_BATCH`); an index built two chunks at a time holds the caches and neighbour table that one
+    built with the whole corpus in one batch holds."""
+    from test_cached_neighbours import CACHED, write_docs
+
+    from rag_kvcache.index import KVIndex
+    from rag_kvcache.indexing import maker
+    from rag_kvcache.indexing.neighbours import NeighbourTable
+
+    write_docs(tmp_path / "docs")
+    whole = KVIndex.build(tmp_path / "docs", tmp_path / "whole", CACHED, adapter=tiny, progress=False)
+    budget = disk_bytes(whole.store) // 2
+    whole.close()
+    built = {}
+    for name, batch in (("one", 10**6), ("small", 2)):
+        monkeypatch.setattr(maker, "BATCH", batch)
+        monkeypatch.setattr(maker, "HOT_BATCH", max(batch // 2, 1))
+        index = KVIndex.build(
+            tmp_path / "docs", tmp_path / name, CACHED.with_storage(disk_bytes=budget), adapter=tiny, progress=False
+        )
+        assert len(index.chunks) > 2 * batch or batch > len(index.chunks)
+        files = {p.stem for p in index.store.root.glob("??/*.safetensors")}
+        built[name] = files, dict(NeighbourTable(index.path)), index.maker.live_keys()
+        index.close()
+    assert built["small"] == built["one"] and built["one"][0] and len(built["one"][1]) > 0
+
+
 def test_under_a_budget_a_chunk_without_a_cache_is_computed_where_it_stands(tiny, tmp_path):
     """Under a budget a retrieved chunk outside the hot set has no cache by design. It was made behind the system
     prefix in the request (a forward more while the prompt waits) and then fused like a cached chunk, and on the

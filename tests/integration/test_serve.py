@@ -1092,8 +1092,8 @@ def test_a_neighbour_cache_a_prompt_wanted_is_made_when_the_server_is_quiet(chat
         try:
             running = Running(url, engine, docs, engine.index.config.index.model)
             index = engine.index
-            live = engine.run(index.maker.live_keys)
-            gone = {key: read for key, read in live.items() if len(read[1]) > 1}  # every stored mean
+            live = engine.run(lambda: list(index.maker.live()))
+            gone = {key: (ids, contexts) for key, ids, contexts in live if len(contexts) > 1}  # every stored mean
             assert gone
             for key, read in gone.items():
                 index.store.memory.remove(key)

@@ -522,7 +522,7 @@ def test_neighbours_recorded_a_batch_at_a_time_are_the_ones_one_search_finds(ind
     reopened = KVIndex.open(index.path, adapter=tiny)
     chunks = list(reopened.chunks.all_chunks())
     searched, nearest = [], reopened.chunks.nearest
-    monkeypatch.setattr("rag_kvcache.indexing.maker.RECORD_BATCH", 2)
+    monkeypatch.setattr("rag_kvcache.indexing.maker.BATCH", 2)
     monkeypatch.setattr(reopened.chunks, "nearest", lambda batch, k: searched.append(len(batch)) or nearest(batch, k))
     reopened.maker.record_neighbours(chunks)
     assert sum(searched) == len(chunks) > 2 and max(searched) == 2

@@ -165,10 +165,10 @@ def test_a_run_killed_midway_keeps_what_it_stored_and_the_next_completes_it(tiny
 
     monkeypatch.setattr(maker, "compute_grouped", counts)
     reopened.update(tmp_path / "docs", progress=False)
-    kept = {ids for key, (ids, _) in reopened.maker.live_keys().items() if key in stored}
+    kept = {ids for key, ids, _ in reopened.maker.live() if key in stored}
     assert len(computed) == len(reopened.chunks) - 2 and not kept & set(computed)
-    assert stored < set(reopened.maker.live_keys()) and reopened.orphans() == []
-    for ids, (context,) in reopened.maker.live_keys().values():
+    assert stored < reopened.maker.live_keys() and reopened.orphans() == []
+    for _, ids, (context,) in reopened.maker.live():
         if ids != reopened.format.prefix_ids:
             assert_same(reopened.store.get(reopened.addressing.key(ids, context)), text_cache(tiny, ids, context))
 
