@@ -1,6 +1,7 @@
 """What the neighbour table of a real index takes: on disk, per chunk and per token of the corpus, as SQLite
 (`indexing.neighbours.NeighbourTable`) against the JSON it replaced, which spelled each neighbour's token ids out
-for every chunk naming it; and what a lookup costs (the query path makes one or two per chunk of a prompt).
+for every chunk naming it; what a lookup costs (the query path makes one or two per chunk of a prompt); and, for
+scale, what retrieval keeps beside it (`index.sqlite` with its write-ahead log, `vectors.faiss`).
 
     python benchmarks/scale/neighbour_table.py --index budget-trace/index --out neighbour-table.json
 
@@ -60,8 +61,13 @@ def main() -> None:
             near = reader[key]
             times.append(time.perf_counter() - t)
             assert near == table[key], key
+    retrieval = {  # what retrieval keeps beside it, for scale: the SQLite file with its WAL, and FAISS
+        name: sum(p.stat().st_size for p in args.index.glob(f"{name}*")) for name in ("index.sqlite", "vectors.faiss")
+    }
     result = {
         "index": str(args.index),
+        "retrieval_bytes": retrieval,
+        "retrieval_bytes_per_corpus_token": sum(retrieval.values()) / corpus_tokens,
         "chunks": chunks,
         "corpus_tokens": corpus_tokens,
         "rows": moved,

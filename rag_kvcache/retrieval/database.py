@@ -43,9 +43,9 @@ NGRAM_SCHEMA = (
     "CREATE INDEX ngrams_by_chunk ON ngrams (faiss_id)",
 )
 WINDOWS = "windows"  # a chunk's window vectors: the units FAISS searches
-WINDOWS_SCHEMA = (
+WINDOWS_SCHEMA = (  # a rowid table: WITHOUT ROWID left two thirds of each page empty under 1.5 KB rows
     f"CREATE TABLE {WINDOWS} (chunk TEXT NOT NULL, ordinal INTEGER NOT NULL, faiss_id INTEGER NOT NULL UNIQUE,"
-    " embedding BLOB NOT NULL, PRIMARY KEY (chunk, ordinal)) WITHOUT ROWID"
+    " embedding BLOB NOT NULL, PRIMARY KEY (chunk, ordinal))"
 )
 SCHEMA = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -233,13 +233,23 @@ def window_rows(conn: sqlite3.Connection) -> str:
 
 def ensure_windows(conn: sqlite3.Connection) -> None:
     """Inside the caller's write transaction: add the window table to an index without one, each chunk its one
-    window (what `window_rows` read it as), so that the write can add chunks of several windows."""
-    if has_windows(conn):
-        return
-    conn.execute(WINDOWS_SCHEMA)
-    conn.execute(
-        f"INSERT INTO {WINDOWS} (chunk, ordinal, faiss_id, embedding) SELECT id, 0, faiss_id, embedding FROM chunks"
-    )
+    window (what `window_rows` read it as), so that the write can add chunks of several windows; move the rows of
+    a table made `WITHOUT ROWID` (which held 1.5 KB rows at a third of each page) into one of `WINDOWS_SCHEMA`.
+    The pages that frees are reused by later writes (the file shrinks only if it is vacuumed)."""
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (WINDOWS,)).fetchone() or (None,)
+    if sql is None:
+        conn.execute(WINDOWS_SCHEMA)
+        conn.execute(
+            f"INSERT INTO {WINDOWS} (chunk, ordinal, faiss_id, embedding) SELECT id, 0, faiss_id, embedding FROM chunks"
+        )
+    elif "WITHOUT ROWID" in sql.upper():
+        conn.execute(f"ALTER TABLE {WINDOWS} RENAME TO {WINDOWS}_without_rowid")
+        conn.execute(WINDOWS_SCHEMA)
+        conn.execute(
+            f"INSERT INTO {WINDOWS} (chunk, ordinal, faiss_id, embedding)"
+            f" SELECT chunk, ordinal, faiss_id, embedding FROM {WINDOWS}_without_rowid"
+        )
+        conn.execute(f"DROP TABLE {WINDOWS}_without_rowid")
 
 
 def window_ids(conn: sqlite3.Connection) -> np.ndarray:
