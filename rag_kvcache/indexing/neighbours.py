@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from ..errors import IndexFileError, StorageFullError
+from ..errors import IndexFileError
+from ..retrieval.database import io_error, transaction
 from .records import _ids, _short, read_json
 
 NEIGHBOURS_DB = "neighbours.sqlite"
@@ -155,25 +156,15 @@ class NeighbourTable(Mapping[str, Near]):
 
     @contextmanager
     def _transaction(self, what: str) -> Iterator[sqlite3.Connection]:
-        """One write transaction under the mutex: committed if the block succeeds, rolled back if it or the commit
-        fails; a full disk raises `StorageFullError` naming the file and `what`."""
+        """One write transaction under the mutex (`database.transaction`: committed if the block succeeds, rolled
+        back if it or the commit fails; a full disk raises `StorageFullError` naming the folder and `what`)."""
         with self._mutex:
             try:
                 db = self._writer()
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield db
-                    db.execute("COMMIT")
-                except BaseException:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as err:
-                if err.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL:
-                    raise StorageFullError(
-                        errno.ENOSPC, f"no space left on the device of {self.path.parent} while {what}: free space"
-                    ) from err
-                raise
+            except sqlite3.DatabaseError as exc:
+                raise io_error(exc, self.path.parent, what) from exc
+            with transaction(db, self.path.parent, what):
+                yield db
 
     def _writer(self) -> sqlite3.Connection:
         """The connection, (re)opened for writing and the schema made (the caller holds the mutex)."""
