@@ -49,21 +49,26 @@ def assert_unchanged(index: KVIndex, n_chunks: int, tiny, caplog) -> None:
     assert "rebuilding" not in caplog.text and len(reopened.chunks) == n_chunks
 
 
-def test_a_full_disk_at_the_sqlite_commit_is_a_typed_error_and_the_index_intact(index, tiny, monkeypatch, caplog):
-    """A failed SQLite commit surfaced as an uncaught sqlite3.OperationalError traceback. SQLite itself
-    reports the disk full here (SQLITE_FULL, from a page limit on the writer's connection)."""
-    n_chunks = len(index.chunks)
-    docs = add_new_doc(index)
-    connect = database.connect
+def full_at_current_size(connect):
+    """`connect` (path, mode, immutable) whose writing connections find the disk full at the file's current size:
+    SQLite reports SQLITE_FULL, from a page limit on the connection."""
 
-    def full_at_current_size(db_path, mode, immutable=False):
+    def connect_full(db_path, mode, immutable=False):
         conn = connect(db_path, mode, immutable)
         if mode != "ro":
             (pages,) = conn.execute("PRAGMA page_count").fetchone()
             conn.execute(f"PRAGMA max_page_count = {pages}")
         return conn
 
-    monkeypatch.setattr(database, "connect", full_at_current_size)
+    return connect_full
+
+
+def test_a_full_disk_at_the_sqlite_commit_is_a_typed_error_and_the_index_intact(index, tiny, monkeypatch, caplog):
+    """A failed SQLite commit surfaced as an uncaught sqlite3.OperationalError traceback. SQLite itself
+    reports the disk full here (SQLITE_FULL, from a page limit on the writer's connection)."""
+    n_chunks = len(index.chunks)
+    docs = add_new_doc(index)
+    monkeypatch.setattr(database, "connect", full_at_current_size(database.connect))
     writer = KVIndex.open(index.path, CFG, adapter=tiny)  # its first write connects for writing
     with pytest.raises(StorageFullError, match=r"no space left .* while committing \d+ new chunks") as failure:
         writer.update(docs, progress=False)

@@ -179,22 +179,15 @@ def test_an_index_whose_neighbour_table_is_json_has_it_moved_into_sqlite_and_nam
 def test_a_full_disk_while_recording_neighbours_is_a_typed_error_and_leaves_the_table_as_it_was(tmp_path, monkeypatch):
     """A record is one transaction: on a full disk (SQLite's SQLITE_FULL, from a page limit on the writer's
     connection) it raises `StorageFullError` naming what it was doing, and readers see the table as it was."""
+    from test_faults_disk import full_at_current_size
+
     from rag_kvcache.errors import StorageFullError
     from rag_kvcache.indexing import neighbours
 
     table = NeighbourTable(tmp_path)
     table.record([("a", [(5, 6, 7)])])
     table.close()
-    connect = neighbours._connect
-
-    def full_at_current_size(path, mode, immutable=False):
-        conn = connect(path, mode, immutable)
-        if mode != "ro":
-            (pages,) = conn.execute("PRAGMA page_count").fetchone()
-            conn.execute(f"PRAGMA max_page_count = {pages}")
-        return conn
-
-    monkeypatch.setattr(neighbours, "_connect", full_at_current_size)
+    monkeypatch.setattr(neighbours, "_connect", full_at_current_size(neighbours._connect))
     with pytest.raises(StorageFullError, match="no space left .* while recording chunks' neighbours"):
         NeighbourTable(tmp_path).record([(f"c{i}", [tuple(range(i, i + 500))]) for i in range(200)])
     monkeypatch.undo()
