@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from functools import cached_property
 from pathlib import Path
@@ -55,7 +54,7 @@ from ..store.backend import header_nbytes
 from ..store.codecs import cache_nbytes
 from ..store.kvstore import KVStore
 from .grouping import similar_groups
-from .neighbours import LEGACY_FILE, NEIGHBOURS_DB, NeighbourTable
+from .neighbours import NeighbourTable
 from .precompute import WriteBehind, compute_grouped, pack_tokens
 from .recipe import CacheRecipe
 from .records import IndexRecords, Pending
@@ -97,16 +96,7 @@ class CacheMaker:
         self.made = 0  # caches this object computed and stored while indexing (kept if the run is interrupted)
         self.records = IndexRecords(path)  # its pending caches
         self.neighbours = NeighbourTable(path)  # chunk (by `neighbour_key`) -> its neighbours' token ids
-        if os.access(path, os.W_OK):
-            self.neighbours.import_json()
-        elif (path / LEGACY_FILE).is_file():
-            log.warning(
-                "%s holds its neighbour table as %s, which this process may not move into %s: chunks read their "
-                "behind-prefix caches until a process that may write the folder opens it",
-                path,
-                LEGACY_FILE,
-                NEIGHBOURS_DB,
-            )
+        self.neighbours.import_json()  # an index made when the table was `neighbours.json`
         bool(self.neighbours)  # a table that is not one fails the opening (`IndexFileError`), as `check` reports it
         chunk_context = () if config.index.chunk_prefill == "isolated" else format.prefix_ids
         # what names this index's caches (its neighbour table: `precompute_neighbours` or `precompute_grouped` fill it)
@@ -199,12 +189,11 @@ class CacheMaker:
     # ---- what indexing makes, in what order -----------------------------------------------------------
     def hot_set(self) -> list[ChunkRecord]:
         """The indexed chunks whose caches indexing makes, most likely to be retrieved first, within the store's
-        budget (`store.ledger`): by how central each chunk is among the corpus' embeddings (cosine to their
-        mean: the chunks many questions land near), each taking the bytes of the caches it lacks
-        (`caches_per_chunk`), until the budget's free room is spent. Without a budget, every chunk. What it holds
-        of the corpus meanwhile is each chunk's id and score; the chunks it reads are those it returns and at most
-        `HOT_BATCH` more."""
-        ids, scores = self._centrality()
+        budget (`store.ledger`): by how central each chunk is among the corpus' embeddings (cosine to their mean:
+        the chunks many questions land near), each taking the bytes of the caches it lacks (`caches_per_chunk`),
+        until the budget's free room is spent. Without a budget, every chunk. It holds each chunk's id and score,
+        and reads the chunks it returns and at most `HOT_BATCH` more."""
+        ids, scores = self.chunks.centrality(BATCH)  # [C] cosines to the corpus' mean vector
         order = np.argsort(-scores, kind="stable")  # [C], most central first
         room = None if self.store.ledger is None else self.store.ledger.room()
         if room is None:
@@ -220,25 +209,6 @@ class CacheMaker:
                 room -= need
                 hot.append(chunk)
         return hot
-
-    def _centrality(self) -> tuple[list[str], np.ndarray]:
-        """Every indexed chunk's id (by source, then ordinal) and its stored vector's cosine to the mean of all of
-        them [C]: two passes over the vectors, a batch at a time."""
-        total: np.ndarray | None = None
-        n = 0
-        for _, vectors in self.chunks.vector_batches(BATCH):  # [B, E], unit rows
-            part = vectors.sum(axis=0, dtype=np.float64)  # [E]
-            total = part if total is None else total + part
-            n += len(vectors)
-        if total is None:
-            return [], np.zeros(0)
-        centre = total / n  # [E]
-        ids: list[str] = []
-        scores: list[np.ndarray] = []
-        for batch, vectors in self.chunks.vector_batches(BATCH):
-            ids.extend(batch)
-            scores.append(vectors @ centre)  # [B]
-        return ids, np.concatenate(scores)  # [C]
 
     def chunk_keys(self, ids: tuple[int, ...]) -> list[str]:
         """The store keys of chunk `ids`'s caches: its own and, once its neighbours are recorded, theirs."""
@@ -370,11 +340,6 @@ class CacheMaker:
     def committed(self) -> None:
         """The run's chunks are committed: its caches are the index's now, no longer pending."""
         self.records.clear_pending()
-
-    def chunks_without_neighbour_caches(self) -> list[ChunkRecord]:
-        """`chunk_prefill="neighbours"` or "cached_neighbours": the indexed chunks without recorded neighbours or
-        without every cache those give them (`lacking_neighbour_caches`, as a list)."""
-        return list(self.lacking_neighbour_caches())
 
     def lacking_neighbour_caches(self) -> Iterator[ChunkRecord]:
         """The indexed chunks without recorded neighbours or without every cache those give them, read a batch at

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -144,10 +145,19 @@ class NeighbourTable(Mapping[str, Near]):
 
     def import_json(self) -> int:
         """Move a `neighbours.json` beside the table (an index made before the table was SQLite) into it, then
-        delete the file; returns how many chunks' rows it held. `IndexFileError` naming the file when it is not a
-        table of chunk key -> lists of token ids (`check --repair` drops it)."""
+        delete the file, if this process may write the folder (else warn); returns how many chunks' rows it held.
+        `IndexFileError` naming the file when it is not a table of chunk key -> lists of token ids (`check --repair`
+        drops it)."""
         legacy = self.path.with_name(LEGACY_FILE)
         if not legacy.is_file():
+            return 0
+        if not os.access(legacy.parent, os.W_OK):
+            log.warning(
+                "%s is the neighbour table, which this process may not move into %s: chunks read their behind-prefix "
+                "caches until a process that may write the folder opens the index",
+                legacy,
+                NEIGHBOURS_DB,
+            )
             return 0
         table = read_legacy(legacy)
         self.record(table.items())

@@ -201,6 +201,25 @@ class IndexReader:
         while batch := rows.fetchmany(size):
             yield [chunk for chunk, _ in batch], np.stack([np.frombuffer(b, dtype=EMBEDDING_DTYPE) for _, b in batch])
 
+    def centrality(self, batch: int) -> tuple[list[str], np.ndarray]:
+        """Every chunk's id (by source, then ordinal) and its stored vector's cosine to the mean of all of them [C]:
+        two passes over the vectors, `batch` at a time (`vector_batches`)."""
+        total: np.ndarray | None = None
+        n = 0
+        for _, vectors in self.vector_batches(batch):  # [B, E], unit rows
+            part = vectors.sum(axis=0, dtype=np.float64)  # [E]
+            total = part if total is None else total + part
+            n += len(vectors)
+        if total is None:
+            return [], np.zeros(0)
+        centre = total / n  # [E]
+        ids: list[str] = []
+        scores: list[np.ndarray] = []
+        for chunks, vectors in self.vector_batches(batch):
+            ids.extend(chunks)
+            scores.append(vectors @ centre)  # [B]
+        return ids, np.concatenate(scores)  # [C]
+
     def all_chunks(self) -> Iterator[ChunkRecord]:
         """Every chunk, by source then ordinal."""
         rows = self._conn.execute(f"SELECT {_RECORD_COLUMNS} FROM chunks ORDER BY source, ordinal")

@@ -369,12 +369,12 @@ def test_which_neighbour_caches_are_missing_is_one_request_to_the_shared_tier(sh
     requests = []
     ask_server = remote._request
     monkeypatch.setattr(remote, "_request", lambda call, default: requests.append(call) or ask_server(call, default))
-    assert shared.maker.with_neighbours and shared.maker.chunks_without_neighbour_caches() == []
+    assert shared.maker.with_neighbours and list(shared.maker.lacking_neighbour_caches()) == []
     assert len(requests) == 1
     chunk = next(shared.chunks.all_chunks())
     (lost, _), *_ = shared.maker.addressing.neighbour_reads(chunk.token_ids)
     server.client().delete(remote.redis_key(lost))
-    assert chunk in shared.maker.chunks_without_neighbour_caches()
+    assert chunk in list(shared.maker.lacking_neighbour_caches())
     assert len(requests) == 2
 
 

@@ -211,7 +211,7 @@ def test_the_index_records_it_reopens_and_reads_its_stored_means(tiny, index):
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.config.index.chunk_prefill == "cached_neighbours" and reopened.config.index.context_chunks == 2
     assert KVIndex.config_of(index.path).index.chunk_prefill == "cached_neighbours"
-    assert reopened.maker.chunks_without_neighbour_caches() == []
+    assert list(reopened.maker.lacking_neighbour_caches()) == []
     fmt = reopened.format
     segments = question_segments(reopened)
     caches = reopened.caches.open(segments)
@@ -329,13 +329,13 @@ def test_a_run_killed_midway_resumes_and_stores_the_same_caches(tiny, tmp_path, 
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.orphans() == [] and check(reopened, progress=False).ok  # kept work, not garbage or damage
     n_chunks = len(list(reopened.chunks.all_chunks()))
-    assert len(reopened.maker.chunks_without_neighbour_caches()) == n_chunks - 3
-    done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
+    assert len(list(reopened.maker.lacking_neighbour_caches())) == n_chunks - 3
+    done = reopened.maker.precompute_neighbours(list(reopened.maker.lacking_neighbour_caches()), progress=False)
     total = sum(
         len(whole.addressing.neighbour_contexts(recorded(whole, c.token_ids))) for c in whole.chunks.all_chunks()
     )
     assert done == total - 3  # the three stored before the kill are kept
-    assert reopened.maker.chunks_without_neighbour_caches() == []
+    assert list(reopened.maker.lacking_neighbour_caches()) == []
     assert_same_caches(reopened, whole)
 
 
@@ -347,7 +347,7 @@ def test_the_neighbour_pass_leaves_the_memory_tier_to_queries(index):
     assert index.update(index.path.parent / "docs", progress=False).unchanged  # nothing new: it read nothing
     (index.path.parent / "docs" / "new.txt").write_text("Ada Rennick's lamp burned whale oil until 1890.")
     index.update(index.path.parent / "docs", progress=False)
-    assert len(index.store.memory) == 0 and index.maker.chunks_without_neighbour_caches() == []
+    assert len(index.store.memory) == 0 and list(index.maker.lacking_neighbour_caches()) == []
 
 
 def test_a_document_deleted_and_indexed_again_gets_its_neighbour_caches_back(index, tiny, tmp_path):
@@ -358,7 +358,7 @@ def test_a_document_deleted_and_indexed_again_gets_its_neighbour_caches_back(ind
     source = sorted(DOCS)[0]
     assert index.delete([source]) == [source]
     assert index.update(tmp_path / "docs", progress=False).added == [source]
-    assert index.maker.chunks_without_neighbour_caches() == []
+    assert list(index.maker.lacking_neighbour_caches()) == []
     assert all(key in index.store for key in index.maker.live_keys())
     assert_same_caches(index, whole)
 
@@ -411,7 +411,7 @@ def test_a_write_that_fails_midway_loses_nothing_written_and_the_next_run_comple
     assert all(key in index.store for key in written)
     reopened = KVIndex.open(index.path, adapter=tiny)
     assert reopened.orphans() == []
-    done = reopened.maker.precompute_neighbours(reopened.maker.chunks_without_neighbour_caches(), progress=False)
+    done = reopened.maker.precompute_neighbours(list(reopened.maker.lacking_neighbour_caches()), progress=False)
     assert done == len(neighbour_caches - set(written)) and done < len(neighbour_caches)
     assert_same_caches(reopened, whole)
 

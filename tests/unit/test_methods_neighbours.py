@@ -148,10 +148,10 @@ def test_a_run_killed_before_recording_neighbours_is_completed_by_the_next(tiny,
         index.update(tmp_path / "docs", progress=False)
     monkeypatch.undo()
     reopened = KVIndex.open(index.path, adapter=tiny)
-    missing = reopened.maker.chunks_without_neighbour_caches()
+    missing = list(reopened.maker.lacking_neighbour_caches())
     assert missing and all(c.source.endswith("harbour.txt") for c in missing)
     report = reopened.update(tmp_path / "docs", progress=False)
-    assert not report.new_chunks and reopened.maker.chunks_without_neighbour_caches() == []
+    assert not report.new_chunks and list(reopened.maker.lacking_neighbour_caches()) == []
     for chunk in missing:
         context = reopened.addressing.contexts_at(2, chunk.token_ids)[0]
         assert (
