@@ -39,14 +39,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rag_kvcache.bench.datasets import load_dataset
-from rag_kvcache.bench.runner import run_question
+from rag_kvcache.bench.runner import asked_as, run_question
 from rag_kvcache.bench.variants import BenchSettings, parse_methods, plan
 from rag_kvcache.cli.common import base_config
 from rag_kvcache.engine.cache import ChunkKV
@@ -240,18 +239,7 @@ def rounds_after(
     config = config.with_query(fusion=config.query.fusion.for_chunks(config.index.chunk_tokens))
     settings = BenchSettings(methods=parse_methods(METHODS), baseline=BASELINE, evidence=EVIDENCE, threads=THREADS)
     variants = plan(settings, config.query.fusion, config)
-    ours = {
-        "model": config.index.model,
-        "dtype": config.index.dtype,
-        "chunk_tokens": config.index.chunk_tokens,
-        "top_k": config.query.top_k,
-        "chunk_order": config.query.chunk_order,
-        "chunk_prefill": config.index.chunk_prefill,
-        "kv_budget": config.runtime.storage.disk_bytes,
-        "fusion": asdict(config.query.fusion),
-        "max_new_tokens": config.query.generation.max_new_tokens,
-        "variants": [v.label for v in variants],
-    }
+    ours = asked_as(config, variants)
     bench_plan = json.loads((budget_dir / "plan.json").read_text(encoding="utf-8"))
     if differs := {
         k: (bench_plan.get(k), v) for k, v in json.loads(json.dumps(ours)).items() if bench_plan.get(k) != v

@@ -235,6 +235,23 @@ class BenchResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def asked_as(config: Config, variants: Sequence[Variant]) -> dict[str, Any]:
+    """What a run asks with, as its `plan.json` records it: the settings that change which prompts are asked and
+    how they are fused (the rest of the plan is the machine's and the run's)."""
+    return {
+        "model": config.index.model,
+        "dtype": config.index.dtype,
+        "chunk_tokens": config.index.chunk_tokens,
+        "top_k": config.query.top_k,
+        "chunk_order": config.query.chunk_order,
+        "chunk_prefill": config.index.chunk_prefill,
+        "kv_budget": config.runtime.storage.disk_bytes,
+        "fusion": asdict(config.query.fusion),
+        "max_new_tokens": config.query.generation.max_new_tokens,
+        "variants": [v.label for v in variants],
+    }
+
+
 def run_benchmark(
     examples: Sequence[QAExample],
     out_dir: Path,
@@ -278,16 +295,7 @@ def run_benchmark(
 
     # What must not change between an interrupted run and its resumption, or the records would not compare.
     run_plan = {
-        "model": config.index.model,
-        "dtype": config.index.dtype,
-        "chunk_tokens": config.index.chunk_tokens,
-        "top_k": config.query.top_k,
-        "chunk_order": config.query.chunk_order,
-        "chunk_prefill": config.index.chunk_prefill,
-        "kv_budget": config.runtime.storage.disk_bytes,
-        "fusion": asdict(config.query.fusion),
-        "max_new_tokens": config.query.generation.max_new_tokens,
-        "variants": [v.label for v in variants],
+        **asked_as(config, variants),
         "machine": machine_id(adapter.device),
         "torch": torch.__version__,
         "threads": settings.threads,
