@@ -200,19 +200,11 @@ def address(addressing: CacheAddressing, segments: Sequence[Segment], salt: str 
     return out
 
 
-def without_neighbours(addressing: CacheAddressing, at: SegmentAddress, seg: Segment) -> SegmentAddress | None:
-    """What segment `seg` addressed as `at` reads while its neighbour cache is not stored (not made yet, or
-    evicted by the store's budget): its cache behind `chunk_context` alone, as a chunk without recorded
-    neighbours reads it; None when `at` reads no neighbour cache (request text, a grouped chunk, the prefix, or
-    a chunk already read behind `chunk_context`)."""
-    if at.request_text or addressing.grouped or not any(len(c) > len(addressing.chunk_context) for c in at.contexts):
-        return None
-    context = addressing.chunk_context
-    run = len(seg.ids) < len(at.whole)
-    return SegmentAddress(
-        addressing.reads(at.whole, (context,)),
-        at.whole,
-        context + at.whole[: seg.offset] if run else context,
-        False,
-        at.counted,
+def reads_neighbours(addressing: CacheAddressing, at: SegmentAddress) -> bool:
+    """Whether segment `at` reads a chunk's cache behind its recorded neighbours (not request text, a grouped
+    chunk, the prefix, or a chunk read behind `chunk_context`)."""
+    return (
+        not at.request_text
+        and not addressing.grouped
+        and any(len(c) > len(addressing.chunk_context) for c in at.contexts)
     )

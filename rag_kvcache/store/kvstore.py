@@ -75,19 +75,6 @@ class KVStore:
     def __contains__(self, key: str) -> bool:
         return any(key in backend for backend in self.backends)
 
-    def held(self, keys: Iterable[str]) -> set[str]:
-        """Those of `keys` some tier holds, the memory tier included: each backend asked once (`Backend.held`) for
-        what those before it lack. Unverified: where indexing decides what to compute, `missing` is the test."""
-        asked = set(keys)
-        found = {key for key in asked if key in self.memory}
-        todo = asked - found
-        for backend in self.backends:
-            if todo:
-                got = backend.held(todo)
-                found |= got
-                todo -= got
-        return found
-
     def missing(self, keys: Iterable[str]) -> set[str]:
         """Those of `keys` that indexing must compute: none of the backends vouches for them (`Backend.trusted`:
         this index's disk for what it holds; the remote tier only for entries it read and verified with the

@@ -26,7 +26,7 @@ from ..engine.cache import BlendKV, ChunkKV, LayerSource, SliceKV
 from ..engine.prompt import Segment
 from ..engine.spec import ModelSpec, Pause
 from ..errors import RagKVCacheError
-from .addressing import CacheAddressing, Context, SegmentAddress, address, without_neighbours
+from .addressing import CacheAddressing, Context, SegmentAddress, address, reads_neighbours
 from .backend import CorruptEntryError, Entry
 from .kvstore import KVStore
 from .ledger import Ledger
@@ -229,18 +229,22 @@ class CacheOpener:
         With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
         as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
 
+        A chunk read behind its recorded neighbours whose neighbour cache is not stored (not made yet, or evicted
+        by the store's budget) is not made now either (a forward behind the neighbours' caches, which a prompt
+        would wait for): its segment has no source, so the prompt's prefill computes it where it stands, as
+        `full` computes it, and the cache is made later, off the request path (`wanted`, `backfill`). Its cache
+        behind the prefix alone is not read in its place: that reading loses facts the default keeps.
         With `in_place` (the query path under a disk budget, where a chunk outside the hot set has no cache by
-        design) a missing chunk cache is not made now: its segment has no source, so the prompt's prefill
-        computes it where it stands, as `full` computes it, and the cache is made later, off the request path,
-        if the budget admits it then (`wanted`, `backfill`). A missing cache of request text is made now.
+        design) any missing chunk cache is so; the budget decides at `backfill` whether it is stored. A missing
+        cache of request text is made now.
         """
-        named = address(self.maker.addressing, segments, salt)
-        addresses = self._stored_or_behind_prefix(segments, named) if make else named
-        self._count_uses([*named, *addresses])
+        addressing = self.maker.addressing
+        addresses = address(addressing, segments, salt)
+        self._count_uses(addresses)
         sources: list[LayerSource | None] = []
         opened: dict[str, LayerSource] = {}
         recomputed: set[str] = set()
-        left: set[str] = set()  # `in_place`: missing chunk caches, their segments computed in the prompt
+        left: set[str] = set()  # missing chunk caches not made now: their segments computed in the prompt
         exact: list[InPlace] = []  # of those, the ones whose span of the prompt's K/V is their missing cache
         missing = computed = 0
         starts = accumulate((len(seg.ids) for seg in segments), initial=0)  # each segment's first position
@@ -253,7 +257,7 @@ class CacheOpener:
                     entry = self._open(key, at.whole, contexts, salt if at.request_text else None)
                     if entry is None and not make:
                         entry = Unmade(len(at.whole), len(contexts[0]), self.n_layers)
-                    elif entry is None and in_place and not at.request_text:
+                    elif entry is None and ((in_place and not at.request_text) or reads_neighbours(addressing, at)):
                         self._want(key, at.whole, contexts)
                         left.add(key)
                         if at.prefilled and seg.ids == at.whole:  # the whole chunk, computed as its cache is
@@ -292,25 +296,6 @@ class CacheOpener:
             while len(self.ready) > MAX_READY:
                 self.ready.popitem(last=False)
 
-    def _stored_or_behind_prefix(
-        self, segments: Sequence[Segment], named: Sequence[SegmentAddress]
-    ) -> list[SegmentAddress]:
-        """`named`, but where a segment reads a neighbour cache that is not stored (not made yet, or evicted by the
-        store's budget), the chunk's cache behind the prefix instead (`without_neighbours`): a neighbour cache is
-        made off the request path (`wanted`, `backfill`), never while a prompt waits. The store is asked once
-        which of the prompt's neighbour caches it holds (one request to a remote tier)."""
-        fallbacks = [without_neighbours(self.maker.addressing, at, seg) for seg, at in zip(segments, named)]
-        held = self.store.held(key for at, f in zip(named, fallbacks) if f is not None for key in at.keys)
-        out = []
-        for at, fallback in zip(named, fallbacks):
-            if fallback is None or held.issuperset(at.keys):
-                out.append(at)
-                continue
-            for key, contexts in at.reads:
-                self._want(key, at.whole, contexts)
-            out.append(fallback)
-        return out
-
     def _want(self, key: str, ids: tuple[int, ...], contexts: tuple[Context, ...]) -> None:
         """Ask `backfill` for the cache under `key` (the most recently wanted is made first)."""
         with self._wanted_lock:
@@ -320,8 +305,8 @@ class CacheOpener:
                 self.ready.pop(self.wanted.popitem(last=False)[0], None)
 
     def _count_uses(self, addresses: Sequence[SegmentAddress]) -> None:
-        """Count every chunk cache the prompt reads (and every neighbour cache it would have read) with the
-        store's ledger: the popularity its budget keeps the hot set by."""
+        """Count every chunk cache the prompt reads (those computed in place too) with the store's ledger: the
+        popularity its budget keeps the hot set by."""
         if self.store.ledger is None:
             return
         reads = {
@@ -338,7 +323,7 @@ class CacheOpener:
         Under a budget, a chunk's neighbour cache (`CacheAddressing.neighbour_reads`) is made only once
         prompts have read it `MADE_AT_USES` times (the ledger counts them): it takes a forward behind the
         neighbours' caches, and theirs where the store holds none, which the next request of an unbroken stream
-        waits for, and a chunk read once would never read it. Until then the chunk reads its own cache."""
+        waits for, and a chunk read once would never read it. Until then prompts compute the chunk where it stands."""
         made = 0
         while made < limit:
             with self._wanted_lock:

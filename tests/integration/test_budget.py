@@ -299,8 +299,9 @@ def test_under_a_budget_a_chunk_without_a_cache_is_computed_where_it_stands(tiny
     assert fused.cache_misses >= len(hits) and fused.result.recomputed_tokens == full.result.recomputed_tokens
     assert fused.cache_computed_tokens == 0  # no cache was made for it: the prefill computed its tokens
     assert not list(index.store.root.glob("??/*.safetensors"))  # nothing written while the prompt waited
-    own = {index.addressing.key(h.chunk.token_ids, fmt.prefix_ids) for h in hits}
-    assert own <= set(index.caches.wanted)  # made later, if the budget admits them
+    first = index.addressing.key(hits[0].chunk.token_ids, fmt.prefix_ids)  # behind the prefix, as it stands
+    means = {key for h in hits[1:] for key, _ in index.addressing.neighbour_reads(h.chunk.token_ids)}
+    assert {first} | means <= set(index.caches.wanted)  # what the default reads, made later if the budget admits
     assert index.caches.backfill(limit=len(index.caches.wanted)) == 0  # a byte admits none
 
 
@@ -393,22 +394,31 @@ def test_under_a_budget_a_neighbour_cache_is_made_on_its_second_read(tiny, tmp_p
     """Under a budget, with every chunk's neighbours recorded, `backfill` made each chunk's neighbour cache after
     the first prompt that read the chunk after another one: a forward behind the neighbours' caches (and theirs,
     where the store holds none) that the next request of an unbroken stream waited for, though a chunk outside the
-    hot set is mostly read once. Now a chunk's own cache is made after its first read, and its neighbour cache once
-    prompts have read it `MADE_AT_USES` times; meanwhile the chunk reads its own cache."""
+    hot set is mostly read once. Now it is made once prompts have read it `MADE_AT_USES` times. Meanwhile a prompt
+    computes the chunk where it stands, as `full` does: it read the chunk's cache behind the prefix alone in its
+    place, the reading that lost planted facts the default keeps."""
     from rag_kvcache.config import FusionConfig
     from rag_kvcache.query.generator import FusedGenerator
 
     index, hits, segments = cold_index(tiny, tmp_path)
-    own = {index.addressing.own_key(h.chunk.token_ids) for h in hits}
-    means = {key for h in hits[1:] for key, _ in index.addressing.neighbour_reads(h.chunk.token_ids)}
+    first = index.addressing.own_key(hits[0].chunk.token_ids)  # read behind the prefix: its own cache
+    later = [h.chunk.token_ids for h in hits[1:]]
+    means = {key for ids in later for key, _ in index.addressing.neighbour_reads(ids)}
+    own_later = {index.addressing.own_key(ids) for ids in later}  # their caches behind the prefix alone
     gen = FusedGenerator(index)
     gen.fuse(segments, FusionConfig(method="epic_match"))
-    assert own | means <= set(index.caches.wanted)
+    assert {first} | means <= set(index.caches.wanted)  # and the system prefix's
     index.caches.backfill(limit=len(index.caches.wanted))
-    assert all(key in index.store for key in own) and not any(key in index.store for key in means)
+    assert first in index.store and not any(key in index.store for key in means | own_later)
     assert not index.caches.wanted  # a neighbour cache read once is dropped: read again, it is wanted again
+    opened = index.caches.open(segments, in_place=True)
+    chunks = [i for i, seg in enumerate(segments) if seg.label.startswith("chunk")]
+    assert opened.sources[chunks[0]] is not None  # the first chunk: its cache behind the prefix
+    assert all(opened.sources[i] is None for i in chunks[1:])  # the others computed in the prompt
     again = gen.fuse(segments, FusionConfig(method="epic_match"))
-    assert again.cache_misses == 0 and set(index.caches.wanted) == means  # each chunk read from its own cache
+    assert again.cache_misses == len(later) and set(index.caches.wanted) == means
+    assert not any(key in index.store for key in own_later)  # no cache behind the prefix alone made for them
     assert index.caches.backfill(limit=len(means)) == len(means)  # read twice: made
     assert all(key in index.store for key in means)
+    assert gen.fuse(segments, FusionConfig(method="epic_match")).cache_misses == 0
     index.close()

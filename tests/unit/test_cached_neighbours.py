@@ -274,8 +274,9 @@ def test_a_prompt_laid_out_as_a_chunks_neighbour_context_reads_its_mean_inexact(
 
 
 def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, caplog):
-    """Faults: a stored mean gone when a query reads it is not computed while the prompt waits: the chunk reads
-    its behind-prefix cache (as one without neighbours does), and the mean is remade off the request path
+    """Faults: a stored mean gone when a query reads it is not computed while the prompt waits: the prompt
+    computes the chunk where it stands, as `full` does (its behind-prefix cache read in its place would lose facts
+    the default keeps), and the mean is remade off the request path
     (`backfill`: the neighbour cache computed again, averaged with the stored behind-prefix one); one corrupted
     on disk is found by `check` and remade by its repair. Either way it comes back as indexing made it."""
     from rag_kvcache.maintenance import check
@@ -287,9 +288,7 @@ def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, c
     index.store.memory.remove(key)
     index.store.disk.remove(key)
     caches = index.caches.open(segments)
-    own = index.addressing.key(named.whole)
-    assert caches.missing == 0 and caches.contexts[3] == index.addressing.chunk_context
-    assert_same(caches.sources[3], index.store.get(own))  # the behind-prefix cache, read as it is stored
+    assert caches.missing == 1 and caches.sources[3] is None  # computed in the prompt
     assert key in index.caches.wanted and key not in index.store
     assert index.caches.backfill() == 1 and not index.caches.wanted
     assert_same(index.store.disk.open(key), before)
