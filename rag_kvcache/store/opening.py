@@ -227,7 +227,8 @@ class CacheOpener:
         would be confirmed by the time to the first token).
 
         With `make` False nothing is made or stored: a missing entry is `Unmade`, which lays the prompt out
-        as the made cache would (the vLLM connector's scheduler plans a load that its worker makes).
+        as the made cache would (the vLLM connector's scheduler plans a load that its worker makes); a missing
+        neighbour cache (below) has no source there either, so that the scheduler plans what the worker does.
 
         A chunk read behind its recorded neighbours whose neighbour cache is not stored (not made yet, or evicted
         by the store's budget) is not made now either (a forward behind the neighbours' caches, which a prompt
@@ -255,13 +256,13 @@ class CacheOpener:
             for key, contexts in at.reads:
                 if key not in opened and key not in left:
                     entry = self._open(key, at.whole, contexts, salt if at.request_text else None)
-                    if entry is None and not make:
-                        entry = Unmade(len(at.whole), len(contexts[0]), self.n_layers)
-                    elif entry is None and ((in_place and not at.request_text) or reads_neighbours(addressing, at)):
+                    if entry is None and ((in_place and not at.request_text) or reads_neighbours(addressing, at)):
                         self._want(key, at.whole, contexts)
                         left.add(key)
                         if at.prefilled and seg.ids == at.whole:  # the whole chunk, computed as its cache is
                             exact.append(InPlace(start, key, at.whole))
+                    elif entry is None and not make:
+                        entry = Unmade(len(at.whole), len(contexts[0]), self.n_layers)
                     elif entry is None:
                         entry = (
                             self._first_use(key, at.whole, contexts, salt)

@@ -56,12 +56,13 @@ def test_a_replica_without_the_disk_caches_reads_them_from_the_shared_tier(tmp_p
         with caplog.at_level(logging.INFO):  # without `kv_remote`: said, and every cache recomputed
             alone = Planner(tmp_path / "b", ModelAdapter.load(config))  # one that computes
             assert "opened without it" in caplog.text
-            alone.layout(prompt, FusionConfig(method="reuse"))
+            _, made = alone.layout(prompt, FusionConfig(method="reuse"))
         assert "remote" not in alone.index.store.stats()
-        # the 4 caches the prompt reads (the prefix's and the chunks' behind it), each recomputed once, said, and
-        # stored; the chunks' neighbour caches are not made while a prompt waits (read behind the prefix meanwhile)
+        # the prefix's cache and the first chunk's behind it, each recomputed once, said, and stored; the later
+        # chunks' neighbour caches are not made while a prompt waits: their segments are left to the prefill
         stored = list((tmp_path / "b" / "kv").rglob("*.safetensors"))
-        assert caplog.text.count("made and stored the KV cache") == len(stored) == 4
+        assert caplog.text.count("made and stored the KV cache") == len(stored) == 2
+        assert [p.kv is None for p in made.parts if p.segment.label.startswith("chunk")] == [False, True, True]
         alone.index.close()
     finally:
         server.stop()

@@ -287,8 +287,10 @@ def test_a_missing_or_corrupt_stored_mean_is_remade_as_indexing_made_it(index, c
     before = index.store.get(key)
     index.store.memory.remove(key)
     index.store.disk.remove(key)
+    planned = index.caches.open(segments, make=False)  # as the vLLM connector's scheduler plans a load
     caches = index.caches.open(segments)
     assert caches.missing == 1 and caches.sources[3] is None  # computed in the prompt
+    assert planned.sources[3] is None  # the scheduler plans what the worker does
     assert key in index.caches.wanted and key not in index.store
     assert index.caches.backfill() == 1 and not index.caches.wanted
     assert_same(index.store.disk.open(key), before)
