@@ -13,11 +13,10 @@ questions N more times in this process, as a server would: the same retrieval, l
 (`bench.runner.run_question`, fidelity included, so each prompt's chunks are read twice a question as in the
 bench), and after each question the library's own backfill (`CacheOpener.backfill`, called as
 `Server._make_wanted` calls it, until nothing is wanted) makes the caches the prompts wanted and the budget
-admits: a chunk's behind-prefix cache at its first read, its neighbour cache once the ledger has counted it read
-`MADE_AT_USES` times. The last round is paired with the no-budget run and with the bench's budget run as above,
+admits: a first chunk's behind-prefix cache at its first read, a later chunk's neighbour cache once the ledger has
+counted it read `MADE_AT_USES` times (until then a prompt computes that chunk in the request). The last round is paired with the no-budget run and with the bench's budget run as above,
 and each round's chunk reads are told apart: computed in the request, read from a cache the hot set held (made
-at indexing), or from one backfill made; behind the prefix as the first chunk, behind the prefix in place of a
-neighbour cache not stored, or the neighbour cache.
+at indexing), or from one backfill made; behind the prefix as the first chunk, or the neighbour cache.
 
     python benchmarks/scale/planted_under_budget.py ../shared/data/musique_dev.json --limit 40 --out /tmp/pub
     python benchmarks/scale/planted_under_budget.py ../shared/data/musique_dev.json --limit 20 --rounds 2 \
@@ -121,14 +120,13 @@ def paired(
 # a chunk read, by where its K/V came from
 IN_REQUEST = "computed in the request"
 FIRST = "first chunk, its behind-prefix cache"
-ALONE = "later chunk, its behind-prefix cache alone (no neighbour cache stored)"
 NEIGHBOURS = "later chunk, its neighbour cache"
 
 
 class Reads:
     """Records the chunk reads of the prompts `CacheOpener.open` opens, and the caches `backfill` makes (wrapping
     the index's opener and its memory tier's `put`, nothing else changed): per question, per opening, each
-    chunk segment's kind (`IN_REQUEST`, `FIRST`, `ALONE`, `NEIGHBOURS`), the keys it read and whether the disk
+    chunk segment's kind (`IN_REQUEST`, `FIRST`, `NEIGHBOURS`), the keys it read and whether the disk
     held them then (else the memory tier did)."""
 
     def __init__(self, index: KVIndex) -> None:
@@ -169,18 +167,13 @@ class Reads:
         caches = self._open(segments, salt, make, in_place)
         addressing = self.index.addressing
         reads: list[tuple[str, tuple[str, ...], bool]] = []
-        for seg, at, source, context in zip(
-            segments, address(addressing, segments, salt), caches.sources, caches.contexts
-        ):
+        for seg, at, source in zip(segments, address(addressing, segments, salt), caches.sources):
             if not (seg.cacheable and seg.label.startswith("chunk")):
                 continue
             if source is None:
                 kind, keys = IN_REQUEST, ()
-            elif context == addressing.chunk_context:
-                kind = FIRST if at.context == addressing.chunk_context else ALONE
-                keys = tuple(k for k, _ in addressing.reads(at.whole, (addressing.chunk_context,)))
             else:
-                kind, keys = NEIGHBOURS, at.keys
+                kind, keys = FIRST if at.context == addressing.chunk_context else NEIGHBOURS, at.keys
             reads.append((kind, keys, on_disk.issuperset(keys)))
         self.openings.setdefault(self.question, []).append(reads)
         return caches
